@@ -1,0 +1,252 @@
+"""Fast KBTP codec: bytes <-> plain dicts, with no Scapy objects.
+
+Layouts are compiled once from ``kbtp_scapy.tables`` into ``struct.Struct`` objects, one
+per opcode, per combination of its conditional items, per byte order. Dict keys are the
+display-filter names without ``kbtp.`` (``request_id``, ``dd.stag``, ``hello_ack.features``).
+This is what the reference target's data path uses.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import product
+from typing import Any, Mapping
+
+from .tables import BY_OPCODE, HEADER, HEADER_SIZE, OPCODES, Condition, FlatField, Order, Struct, flatten
+
+_INT_CODES = {1: "B", 2: "H", 4: "I", 8: "Q"}
+_DEFAULTS = {"version": 1}
+
+
+class Malformed(ValueError):
+    """A message that cannot be parsed; ``fields`` holds what could be decoded."""
+
+    def __init__(self, reason: str, fields: dict[str, Any]):
+        super().__init__(reason)
+        self.reason = reason
+        self.fields = fields
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One concrete wire layout: fixed fields in one Struct, then optional rest-of-message bytes."""
+
+    keys: tuple[str, ...]
+    fmt: struct.Struct
+    swaps: tuple[tuple[int, int], ...]   # (index, size) of address fields
+    blobs: tuple[tuple[int, int], ...]   # (index, size) of fixed-size byte-string fields
+    tail: FlatField | None               # variable-size field taking the rest
+
+    @property
+    def size(self) -> int:
+        return self.fmt.size
+
+
+def _compile(fields: list[FlatField]) -> _Layout:
+    fixed = [f for f in fields if f.field.size]
+    tail = next((f for f in fields if not f.field.size), None)
+    codes = "".join(f"{f.field.size}s" if f.field.is_bytes else _INT_CODES[f.field.size] for f in fixed)
+    swaps = tuple((i, f.field.size) for i, f in enumerate(fixed)
+                  if f.field.order is Order.ADDRESS and f.field.size > 1)
+    blobs = tuple((i, f.field.size) for i, f in enumerate(fixed) if f.field.is_bytes)
+    return _Layout(tuple(f.key for f in fixed), struct.Struct(">" + codes), swaps, blobs, tail)
+
+
+def _conditions(struct_: Struct) -> tuple[Condition, ...]:
+    seen: list[Condition] = []
+    for f in flatten(struct_):
+        if f.when is not None and f.when not in seen:
+            seen.append(f.when)
+    return tuple(seen)
+
+
+@dataclass(frozen=True)
+class _Opcode:
+    """What decoding needs to know about one opcode before choosing its layout."""
+
+    conditions: tuple[Condition, ...]
+    features: FlatField | None      # the body's Features field, when conditions use it
+    features_offset: int            # its offset from the start of the message
+    addr_le_applies: bool
+
+
+def _opcode_info(opcode: int) -> _Opcode:
+    msg = BY_OPCODE[opcode]
+    off = HEADER_SIZE
+    features, features_offset = None, 0
+    for f in flatten(msg.body):
+        if f.field.name == "features":
+            features, features_offset = f, off
+        off += f.field.size
+    return _Opcode(_conditions(msg.body), features, features_offset, msg.addr_le_applies)
+
+
+_OPCODES = {op: _opcode_info(op) for op in BY_OPCODE}
+
+
+@lru_cache(maxsize=None)
+def _message_layout(opcode: int, present: tuple[bool, ...]) -> _Layout:
+    on = {c for c, p in zip(_OPCODES[opcode].conditions, present) if p}
+    fields = [f for f in list(flatten(HEADER)) + list(flatten(BY_OPCODE[opcode].body))
+              if f.when is None or f.when in on]
+    return _compile(fields)
+
+
+@lru_cache(maxsize=None)
+def _struct_layout(struct_: Struct) -> _Layout:
+    return _compile(list(flatten(struct_)))
+
+
+_HEADER_LAYOUT = _compile(list(flatten(HEADER)))
+
+
+def _swap(value: int, size: int) -> int:
+    return int.from_bytes(value.to_bytes(size, "big"), "little")
+
+
+def _present(info: _Opcode, flags: int, features: int) -> tuple[bool, ...]:
+    return tuple(bool((flags if c.source == "flags" else features) & c.mask) for c in info.conditions)
+
+
+def _addr_le(opcode: int, addr_le: bool) -> bool:
+    info = _OPCODES.get(opcode)
+    return addr_le and (info is None or info.addr_le_applies)
+
+
+def _unpack(layout: _Layout, buf: bytes, le: bool) -> dict[str, Any]:
+    if not le:
+        return dict(zip(layout.keys, layout.fmt.unpack_from(buf)))
+    values = list(layout.fmt.unpack_from(buf))
+    for i, size in layout.swaps:
+        values[i] = _swap(values[i], size)
+    return dict(zip(layout.keys, values))
+
+
+def _features_of(info: _Opcode, buf: bytes) -> int:
+    off = info.features_offset
+    if info.features is None or len(buf) < off + 2:
+        return 0
+    return (buf[off] << 8) | buf[off + 1]
+
+
+def message_length(opcode: int, flags: int, features: int = 0, inline_length: int = 0) -> int:
+    """Length a well-formed message of this opcode has for these Flags and Features."""
+    layout = _message_layout(opcode, _present(_OPCODES[opcode], flags, features))
+    return layout.size + (inline_length if layout.tail is not None else 0)
+
+
+def decode(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
+    """Decode one KBTP message; raise ``Malformed`` (with the decodable fields) if it is not one."""
+    if len(buf) < HEADER_SIZE:
+        raise Malformed(f"truncated: {len(buf)} octets, the header alone needs {HEADER_SIZE}", {})
+    opcode = buf[1]
+    le = _addr_le(opcode, addr_le)
+    if buf[0] != 1:
+        raise Malformed(f"version {buf[0]} is not 1", _unpack(_HEADER_LAYOUT, buf, le))
+    info = _OPCODES.get(opcode)
+    if info is None:
+        raise Malformed(f"opcode {OPCODES.describe(opcode)} has no layout",
+                        _unpack(_HEADER_LAYOUT, buf, le))
+    flags = (buf[2] << 8) | buf[3]
+    layout = _message_layout(opcode, _present(info, flags, _features_of(info, buf)))
+    if len(buf) < layout.size:
+        raise Malformed(f"truncated: {len(buf)} octets, {BY_OPCODE[opcode].name} with these "
+                        f"flags needs {layout.size}", _unpack(_HEADER_LAYOUT, buf, le))
+    out = _unpack(layout, buf, le)
+    if layout.tail is not None:
+        data = bytes(buf[layout.size:])
+        out[layout.tail.key] = data
+        declared = out[layout.tail.field.length_from]
+        if declared != len(data):
+            raise Malformed(f"inline data is {len(data)} octets, the descriptor says {declared}", out)
+    elif len(buf) > layout.size:
+        raise Malformed(f"{len(buf) - layout.size} octets after the end of "
+                        f"{BY_OPCODE[opcode].name}", out)
+    return out
+
+
+def auto_flags(opcode: int, values: Mapping[str, Any], source: str) -> int:
+    """Bits of a controlling word implied by which conditional items ``values`` carries."""
+    word = 0
+    for key, cond in _gated_keys(opcode):
+        if cond.source == source and key in values:
+            word |= cond.mask
+    return word
+
+
+@lru_cache(maxsize=None)
+def _gated_keys(opcode: int) -> tuple[tuple[str, Condition], ...]:
+    return tuple((f.key, f.when) for f in flatten(BY_OPCODE[opcode].body) if f.when is not None)
+
+
+def encode(values: Mapping[str, Any], addr_le: bool = False) -> bytes:
+    """Encode a message from a dict keyed as ``decode`` returns.
+
+    Missing fields are zero (Version 1). Unset Flags and Features are derived from the
+    conditional items given, and an unset Data Descriptor Length from the inline data;
+    values that are given are used as they are, so a caller can lie on purpose.
+    """
+    opcode = values["opcode"]
+    if opcode not in BY_OPCODE:
+        head = _pack(_HEADER_LAYOUT, values, _addr_le(opcode, addr_le))
+        return head + bytes(values.get("payload", b""))
+    flags = values.get("flags")
+    if flags is None:
+        flags = auto_flags(opcode, values, "flags")
+    info = _OPCODES[opcode]
+    ff = info.features
+    features = values.get(ff.key) if ff else 0
+    if features is None:
+        features = auto_flags(opcode, values, "features")
+    layout = _message_layout(opcode, _present(info, flags, features))
+    full = dict(values)
+    full["flags"] = flags
+    if ff:
+        full[ff.key] = features
+    tail = b""
+    if layout.tail is not None:
+        tail = bytes(values.get(layout.tail.key) or b"")
+        if full.get(layout.tail.field.length_from) is None:
+            full[layout.tail.field.length_from] = len(tail)
+    return _pack(layout, full, _addr_le(opcode, addr_le)) + tail
+
+
+def _pack(layout: _Layout, values: Mapping[str, Any], le: bool) -> bytes:
+    args = []
+    for key in layout.keys:
+        v = values.get(key)
+        args.append(_DEFAULTS.get(key, 0) if v is None else v)
+    if le:
+        for i, size in layout.swaps:
+            args[i] = _swap(args[i], size)
+    for i, size in layout.blobs:
+        if isinstance(args[i], int):
+            args[i] = args[i].to_bytes(size, "big")
+    return layout.fmt.pack(*args)
+
+
+def decode_struct(struct_: Struct, buf: bytes, addr_le: bool = False) -> dict[str, Any]:
+    """Decode a memory structure (table entry, ring slot, completion record)."""
+    layout = _struct_layout(struct_)
+    if len(buf) < layout.size:
+        raise Malformed(f"truncated {struct_.title}: {len(buf)} of {layout.size} octets", {})
+    return _unpack(layout, buf, addr_le)
+
+
+def encode_struct(struct_: Struct, values: Mapping[str, Any], addr_le: bool = False) -> bytes:
+    """Encode a memory structure from a dict keyed as ``decode_struct`` returns."""
+    return _pack(_struct_layout(struct_), values, addr_le)
+
+
+def header_fields(buf: bytes, addr_le: bool = False) -> dict[str, Any] | None:
+    """The common header of whatever starts ``buf``, or None when it is too short."""
+    if len(buf) < HEADER_SIZE:
+        return None
+    return _unpack(_HEADER_LAYOUT, buf, _addr_le(buf[1], addr_le))
+
+
+def layout_variants() -> list[tuple[int, tuple[bool, ...]]]:
+    """Every (opcode, conditional-items-present) combination, for exhaustive tests."""
+    return [(op, present) for op, info in _OPCODES.items()
+            for present in product((False, True), repeat=len(info.conditions))]

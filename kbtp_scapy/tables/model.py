@@ -1,0 +1,208 @@
+"""The vocabulary the field tables are written in.
+
+Everything that knows a KBTP layout (Scapy layers, the codec, the Lua dissector, the
+field reference) reads it from instances of these classes, never from its own copy.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+class Order(enum.Enum):
+    """Byte-order class of a field (spec section "Conventions"; NOTES decision 7)."""
+
+    NETWORK = "network"  # always big-endian
+    ADDRESS = "address"  # big-endian, little-endian in sessions whose target chose ADDR_LE
+    MEMORY = "memory"    # the target's memory byte order (ring counters, RFC 7306)
+
+
+@dataclass(frozen=True)
+class Value:
+    """One named value of an enumeration or one bit of a flag set."""
+
+    value: int
+    name: str
+    doc: str
+
+    @property
+    def key(self) -> str:
+        """Lower-case name used in display-filter and JSON keys (``kbtp.flags.inline``)."""
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class Enumeration:
+    """An IANA-style value space; its upper quarter is reserved for Private Use."""
+
+    name: str
+    title: str
+    bits: int
+    values: tuple[Value, ...]
+    private_use: tuple[int, int] | None = None
+
+    def by_value(self) -> dict[int, str]:
+        return {v.value: v.name for v in self.values}
+
+    def by_name(self) -> dict[str, int]:
+        return {v.name: v.value for v in self.values}
+
+    def describe(self, value: int) -> str:
+        """Name of a value; Private Use and unknown values are named as such, never guessed."""
+        name = self.by_value().get(value)
+        if name is not None:
+            return name
+        if self.private_use and self.private_use[0] <= value <= self.private_use[1]:
+            return f"Private Use (0x{value:x})"
+        return f"Unknown (0x{value:x})"
+
+
+@dataclass(frozen=True)
+class FlagSet:
+    """Named bits of a 16-bit flags or features word."""
+
+    name: str
+    title: str
+    bits: int
+    flags: tuple[Value, ...]
+    private_use_mask: int = 0
+
+    @property
+    def defined_mask(self) -> int:
+        mask = 0
+        for flag in self.flags:
+            mask |= flag.value
+        return mask
+
+    def names(self, value: int) -> list[str]:
+        """Names of the set bits; undefined ones as hex, Private Use ones labelled."""
+        out = [f.name for f in self.flags if value & f.value]
+        rest = value & ~self.defined_mask
+        if rest & self.private_use_mask:
+            out.append(f"PRIVATE(0x{rest & self.private_use_mask:x})")
+        if rest & ~self.private_use_mask:
+            out.append(f"UNDEFINED(0x{rest & ~self.private_use_mask:x})")
+        return out
+
+
+@dataclass(frozen=True)
+class Condition:
+    """An item is present when ``(value of the controlling word) & mask`` is non-zero.
+
+    ``source`` is "flags" (the common header's Flags) or "features" (the Features field
+    of the same body, as in HELLO_ACK).
+    """
+
+    source: str
+    mask: int
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a structure.
+
+    ``size`` is in octets; 0 means "the rest of the message" (inline data).
+    ``length_from`` names the field (by key) whose value, when left unset, is filled
+    in from this variable-size field's length.
+    """
+
+    name: str
+    size: int
+    title: str
+    doc: str
+    order: Order = Order.NETWORK
+    hex: bool = False
+    enum: Enumeration | None = None
+    flags: FlagSet | None = None
+    per_opcode_flags: bool = False
+    reserved: bool = False
+    when: Condition | None = None
+    length_from: str | None = None
+
+    @property
+    def is_bytes(self) -> bool:
+        return self.size == 0 or self.size > 8
+
+
+@dataclass(frozen=True)
+class Member:
+    """A sub-structure (a descriptor) placed inside another structure."""
+
+    name: str
+    struct: "Struct"
+    title: str
+    when: Condition | None = None
+
+    @property
+    def size(self) -> int:
+        return self.struct.size
+
+
+Item = Field | Member
+
+
+@dataclass(frozen=True)
+class Struct:
+    """A fixed sequence of fields and members, as one diagram of the specification draws it."""
+
+    name: str
+    title: str
+    section: str
+    items: tuple[Item, ...]
+    prefix: str = ""
+
+    @property
+    def size(self) -> int:
+        """Size with every conditional item present (variable-size items count 0)."""
+        return sum(item.size for item in self.items)
+
+    def item(self, name: str) -> Item:
+        for item in self.items:
+            if item.name == name:
+                return item
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One opcode: its body layout and the flag set its header Flags use."""
+
+    opcode: int
+    name: str
+    title: str
+    body: Struct
+    flags: FlagSet | None = None
+    addr_le_applies: bool = True
+    is_request: bool = True
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class FlatField:
+    """A leaf field with its dotted key (``dd.stag``) and the condition that gates it."""
+
+    key: str
+    field: Field
+    when: Condition | None = None
+    path: tuple[str, ...] = field(default=())
+
+
+def flatten(struct: Struct, prefix: str = "", when: Condition | None = None) -> Iterator[FlatField]:
+    """Yield the leaf fields of ``struct`` in wire order with their dotted keys.
+
+    Keys are what the JSON output and the display filters use after ``kbtp.``; the
+    ``path`` is the chain of item names inside the Scapy layers (``("dd", "stag")``).
+    """
+    base = ".".join(p for p in (prefix, struct.prefix) if p)
+    yield from _flatten_items(struct.items, base, when, ())
+
+
+def _flatten_items(items, base, when, path) -> Iterator[FlatField]:
+    for item in items:
+        cond = item.when or when
+        key = f"{base}.{item.name}" if base else item.name
+        if isinstance(item, Member):
+            yield from _flatten_items(item.struct.items, key, cond, path + (item.name,))
+        else:
+            yield FlatField(key, item, cond, path + (item.name,))
