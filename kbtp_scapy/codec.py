@@ -8,10 +8,10 @@ This is what the reference target's data path uses.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .tables import BY_OPCODE, HEADER, HEADER_SIZE, OPCODES, Condition, FlatField, Order, Struct, flatten
 
@@ -33,14 +33,21 @@ class _Layout:
     """One concrete wire layout: fixed fields in one Struct, then optional rest-of-message bytes."""
 
     keys: tuple[str, ...]
+    defaults: tuple[tuple[str, int], ...]
     fmt: struct.Struct
     swaps: tuple[tuple[int, int], ...]   # (index, size) of address fields
     blobs: tuple[tuple[int, int], ...]   # (index, size) of fixed-size byte-string fields
     tail: FlatField | None               # variable-size field taking the rest
+    unpack_be: Callable[[bytes], dict[str, Any]]
+    unpack_le: Callable[[bytes], dict[str, Any]]
 
     @property
     def size(self) -> int:
         return self.fmt.size
+
+
+def _swap(value: int, size: int) -> int:
+    return int.from_bytes(value.to_bytes(size, "big"), "little")
 
 
 def _compile(fields: list[FlatField]) -> _Layout:
@@ -50,7 +57,24 @@ def _compile(fields: list[FlatField]) -> _Layout:
     swaps = tuple((i, f.field.size) for i, f in enumerate(fixed)
                   if f.field.order is Order.ADDRESS and f.field.size > 1)
     blobs = tuple((i, f.field.size) for i, f in enumerate(fixed) if f.field.is_bytes)
-    return _Layout(tuple(f.key for f in fixed), struct.Struct(">" + codes), swaps, blobs, tail)
+    keys = tuple(f.key for f in fixed)
+    defaults = tuple((k, _DEFAULTS.get(k, 0)) for k in keys)
+    fmt = struct.Struct(">" + codes)
+    return _Layout(keys, defaults, fmt, swaps, blobs, tail,
+                   _unpacker(fmt, keys, ()), _unpacker(fmt, keys, swaps))
+
+
+def _unpacker(fmt: struct.Struct, keys: tuple[str, ...],
+              swaps: tuple[tuple[int, int], ...]) -> Callable[[bytes], dict[str, Any]]:
+    """Generate ``buf -> {key: value}`` for one layout as straight-line code (as
+    dataclasses does), since this runs once per message on the target's data path."""
+    sizes = dict(swaps)
+    items = ", ".join(f"{k!r}: _swap(a[{i}], {sizes[i]})" if i in sizes else f"{k!r}: a[{i}]"
+                      for i, k in enumerate(keys))
+    src = f"def unpack(buf):\n    a = _unpack_from(buf)\n    return {{{items}}}\n"
+    scope = {"_unpack_from": fmt.unpack_from, "_swap": _swap}
+    exec(src, scope)  # noqa: S102 - source built from the field tables only
+    return scope["unpack"]
 
 
 def _conditions(struct_: Struct) -> tuple[Condition, ...]:
@@ -65,10 +89,21 @@ def _conditions(struct_: Struct) -> tuple[Condition, ...]:
 class _Opcode:
     """What decoding needs to know about one opcode before choosing its layout."""
 
+    opcode: int
     conditions: tuple[Condition, ...]
     features: FlatField | None      # the body's Features field, when conditions use it
     features_offset: int            # its offset from the start of the message
     addr_le_applies: bool
+    layouts: dict = field(default_factory=dict)  # (flags, features) masked -> _Layout
+
+    def layout(self, flags: int, features: int) -> _Layout:
+        key = (flags, features)
+        found = self.layouts.get(key)
+        if found is None:
+            present = tuple(bool((flags if c.source == "flags" else features) & c.mask)
+                            for c in self.conditions)
+            found = self.layouts[key] = _message_layout(self.opcode, present)
+        return found
 
 
 def _opcode_info(opcode: int) -> _Opcode:
@@ -79,7 +114,7 @@ def _opcode_info(opcode: int) -> _Opcode:
         if f.field.name == "features":
             features, features_offset = f, off
         off += f.field.size
-    return _Opcode(_conditions(msg.body), features, features_offset, msg.addr_le_applies)
+    return _Opcode(opcode, _conditions(msg.body), features, features_offset, msg.addr_le_applies)
 
 
 _OPCODES = {op: _opcode_info(op) for op in BY_OPCODE}
@@ -101,26 +136,13 @@ def _struct_layout(struct_: Struct) -> _Layout:
 _HEADER_LAYOUT = _compile(list(flatten(HEADER)))
 
 
-def _swap(value: int, size: int) -> int:
-    return int.from_bytes(value.to_bytes(size, "big"), "little")
-
-
-def _present(info: _Opcode, flags: int, features: int) -> tuple[bool, ...]:
-    return tuple(bool((flags if c.source == "flags" else features) & c.mask) for c in info.conditions)
-
-
 def _addr_le(opcode: int, addr_le: bool) -> bool:
     info = _OPCODES.get(opcode)
     return addr_le and (info is None or info.addr_le_applies)
 
 
 def _unpack(layout: _Layout, buf: bytes, le: bool) -> dict[str, Any]:
-    if not le:
-        return dict(zip(layout.keys, layout.fmt.unpack_from(buf)))
-    values = list(layout.fmt.unpack_from(buf))
-    for i, size in layout.swaps:
-        values[i] = _swap(values[i], size)
-    return dict(zip(layout.keys, values))
+    return layout.unpack_le(buf) if le else layout.unpack_be(buf)
 
 
 def _features_of(info: _Opcode, buf: bytes) -> int:
@@ -132,7 +154,7 @@ def _features_of(info: _Opcode, buf: bytes) -> int:
 
 def message_length(opcode: int, flags: int, features: int = 0, inline_length: int = 0) -> int:
     """Length a well-formed message of this opcode has for these Flags and Features."""
-    layout = _message_layout(opcode, _present(_OPCODES[opcode], flags, features))
+    layout = _OPCODES[opcode].layout(flags, features)
     return layout.size + (inline_length if layout.tail is not None else 0)
 
 
@@ -149,7 +171,7 @@ def decode(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
         raise Malformed(f"opcode {OPCODES.describe(opcode)} has no layout",
                         _unpack(_HEADER_LAYOUT, buf, le))
     flags = (buf[2] << 8) | buf[3]
-    layout = _message_layout(opcode, _present(info, flags, _features_of(info, buf)))
+    layout = info.layout(flags, _features_of(info, buf))
     if len(buf) < layout.size:
         raise Malformed(f"truncated: {len(buf)} octets, {BY_OPCODE[opcode].name} with these "
                         f"flags needs {layout.size}", _unpack(_HEADER_LAYOUT, buf, le))
@@ -188,35 +210,34 @@ def encode(values: Mapping[str, Any], addr_le: bool = False) -> bytes:
     values that are given are used as they are, so a caller can lie on purpose.
     """
     opcode = values["opcode"]
-    if opcode not in BY_OPCODE:
+    info = _OPCODES.get(opcode)
+    if info is None:
         head = _pack(_HEADER_LAYOUT, values, _addr_le(opcode, addr_le))
         return head + bytes(values.get("payload", b""))
+    fill = {}
     flags = values.get("flags")
     if flags is None:
-        flags = auto_flags(opcode, values, "flags")
-    info = _OPCODES[opcode]
-    ff = info.features
-    features = values.get(ff.key) if ff else 0
-    if features is None:
-        features = auto_flags(opcode, values, "features")
-    layout = _message_layout(opcode, _present(info, flags, features))
-    full = dict(values)
-    full["flags"] = flags
-    if ff:
-        full[ff.key] = features
+        flags = fill["flags"] = auto_flags(opcode, values, "flags")
+    features = 0
+    if info.features is not None:
+        features = values.get(info.features.key)
+        if features is None:
+            features = fill[info.features.key] = auto_flags(opcode, values, "features")
+    layout = info.layout(flags, features)
     tail = b""
     if layout.tail is not None:
         tail = bytes(values.get(layout.tail.key) or b"")
-        if full.get(layout.tail.field.length_from) is None:
-            full[layout.tail.field.length_from] = len(tail)
-    return _pack(layout, full, _addr_le(opcode, addr_le)) + tail
+        if values.get(layout.tail.field.length_from) is None:
+            fill[layout.tail.field.length_from] = len(tail)
+    if fill:
+        values = {**values, **fill}
+    return _pack(layout, values, addr_le and info.addr_le_applies) + tail
 
 
 def _pack(layout: _Layout, values: Mapping[str, Any], le: bool) -> bytes:
-    args = []
-    for key in layout.keys:
-        v = values.get(key)
-        args.append(_DEFAULTS.get(key, 0) if v is None else v)
+    args = [values.get(k, d) for k, d in layout.defaults]
+    if None in args:
+        args = [d if a is None else a for a, (_, d) in zip(args, layout.defaults)]
     if le:
         for i, size in layout.swaps:
             args[i] = _swap(args[i], size)

@@ -14,7 +14,7 @@ from .model import Field, Order, Struct
 A = Order.ADDRESS
 
 TABLE_ENTRY = Struct(
-    name="entry", title="Block Table Entry", section="Target Memory Structures / Block Table",
+    name="table_entry", title="Block Table Entry", section="Target Memory Structures / Block Table",
     prefix="entry",
     items=(
         Field("flags", 2, "Flags", "VALID and SEALED", flags=ENTRY_FLAGS, hex=True),
@@ -26,7 +26,7 @@ TABLE_ENTRY = Struct(
 )
 
 RING_SLOT = Struct(
-    name="slot", title="Ring Slot", section="Target Memory Structures / Free-Block Ring",
+    name="ring_slot", title="Ring Slot", section="Target Memory Structures / Free-Block Ring",
     prefix="slot",
     items=(
         Field("sequence", 4, "Sequence (Ticket)", "Ticket for which the slot holds a block"),
@@ -37,7 +37,7 @@ RING_SLOT = Struct(
 )
 
 COMPLETION_RECORD = Struct(
-    name="record", title="Completion Record", section="Completion", prefix="record",
+    name="completion_record", title="Completion Record", section="Completion", prefix="record",
     items=(
         Field("request_id", 8, "Request ID", "Request ID of the completed request"),
         Field("status", 2, "Status", "Outcome", enum=STATUS),
