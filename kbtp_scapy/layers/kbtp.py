@@ -32,10 +32,11 @@ _INT_CODE = {1: "B", 2: "H", 4: "I", 8: "Q"}
 class _KBTPPacket(Packet):
     """Base of every KBTP layer: carries the optional per-packet ADDR_LE override."""
 
-    __slots__ = ["addr_le"]
+    __slots__ = ["addr_le", "truncated"]
 
     def __init__(self, _pkt: bytes = b"", *args: Any, addr_le: bool | None = None, **kwargs: Any):
         object.__setattr__(self, "addr_le", addr_le)
+        object.__setattr__(self, "truncated", False)
         super().__init__(_pkt, *args, **kwargs)
 
     def copy(self):
@@ -58,6 +59,36 @@ class _KBTPPacket(Packet):
                 word = sum(c.mask for c in conds if _present(self, c))
                 p = p[:offset] + struct.pack(">H", word) + p[offset + 2:]
         return p + pay
+
+    def do_dissect(self, s: bytes) -> bytes:
+        try:
+            return super().do_dissect(s)
+        except struct.error:
+            return self._dissect_truncated(s)
+
+    def _dissect_truncated(self, s: bytes) -> bytes:
+        """Bad input decodes as far as it can: fields that fit are kept, the others are
+        left unset (None), and the octets left over go on to the next layer as Raw."""
+        raw = s
+        fields = iter(self.fields_desc)
+        for f in fields:
+            try:
+                rest, value = f.getfield(self, s)
+            except struct.error:
+                self.fields[f.name] = None
+                break
+            if not (f.isconditional and value is None):
+                self.fields[f.name] = value
+            s = rest
+        for f in fields:
+            self.fields[f.name] = None
+        self.raw_packet_cache = raw[:len(raw) - len(s)]
+        self.explicit = 1
+        object.__setattr__(self, "truncated", True)
+        return s
+
+    def guess_payload_class(self, payload: bytes) -> type[Packet]:
+        return Raw if self.truncated else super().guess_payload_class(payload)
 
     def extract_padding(self, s: bytes) -> tuple[bytes, bytes]:
         """Structures end where their table ends (inline data is a field); the rest is padding."""
@@ -128,7 +159,7 @@ def _class_name(name: str) -> str:
 
 def _enum_codec(enum: T.Enumeration) -> tuple[Callable[[int], str], Callable[[str], int]]:
     names = enum.by_name()
-    return enum.describe, lambda s: names[s]
+    return (lambda v: None if v is None else enum.describe(v)), names.__getitem__
 
 
 def _flag_names(flag_set: T.FlagSet) -> list[str]:
@@ -281,11 +312,14 @@ class KBTP(_KBTPPacket):
                    and other.opcode in REQUEST_OPCODES and other.request_id == self.request_id)
 
     def mysummary(self) -> str:
-        op = T.OPCODES.describe(self.opcode)
-        text = f"KBTP {op} rid={self.request_id} handle=0x{(self.handle or 0):x}"
-        if self.opcode == T.BY_NAME["COMPLETION"].opcode:
+        if self.opcode is None:
+            return "KBTP [truncated]"
+        text = f"KBTP {T.OPCODES.describe(self.opcode)} rid={self.request_id}"
+        if self.handle is not None:
+            text += f" handle=0x{self.handle:x}"
+        if self.opcode == T.BY_NAME["COMPLETION"].opcode and self.status is not None:
             text += f" {T.STATUS.describe(self.status)} gen={self.generation}"
-        return text
+        return text + (" [truncated]" if self.truncated else "")
 
 
 REQUEST_OPCODES = frozenset(m.opcode for m in T.MESSAGES if m.is_request and m.flags is not None
