@@ -400,3 +400,10 @@ def build_packet(values: dict[str, Any], addr_le: bool | None = None) -> KBTP:
 def _plain(value: Any) -> Any:
     """Scapy's FlagValue and friends as plain ints; bytes stay bytes."""
     return value if isinstance(value, (bytes, int)) and not hasattr(value, "flagrepr") else int(value)
+
+
+__all__ = (["KBTP", "KBTPDataDescriptor", "KBTPCompletionDescriptor", "KBTPDirectDescriptor",
+            "AddrField", "BODY_CLASSES", "MEMORY_CLASSES", "build_packet", "guess_kbtp",
+            "looks_like_kbtp", "packet_fields", "session_addr_le"]
+           + [c.__name__ for c in BODY_CLASSES.values()]
+           + [c.__name__ for c in MEMORY_CLASSES.values()])

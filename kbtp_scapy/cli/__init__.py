@@ -1,0 +1,50 @@
+"""The ``kbtp`` command: one click group, one module per subcommand."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .craft import craft
+from .decode import decode
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="kbtp_scapy", prog_name="kbtp")
+def cli() -> None:
+    """Toolkit for KBTP, the KV Cache Block Transfer Protocol, over iWARP and RoCEv2.
+
+    \b
+    Examples:
+      kbtp decode capture.pcap            one line per KBTP message
+      kbtp decode --json capture.pcapng   JSON Lines keyed by display-filter names
+      kbtp craft ALLOC_STORE --handle 0x4001 --inline-data 4b56424c4f434b21
+      kbtp craft LOAD --handle 7 --dd-length 4096 --transport roce -o load.pcap
+    """
+
+
+cli.add_command(decode)
+cli.add_command(craft)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; errors are one line on stderr: exit 2 for usage, 1 for bad input."""
+    try:
+        cli.main(args=argv, prog_name="kbtp", standalone_mode=False)
+    except click.UsageError as exc:
+        path = exc.ctx.command_path if exc.ctx else "kbtp"
+        click.echo(f"{path}: {exc.format_message()} (see '{path} --help')", err=True)
+        return 2
+    except click.ClickException as exc:
+        click.echo(f"kbtp: {exc.format_message()}", err=True)
+        return exc.exit_code
+    except click.Abort:
+        click.echo("kbtp: aborted", err=True)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())
