@@ -30,51 +30,68 @@ class Malformed(ValueError):
 
 @dataclass(frozen=True)
 class _Layout:
-    """One concrete wire layout: fixed fields in one Struct, then optional rest-of-message bytes."""
+    """One concrete wire layout: fixed fields, then optional rest-of-message bytes.
+
+    Each byte order has its own Struct: in the little-endian one, address fields are
+    octet strings converted with ``int.from_bytes(..., "little")``.
+    """
 
     keys: tuple[str, ...]
-    defaults: tuple[tuple[str, int], ...]
-    fmt: struct.Struct
-    swaps: tuple[tuple[int, int], ...]   # (index, size) of address fields
-    blobs: tuple[tuple[int, int], ...]   # (index, size) of fixed-size byte-string fields
+    size: int
     tail: FlatField | None               # variable-size field taking the rest
     unpack_be: Callable[[bytes], dict[str, Any]]
     unpack_le: Callable[[bytes], dict[str, Any]]
-
-    @property
-    def size(self) -> int:
-        return self.fmt.size
-
-
-def _swap(value: int, size: int) -> int:
-    return int.from_bytes(value.to_bytes(size, "big"), "little")
+    pack_be: Callable[[Mapping[str, Any]], bytes]
+    pack_le: Callable[[Mapping[str, Any]], bytes]
 
 
 def _compile(fields: list[FlatField]) -> _Layout:
     fixed = [f for f in fields if f.field.size]
     tail = next((f for f in fields if not f.field.size), None)
-    codes = "".join(f"{f.field.size}s" if f.field.is_bytes else _INT_CODES[f.field.size] for f in fixed)
-    swaps = tuple((i, f.field.size) for i, f in enumerate(fixed)
-                  if f.field.order is Order.ADDRESS and f.field.size > 1)
-    blobs = tuple((i, f.field.size) for i, f in enumerate(fixed) if f.field.is_bytes)
     keys = tuple(f.key for f in fixed)
-    defaults = tuple((k, _DEFAULTS.get(k, 0)) for k in keys)
-    fmt = struct.Struct(">" + codes)
-    return _Layout(keys, defaults, fmt, swaps, blobs, tail,
-                   _unpacker(fmt, keys, ()), _unpacker(fmt, keys, swaps))
+    be = _generate(fixed, little=False)
+    le = _generate(fixed, little=True)
+    return _Layout(keys, struct.calcsize(">" + "".join(_code(f, False) for f in fixed)), tail,
+                   be["unpack"], le["unpack"], be["pack"], le["pack"])
 
 
-def _unpacker(fmt: struct.Struct, keys: tuple[str, ...],
-              swaps: tuple[tuple[int, int], ...]) -> Callable[[bytes], dict[str, Any]]:
-    """Generate ``buf -> {key: value}`` for one layout as straight-line code (as
-    dataclasses does), since this runs once per message on the target's data path."""
-    sizes = dict(swaps)
-    items = ", ".join(f"{k!r}: _swap(a[{i}], {sizes[i]})" if i in sizes else f"{k!r}: a[{i}]"
-                      for i, k in enumerate(keys))
-    src = f"def unpack(buf):\n    a = _unpack_from(buf)\n    return {{{items}}}\n"
-    scope = {"_unpack_from": fmt.unpack_from, "_swap": _swap}
+def _code(f: FlatField, little: bool) -> str:
+    if f.field.is_bytes or (little and f.field.order is Order.ADDRESS and f.field.size > 1):
+        return f"{f.field.size}s"
+    return _INT_CODES[f.field.size]
+
+
+def _generate(fixed: list[FlatField], little: bool) -> dict[str, Callable]:
+    """Straight-line pack and unpack functions for one layout and byte order, generated
+    from the tables (as dataclasses generates methods): this runs once per message on
+    the target's data path, where loops over field lists would dominate."""
+    fmt = struct.Struct(">" + "".join(_code(f, little) for f in fixed))
+    unpacked, packed = [], []
+    for i, f in enumerate(fixed):
+        default = _DEFAULTS.get(f.key, 0)
+        value = f"(x if (x := g({f.key!r})) is not None else {default})"
+        if f.field.is_bytes:
+            unpacked.append(f"{f.key!r}: a[{i}]")
+            packed.append(f"_blob(g({f.key!r}), {f.field.size})")
+        elif _code(f, little).endswith("s"):
+            unpacked.append(f"{f.key!r}: _from(a[{i}], 'little')")
+            packed.append(f"{value}.to_bytes({f.field.size}, 'little')")
+        else:
+            unpacked.append(f"{f.key!r}: a[{i}]")
+            packed.append(value)
+    src = (f"def unpack(buf):\n    a = _unpack_from(buf)\n    return {{{', '.join(unpacked)}}}\n"
+           f"def pack(v):\n    g = v.get\n    return _pack({', '.join(packed)})\n")
+    scope = {"_unpack_from": fmt.unpack_from, "_pack": fmt.pack, "_from": int.from_bytes,
+             "_blob": _blob}
     exec(src, scope)  # noqa: S102 - source built from the field tables only
-    return scope["unpack"]
+    return scope
+
+
+def _blob(value: Any, size: int) -> bytes:
+    """A fixed-size octet-string field given as bytes, an int, or not at all."""
+    if value is None:
+        return bytes(size)
+    return value.to_bytes(size, "big") if isinstance(value, int) else value
 
 
 def _conditions(struct_: Struct) -> tuple[Condition, ...]:
@@ -235,16 +252,7 @@ def encode(values: Mapping[str, Any], addr_le: bool = False) -> bytes:
 
 
 def _pack(layout: _Layout, values: Mapping[str, Any], le: bool) -> bytes:
-    args = [values.get(k, d) for k, d in layout.defaults]
-    if None in args:
-        args = [d if a is None else a for a, (_, d) in zip(args, layout.defaults)]
-    if le:
-        for i, size in layout.swaps:
-            args[i] = _swap(args[i], size)
-    for i, size in layout.blobs:
-        if isinstance(args[i], int):
-            args[i] = args[i].to_bytes(size, "big")
-    return layout.fmt.pack(*args)
+    return layout.pack_le(values) if le else layout.pack_be(values)
 
 
 def decode_struct(struct_: Struct, buf: bytes, addr_le: bool = False) -> dict[str, Any]:
