@@ -7,6 +7,7 @@ import click
 
 from .craft import craft
 from .decode import decode
+from .demo import demo
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -16,6 +17,7 @@ def cli() -> None:
 
     \b
     Examples:
+      kbtp demo                           captures of every message, decoded back
       kbtp decode capture.pcap            one line per KBTP message
       kbtp decode --json capture.pcapng   JSON Lines keyed by display-filter names
       kbtp craft ALLOC_STORE --handle 0x4001 --inline-data 4b56424c4f434b21
@@ -25,6 +27,7 @@ def cli() -> None:
 
 cli.add_command(decode)
 cli.add_command(craft)
+cli.add_command(demo)
 
 
 def main(argv: list[str] | None = None) -> int:
