@@ -46,11 +46,16 @@ class Recorder:
 
 
 class IwarpRecorder(Recorder):
-    """TCP handshake, MPA rev 2 set-up, then FPDUs; FIN on ``write_pcap``."""
+    """TCP handshake, MPA set-up, then FPDUs; FIN on ``write_pcap``.
 
-    def __init__(self, ipv6: bool = False, markers: bool = False) -> None:
+    Revision 1 by default: tshark 4.0 predates RFC 6581 and flags revision 2 frames
+    with expert warnings, which the sample captures must not carry.
+    """
+
+    def __init__(self, ipv6: bool = False, markers: bool = False, revision: int = 1) -> None:
         ini, tgt = (INITIATOR_V6, TARGET_V6) if ipv6 else (INITIATOR_V4, TARGET_V4)
-        self.conv = IwarpConversation((ini, 49152), (tgt, IWARP_PORT), markers=markers, start=START)
+        self.conv = IwarpConversation((ini, 49152), (tgt, IWARP_PORT), markers=markers,
+                                      revision=revision, start=START)
         self._atomic_id = 0
 
     def send(self, by_initiator, payload, invalidate=None):
