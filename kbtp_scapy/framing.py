@@ -17,7 +17,7 @@ from .transport.roce import RcConnection, RoceEndpoint
 
 INITIATOR_V4, TARGET_V4 = "192.0.2.1", "192.0.2.2"
 INITIATOR_V6, TARGET_V6 = "2001:db8::1", "2001:db8::2"
-IWARP_PORT = 4420 + 1000  # NOTES decision 9: a configurable TCP port; this is the tools' default
+IWARP_PORT = 5420  # NOTES decision 9: KBTP has no port; this is the tools' default
 START = 1_700_000_000.0
 TRANSPORTS = ("iwarp", "roce")
 
