@@ -65,3 +65,17 @@ def test_every_opcode_and_status_decodes_and_matches_scapy(pcap):
             assert packet_fields(KBTP(payload, addr_le=addr_le)) == fnd.fields
     # The handles the session used come out right only if ADDR_LE was followed.
     assert {f.fields["handle"] for f in found if f.fields["opcode"] == T.BY_NAME["ALLOC_STORE"].opcode} >= {0x4001, 0x4002}
+
+
+@needs_tshark
+@pytest.mark.parametrize("pcap", [p for p in PCAPS if p.name.startswith("roce")], ids=lambda p: p.name)
+def test_roce_sample_headers_equal_tshark(pcap):
+    """Every frame's BTH and extended headers as tshark reads them equal the Scapy layers'."""
+    from scapy.layers.l2 import Ether
+
+    from tests.test_roce_captures import assert_matches_tshark
+    frames = tshark_frames(pcap, *TSHARK_ARGS)
+    packets = read_packets(pcap)
+    assert len(frames) == len(packets)
+    for number, (pkt, tframe) in enumerate(zip(packets, frames), 1):
+        assert_matches_tshark(Ether(bytes(pkt)), tframe, number)
