@@ -13,10 +13,12 @@ from functools import lru_cache
 from itertools import product
 from typing import Any, Callable, Mapping
 
-from .tables import BY_OPCODE, HEADER, HEADER_SIZE, OPCODES, Condition, FlatField, Order, Struct, flatten
+from .tables import (BY_OPCODE, HEADER, HEADER_SIZE, OPCODES, VERSION, Condition, FlatField, Order,
+                     Struct, flatten)
 
 _INT_CODES = {1: "B", 2: "H", 4: "I", 8: "Q"}
-_DEFAULTS = {"version": 1}
+_VERSION_AT, _OPCODE_AT = HEADER.offset("version"), HEADER.offset("opcode")
+_FLAGS = slice(HEADER.offset("flags"), HEADER.offset("flags") + HEADER.item("flags").size)
 
 
 class Malformed(ValueError):
@@ -68,8 +70,7 @@ def _generate(fixed: list[FlatField], little: bool) -> dict[str, Callable]:
     fmt = struct.Struct(">" + "".join(_code(f, little) for f in fixed))
     unpacked, packed = [], []
     for i, f in enumerate(fixed):
-        default = _DEFAULTS.get(f.key, 0)
-        value = f"(x if (x := g({f.key!r})) is not None else {default})"
+        value = f"(x if (x := g({f.key!r})) is not None else {f.field.default})"
         if f.field.is_bytes:
             unpacked.append(f"{f.key!r}: a[{i}]")
             packed.append(f"_blob(g({f.key!r}), {f.field.size})")
@@ -94,22 +95,15 @@ def _blob(value: Any, size: int) -> bytes:
     return value.to_bytes(size, "big") if isinstance(value, int) else value
 
 
-def _conditions(struct_: Struct) -> tuple[Condition, ...]:
-    seen: list[Condition] = []
-    for f in flatten(struct_):
-        if f.when is not None and f.when not in seen:
-            seen.append(f.when)
-    return tuple(seen)
-
-
 @dataclass(frozen=True)
 class _Opcode:
     """What decoding needs to know about one opcode before choosing its layout."""
 
     opcode: int
     conditions: tuple[Condition, ...]
-    features: FlatField | None      # the body's Features field, when conditions use it
+    features: FlatField | None      # the body's controlling word besides the header Flags
     features_offset: int            # its offset from the start of the message
+    features_size: int
     addr_le_applies: bool
     layouts: dict = field(default_factory=dict)  # (flags, features) masked -> _Layout
 
@@ -124,14 +118,13 @@ class _Opcode:
 
 
 def _opcode_info(opcode: int) -> _Opcode:
-    msg = BY_OPCODE[opcode]
-    off = HEADER_SIZE
-    features, features_offset = None, 0
-    for f in flatten(msg.body):
-        if f.field.name == "features":
-            features, features_offset = f, off
-        off += f.field.size
-    return _Opcode(opcode, _conditions(msg.body), features, features_offset, msg.addr_le_applies)
+    body = BY_OPCODE[opcode].body
+    sources = {c.source for c in body.conditions} - {"flags"}
+    assert len(sources) <= 1, "one body-level controlling word per message"
+    features = next((f for f in flatten(body) if f.field.name in sources), None)
+    offset = HEADER_SIZE + body.offset(features.field.name) if features else 0
+    return _Opcode(opcode, body.conditions, features, offset,
+                   features.field.size if features else 0, BY_OPCODE[opcode].addr_le_applies)
 
 
 _OPCODES = {op: _opcode_info(op) for op in BY_OPCODE}
@@ -163,10 +156,10 @@ def _unpack(layout: _Layout, buf: bytes, le: bool) -> dict[str, Any]:
 
 
 def _features_of(info: _Opcode, buf: bytes) -> int:
-    off = info.features_offset
-    if info.features is None or len(buf) < off + 2:
+    off, end = info.features_offset, info.features_offset + info.features_size
+    if info.features is None or len(buf) < end:
         return 0
-    return (buf[off] << 8) | buf[off + 1]
+    return int.from_bytes(buf[off:end], "big")
 
 
 def message_length(opcode: int, flags: int, features: int = 0, inline_length: int = 0) -> int:
@@ -179,15 +172,15 @@ def decode(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
     """Decode one KBTP message; raise ``Malformed`` (with the decodable fields) if it is not one."""
     if len(buf) < HEADER_SIZE:
         raise Malformed(f"truncated: {len(buf)} octets, the header alone needs {HEADER_SIZE}", {})
-    opcode = buf[1]
+    opcode = buf[_OPCODE_AT]
     le = _addr_le(opcode, addr_le)
-    if buf[0] != 1:
-        raise Malformed(f"version {buf[0]} is not 1", _unpack(_HEADER_LAYOUT, buf, le))
+    if buf[_VERSION_AT] != VERSION:
+        raise Malformed(f"version {buf[_VERSION_AT]} is not {VERSION}", _unpack(_HEADER_LAYOUT, buf, le))
     info = _OPCODES.get(opcode)
     if info is None:
         raise Malformed(f"opcode {OPCODES.describe(opcode)} has no layout",
                         _unpack(_HEADER_LAYOUT, buf, le))
-    flags = (buf[2] << 8) | buf[3]
+    flags = int.from_bytes(buf[_FLAGS], "big")
     layout = info.layout(flags, _features_of(info, buf))
     if len(buf) < layout.size:
         raise Malformed(f"truncated: {len(buf)} octets, {BY_OPCODE[opcode].name} with these "
@@ -207,16 +200,15 @@ def decode(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
 
 def auto_flags(opcode: int, values: Mapping[str, Any], source: str) -> int:
     """Bits of a controlling word implied by which conditional items ``values`` carries."""
-    word = 0
-    for key, cond in _gated_keys(opcode):
-        if cond.source == source and key in values:
-            word |= cond.mask
-    return word
+    return sum(cond.mask for cond, keys in _gated_keys(opcode)
+               if cond.source == source and any(k in values for k in keys))
 
 
 @lru_cache(maxsize=None)
-def _gated_keys(opcode: int) -> tuple[tuple[str, Condition], ...]:
-    return tuple((f.key, f.when) for f in flatten(BY_OPCODE[opcode].body) if f.when is not None)
+def _gated_keys(opcode: int) -> tuple[tuple[Condition, tuple[str, ...]], ...]:
+    """Each condition of the body with the keys of the leaf fields it gates."""
+    flat = list(flatten(BY_OPCODE[opcode].body))
+    return tuple((c, tuple(f.key for f in flat if f.when == c)) for c in BY_OPCODE[opcode].body.conditions)
 
 
 def encode(values: Mapping[str, Any], addr_le: bool = False) -> bytes:
@@ -266,13 +258,6 @@ def decode_struct(struct_: Struct, buf: bytes, addr_le: bool = False) -> dict[st
 def encode_struct(struct_: Struct, values: Mapping[str, Any], addr_le: bool = False) -> bytes:
     """Encode a memory structure from a dict keyed as ``decode_struct`` returns."""
     return _pack(_struct_layout(struct_), values, addr_le)
-
-
-def header_fields(buf: bytes, addr_le: bool = False) -> dict[str, Any] | None:
-    """The common header of whatever starts ``buf``, or None when it is too short."""
-    if len(buf) < HEADER_SIZE:
-        return None
-    return _unpack(_HEADER_LAYOUT, buf, _addr_le(buf[1], addr_le))
 
 
 def layout_variants() -> list[tuple[int, tuple[bool, ...]]]:

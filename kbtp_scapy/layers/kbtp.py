@@ -27,6 +27,7 @@ from .. import tables as T
 conf.contribs.setdefault("kbtp", {}).setdefault("addr_le", False)
 
 _INT_CODE = {1: "B", 2: "H", 4: "I", 8: "Q"}
+_VERSION_AT, _OPCODE_AT = T.HEADER.offset("version"), T.HEADER.offset("opcode")
 
 
 class _KBTPPacket(Packet):
@@ -53,11 +54,11 @@ class _KBTPPacket(Packet):
         return self.__class__(bytes(self), addr_le=self.addr_le).show(dump, indent, lvl, label_lvl)
 
     def post_build(self, p: bytes, pay: bytes) -> bytes:
-        """Fill a controlling word left unset (Features) from the conditional items given."""
-        for offset, name, conds in getattr(self, "_auto_words", ()):
+        """Fill a controlling word of this structure left unset (HELLO_ACK Features)
+        from the conditional items given."""
+        for name in {c.source for c in self._struct.conditions} - {"flags"}:
             if self.getfieldval(name) is None:
-                word = sum(c.mask for c in conds if _present(self, c))
-                p = p[:offset] + struct.pack(">H", word) + p[offset + 2:]
+                p = _write_word(p, self._struct, name, _derived_word(self, name))
         return p + pay
 
     def do_dissect(self, s: bytes) -> bytes:
@@ -185,11 +186,11 @@ def _scalar_field(f: T.Field, default: Any) -> Field:
 
 
 def _header_flags_field(f: T.Field) -> Field:
-    """Flags named per opcode: the request flags, RELEASE for GOODBYE, bare hex otherwise."""
+    """Flags named per opcode (the request flags, RELEASE for GOODBYE), bare hex otherwise."""
     variants = []
-    for flag_set in (T.REQUEST_FLAGS, T.GOODBYE_FLAGS):
+    for flag_set in dict.fromkeys(m.flags for m in T.MESSAGES if m.flags is not None):
         ops = {m.opcode for m in T.MESSAGES if m.flags is flag_set}
-        variants.append((FlagsField(f.name, None, 16, _flag_names(flag_set)),
+        variants.append((FlagsField(f.name, None, 8 * f.size, _flag_names(flag_set)),
                          lambda pkt, ops=ops: pkt.opcode in ops))
     return MultipleTypeField(variants, XShortField(f.name, None))
 
@@ -204,7 +205,18 @@ def _present(pkt: Packet, cond: T.Condition) -> bool:
         word = pkt.getfieldval(cond.source)
     if word is not None:
         return bool(int(word) & cond.mask)
-    return any(pkt.getfieldval(i.name) is not None for i in pkt._struct.items if i.when == cond)
+    return any(pkt.getfieldval(name) is not None for name in pkt._struct.gated(cond))
+
+
+def _derived_word(pkt: Packet, source: str) -> int:
+    """The controlling word ``source`` implied by the conditional items of ``pkt`` given."""
+    return sum(c.mask for c in pkt._struct.conditions if c.source == source and _present(pkt, c))
+
+
+def _write_word(p: bytes, struct_: T.Struct, name: str, word: int) -> bytes:
+    """``p`` with the field ``name`` of ``struct_`` (at its fixed offset) set to ``word``."""
+    at, size = struct_.offset(name), struct_.item(name).size
+    return p[:at] + word.to_bytes(size, "big") + p[at + size:]
 
 
 _struct_classes: dict[str, type[Packet]] = {}
@@ -216,9 +228,8 @@ def _fields_desc(struct_: T.Struct) -> list[Field]:
     for item in struct_.items:
         if isinstance(item, T.Member):
             cls = _struct_classes.get(item.struct.name) or _struct_class(item.struct)
-            fill = {f.length_from.split(".", 1)[1]: f.name for f in struct_.items
-                    if isinstance(f, T.Field) and f.length_from
-                    and f.length_from.split(".", 1)[0] == item.name}
+            fill = {f.length_target[1]: f.name for f in struct_.items
+                    if isinstance(f, T.Field) and f.length_target and f.length_target[0] == item.name}
             fld = DescriptorField(item.name, None if item.when else cls(), cls, fill)
         elif item.per_opcode_flags:
             fld = _header_flags_field(item)
@@ -232,13 +243,9 @@ def _fields_desc(struct_: T.Struct) -> list[Field]:
 
 def _filled_lengths() -> set[tuple[str, str]]:
     """(structure, field) pairs whose value is filled in from a variable-size field's length."""
-    out = set()
-    for msg in T.MESSAGES:
-        for f in msg.body.items:
-            if isinstance(f, T.Field) and f.length_from:
-                member, field = f.length_from.split(".", 1)
-                out.add((msg.body.item(member).struct.name, field))
-    return out
+    return {(msg.body.item(f.length_target[0]).struct.name, f.length_target[1])
+            for msg in T.MESSAGES for f in msg.body.items
+            if isinstance(f, T.Field) and f.length_target}
 
 
 _FILLED = _filled_lengths()
@@ -246,23 +253,11 @@ _FILLED = _filled_lengths()
 
 def _default(struct_: T.Struct, item: T.Field) -> int | None:
     """None (computed at build time) for conditional items, controlling words and lengths
-    filled from data; otherwise Version 1 and zero."""
-    controls = any(getattr(i, "when", None) and i.when.source == item.name for i in struct_.items)
+    filled from data; otherwise the table's default."""
+    controls = any(c.source == item.name for c in struct_.conditions)
     if item.when is not None or controls or item.size == 0 or (struct_.name, item.name) in _FILLED:
         return None
-    return 1 if item is T.HEADER.item("version") else 0
-
-
-def _auto_words(struct_: T.Struct) -> tuple[tuple[int, str, tuple[T.Condition, ...]], ...]:
-    """(offset, name, conditions) of each controlling word inside this same structure."""
-    out, offset = [], 0
-    for item in struct_.items:
-        conds = tuple(dict.fromkeys(i.when for i in struct_.items
-                                    if i.when is not None and i.when.source == item.name))
-        if conds:
-            out.append((offset, item.name, conds))
-        offset += item.size
-    return tuple(out)
+    return item.default
 
 
 def _struct_class(struct_: T.Struct, name: str | None = None, **attrs: Any) -> type[Packet]:
@@ -270,19 +265,9 @@ def _struct_class(struct_: T.Struct, name: str | None = None, **attrs: Any) -> t
     doc = f"{struct_.title} (kbtp-draft, {struct_.section}); generated from kbtp_scapy.tables."
     cls = type(name or _class_name(struct_.name), (_KBTPPacket,),
                {"name": f"KBTP {struct_.title}", "fields_desc": _fields_desc(struct_),
-                "__doc__": doc, "__module__": __name__, "_struct": struct_,
-                "_auto_words": _auto_words(struct_), **attrs})
+                "__doc__": doc, "__module__": __name__, "_struct": struct_, **attrs})
     _struct_classes[struct_.name] = cls
     return cls
-
-
-def _controlling_words(pkt: Packet) -> int:
-    """Bits of the header Flags implied by which conditional body items were given."""
-    body = pkt.payload
-    if not isinstance(body, _KBTPPacket):
-        return 0
-    conds = dict.fromkeys(i.when for i in body._struct.items if i.when and i.when.source == "flags")
-    return sum(c.mask for c in conds if _present(body, c))
 
 
 class KBTP(_KBTPPacket):
@@ -295,21 +280,24 @@ class KBTP(_KBTPPacket):
     extract_padding = Packet.extract_padding  # the body follows the header
 
     def post_build(self, p: bytes, pay: bytes) -> bytes:
+        """Flags left unset follow the conditional body items given (RECORD, INLINE)."""
         if self.flags is None:
-            p = p[:2] + struct.pack(">H", _controlling_words(self)) + p[4:]
+            body = self.payload
+            word = _derived_word(body, "flags") if isinstance(body, _KBTPPacket) else 0
+            p = _write_word(p, T.HEADER, "flags", word)
         return p + pay
 
     def hashret(self) -> bytes:
         return struct.pack(">Q", self.request_id or 0)
 
     def answers(self, other: Packet) -> int:
-        """A COMPLETION answers the request with its Request ID; HELLO_ACK answers HELLO."""
-        if not isinstance(other, KBTP):
+        """The message the tables name as the answer to ``other``, with its Request ID
+        (a COMPLETION answers LOAD, STORE, ALLOC_STORE, FREE, BIND; HELLO_ACK answers HELLO)."""
+        if not isinstance(other, KBTP) or other.opcode not in T.BY_OPCODE:
             return 0
-        if self.opcode == T.BY_NAME["HELLO_ACK"].opcode:
-            return int(other.opcode == T.BY_NAME["HELLO"].opcode)
-        return int(self.opcode == T.BY_NAME["COMPLETION"].opcode
-                   and other.opcode in REQUEST_OPCODES and other.request_id == self.request_id)
+        answer = T.BY_OPCODE[other.opcode].answer
+        return int(answer is not None and T.BY_NAME[answer].opcode == self.opcode
+                   and other.request_id == self.request_id)
 
     def mysummary(self) -> str:
         if self.opcode is None:
@@ -321,9 +309,6 @@ class KBTP(_KBTPPacket):
             text += f" {T.STATUS.describe(self.status)} gen={self.generation}"
         return text + (" [truncated]" if self.truncated else "")
 
-
-REQUEST_OPCODES = frozenset(m.opcode for m in T.MESSAGES if m.is_request and m.flags is not None
-                            or m.name == "BIND")
 
 BODY_CLASSES: dict[int, type[Packet]] = {}
 for _msg in T.MESSAGES:
@@ -346,10 +331,10 @@ KBTPDirectDescriptor = _struct_classes[T.DIRECT_DESCRIPTOR.name]
 def looks_like_kbtp(data: bytes) -> bool:
     """Cheap recognition for transports guessing what a Send carries: Version 1 and a
     known or Private Use opcode in a buffer that holds at least a header."""
-    if len(data) < T.HEADER_SIZE or data[0] != 1:
+    if len(data) < T.HEADER_SIZE or data[_VERSION_AT] != T.VERSION:
         return False
     lo, hi = T.OPCODES.private_use
-    return data[1] in T.BY_OPCODE or lo <= data[1] <= hi
+    return data[_OPCODE_AT] in T.BY_OPCODE or lo <= data[_OPCODE_AT] <= hi
 
 
 def guess_kbtp(data: bytes) -> type[Packet]:
@@ -398,8 +383,8 @@ def build_packet(values: dict[str, Any], addr_le: bool | None = None) -> KBTP:
 
 
 def _plain(value: Any) -> Any:
-    """Scapy's FlagValue and friends as plain ints; bytes stay bytes."""
-    return value if isinstance(value, (bytes, int)) and not hasattr(value, "flagrepr") else int(value)
+    """Scapy's FlagValue as a plain int; bytes stay bytes."""
+    return value if isinstance(value, bytes) else int(value)
 
 
 __all__ = (["KBTP", "KBTPDataDescriptor", "KBTPCompletionDescriptor", "KBTPDirectDescriptor",

@@ -8,13 +8,15 @@ from .enums import FEATURES, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
 from .model import Condition, Field, Member, Message, Order, Struct
 
 A = Order.ADDRESS
+VERSION = 1
 
 HEADER = Struct(
     name="header",
     title="KBTP Common Header",
     section="Messages / Common Header",
     items=(
-        Field("version", 1, "Version", "Protocol version; 1 for this specification"),
+        Field("version", 1, "Version", "Protocol version; 1 for this specification",
+              default=VERSION),
         Field("opcode", 1, "Opcode", "Message type", enum=OPCODES, hex=True),
         Field("flags", 2, "Flags", "Per-opcode flags", hex=True, per_opcode_flags=True),
         Field("request_id", 8, "Request ID", "Chosen by the initiator, echoed in the completion"),
@@ -140,19 +142,20 @@ COMPLETION = Struct(
 
 GOODBYE = Struct(name="goodbye", title="GOODBYE Body", section="Session Establishment", items=())
 
+_C = "COMPLETION"
 MESSAGES = (
-    Message(0x01, "HELLO", "Hello", HELLO, addr_le_applies=False),
-    Message(0x02, "HELLO_ACK", "Hello Acknowledgement", HELLO_ACK, addr_le_applies=False,
-            is_request=False),
-    Message(0x10, "LOAD", "Block Load", LOAD, flags=REQUEST_FLAGS),
-    Message(0x11, "STORE", "Block Mapped Store", STORE, flags=REQUEST_FLAGS),
-    Message(0x12, "ALLOC_STORE", "Block Unmapped Store", ALLOC_STORE, flags=REQUEST_FLAGS),
-    Message(0x13, "FREE", "Block Free", FREE, flags=REQUEST_FLAGS),
-    Message(0x14, "BIND", "Bind", BIND),
-    Message(0x20, "COMPLETION", "Completion", COMPLETION, is_request=False),
+    Message(0x01, "HELLO", "Hello", HELLO, addr_le_applies=False, answer="HELLO_ACK"),
+    Message(0x02, "HELLO_ACK", "Hello Acknowledgement", HELLO_ACK, addr_le_applies=False),
+    Message(0x10, "LOAD", "Block Load", LOAD, flags=REQUEST_FLAGS, answer=_C),
+    Message(0x11, "STORE", "Block Mapped Store", STORE, flags=REQUEST_FLAGS, answer=_C),
+    Message(0x12, "ALLOC_STORE", "Block Unmapped Store", ALLOC_STORE, flags=REQUEST_FLAGS, answer=_C),
+    Message(0x13, "FREE", "Block Free", FREE, flags=REQUEST_FLAGS, answer=_C),
+    Message(0x14, "BIND", "Bind", BIND, answer=_C),
+    Message(0x20, "COMPLETION", "Completion", COMPLETION),
     Message(0x30, "GOODBYE", "Goodbye", GOODBYE, flags=GOODBYE_FLAGS),
 )
 
 BY_OPCODE = {m.opcode: m for m in MESSAGES}
 BY_NAME = {m.name: m for m in MESSAGES}
 assert set(BY_OPCODE) == set(OPCODES.by_value()), "every opcode has a body layout"
+assert all(m.answer is None or m.answer in BY_NAME for m in MESSAGES)

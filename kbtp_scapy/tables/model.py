@@ -103,8 +103,9 @@ class Field:
     """One field of a structure.
 
     ``size`` is in octets; 0 means "the rest of the message" (inline data).
-    ``length_from`` names the field (by key) whose value, when left unset, is filled
-    in from this variable-size field's length.
+    ``default`` is what an encoder writes when no value is given.
+    ``length_from`` names the field (by key, ``member.field``) whose value, when left
+    unset, is filled in from this variable-size field's length.
     """
 
     name: str
@@ -119,10 +120,19 @@ class Field:
     reserved: bool = False
     when: Condition | None = None
     length_from: str | None = None
+    default: int = 0
 
     @property
     def is_bytes(self) -> bool:
         return self.size == 0 or self.size > 8
+
+    @property
+    def length_target(self) -> tuple[str, str] | None:
+        """(member, field) that ``length_from`` names."""
+        if self.length_from is None:
+            return None
+        member, name = self.length_from.split(".", 1)
+        return member, name
 
 
 @dataclass(frozen=True)
@@ -163,6 +173,26 @@ class Struct:
                 return item
         raise KeyError(name)
 
+    def offset(self, name: str) -> int:
+        """Offset of an item that no conditional item precedes (its place is fixed)."""
+        offset = 0
+        for item in self.items:
+            if item.name == name:
+                return offset
+            if item.when is not None or not item.size:
+                break
+            offset += item.size
+        raise KeyError(f"{name} has no fixed offset in {self.name}")
+
+    @property
+    def conditions(self) -> tuple[Condition, ...]:
+        """The distinct conditions that gate items of this structure, in wire order."""
+        return tuple(dict.fromkeys(i.when for i in self.items if i.when is not None))
+
+    def gated(self, cond: Condition) -> tuple[str, ...]:
+        """Names of the items that ``cond`` gates."""
+        return tuple(i.name for i in self.items if i.when == cond)
+
 
 @dataclass(frozen=True)
 class Message:
@@ -174,7 +204,7 @@ class Message:
     body: Struct
     flags: FlagSet | None = None
     addr_le_applies: bool = True
-    is_request: bool = True
+    answer: str | None = None      # name of the message that answers this one
     doc: str = ""
 
 
