@@ -19,7 +19,7 @@ from .layers.kbtp import looks_like_kbtp
 from .transport import iwarp, roce
 from .transport.message import RdmaMessage
 
-SEND_KINDS = {"send", "send_inv", "send_imm"}
+SEND_KINDS = {"send", "send_inv"}
 _ADDR_LE = T.flag(T.FEATURES, "ADDR_LE")
 
 
@@ -71,7 +71,7 @@ def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) 
         if msg.kind not in SEND_KINDS or not looks_like_kbtp(msg.payload):
             continue
         key = session_key(msg)
-        le = sessions.get(key, bool(addr_le)) if addr_le is None else addr_le
+        le = sessions.get(key, False) if addr_le is None else addr_le
         frame = msg.frames[-1] if msg.frames else 0
         try:
             fields = codec.decode(msg.payload, addr_le=le)

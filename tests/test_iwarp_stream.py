@@ -238,7 +238,7 @@ def _check_decoded(msgs, sent, ends=(A, B)):
     kinds = {Op.SEND: "send", Op.WRITE: "write", Op.READ_REQUEST: "read_request",
              Op.READ_RESPONSE: "read_response", Op.SEND_INV: "send_inv",
              Op.ATOMIC_REQUEST: "atomic_request", Op.ATOMIC_RESPONSE: "atomic_response",
-             Op.IMMEDIATE_SE: "write_imm", Op.TERMINATE: "terminate"}
+             Op.IMMEDIATE_SE: "immediate", Op.TERMINATE: "terminate"}
     assert len(msgs) == len(sent)
     names = {name: op for op, name in RDMAP_OPCODES.items()}
     for msg, (op, payload, initiator, kw) in zip(msgs, sent, strict=True):
@@ -260,7 +260,7 @@ def test_decoder_finds_every_message():
     assert by_kind["read_request"].info["read_size"] == 4000
     assert by_kind["atomic_request"].info["mask"] == 1 << 31
     assert by_kind["atomic_response"].info["orig_data"] == 5
-    assert by_kind["write_imm"].info["imm"] == 0x1122 and by_kind["write_imm"].info["solicited"]
+    assert by_kind["immediate"].info["imm"] == 0x1122 and by_kind["immediate"].info["solicited"]
     assert by_kind["terminate"].info["errcode"] == 2
     write = by_kind["write"]
     frames = [n for n, p in enumerate(conv.packets, 1)

@@ -16,11 +16,9 @@ def _option_name(key: str) -> str:
 
 
 def _all_fields() -> dict[str, T.Field]:
-    """Every settable key of every message, header first, in table order."""
-    out: dict[str, T.Field] = {}
-    for f in T.flatten(T.HEADER):
-        if f.key not in ("opcode",):
-            out[f.key] = f.field
+    """Every settable key of every message, header first, in table order (Opcode is
+    the command's argument)."""
+    out = {f.key: f.field for f in T.flatten(T.HEADER) if f.field is not T.HEADER.item("opcode")}
     for msg in T.MESSAGES:
         for f in T.flatten(msg.body):
             out.setdefault(f.key, f.field)
@@ -31,38 +29,35 @@ FIELDS = _all_fields()
 
 
 def _parse_int(text: str, field: T.Field, flag_set: T.FlagSet | None) -> int:
-    names = {}
-    if field.enum is not None:
-        names = field.enum.by_name()
+    """A number, an enumeration name, or flag names joined with + (or , or |)."""
     if flag_set is not None:
         names = {f.name: f.value for f in flag_set.flags}
-    if text.upper() in names and flag_set is None:
-        return names[text.upper()]
+        parts = text.replace(",", "+").replace("|", "+").split("+")
+    else:
+        names = field.enum.by_name() if field.enum is not None else {}
+        parts = [text]
     value = 0
-    for part in text.replace(",", "+").replace("|", "+").split("+"):
-        part = part.strip()
+    for part in (p.strip() for p in parts):
         if part.upper() in names:
             value |= names[part.upper()]
-        else:
-            try:
-                value |= int(part, 0)
-            except ValueError:
-                known = ", ".join(names) or "a number"
-                raise click.BadParameter(f"{part!r} is not {known}") from None
+            continue
+        try:
+            value |= int(part, 0)
+        except ValueError:
+            raise click.BadParameter(f"{part!r} is not {', '.join(names) or 'a number'}") from None
     if not 0 <= value < 1 << (8 * field.size):
         raise click.BadParameter(f"{value} does not fit in {8 * field.size} bits")
     return value
 
 
-def _parse(key: str, text: str, msg: T.Message) -> Any:
+def _parse(key: str, text: str, msg: T.Message | None) -> Any:
     field = FIELDS[key]
     if field.is_bytes:
         try:
-            data = bytes.fromhex(text.replace(":", "").replace(" ", ""))
+            return bytes.fromhex(text.replace(":", "").replace(" ", ""))
         except ValueError:
             raise click.BadParameter(f"{_option_name(key)}: not a hex string") from None
-        return data
-    flag_set = msg.flags if field.per_opcode_flags else field.flags
+    flag_set = (msg.flags if msg else None) if field.per_opcode_flags else field.flags
     try:
         return _parse_int(text, field, flag_set)
     except click.BadParameter as exc:
@@ -120,8 +115,8 @@ def craft(opcode: str, inline_data_file, addr_le: bool, fmt: str | None, transpo
       kbtp craft 0xC3 --transport iwarp -o private.pcap
     """
     op = _opcode(opcode)
-    msg = T.BY_OPCODE.get(op, T.Message(op, "?", "?", T.Struct("none", "?", "?", ())))
-    valid = {f.key for f in T.flatten(T.HEADER)} | {f.key for f in T.flatten(msg.body)}
+    msg = T.BY_OPCODE.get(op)
+    valid = {f.key for f in T.flatten(T.HEADER)} | {f.key for f in (T.flatten(msg.body) if msg else ())}
     values: dict[str, Any] = {"opcode": op}
     for name, text in given.items():
         if text is None:

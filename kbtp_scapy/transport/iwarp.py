@@ -463,8 +463,8 @@ _M, _C, _R = 0x80, 0x40, 0x20
 _KINDS = {
     Op.WRITE: "write", Op.READ_REQUEST: "read_request", Op.READ_RESPONSE: "read_response",
     Op.SEND: "send", Op.SEND_SE: "send", Op.SEND_INV: "send_inv",
-    Op.SEND_SE_INV: "send_inv", Op.TERMINATE: "terminate", Op.IMMEDIATE: "write_imm",
-    Op.IMMEDIATE_SE: "write_imm", Op.ATOMIC_REQUEST: "atomic_request",
+    Op.SEND_SE_INV: "send_inv", Op.TERMINATE: "terminate", Op.IMMEDIATE: "immediate",
+    Op.IMMEDIATE_SE: "immediate", Op.ATOMIC_REQUEST: "atomic_request",
     Op.ATOMIC_RESPONSE: "atomic_response",
 }
 _BODY_INFO = {

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 class RdmaMessage:
     """One reassembled RDMA message, as a decoder of either binding yields it.
 
-    ``kind`` is one of "send", "send_inv", "write", "write_imm", "read_request",
-    "read_response", "atomic_request", "atomic_response", "terminate", "ack".
+    ``kind`` is one of "send", "send_inv", "write", "write_imm" (RoCEv2 RDMA Write with
+    Immediate), "immediate" (RFC 7306 Immediate Data), "read_request", "read_response",
+    "atomic_request", "atomic_response", "terminate", "ack". A Send with Immediate is a
+    "send" with ``info["imm"]``.
     ``frames`` are the 1-based capture frame numbers that carried it, in order;
     ``conn`` names the connection and direction (src, dst) so a decoder can keep
     per-connection state.  ``payload`` is the upper-layer payload with transport
