@@ -95,36 +95,3 @@ def to_json(found: Found) -> dict[str, Any]:
     if found.error:
         out["malformed"] = found.error
     return out
-
-
-def describe(fields: dict[str, Any]) -> str:
-    """One line in the style of Wireshark's RDMA Info column:
-    ``ALLOC_STORE rid=7 handle=0x4001 len=8 INLINE``, ``COMPLETION rid=7 OK gen=5 off=0x150000``."""
-    opcode = fields.get("opcode")
-    if opcode is None:
-        return "KBTP (truncated)"
-    msg = T.BY_OPCODE.get(opcode)
-    parts = [T.OPCODES.describe(opcode), f"rid={fields.get('request_id', '?')}"]
-    if msg is None:
-        return " ".join(parts)
-    if msg.name in ("HELLO", "HELLO_ACK"):
-        parts.pop()
-    elif "handle" in fields and msg.name != "GOODBYE":
-        parts.append(f"handle=0x{fields['handle']:x}")
-    if msg.name == "COMPLETION":
-        parts.append(T.STATUS.describe(fields.get("status", 0)))
-        parts.append(f"gen={fields.get('generation')}")
-        if "completion.block_offset" in fields:
-            parts.append(f"off=0x{fields['completion.block_offset']:x}")
-    elif msg.name == "HELLO_ACK":
-        if fields.get("status"):
-            parts.append(T.STATUS.describe(fields["status"]))
-        if "hello_ack.block_size" in fields:
-            parts.append(f"bs={fields['hello_ack.block_size']}")
-    elif msg.name == "BIND" and "bind.ticket" in fields:
-        parts.append(f"ticket={fields['bind.ticket']}")
-    elif "dd.length" in fields:
-        parts.append(f"len={fields['dd.length']}")
-    if msg.flags is not None and "flags" in fields:
-        parts.extend(msg.flags.names(fields["flags"]))
-    return " ".join(parts)

@@ -6,7 +6,8 @@ import json
 import click
 
 from .. import codec
-from ..capture import CaptureError, Found, describe, kbtp_messages, rdma_messages, read_packets, to_json
+from ..capture import CaptureError, Found, kbtp_messages, rdma_messages, read_packets, to_json
+from ..summary import describe
 
 
 @click.command()

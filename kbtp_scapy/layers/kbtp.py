@@ -23,6 +23,7 @@ from scapy.fields import (ByteEnumField, ByteField, ConditionalField, Field, Fla
 from scapy.packet import Packet, Raw, bind_layers
 
 from .. import tables as T
+from ..summary import describe
 
 conf.contribs.setdefault("kbtp", {}).setdefault("addr_le", False)
 
@@ -302,12 +303,7 @@ class KBTP(_KBTPPacket):
     def mysummary(self) -> str:
         if self.opcode is None:
             return "KBTP [truncated]"
-        text = f"KBTP {T.OPCODES.describe(self.opcode)} rid={self.request_id}"
-        if self.handle is not None:
-            text += f" handle=0x{self.handle:x}"
-        if self.opcode == T.BY_NAME["COMPLETION"].opcode and self.status is not None:
-            text += f" {T.STATUS.describe(self.status)} gen={self.generation}"
-        return text + (" [truncated]" if self.truncated else "")
+        return "KBTP " + describe(packet_fields(self)) + (" [truncated]" if self.truncated else "")
 
 
 BODY_CLASSES: dict[int, type[Packet]] = {}
@@ -346,7 +342,8 @@ def packet_fields(pkt: Packet) -> dict[str, Any]:
     """Flat ``{key: value}`` of a KBTP packet, keyed as the codec and the JSON output are;
     items absent from the wire are left out."""
     header = pkt if isinstance(pkt, KBTP) else pkt.getlayer(KBTP)
-    out = {f.key: _plain(header.getfieldval(f.field.name)) for f in T.flatten(T.HEADER)}
+    out = {f.key: _plain(header.getfieldval(f.field.name)) for f in T.flatten(T.HEADER)
+           if header.getfieldval(f.field.name) is not None}
     body = header.payload
     if isinstance(body, _KBTPPacket):
         for f in T.flatten(body._struct):
@@ -383,7 +380,8 @@ def build_packet(values: dict[str, Any], addr_le: bool | None = None) -> KBTP:
 
 
 def _plain(value: Any) -> Any:
-    """Scapy's FlagValue as a plain int; bytes stay bytes."""
+    """Scapy's FlagValue as a plain int; bytes stay bytes. Fields a truncated packet
+    did not reach are left out by the callers."""
     return value if isinstance(value, bytes) else int(value)
 
 

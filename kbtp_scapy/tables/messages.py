@@ -5,7 +5,7 @@ Layouts follow NOTES.md section 2; section names cite kbtp-draft.txt.
 from __future__ import annotations
 
 from .enums import FEATURES, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
-from .model import Condition, Field, Member, Message, Order, Struct
+from .model import Condition, Field, Member, Message, Order, Struct, flatten
 
 A = Order.ADDRESS
 VERSION = 1
@@ -142,16 +142,26 @@ COMPLETION = Struct(
 
 GOODBYE = Struct(name="goodbye", title="GOODBYE Body", section="Session Establishment", items=())
 
+# One-line summaries (Info column): (label, key); an empty label shows the value alone.
+# Flag names of the opcode follow them.
 _C = "COMPLETION"
+_RID, _HANDLE = ("rid", "request_id"), ("handle", "handle")
+_DATA = (_RID, _HANDLE, ("len", "dd.length"))
 MESSAGES = (
-    Message(0x01, "HELLO", "Hello", HELLO, addr_le_applies=False, answer="HELLO_ACK"),
-    Message(0x02, "HELLO_ACK", "Hello Acknowledgement", HELLO_ACK, addr_le_applies=False),
-    Message(0x10, "LOAD", "Block Load", LOAD, flags=REQUEST_FLAGS, answer=_C),
-    Message(0x11, "STORE", "Block Mapped Store", STORE, flags=REQUEST_FLAGS, answer=_C),
-    Message(0x12, "ALLOC_STORE", "Block Unmapped Store", ALLOC_STORE, flags=REQUEST_FLAGS, answer=_C),
-    Message(0x13, "FREE", "Block Free", FREE, flags=REQUEST_FLAGS, answer=_C),
-    Message(0x14, "BIND", "Bind", BIND, answer=_C),
-    Message(0x20, "COMPLETION", "Completion", COMPLETION),
+    Message(0x01, "HELLO", "Hello", HELLO, addr_le_applies=False, answer="HELLO_ACK",
+            summary=(("features", "hello.requested_features"), ("credits", "hello.completion_credits"))),
+    Message(0x02, "HELLO_ACK", "Hello Acknowledgement", HELLO_ACK, addr_le_applies=False,
+            summary=(("", "status"), ("features", "hello_ack.features"),
+                     ("bs", "hello_ack.block_size"), ("handles", "hello_ack.handle_base"))),
+    Message(0x10, "LOAD", "Block Load", LOAD, flags=REQUEST_FLAGS, answer=_C, summary=_DATA),
+    Message(0x11, "STORE", "Block Mapped Store", STORE, flags=REQUEST_FLAGS, answer=_C, summary=_DATA),
+    Message(0x12, "ALLOC_STORE", "Block Unmapped Store", ALLOC_STORE, flags=REQUEST_FLAGS, answer=_C,
+            summary=_DATA),
+    Message(0x13, "FREE", "Block Free", FREE, flags=REQUEST_FLAGS, answer=_C, summary=(_RID, _HANDLE)),
+    Message(0x14, "BIND", "Bind", BIND, answer=_C,
+            summary=(_RID, _HANDLE, ("ticket", "bind.ticket"), ("off", "bind.block_offset"))),
+    Message(0x20, "COMPLETION", "Completion", COMPLETION,
+            summary=(_RID, ("", "status"), ("gen", "generation"), ("off", "completion.block_offset"))),
     Message(0x30, "GOODBYE", "Goodbye", GOODBYE, flags=GOODBYE_FLAGS),
 )
 
@@ -159,3 +169,5 @@ BY_OPCODE = {m.opcode: m for m in MESSAGES}
 BY_NAME = {m.name: m for m in MESSAGES}
 assert set(BY_OPCODE) == set(OPCODES.by_value()), "every opcode has a body layout"
 assert all(m.answer is None or m.answer in BY_NAME for m in MESSAGES)
+assert all(key in {f.key for f in flatten(HEADER)} | {f.key for f in flatten(m.body)}
+           for m in MESSAGES for _, key in m.summary), "summaries name real fields"

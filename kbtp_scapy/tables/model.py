@@ -205,6 +205,7 @@ class Message:
     flags: FlagSet | None = None
     addr_le_applies: bool = True
     answer: str | None = None      # name of the message that answers this one
+    summary: tuple[tuple[str, str], ...] = ()  # (label, key) shown in one-line summaries
     doc: str = ""
 
 
