@@ -1,0 +1,1 @@
+"""The Wireshark Lua dissector, generated from the field tables (``generate``)."""

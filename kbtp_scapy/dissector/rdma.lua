@@ -1,0 +1,1 @@
+-- RDMA transfers tied to KBTP requests (data_for) and ring counters: see below.

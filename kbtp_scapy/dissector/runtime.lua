@@ -1,0 +1,414 @@
+-- Interprets the generated layouts (HEADER, MESSAGES, FLAGSETS, FMT): recognition,
+-- field tree, Info column, expert info, sessions and request/response tracking.
+-- Holds no layout of its own. Wireshark 4.0 / Lua 5.2.
+
+local E = {
+    status = ProtoExpert.new("kbtp.expert.status", "KBTP non-OK status",
+                             expert.group.RESPONSE_CODE, expert.severity.WARN),
+    malformed = ProtoExpert.new("kbtp.expert.malformed", "Malformed KBTP message",
+                                expert.group.MALFORMED, expert.severity.ERROR),
+    undefined_flags = ProtoExpert.new("kbtp.expert.undefined_flags", "Undefined flag bits set",
+                                      expert.group.PROTOCOL, expert.severity.NOTE),
+    unanswered = ProtoExpert.new("kbtp.expert.no_request", "Answer to a request not seen",
+                                 expert.group.SEQUENCE, expert.severity.NOTE),
+    credits = ProtoExpert.new("kbtp.expert.credits", "More requests outstanding than Request Credits",
+                              expert.group.SEQUENCE, expert.severity.WARN),
+    ring = ProtoExpert.new("kbtp.expert.ring", "FetchAdd on a ring counter with the wrong Add Data or Add Mask",
+                           expert.group.PROTOCOL, expert.severity.WARN),
+}
+kbtp.experts = { E.status, E.malformed, E.undefined_flags, E.unanswered, E.credits, E.ring }
+
+local fieldlist = {}
+for _, f in pairs(F) do fieldlist[#fieldlist + 1] = f end
+kbtp.fields = fieldlist
+
+kbtp.prefs.addr_le = Pref.enum("Address byte order (auto: follow HELLO_ACK; on: ADDR_LE; off: network)",
+    1, "Byte order of address fields for sessions whose HELLO_ACK is not in the capture",
+    { { 1, "auto", 1 }, { 2, "on", 2 }, { 3, "off", 3 } }, false)
+
+-- RDMA context, read with field extractors (the C structs do not reach Lua).
+local X = {
+    bth_opcode = Field.new("infiniband.bth.opcode"),
+    bth_psn = Field.new("infiniband.bth.psn"),
+    bth_padcnt = Field.new("infiniband.bth.padcnt"),
+    bth_destqp = Field.new("infiniband.bth.destqp"),
+}
+
+local function last(extractor)
+    local all = { extractor() }
+    local fi = all[#all]
+    return fi and fi.value
+end
+
+-- ---- state: filled only when not pinfo.visited, cleared in init ----------------------
+local conns   -- conversation key -> { le, credits, outstanding, pending = {[rid] = req} }
+local frames  -- frame number -> per-frame result (kept for revisits: -2, GUI)
+local reasm   -- RoCEv2 Send reassembly, per direction and QP
+local HOOKS = {}  -- functions(conn, st, values, msg, pinfo) run on first pass after a message
+
+local function reset()
+    conns, frames, reasm = {}, {}, {}
+    for _, hook in ipairs(HOOKS) do
+        if hook.init then hook.init() end
+    end
+end
+kbtp.init = reset
+reset()
+
+local function endpoint(addr, port)
+    return tostring(addr) .. ((port and port ~= 0xffffffff) and (":" .. port) or "")
+end
+
+-- Both directions of a connection share one key. On RoCEv2 without the CM exchange the
+-- two directions name different QPs, so the address pair stands for the session.
+local function conn_key(pinfo, roce)
+    local a, b
+    if roce then
+        a, b = tostring(pinfo.src), tostring(pinfo.dst)
+    else
+        a, b = endpoint(pinfo.src, pinfo.src_port), endpoint(pinfo.dst, pinfo.dst_port)
+    end
+    if a > b then a, b = b, a end
+    return (roce and "roce " or "iwarp ") .. a .. " " .. b
+end
+
+local function conn_of(key)
+    local c = conns[key]
+    if not c then
+        c = { pending = {}, outstanding = 0 }
+        conns[key] = c
+    end
+    return c
+end
+
+-- ---- layout walking --------------------------------------------------------------------
+local function present(item, values)
+    if not item.when then return true end
+    local word = values[item.when[1]]
+    return word ~= nil and bit32.band(word, item.when[2]) ~= 0
+end
+
+local function value_of(range, size, le)
+    if size > 8 then return range:bytes() end
+    if size == 8 then return le and range:le_uint64() or range:uint64() end
+    return le and range:le_uint() or range:uint()
+end
+
+-- Walk ``items`` from ``off``; add to ``tree`` when given. Returns the offset reached and
+-- whether the message ended before a fixed field did.
+local function walk(items, tvb, off, tree, ctx)
+    local len = tvb:len()
+    for _, item in ipairs(items) do
+        if present(item, ctx.values) then
+            if item.member then
+                local sub = tree and tree:add(tvb:range(off, math.max(0, math.min(item.size, len - off))),
+                                              item.title)
+                local truncated
+                off, truncated = walk(item.items, tvb, off, sub, ctx)
+                if truncated then return off, true end
+            elseif item.size == 0 then
+                local n = len - off
+                ctx.values[item.key] = n
+                ctx.tail = item
+                if tree and n > 0 then tree:add(F[item.key], tvb:range(off, n)) end
+                off = len
+            else
+                if off + item.size > len then return off, true end
+                local range = tvb:range(off, item.size)
+                local le = ctx.le and item.order == "A"
+                local value = value_of(range, item.size, le)
+                ctx.values[item.key] = value
+                if tree then
+                    local ti = le and tree:add_le(F[item.key], range) or tree:add(F[item.key], range)
+                    local set = item.flagset
+                    if set == true then set = ctx.msg and ctx.msg.flagset end
+                    if set then
+                        for _, bit in ipairs(FLAGSETS[set].bits) do
+                            ti:add(F[item.key .. "." .. bit[3]], range)
+                        end
+                    end
+                end
+                off = off + item.size
+            end
+        end
+    end
+    return off, false
+end
+
+-- ---- recognition and decoding ------------------------------------------------------------
+local function opcode_known(op)
+    return MESSAGES[op] ~= nil or (op >= PRIVATE_OPCODES[1] and op <= PRIVATE_OPCODES[2])
+end
+
+-- What is wrong with the layout of a message, or nil; ``values`` gets what was read.
+local function layout_problem(tvb, msg, le)
+    local ctx = { values = {}, le = le and msg.addr_le, msg = msg }
+    local off, truncated = walk(HEADER, tvb, 0, nil, ctx)
+    if truncated then return "truncated header", ctx.values end
+    off, truncated = walk(msg.items, tvb, off, nil, ctx)
+    if truncated then
+        return string.format("truncated: %d octets, %s with these flags needs more", tvb:len(), msg.name), ctx.values
+    end
+    if ctx.tail then
+        local declared = ctx.values[ctx.tail.length_from]
+        if declared ~= ctx.values[ctx.tail.key] then
+            return string.format("inline data is %d octets, the descriptor says %s",
+                                 ctx.values[ctx.tail.key], tostring(declared)), ctx.values
+        end
+    elseif off < tvb:len() then
+        return string.format("%d octets after the end of %s", tvb:len() - off, msg.name), ctx.values
+    end
+    return nil, ctx.values
+end
+
+-- Strict recognition: Version 1, a known or Private Use opcode, and a layout that fits the
+-- opcode, flags and descriptors. Inside a conversation already known to carry KBTP, a
+-- message with a wrong layout is still claimed (and marked malformed).
+local function recognise(tvb, conn)
+    if tvb:len() < HEADER_SIZE then return false end
+    if tvb:range(0, 1):uint() ~= VERSION then return false end
+    local op = tvb:range(1, 1):uint()
+    if not opcode_known(op) then return false end
+    if conn and conn.kbtp then return true end
+    local msg = MESSAGES[op]
+    if not msg then return false end
+    return layout_problem(tvb, msg, false) == nil
+end
+
+-- The first packet of a multi-packet Send: a header whose inline data continues past it.
+local function recognise_first(tvb, conn)
+    if tvb:len() < HEADER_SIZE or tvb:range(0, 1):uint() ~= VERSION then return false end
+    local op = tvb:range(1, 1):uint()
+    if not opcode_known(op) then return false end
+    if conn and conn.kbtp then return true end
+    local msg = MESSAGES[op]
+    if not msg then return false end
+    local ctx = { values = {}, le = false, msg = msg }
+    local off, truncated = walk(HEADER, tvb, 0, nil, ctx)
+    off, truncated = walk(msg.items, tvb, off, nil, ctx)
+    return not truncated and ctx.tail ~= nil and ctx.values[ctx.tail.key] < ctx.values[ctx.tail.length_from]
+end
+
+local function show(key, value)
+    local fmt = FMT[key] or "dec"
+    if fmt == "hex" then
+        if type(value) == "number" then return string.format("0x%x", value) end
+        local hex = value:tohex():gsub("^0+", "")
+        return "0x" .. (hex == "" and "0" or hex)
+    elseif fmt:sub(1, 5) == "enum:" then
+        for _, row in ipairs(ENUMS[fmt:sub(6)]) do
+            if value >= row[1] and value <= row[2] then
+                return row[1] == row[2] and row[3] or string.format("%s (0x%x)", row[3], value)
+            end
+        end
+        return string.format("Unknown (0x%x)", value)
+    elseif fmt:sub(1, 6) == "flags:" then
+        local names = {}
+        for _, bit in ipairs(FLAGSETS[fmt:sub(7)].bits) do
+            if bit32.band(value, bit[1]) ~= 0 then names[#names + 1] = bit[2] end
+        end
+        return #names > 0 and table.concat(names, "+") or "0"
+    end
+    return tostring(value)
+end
+
+local function summary(msg, op, values)
+    if not msg then
+        return string.format("%s rid=%s", show("opcode", op), tostring(values.request_id))
+    end
+    local parts = { msg.name }
+    for _, pair in ipairs(msg.summary) do
+        local v = values[pair[2]]
+        if v ~= nil then
+            parts[#parts + 1] = pair[1] ~= "" and (pair[1] .. "=" .. show(pair[2], v)) or show(pair[2], v)
+        end
+    end
+    if msg.flagset and values.flags then
+        for _, bit in ipairs(FLAGSETS[msg.flagset].bits) do
+            if bit32.band(values.flags, bit[1]) ~= 0 then parts[#parts + 1] = bit[2] end
+        end
+    end
+    return table.concat(parts, " ")
+end
+
+local function nstime(seconds)
+    local s = math.floor(seconds)
+    return NSTime.new(s, math.floor((seconds - s) * 1e9 + 0.5))
+end
+
+-- First pass only: session state and request/response tracking for one message.
+local function track(pinfo, conn, st, msg, values)
+    local op = values.opcode
+    if op == OPCODE.HELLO_ACK and values.status == STATUS_OK then
+        local feats = values["hello_ack.features"] or 0
+        conn.le = bit32.band(feats, FEATURE.ADDR_LE) ~= 0
+        conn.credits = values["hello_ack.request_credits"]
+    end
+    if not msg then return end
+    local rid = tostring(values.request_id)
+    if msg.answer then
+        conn.pending[rid] = { frame = pinfo.number, ts = pinfo.abs_ts, answer = msg.answer }
+        if msg.answer == OPCODE.COMPLETION then
+            conn.outstanding = conn.outstanding + 1
+            if conn.credits and conn.outstanding > conn.credits then
+                st.over_credits = conn.outstanding
+            end
+        end
+    elseif op == OPCODE.COMPLETION or op == OPCODE.HELLO_ACK then
+        local req = conn.pending[rid]
+        if req and req.answer == op then
+            conn.pending[rid] = nil
+            st.request_in, st.delta = req.frame, pinfo.abs_ts - req.ts
+            frames[req.frame].response_in = pinfo.number
+            if op == OPCODE.COMPLETION then conn.outstanding = conn.outstanding - 1 end
+        else
+            st.unanswered = true
+        end
+    end
+    for _, hook in ipairs(HOOKS) do
+        if hook.message then hook.message(conn, st, values, msg, pinfo) end
+    end
+end
+
+-- Decode one whole KBTP message in ``tvb`` into ``tree``; ``st`` is its per-frame state.
+local function dissect_message(tvb, pinfo, tree, key, st)
+    local conn = conn_of(key)
+    local op = tvb:range(1, 1):uint()
+    local msg = MESSAGES[op]
+    if not pinfo.visited then
+        conn.kbtp = true
+        local pref = kbtp.prefs.addr_le
+        st.le = (pref == 2) or (pref == 1 and conn.le == true)
+    end
+    local root = tree:add(kbtp, tvb:range(0, tvb:len()))
+    local ctx = { values = {}, le = st.le and (msg == nil or msg.addr_le), msg = msg }
+    walk(HEADER, tvb, 0, root, ctx)
+    local problem
+    if msg then
+        problem = layout_problem(tvb, msg, st.le)
+        walk(msg.items, tvb, HEADER_SIZE, root, ctx)
+    end
+    local values = ctx.values
+    if not pinfo.visited then track(pinfo, conn, st, msg, values) end
+
+    if st.le then root:add(F["session.addr_le"], true):set_generated() end
+    if st.request_in then
+        root:add(F.request_in, st.request_in):set_generated()
+        root:add(F.time, nstime(st.delta)):set_generated()
+    end
+    if st.response_in then root:add(F.response_in, st.response_in):set_generated() end
+    if problem then root:add_proto_expert_info(E.malformed, problem) end
+    if msg and msg.flagset and values.flags then
+        local extra = bit32.band(values.flags, bit32.bnot(FLAGSETS[msg.flagset].defined))
+        if extra ~= 0 then
+            root:add_proto_expert_info(E.undefined_flags, string.format("undefined flag bits 0x%04x", extra))
+        end
+    end
+    if (op == OPCODE.COMPLETION or op == OPCODE.HELLO_ACK) and values.status and values.status ~= STATUS_OK then
+        root:add_proto_expert_info(E.status, show("status", values.status))
+    end
+    if st.unanswered then root:add_proto_expert_info(E.unanswered) end
+    if st.over_credits then
+        root:add_proto_expert_info(E.credits, string.format("%d requests outstanding, %d credits",
+                                                            st.over_credits, conn.credits or 0))
+    end
+    local info = summary(msg, op, values)
+    if problem then info = info .. " [Malformed]" end
+    root:append_text(", " .. info)
+    return info
+end
+
+local function set_columns(pinfo, info)
+    pinfo.cols.protocol = "KBTP"
+    pinfo.cols.info = info
+end
+
+-- ---- entry points -------------------------------------------------------------------------
+local SEND_FIRST, SEND_MIDDLE = 0x00, 0x01
+local SEND_LAST = { [0x02] = true, [0x03] = true, [0x16] = true }
+local SEND_ONLY = { [0x04] = true, [0x05] = true, [0x17] = true, [0x64] = true, [0x65] = true }
+
+local function frame_state(pinfo)
+    local st = frames[pinfo.number]
+    if not st then
+        st = {}
+        frames[pinfo.number] = st
+    end
+    return st
+end
+
+-- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
+-- FIRST/MIDDLE/LAST per direction and QP in PSN order, and claim every fragment.
+local function heur_infiniband(tvb, pinfo, tree)
+    local opcode = last(X.bth_opcode)
+    if not opcode or tvb:len() == 0 then return false end
+    local key = conn_key(pinfo, true)
+    local st = frames[pinfo.number]
+    if pinfo.visited then
+        if not st or not (st.kbtp or st.fragment_in or st.message) then return false end
+    else
+        local service, op = bit32.band(opcode, 0xe0), bit32.band(opcode, 0x1f)
+        local pad = last(X.bth_padcnt) or 0
+        local data = tvb:range(0, tvb:len()):bytes()
+        if SEND_LAST[opcode] or SEND_ONLY[opcode] then
+            data = data:subset(0, math.max(0, data:len() - pad))
+        end
+        local dir = tostring(pinfo.src) .. ">" .. tostring(pinfo.dst) .. "/" .. tostring(last(X.bth_destqp))
+        local psn = last(X.bth_psn)
+        local r = reasm[dir]
+        if service ~= 0x60 and op == SEND_FIRST then
+            if not recognise_first(tvb, conns[key]) then
+                reasm[dir] = nil
+                return false
+            end
+            st = frame_state(pinfo)
+            reasm[dir] = { data = data, next = (psn + 1) % 0x1000000, frames = { pinfo.number } }
+            st.fragment = true
+        elseif service ~= 0x60 and (op == SEND_MIDDLE or SEND_LAST[opcode]) then
+            if not r or psn ~= r.next then return false end
+            r.data:append(data)
+            r.next = (psn + 1) % 0x1000000
+            r.frames[#r.frames + 1] = pinfo.number
+            st = frame_state(pinfo)
+            if SEND_LAST[opcode] then
+                reasm[dir] = nil
+                st.message = r.data
+                for _, n in ipairs(r.frames) do
+                    if n ~= pinfo.number then frames[n].fragment_in = pinfo.number end
+                end
+            else
+                st.fragment = true
+            end
+        elseif SEND_ONLY[opcode] then
+            if not recognise(data:tvb("KBTP"), conns[key]) then return false end
+            st = frame_state(pinfo)
+            st.message = data
+        else
+            return false
+        end
+        st.kbtp = true
+    end
+    if st.message then
+        set_columns(pinfo, dissect_message(st.message:tvb("KBTP message"), pinfo, tree, key, st))
+    else
+        local item = tree:add(kbtp, tvb:range(0, tvb:len()), "KBTP fragment")
+        if st.fragment_in then item:add(F.fragment_in, st.fragment_in):set_generated() end
+        set_columns(pinfo, "KBTP fragment" .. (st.fragment_in and (" (message in " .. st.fragment_in .. ")") or ""))
+    end
+    return true
+end
+
+-- iWARP: Wireshark reassembles Sends; the heuristic sees whole messages.
+local function heur_iwarp(tvb, pinfo, tree)
+    local key = conn_key(pinfo, false)
+    local st = frames[pinfo.number]
+    if pinfo.visited then
+        if not st or not st.kbtp then return false end
+    else
+        if not recognise(tvb, conns[key]) then return false end
+        st = frame_state(pinfo)
+        st.kbtp = true
+    end
+    set_columns(pinfo, dissect_message(tvb, pinfo, tree, key, st))
+    return true
+end
