@@ -12,7 +12,7 @@ local F = {}
 
 -- KBTP Common Header (kbtp-draft, Messages / Common Header)
 F["version"] = ProtoField.uint8("kbtp.version", "Version", base.DEC, nil, nil, "Protocol version; 1 for this specification")
-F["opcode"] = ProtoField.uint8("kbtp.opcode", "Opcode", base.RANGE_STRING, RS_OPCODE, nil, "Message type")
+F["opcode"] = ProtoField.uint8("kbtp.opcode", "Opcode", base.RANGE_STRING + base.HEX, RS_OPCODE, nil, "Message type")
 F["flags"] = ProtoField.uint16("kbtp.flags", "Flags", base.HEX, nil, nil, "Per-opcode flags")
 F["flags.inline"] = ProtoField.bool("kbtp.flags.inline", "INLINE", 16, nil, 0x0001, "Data follows the request")
 F["flags.seal"] = ProtoField.bool("kbtp.flags.seal", "SEAL", 16, nil, 0x0002, "Seal the block after the store")
@@ -335,9 +335,7 @@ kbtp.prefs.addr_le = Pref.enum("Address byte order (auto: follow HELLO_ACK; on: 
 -- RDMA context, read with field extractors (the C structs do not reach Lua).
 local X = {
     bth_opcode = Field.new("infiniband.bth.opcode"),
-    bth_psn = Field.new("infiniband.bth.psn"),
     bth_padcnt = Field.new("infiniband.bth.padcnt"),
-    bth_destqp = Field.new("infiniband.bth.destqp"),
 }
 
 local function last(extractor)
@@ -633,6 +631,7 @@ end
 local SEND_FIRST, SEND_MIDDLE = 0x00, 0x01
 local SEND_LAST = { [0x02] = true, [0x03] = true, [0x16] = true }
 local SEND_ONLY = { [0x04] = true, [0x05] = true, [0x17] = true, [0x64] = true, [0x65] = true }
+local PATH_MTUS = { [256] = true, [512] = true, [1024] = true, [2048] = true, [4096] = true }
 
 local function frame_state(pinfo)
     local st = frames[pinfo.number]
@@ -643,58 +642,102 @@ local function frame_state(pinfo)
     return st
 end
 
--- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
--- FIRST/MIDDLE/LAST per direction and QP in PSN order, and claim every fragment.
-local function heur_infiniband(tvb, pinfo, tree)
+-- "first", "middle", "last" or "only" for a Send's BTH opcode; false for other opcodes.
+local function send_kind(opcode)
+    if SEND_ONLY[opcode] then return "only" end
+    if SEND_LAST[opcode] then return "last" end
+    if opcode < 0x40 and bit32.band(opcode, 0x1f) == SEND_FIRST then return "first" end
+    if opcode < 0x40 and bit32.band(opcode, 0x1f) == SEND_MIDDLE then return "middle" end
+    return false
+end
+
+-- Length of the whole message whose header starts ``tvb``: the fixed part plus the inline
+-- data it declares; nil when the fixed part is not all there.
+local function declared_length(tvb, le)
+    local msg = tvb:len() >= HEADER_SIZE and MESSAGES[tvb:range(1, 1):uint()]
+    if not msg then return nil end
+    local ctx = { values = {}, le = le and msg.addr_le, msg = msg }
+    local off, truncated = walk(HEADER, tvb, 0, nil, ctx)
+    if not truncated then off, truncated = walk(msg.items, tvb, off, nil, ctx) end
+    if truncated then return nil end
+    if ctx.tail then return off - ctx.values[ctx.tail.key] + ctx.values[ctx.tail.length_from] end
+    return off
+end
+
+-- First sight of a RoCEv2 / InfiniBand payload: is it (part of) a KBTP Send? Works from
+-- lengths, because a first pass without a tree (tshark -2) gets no BTH fields: FIRST and
+-- MIDDLE packets carry exactly one path MTU and no pad; LAST carries the rest plus the pad
+-- to 4 octets; ONLY the whole message plus its pad. BTH fields, when there, must agree.
+local function classify_roce(tvb, pinfo, key)
+    local n = tvb:len()
     local opcode = last(X.bth_opcode)
-    if not opcode or tvb:len() == 0 then return false end
+    local kind = opcode and send_kind(opcode)
+    if kind == false then return nil end
+    local dir = tostring(pinfo.src) .. ">" .. tostring(pinfo.dst) .. "/" .. tostring(pinfo.dst_port)
+    local conn = conns[key]
+    local le = (conn and conn.le) or kbtp.prefs.addr_le == 2
+    local r = reasm[dir]
+    if r then
+        local pad = (-r.remaining) % 4
+        if kind ~= "last" and kind ~= "only" and kind ~= "first" and n == r.mtu and r.remaining > r.mtu then
+            r.data:append(tvb:range(0, n):bytes())
+            r.remaining = r.remaining - n
+            r.frames[#r.frames + 1] = pinfo.number
+            local st = frame_state(pinfo)
+            st.fragment = true
+            return st
+        elseif (kind == nil or kind == "last") and n == r.remaining + pad then
+            r.data:append(tvb:range(0, r.remaining):bytes())
+            reasm[dir] = nil
+            local st = frame_state(pinfo)
+            st.message = r.data
+            for _, number in ipairs(r.frames) do frames[number].fragment_in = pinfo.number end
+            return st
+        end
+        reasm[dir] = nil
+    end
+    if kind == "middle" or kind == "last" or n < HEADER_SIZE then return nil end
+    if tvb:range(0, 1):uint() ~= VERSION or not opcode_known(tvb:range(1, 1):uint()) then return nil end
+    local expected = declared_length(tvb, le)
+    if (kind == "first" or (kind == nil and PATH_MTUS[n])) and expected and expected > n
+            and recognise_first(tvb, conn) then
+        reasm[dir] = { data = tvb:range(0, n):bytes(), remaining = expected - n, mtu = n,
+                       frames = { pinfo.number } }
+        local st = frame_state(pinfo)
+        st.fragment = true
+        return st
+    end
+    if kind == "first" then return nil end
+    local pad = opcode and last(X.bth_padcnt)
+    if not pad and expected and n >= expected and n - expected == (-expected) % 4 then
+        pad = n - expected
+    end
+    local body = tvb:range(0, n - (pad or 0))
+    if not recognise(body:tvb(), conn) then return nil end
+    local st = frame_state(pinfo)
+    st.message, st.pad_unknown = body:bytes(), pad == nil
+    return st
+end
+
+-- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
+-- FIRST/MIDDLE/LAST per direction and QP, and claim every fragment, so no other
+-- heuristic misreads the continuation packets.
+local function heur_infiniband(tvb, pinfo, tree)
+    if tvb:len() == 0 then return false end
     local key = conn_key(pinfo, true)
     local st = frames[pinfo.number]
-    if pinfo.visited then
-        if not st or not (st.kbtp or st.fragment_in or st.message) then return false end
-    else
-        local service, op = bit32.band(opcode, 0xe0), bit32.band(opcode, 0x1f)
-        local pad = last(X.bth_padcnt) or 0
-        local data = tvb:range(0, tvb:len()):bytes()
-        if SEND_LAST[opcode] or SEND_ONLY[opcode] then
-            data = data:subset(0, math.max(0, data:len() - pad))
-        end
-        local dir = tostring(pinfo.src) .. ">" .. tostring(pinfo.dst) .. "/" .. tostring(last(X.bth_destqp))
-        local psn = last(X.bth_psn)
-        local r = reasm[dir]
-        if service ~= 0x60 and op == SEND_FIRST then
-            if not recognise_first(tvb, conns[key]) then
-                reasm[dir] = nil
-                return false
-            end
-            st = frame_state(pinfo)
-            reasm[dir] = { data = data, next = (psn + 1) % 0x1000000, frames = { pinfo.number } }
-            st.fragment = true
-        elseif service ~= 0x60 and (op == SEND_MIDDLE or SEND_LAST[opcode]) then
-            if not r or psn ~= r.next then return false end
-            r.data:append(data)
-            r.next = (psn + 1) % 0x1000000
-            r.frames[#r.frames + 1] = pinfo.number
-            st = frame_state(pinfo)
-            if SEND_LAST[opcode] then
-                reasm[dir] = nil
-                st.message = r.data
-                for _, n in ipairs(r.frames) do
-                    if n ~= pinfo.number then frames[n].fragment_in = pinfo.number end
-                end
-            else
-                st.fragment = true
-            end
-        elseif SEND_ONLY[opcode] then
-            if not recognise(data:tvb("KBTP"), conns[key]) then return false end
-            st = frame_state(pinfo)
-            st.message = data
-        else
-            return false
-        end
+    if not pinfo.visited then
+        st = classify_roce(tvb, pinfo, key)
+        if not st then return false end
         st.kbtp = true
+    elseif not (st and st.kbtp) then
+        return false
     end
     if st.message then
+        local pad = st.pad_unknown and last(X.bth_padcnt)
+        if pad and pad > 0 then   -- first seen without BTH fields, whose pad count we know now
+            st.message, st.pad_unknown = st.message:subset(0, st.message:len() - pad), false
+        end
         set_columns(pinfo, dissect_message(st.message:tvb("KBTP message"), pinfo, tree, key, st))
     else
         local item = tree:add(kbtp, tvb:range(0, tvb:len()), "KBTP fragment")

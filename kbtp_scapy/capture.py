@@ -84,14 +84,15 @@ def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) 
 
 
 def to_json(found: Found) -> dict[str, Any]:
-    """JSON object keyed by display-filter names, numeric values, bytes as hex."""
+    """JSON object keyed by display-filter names, numeric values, bytes as hex, and one
+    0/1 key per named bit of every flags word (``kbtp.flags.inline``)."""
     out: dict[str, Any] = {"frame": found.frame, "transport": found.transport}
+    msg = T.BY_OPCODE.get(found.fields.get("opcode"))
+    index = T.wire_fields()
     for key, value in found.fields.items():
         out[f"kbtp.{key}"] = value.hex() if isinstance(value, bytes) else value
-    msg = T.BY_OPCODE.get(found.fields.get("opcode"))
-    if msg is not None and msg.flags is not None and "flags" in found.fields:
-        for bit in msg.flags.flags:
-            out[f"kbtp.flags.{bit.key}"] = int(bool(found.fields["flags"] & bit.value))
+        for bit_key, mask in T.flag_bits(key, index[key][0], msg):
+            out[f"kbtp.{bit_key}"] = int(bool(value & mask))
     if found.error:
         out["malformed"] = found.error
     return out

@@ -8,6 +8,7 @@ import click
 from .craft import craft
 from .decode import decode
 from .demo import demo
+from .dissector import dissector
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -22,12 +23,14 @@ def cli() -> None:
       kbtp decode --json capture.pcapng   JSON Lines keyed by display-filter names
       kbtp craft ALLOC_STORE --handle 0x4001 --inline-data 4b56424c4f434b21
       kbtp craft LOAD --handle 7 --dd-length 4096 --transport roce -o load.pcap
+      kbtp dissector install              the Wireshark dissector into your plugin folder
     """
 
 
 cli.add_command(decode)
 cli.add_command(craft)
 cli.add_command(demo)
+cli.add_command(dissector)
 
 
 def main(argv: list[str] | None = None) -> int:

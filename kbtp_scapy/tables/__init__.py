@@ -8,7 +8,8 @@ from .enums import (ENTRY_FLAGS, ENUMERATIONS, FEATURES, FLAG_SETS, GOODBYE_FLAG
 from .memory import (COMPLETION_RECORD, MEMORY_STRUCTS, RING_COUNTER, RING_SLOT, SLOT_CONSUMED,
                      TABLE_ENTRY)
 from .messages import (BY_NAME, BY_OPCODE, COMPLETION_DESCRIPTOR, DATA_DESCRIPTOR,
-                       DIRECT_DESCRIPTOR, HEADER, HEADER_SIZE, MESSAGES, VERSION)
+                       DIRECT_DESCRIPTOR, HEADER, HEADER_SIZE, MESSAGES, VERSION, flag_bits,
+                       wire_fields)
 from .model import (Condition, Enumeration, Field, FlagSet, FlatField, Member, Message, Order,
                     Struct, Value, flatten)
 
@@ -18,5 +19,5 @@ __all__ = [
     "FEATURES", "FLAG_SETS", "Field", "FlagSet", "FlatField", "GOODBYE_FLAGS", "HEADER",
     "HEADER_SIZE", "MEMORY_STRUCTS", "MESSAGES", "Member", "Message", "OPCODES", "Order",
     "REQUEST_FLAGS", "RING_COUNTER", "RING_SLOT", "SLOT_CONSUMED", "STATUS", "Struct",
-    "TABLE_ENTRY", "VERSION", "Value", "flag", "flatten",
+    "TABLE_ENTRY", "VERSION", "Value", "flag", "flag_bits", "flatten", "wire_fields",
 ]

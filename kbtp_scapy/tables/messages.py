@@ -171,3 +171,20 @@ assert set(BY_OPCODE) == set(OPCODES.by_value()), "every opcode has a body layou
 assert all(m.answer is None or m.answer in BY_NAME for m in MESSAGES)
 assert all(key in {f.key for f in flatten(HEADER)} | {f.key for f in flatten(m.body)}
            for m in MESSAGES for _, key in m.summary), "summaries name real fields"
+
+
+def wire_fields() -> dict[str, tuple[Field, Struct]]:
+    """Every field of every message by key (``dd.stag``), with the structure that first
+    declares it, in table order: the names of the JSON keys and display filters."""
+    out: dict[str, tuple[Field, Struct]] = {}
+    for struct_ in (HEADER, *(m.body for m in MESSAGES)):
+        for f in flatten(struct_):
+            out.setdefault(f.key, (f.field, struct_))
+    return out
+
+
+def flag_bits(key: str, field: Field, msg: Message | None) -> list[tuple[str, int]]:
+    """(key, mask) of the per-bit fields of a flags word: ``flags.inline`` for the
+    header Flags of the message's flag set, ``hello_ack.features.addr_le`` and so on."""
+    flag_set = (msg.flags if msg else None) if field.per_opcode_flags else field.flags
+    return [(f"{key}.{bit.key}", bit.value) for bit in flag_set.flags] if flag_set else []
