@@ -551,7 +551,7 @@ local function track(pinfo, conn, st, msg, values)
     if not msg then return end
     local rid = tostring(values.request_id)
     if msg.answer then
-        conn.pending[rid] = { frame = pinfo.number, ts = pinfo.abs_ts, answer = msg.answer }
+        conn.pending[rid] = { frame = pinfo.number, st = st, ts = pinfo.abs_ts, answer = msg.answer }
         if msg.answer == OPCODE.COMPLETION then
             conn.outstanding = conn.outstanding + 1
             if conn.credits and conn.outstanding > conn.credits then
@@ -563,7 +563,7 @@ local function track(pinfo, conn, st, msg, values)
         if req and req.answer == op then
             conn.pending[rid] = nil
             st.request_in, st.delta = req.frame, pinfo.abs_ts - req.ts
-            frames[req.frame].response_in = pinfo.number
+            req.st.response_in = pinfo.number      -- the request's own state: two may share a frame
             if op == OPCODE.COMPLETION then conn.outstanding = conn.outstanding - 1 end
         else
             st.unanswered = true
@@ -619,6 +619,7 @@ local function dissect_message(tvb, pinfo, tree, key, st)
     local info = summary(msg, op, values)
     if problem then info = info .. " [Malformed]" end
     root:append_text(", " .. info)
+    st.info = info
     return info
 end
 
@@ -762,8 +763,731 @@ local function heur_iwarp(tvb, pinfo, tree)
     return true
 end
 
+-- For rdma.lua: a further KBTP message in a frame whose heuristic call decoded another
+-- (two Sends in one iWARP TCP segment: tshark 4.0 offers only the first to heuristics).
+-- Returns the Info text, or nil when ``tvb`` is not KBTP.
+local function dissect_more(tvb, pinfo, tree, st, roce)
+    local key = conn_key(pinfo, roce)
+    if not pinfo.visited then
+        if not recognise(tvb, conns[key]) then return nil end
+        st.kbtp = true
+    elseif not st.kbtp then
+        return nil
+    end
+    return dissect_message(tvb, pinfo, tree, key, st)
+end
+
+local function frame_info(number)
+    local st = frames[number]
+    return st and st.info
+end
+
 -- ---- hand-written runtime: kbtp_scapy/dissector/rdma.lua ----
--- RDMA transfers tied to KBTP requests (data_for) and ring counters: see below.
+-- RDMA transfers tied to KBTP requests (kbtp.data_for) and the ring Head counter
+-- (kbtp.ring.ticket, kbtp.ring.slot_offset, expert kbtp.expert.ring), on both bindings.
+--
+-- The RDMA operations that carry KBTP block data and the FetchAdds on the ring counter do
+-- not reach the KBTP heuristics, or reach them without their headers (WIRESHARK.md), so a
+-- postdissector labels them. It learns what to expect from KBTP messages, through HOOKS
+-- (first pass only):
+--   LOAD: the target RDMA-Writes the block into the buffer of the Data Descriptor;
+--   STORE / ALLOC_STORE without INLINE: the target RDMA-Reads it from that buffer;
+--   HELLO_ACK with DIRECT_ALLOC: the initiator may FetchAdd on the Head descriptor;
+--   the COMPLETION of a request ends what its transfers may still carry.
+-- A transfer matches by STag and Tagged Offset inside the Data Descriptor's range, in the
+-- direction the request implies. Packets without an address follow the one that had it:
+-- RoCEv2 WRITE MIDDLE/LAST by PSN on their QP, READ RESPONSE by the PSNs of the READ
+-- REQUEST, ATOMIC ACKNOWLEDGE by the FETCH ADD's PSN; on iWARP the Read Response is tagged
+-- with the Read Request's sink STag and TO, and the Atomic Response names its request by
+-- Request Identifier. Frames that match nothing get nothing.
+--
+-- Headers are read from the packet bytes at the place a field extractor points to (the BTH
+-- of RoCEv2; the RDMAP control octet of each FPDU of iWARP), not from tshark's values:
+--   * tshark 4.0 decodes RFC 7306 atomics only in part: a FetchAdd whose 28 reserved bits
+--     are not zero, and every Swap, get their Add (Swap) Data and Mask labelled Compare
+--     Data and Compare Mask, and the Original Remote Data Value of an Atomic Response is
+--     labelled "Original Request Identifier";
+--   * one string read costs less than one extractor per value;
+--   * the same reader serves frames without a protocol tree. In the first pass of
+--     `tshark -2` without a filter, tshark builds no tree, so extractors return nothing
+--     (a Lua postdissector cannot ask for fields as C ones do with
+--     set_postdissector_wanted_hfids). The headers are then found by walking Ethernet
+--     (802.1Q/802.1ad) / IPv4 or IPv6 / UDP 4791 or TCP, and on TCP the MPA FPDUs of a
+--     segment that starts with one (no markers, CRC or not).
+-- Results are kept per frame (marks) and shown again on later passes.
+--
+-- 64-bit Tagged Offsets, Add Data and the like are kept as two 32-bit numbers (high, low):
+-- UInt64 objects cost an allocation each, and data packets are most of a KBTP capture.
+--
+-- A Send that shares an iWARP TCP segment with another one is decoded here too, with
+-- runtime.lua's dissect_more: see more_sends().
+
+-- One block: its locals do not count towards the 200 the chunk (all parts) may have.
+do
+
+local Xr = {
+    iw_opcode = Field.new("iwarp_rdma.opcode"),
+}
+
+local TWO32, U24 = 2 ^ 32, 0x1000000
+local PORT_ROCEV2 = 4791
+local INLINE = FLAGSETS.request_flags.bits[1][1]
+assert(FLAGSETS.request_flags.bits[1][2] == "INLINE")
+
+-- ---- state: filled only when not pinfo.visited, cleared with the runtime's ----------------
+local marks   -- frame number -> label(s) (see show())
+local flows   -- "src|dst" endpoints -> { r = per-connection RDMA state, to_ini = direction }
+local armed   -- some connection expects RDMA traffic tied to KBTP
+local armed_roce, armed_iwarp  -- ... on that binding: only its extractor is asked
+local sends   -- frame -> { [Send key] = count } of the KBTP messages the heuristics decoded
+local extras  -- frame -> { { off, len, st } } KBTP messages decoded here (see more_sends())
+local claimed -- RoCEv2 frame -> true when it carried a KBTP message: no RDMA operation of
+              -- interest can share its packet, so the postdissector skips it at once
+
+local function rdma_init()
+    marks, flows, armed, armed_roce, armed_iwarp = {}, {}, false, false, false
+    sends, extras, claimed = {}, {}, {}
+end
+rdma_init()
+
+-- ---- 64-bit values as (high, low) ----------------------------------------------------------
+local function split64(v)
+    return v:higher(), v:lower()
+end
+
+local function add64(h, l, n)
+    l = l + n
+    if l >= TWO32 then return (h + math.floor(l / TWO32)) % TWO32, l % TWO32 end
+    return h, l
+end
+
+local function le64(ah, al, bh, bl)
+    return ah < bh or (ah == bh and al <= bl)
+end
+
+local function hex64(h, l)
+    return string.format("0x%08x%08x", h, l)
+end
+
+local function u32(s, i)  -- big-endian, ``i`` 1-based
+    local a, b, c, d = s:byte(i, i + 3)
+    return ((a * 256 + b) * 256 + c) * 256 + d
+end
+
+-- ---- expectations --------------------------------------------------------------------------
+local MAX_EXPECT = 256  -- per connection: requests answered by completion records never end
+
+local function push(list, e)
+    list[#list + 1] = e
+    if #list > MAX_EXPECT then table.remove(list, 1) end
+end
+
+local function drop_request(list, req)
+    for i = #list, 1, -1 do
+        if list[i].req == req then table.remove(list, i) end
+    end
+end
+
+-- e.lo <= TO < e.hi on the same STag.
+local function in_range(e, stag, th, tl)
+    return e.stag == stag and le64(e.loh, e.lol, th, tl) and not le64(e.hih, e.hil, th, tl)
+end
+
+-- Newest first: a later request may reuse a buffer.
+local function find(list, stag, th, tl, kind)
+    for i = #list, 1, -1 do
+        local e = list[i]
+        if (kind == nil or e.kind == kind) and in_range(e, stag, th, tl) then return e end
+    end
+end
+
+local function expectation(req, name, stag, h, l, len)
+    local hh, hl = add64(h, l, len)
+    if not le64(h, l, hh, hl) then hh, hl = TWO32 - 1, TWO32 - 1 end  -- wrapped: to the top
+    return { req = req, name = name, stag = stag, loh = h, lol = l, hih = hh, hil = hl }
+end
+
+-- ---- the ring counter rule (kbtp-draft "Free-Block Ring"; RFC 7306 masked FetchAdd) --------
+local function log2(count)
+    local n = 0
+    while 2 ^ n < count do n = n + 1 end
+    return n
+end
+
+local function ring_mask(n)
+    local h, l = 0, 0
+    for _, b in ipairs({ n + RING.mask_n_offset, table.unpack(RING.mask_bits) }) do
+        if b >= 32 then h = bit32.bor(h, bit32.lshift(1, b - 32)) else l = bit32.bor(l, bit32.lshift(1, b)) end
+    end
+    return h, l
+end
+
+local MASKED_H, MASKED_L = split64(RING.masked_add)
+local UNMASKED_H, UNMASKED_L = split64(RING.unmasked_add)
+
+-- ---- what KBTP messages announce (first pass, from runtime's track()) -----------------------
+local function endpoints(pinfo, roce)
+    local s, d = tostring(pinfo.src), tostring(pinfo.dst)
+    if roce then return s, d end
+    return s .. ":" .. pinfo.src_port, d .. ":" .. pinfo.dst_port
+end
+
+local function rdma_state(conn, pinfo, from_initiator)
+    local r = conn.rdma
+    if not r then
+        r = { xfers = {}, sinks = {}, reads = {}, cur = {}, atomics = {} }
+        conn.rdma = r
+        r.roce = conn.rdma_roce
+        local s, d = endpoints(pinfo, r.roce)
+        if not from_initiator then s, d = d, s end
+        flows[s .. "|" .. d] = { r = r, to_ini = false }
+        flows[d .. "|" .. s] = { r = r, to_ini = true }
+    end
+    return r
+end
+
+local function arm(r)
+    armed = true
+    if r.roce then armed_roce = true else armed_iwarp = true end
+    return r
+end
+
+-- A KBTP message names itself by opcode and Request ID, whatever path decoded it.
+local function send_key(opcode, request_id_hex)
+    return opcode .. ":" .. request_id_hex
+end
+
+-- iWARP: which messages the heuristics decoded in this frame, so that the postdissector can
+-- tell the Sends they were never given.
+local function note_send(conn, st, values, pinfo)
+    if st.more then return end
+    local op = values.opcode
+    local from_initiator = op ~= OPCODE.COMPLETION and op ~= OPCODE.HELLO_ACK
+    local r = conn.rdma or rdma_state(conn, pinfo, from_initiator)
+    if r.roce then return end
+    arm(r)
+    local n = pinfo.number
+    local set = sends[n] or {}
+    sends[n] = set
+    local k = send_key(op, values.request_id and values.request_id:tohex() or "")
+    set[k] = (set[k] or 0) + 1
+end
+
+HOOKS[#HOOKS + 1] = {
+    init = rdma_init,
+    message = function(conn, st, values, msg, pinfo)
+        local op = values.opcode
+        local roce = conn.rdma_roce
+        if roce == nil then
+            roce = conns[conn_key(pinfo, true)] == conn
+            conn.rdma_roce = roce
+        end
+        if roce then
+            claimed[pinfo.number] = true
+        else
+            note_send(conn, st, values, pinfo)
+        end
+        if op == OPCODE.LOAD or op == OPCODE.STORE or op == OPCODE.ALLOC_STORE then
+            if bit32.band(values.flags or 0, INLINE) ~= 0 then return end
+            local stag, off, len = values["dd.stag"], values["dd.offset"], values["dd.length"]
+            if not (stag and off and len) or len == 0 then return end
+            local r = arm(rdma_state(conn, pinfo, true))
+            local h, l = split64(off)
+            local e = expectation(pinfo.number, msg.name, stag, h, l, len)
+            e.kind = op == OPCODE.LOAD and "write" or "read"
+            push(r.xfers, e)
+        elseif op == OPCODE.HELLO_ACK and values.status == STATUS_OK then
+            local feats = values["hello_ack.features"] or 0
+            if bit32.band(feats, FEATURE.DIRECT_ALLOC) == 0 or not values["hello_ack.head.stag"] then return end
+            local r = arm(rdma_state(conn, pinfo, false))
+            local count = values["hello_ack.ring.count"] or 0
+            local h, l = split64(values["hello_ack.head.offset"])
+            r.ring = { stag = values["hello_ack.head.stag"], h = h, l = l, count = count,
+                       n = log2(count), frame = pinfo.number }
+        elseif op == OPCODE.COMPLETION and st.request_in and conn.rdma then
+            -- The request is over, and its transfers with it (RFC 5040 s5.5, rule 5).
+            local r, req = conn.rdma, st.request_in
+            drop_request(r.xfers, req)
+            drop_request(r.sinks, req)
+            for k, e in pairs(r.reads) do if e.req == req then r.reads[k] = nil end end
+            for k, e in pairs(r.cur) do if e.req == req then r.cur[k] = nil end end
+        end
+    end,
+}
+
+-- ---- reading RDMA headers ----------------------------------------------------------------------
+-- An operation: { t = "roce" | "iwarp", kind, ... } with the header values matching needs.
+
+-- RoCEv2 / InfiniBand BTH (12 octets) and extension headers (IBTA vol. 1, 9.2, 9.3).
+local RC_WRITE = { [0x06] = "first", [0x07] = "middle", [0x08] = "last", [0x09] = "last",
+                   [0x0a] = "only", [0x0b] = "only" }
+local RC_READ_RESPONSE = { [0x0d] = "first", [0x0e] = "middle", [0x0f] = "last", [0x10] = "only" }
+local RC_INTERESTING = { [0x0c] = true, [0x12] = true, [0x14] = true }
+local SERVICE_EXT = { [0x00] = 0, [0xa0] = 4 }  -- RC; XRC puts an XRCETH after the BTH
+local SERVICE_UC = 0x20                         -- UC carries RDMA Writes too
+
+local ROCE_INTERESTING = {}  -- BTH opcode -> true for the operations matched here
+for opcode = 0, 255 do
+    local service, op = bit32.band(opcode, 0xe0), bit32.band(opcode, 0x1f)
+    if service == SERVICE_UC then
+        ROCE_INTERESTING[opcode] = RC_WRITE[op] ~= nil
+    else
+        ROCE_INTERESTING[opcode] = SERVICE_EXT[service] ~= nil
+            and (RC_WRITE[op] ~= nil or RC_READ_RESPONSE[op] ~= nil or RC_INTERESTING[op] ~= nil)
+    end
+end
+
+-- ``s``: the octets from the BTH on (at least 12).
+local function read_bth(s)
+    if #s < 12 then return end
+    local opcode = s:byte(1)
+    local service, op = bit32.band(opcode, 0xe0), bit32.band(opcode, 0x1f)
+    local h = 13 + (SERVICE_EXT[service] or 0)
+    local o = { t = "roce", psn = u32(s, 9) % U24, qp = u32(s, 5) % U24 }
+    local pos = RC_WRITE[op]
+    if pos then
+        o.kind, o.pos = "write", pos
+        if pos == "first" or pos == "only" then  -- RETH: VA, R_Key, DMA Length
+            if #s < h + 15 then return end
+            o.th, o.tl, o.stag = u32(s, h), u32(s, h + 4), u32(s, h + 8)
+        end
+        return o
+    end
+    pos = RC_READ_RESPONSE[op]
+    if pos then
+        o.kind, o.pos = "read_resp", pos
+    elseif op == 0x0c then     -- RDMA READ Request: RETH
+        if #s < h + 15 then return end
+        o.kind, o.th, o.tl, o.stag = "read_req", u32(s, h), u32(s, h + 4), u32(s, h + 8)
+    elseif op == 0x14 then     -- FETCH ADD: AtomicETH = VA, R_Key, Swap (Add) Data, Compare Data
+        if #s < h + 27 then return end
+        o.kind, o.th, o.tl, o.stag = "fetch_add", u32(s, h), u32(s, h + 4), u32(s, h + 8)
+        o.ah, o.al = u32(s, h + 12), u32(s, h + 16)
+    elseif op == 0x12 then     -- ATOMIC ACKNOWLEDGE: AETH, AtomicAckETH = Original Remote Data
+        if #s < h + 11 then return end
+        o.kind, o.oh, o.ol = "atomic_resp", u32(s, h + 4), u32(s, h + 8)
+    else
+        return
+    end
+    return o
+end
+
+-- iWARP: DDP (RFC 5041 s4) and RDMAP (RFC 5040 s4, RFC 7306 s5); ``s`` from the DDP header.
+local IW_TAGGED = { [0x0] = "write", [0x2] = "read_resp" }
+local IW_UNTAGGED = { [0x1] = 28, [0xa] = 52, [0xb] = 12 }  -- body octets after 18 of headers
+local IW_INTERESTING = { [0x0] = true, [0x1] = true, [0x2] = true, [0xa] = true, [0xb] = true }
+local IW_READ = 18 + 52  -- octets the longest of these needs
+local IW_SEND = { [0x3] = true, [0x4] = true, [0x5] = true, [0x6] = true }  -- with SE, Invalidate
+
+local function read_ddp(s)
+    if #s < 14 then return end
+    local ctrl, rctrl = s:byte(1, 2)
+    -- DDP version 1, RDMAP version 1, reserved bits zero.
+    if bit32.band(ctrl, 0x3f) ~= 0x01 or bit32.band(rctrl, 0xf0) ~= 0x40 then return end
+    local op = bit32.band(rctrl, 0x0f)
+    local o = { t = "iwarp", last = bit32.band(ctrl, 0x40) ~= 0 }
+    if bit32.band(ctrl, 0x80) ~= 0 then  -- tagged: STag, TO
+        o.kind = IW_TAGGED[op]
+        if not o.kind then return end
+        o.stag, o.th, o.tl = u32(s, 3), u32(s, 7), u32(s, 11)
+        return o
+    end
+    local body = IW_UNTAGGED[op]
+    if not body or #s < 18 + body then return end
+    local p = 19
+    if op == 0x1 then      -- Read Request: sink STag, sink TO, size, source STag, source TO
+        o.kind = "read_req"
+        o.sink_stag, o.sh, o.sl, o.size = u32(s, p), u32(s, p + 4), u32(s, p + 8), u32(s, p + 12)
+        o.stag, o.th, o.tl = u32(s, p + 16), u32(s, p + 20), u32(s, p + 24)
+    elseif op == 0xa then  -- Atomic Request: reserved and AOpCode, id, STag, TO, Add Data, Add Mask
+        if bit32.band(s:byte(p + 3), 0x0f) ~= 0 then return end  -- FetchAdd only
+        o.kind, o.id, o.stag = "fetch_add", u32(s, p + 4), u32(s, p + 8)
+        o.th, o.tl, o.ah, o.al = u32(s, p + 12), u32(s, p + 16), u32(s, p + 20), u32(s, p + 24)
+        o.mh, o.ml = u32(s, p + 28), u32(s, p + 32)
+    else                   -- Atomic Response: original request id, original remote data
+        o.kind, o.id, o.oh, o.ol = "atomic_resp", u32(s, p), u32(s, p + 4), u32(s, p + 8)
+    end
+    return o
+end
+
+-- A whole KBTP message in one Send FPDU of the frame ``tvb``: its DDP header at ``d``, after
+-- the MPA ULPDU Length (RFC 5044 s4). Only a Send in one DDP segment (Last, MO 0).
+local function send_of(tvb, d)
+    if d < 2 or d + 18 + HEADER_SIZE > tvb:len() then return end
+    local s = tvb:raw(d - 2, 20 + 12)
+    local ulen = s:byte(1) * 256 + s:byte(2)
+    local ctrl, rctrl = s:byte(3, 4)
+    if bit32.band(ctrl, 0xff) ~= 0x41 or bit32.band(rctrl, 0xf0) ~= 0x40 or u32(s, 17) ~= 0 then return end
+    if ulen < 18 + HEADER_SIZE or d + ulen > tvb:len() then return end
+    local key = send_key(s:byte(22), string.format("%02x%02x%02x%02x%02x%02x%02x%02x", s:byte(25, 32)))
+    return { t = "iwarp", kind = "send", off = d + 18, len = ulen - 18, key = key }
+end
+
+-- ---- finding the headers ---------------------------------------------------------------------
+local function last_of(...)
+    local n = select("#", ...)
+    if n > 0 then return (select(n, ...)) end
+end
+
+local function raw(tvb, off, want)
+    local n = math.min(want, tvb:len() - off)
+    return n > 0 and tvb:raw(off, n) or ""
+end
+
+-- With a protocol tree. Returns the operations and whether they are RoCEv2; false when the
+-- frame has RDMA headers but none of interest, nil when no extractor answered.
+local function ops_from_fields(tvb)
+    local fi = armed_roce and last_of(X.bth_opcode())
+    if fi then
+        if not ROCE_INTERESTING[fi.value] then return false end
+        -- The BTH lies in the frame itself: RoCEv2 reassembles nothing below it.
+        return read_bth(raw(tvb, fi.offset, 44)) or false, true
+    end
+    if not armed_iwarp then return end
+    local f1, f2 = Xr.iw_opcode()
+    if not f1 then return end
+    if not f2 then  -- one FPDU, the usual case
+        if not IW_INTERESTING[f1.value] then return false end
+        -- An FPDU may lie in a reassembled segment: read from the field's own source.
+        return read_ddp(raw(f1.source, f1.offset - 1, IW_READ)) or false, false
+    end
+    local out, seen = {}, {}
+    for _, f in ipairs({ Xr.iw_opcode() }) do
+        local v = f.value
+        if IW_INTERESTING[v] or IW_SEND[v] then
+            local src, off = f.source, f.offset - 1
+            local id = off .. "/" .. src:len()   -- fields added twice name one FPDU
+            if not seen[id] then
+                seen[id] = true
+                if IW_INTERESTING[v] then
+                    out[#out + 1] = read_ddp(raw(src, off, IW_READ))
+                elseif src:len() == tvb:len() then  -- in the frame itself, not reassembled
+                    out[#out + 1] = send_of(tvb, off)
+                end
+            end
+        end
+    end
+    return out, false
+end
+
+-- Without a tree: Ethernet (802.1Q, 802.1ad) / IPv4 (unfragmented) or IPv6 / UDP or TCP.
+local function transport_of(tvb)
+    local len = tvb:len()
+    if len < 14 then return end
+    local off, et = 12, tvb:range(12, 2):uint()
+    while (et == 0x8100 or et == 0x88a8) and off + 6 <= len do
+        off = off + 4
+        et = tvb:range(off, 2):uint()
+    end
+    off = off + 2
+    if et == 0x0800 and off + 20 <= len then
+        local vihl = tvb:range(off, 1):uint()
+        if bit32.rshift(vihl, 4) ~= 4 or bit32.band(tvb:range(off + 6, 2):uint(), 0x3fff) ~= 0 then return end
+        return tvb:range(off + 9, 1):uint(), off + 4 * bit32.band(vihl, 0xf),
+               math.min(len, off + tvb:range(off + 2, 2):uint())
+    elseif et == 0x86dd and off + 40 <= len then
+        return tvb:range(off + 6, 1):uint(), off + 40, math.min(len, off + 40 + tvb:range(off + 4, 2):uint())
+    end
+end
+
+-- Start offsets of the ULPDUs of the FPDUs filling ``s`` exactly (RFC 5044 s4: ULPDU Length,
+-- ULPDU, pad to 4, CRC when negotiated), or nil.
+local function fpdus(s, crc)
+    local starts, p, stop = {}, 0, #s
+    while p + 2 <= stop do
+        local a, b = s:byte(p + 1, p + 2)
+        starts[#starts + 1] = p + 2
+        p = p + 2 + a * 256 + b
+        p = p + (4 - p % 4) % 4 + (crc and 4 or 0)
+    end
+    return p == stop and starts or nil
+end
+
+local function ops_from_bytes(tvb, pinfo)
+    local proto, l4, stop = transport_of(tvb)
+    if proto == 17 and armed_roce and l4 + 8 <= stop and tvb:range(l4 + 2, 2):uint() == PORT_ROCEV2 then
+        local s = raw(tvb, l4 + 8, 44)
+        if #s < 12 or not ROCE_INTERESTING[s:byte(1)] then return end
+        return read_bth(s), true
+    elseif proto == 6 and armed_iwarp and l4 + 20 <= stop then
+        local p = l4 + 4 * bit32.rshift(tvb:range(l4 + 12, 1):uint(), 4)
+        if p >= stop then return end
+        local s, d = endpoints(pinfo, false)
+        local flow = flows[s .. "|" .. d]
+        if not flow then return end
+        s = tvb:raw(p, stop - p)
+        local r = flow.r
+        local guess = r.mpa_crc ~= false
+        local starts = fpdus(s, guess)
+        if not starts then
+            starts = fpdus(s, not guess)
+            if starts then r.mpa_crc = not guess end
+        end
+        local out = {}
+        starts = starts or {}
+        for _, d in ipairs(starts) do
+            local o = read_ddp(s:sub(d + 1, d + IW_READ))
+            if not o and #starts > 1 then o = send_of(tvb, p + d) end
+            out[#out + 1] = o
+        end
+        return out, false
+    end
+end
+
+-- ---- matching (first pass) ---------------------------------------------------------------------
+-- A label is what a frame shows; data labels are made once per transfer and shared.
+local WHAT = { write = "RDMA Write", read_req = "RDMA Read Request", read_resp = "RDMA Read Response" }
+
+local function data_label(e, kind)
+    local memo = e.labels
+    if not memo then
+        memo = {}
+        e.labels = memo
+    end
+    local m = memo[kind]
+    if not m then
+        m = { req = e.req, text = ", " .. WHAT[kind] .. " for " .. e.name .. " in frame " .. e.req,
+              info = "KBTP data for " .. e.req }
+        memo[kind] = m
+    end
+    return m
+end
+
+local STREAM_TO_INI, STREAM_READ = U24, 2 * U24
+
+local function match_roce(r, o, to_ini)
+    local kind, pos = o.kind, o.pos
+    if kind == "write" or kind == "read_resp" then
+        -- Within a connection the destination QP and the direction name the stream.
+        local ck = o.qp + (to_ini and STREAM_TO_INI or 0) + (kind == "write" and 0 or STREAM_READ)
+        if pos == "first" or pos == "only" then
+            local e
+            if kind == "write" then
+                e = to_ini and find(r.xfers, o.stag, o.th, o.tl, "write")
+            else
+                e = not to_ini and r.reads[o.psn]  -- responses leave the initiator
+                if e then r.reads[o.psn] = nil end
+            end
+            if not e then
+                r.cur[ck] = nil
+                return
+            end
+            local m = data_label(e, kind)
+            r.cur[ck] = pos == "first" and { req = e.req, label = m, next = (o.psn + 1) % U24 } or nil
+            return m
+        end
+        local c = r.cur[ck]
+        if not c then return end
+        if c.next ~= o.psn or pos == "last" then r.cur[ck] = nil end
+        if c.next ~= o.psn then return end
+        c.next = (o.psn + 1) % U24
+        return c.label
+    elseif kind == "read_req" then
+        local e = to_ini and find(r.xfers, o.stag, o.th, o.tl, "read")
+        if not e then return end
+        -- The responses come back from the initiator, numbered from the request's PSN.
+        r.reads[o.psn] = e
+        return data_label(e, kind)
+    end
+end
+
+local function match_iwarp(r, o, to_ini)
+    local kind = o.kind
+    if kind == "write" then
+        local e = to_ini and find(r.xfers, o.stag, o.th, o.tl, "write")
+        return e and data_label(e, kind)
+    elseif kind == "read_req" then
+        local e = to_ini and find(r.xfers, o.stag, o.th, o.tl, "read")
+        if not e then return end
+        -- The Read Response is tagged with the request's sink STag and TO.
+        push(r.sinks, expectation(e.req, e.name, o.sink_stag, o.sh, o.sl, o.size))
+        return data_label(e, kind)
+    elseif kind == "read_resp" and not to_ini then
+        local e = find(r.sinks, o.stag, o.th, o.tl)
+        if not e then return end
+        if o.last then drop_request(r.sinks, e.req) end
+        return data_label(e, kind)
+    end
+end
+
+local function match_ring(r, o, to_ini, number)
+    local ring = r.ring
+    if not ring then return end
+    local masked = o.t == "iwarp"
+    if o.kind == "fetch_add" then
+        if to_ini or o.stag ~= ring.stag or o.th ~= ring.h or o.tl ~= ring.l then return end
+        r.atomics[masked and o.id or o.psn] = { req = number }
+        local want_h, want_l = MASKED_H, MASKED_L
+        local mh, ml = 0, 0
+        if masked then mh, ml = ring_mask(ring.n) else want_h, want_l = UNMASKED_H, UNMASKED_L end
+        local m = { ring = "request", text = ", FetchAdd on the ring Head of the HELLO_ACK in frame " .. ring.frame,
+                    info = "KBTP ring Head FetchAdd" }
+        if o.ah ~= want_h or o.al ~= want_l or (masked and (o.mh ~= mh or o.ml ~= ml)) then
+            m.problem = "Add Data " .. hex64(o.ah, o.al)
+                .. (masked and (", Add Mask " .. hex64(o.mh, o.ml)) or "")
+                .. "; a ring counter takes Add Data " .. hex64(want_h, want_l)
+                .. (masked and (", Add Mask " .. hex64(mh, ml)) or "")
+                .. string.format(" (N = %d)", ring.count)
+            m.info = "KBTP ring Head FetchAdd: wrong Add Data or Add Mask"
+        end
+        return m
+    elseif o.kind == "atomic_resp" then
+        local k = masked and o.id or o.psn
+        local a = r.atomics[k]
+        if not a or not to_ini then return end
+        r.atomics[k] = nil
+        -- Ticket in bits 63-32 (RING.ticket_shift); the Slot Offset in the low n+4 bits when
+        -- masked, else computed as 16 * (ticket mod N) (kbtp-draft, InfiniBand and RoCEv2).
+        assert(RING.ticket_shift == 32)
+        local ticket, slot = o.oh, nil
+        if masked then
+            slot = math.floor(o.ol % 2 ^ (ring.n + 4))
+        else
+            slot = math.floor(RING.slot_size * (ticket % 2 ^ ring.n))
+        end
+        return { ring = "response", req = a.req, ticket = ticket, slot = slot,
+                 text = ", ring Head FetchAdd of frame " .. a.req .. ": Ticket " .. ticket
+                        .. ", Slot Offset " .. slot,
+                 info = "KBTP ticket=" .. ticket .. " slot=" .. slot }
+    end
+end
+
+local function label(flow, o, number)
+    if o.kind == "fetch_add" or o.kind == "atomic_resp" then
+        return match_ring(flow.r, o, flow.to_ini, number)
+    end
+    return (o.t == "roce" and match_roce or match_iwarp)(flow.r, o, flow.to_ini)
+end
+
+-- ---- the postdissector ---------------------------------------------------------------------------
+local rdma_context = Proto("kbtp_rdma", "KBTP RDMA context (block data and ring counters)")
+
+local function show_one(m, tree)
+    local item = tree:add(kbtp)
+    item:append_text(m.text)
+    if m.ring == "response" then
+        item:add(F["ring.ticket"], m.ticket):set_generated()
+        item:add(F["ring.slot_offset"], m.slot):set_generated()
+    elseif m.ring == nil then
+        item:add(F.data_for, m.req):set_generated()
+    elseif m.problem then
+        item:add_proto_expert_info(E.ring, m.problem)
+    end
+    return m.info
+end
+
+-- ``mark``: one label, or { many = { labels } } for a segment holding several FPDUs.
+-- A hidden kbtp_rdma item tells these frames from those carrying KBTP messages
+-- (`kbtp && !kbtp_rdma`), and finds them all (`kbtp_rdma`).
+local function show(mark, pinfo, tree)
+    tree:add(rdma_context):set_hidden()
+    local info
+    if mark.many then
+        local notes = {}
+        for i, m in ipairs(mark.many) do notes[i] = show_one(m, tree) end
+        info = table.concat(notes, "; ")
+    else
+        info = show_one(mark, tree)
+    end
+    pinfo.cols.info:append(" [" .. info .. "]")
+end
+
+-- ---- the second Send of a segment (iWARP) -------------------------------------------------------
+-- tshark 4.0 reassembles iWARP Sends per segment and hands a heuristic only the first Send
+-- that a TCP segment completes; the others of that segment are dissected as DDP/RDMAP and
+-- never offered. They are decoded here with runtime.lua's dissect_more: every Send FPDU of
+-- a segment that holds several, less those the heuristics decoded (by opcode and Request ID).
+local function show_more(list, tvb, pinfo, tree)
+    local infos = { frame_info(pinfo.number) }
+    for _, e in ipairs(list) do
+        infos[#infos + 1] = dissect_more(tvb:range(e.off, e.len):tvb(), pinfo, tree, e.st, false)
+    end
+    pinfo.cols.protocol = "KBTP"
+    pinfo.cols.info = table.concat(infos, "; ")
+end
+
+local function more_sends(candidates, seen, tvb, pinfo, tree)
+    local n = pinfo.number
+    local found
+    for _, o in ipairs(candidates) do
+        local c = seen and seen[o.key]
+        if c and c > 0 then
+            seen[o.key] = c - 1
+        else
+            found = found or {}
+            found[#found + 1] = { off = o.off, len = o.len, st = { more = true } }
+        end
+    end
+    if not found then return end
+    -- Decode (and track) in capture order; keep only what was KBTP.
+    local infos, kept = { frame_info(n) }, {}
+    for _, e in ipairs(found) do
+        local info = dissect_more(tvb:range(e.off, e.len):tvb(), pinfo, tree, e.st, false)
+        if info then
+            infos[#infos + 1] = info
+            kept[#kept + 1] = e
+        end
+    end
+    if #kept == 0 then return end
+    extras[n] = kept
+    pinfo.cols.protocol = "KBTP"
+    pinfo.cols.info = table.concat(infos, "; ")
+end
+
+function rdma_context.dissector(tvb, pinfo, tree)
+    if not armed then return end  -- no KBTP session expecting RDMA: nothing marked either
+    local n = pinfo.number
+    if claimed[n] then  -- first pass of a RoCEv2 frame that carried a KBTP message
+        claimed[n] = nil
+        return
+    end
+    if pinfo.visited then
+        local more = extras[n]
+        if more then show_more(more, tvb, pinfo, tree) end
+        local mark = marks[n]
+        if mark then show(mark, pinfo, tree) end
+        return
+    end
+    local ops, roce = ops_from_fields(tvb)
+    if ops == nil and tree.text == nil then  -- no protocol tree, so no field values
+        ops, roce = ops_from_bytes(tvb, pinfo)
+    end
+    local seen = sends[n]
+    if seen then sends[n] = nil end
+    if not ops then return end
+    local s, d = endpoints(pinfo, roce)
+    local flow = flows[s .. "|" .. d]
+    if not flow then return end
+    if ops.kind then ops = { ops } end  -- one operation, or the list of a segment's FPDUs
+    local mark, candidates
+    for _, o in ipairs(ops) do
+        local m
+        if o.kind == "send" then
+            candidates = candidates or {}
+            candidates[#candidates + 1] = o
+        else
+            m = label(flow, o, n)
+        end
+        if m then
+            if not mark then
+                mark = m
+            elseif mark.many then
+                mark.many[#mark.many + 1] = m
+            else
+                mark = { many = { mark, m } }
+            end
+        end
+    end
+    if candidates then more_sends(candidates, seen, tvb, pinfo, tree) end
+    if mark then
+        marks[n] = mark
+        if tree.text ~= nil then show(mark, pinfo, tree) end  -- without a tree, nothing to show
+    end
+end
+
+register_postdissector(rdma_context)
+
+end
 
 -- ---- hand-written runtime: kbtp_scapy/dissector/register.lua ----
 -- Hook the dissector into Wireshark: heuristics on the RDMA payload tables, strict, so

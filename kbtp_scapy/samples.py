@@ -15,7 +15,8 @@ BLOCK = 32 * 1024
 POOL_STAG, TABLE_STAG, RING_STAG, HEAD_STAG, PARTITION_STAG = 0x100, 0x200, 0x300, 0x400, 0x500
 BUF_STAG, RECORD_STAG = 0x1234, 0x5678
 HANDLE_BASE = 0x4000
-RING_N = 4
+RING_LOG2 = 2                     # the ring has N = 2**n slots; ring.* take n
+RING_N = 1 << RING_LOG2
 
 _OP = T.OPCODES.by_name()
 _ST = T.STATUS.by_name()
@@ -108,9 +109,9 @@ def record_session(transport: str, path: str | Path, addr_le: bool = False,
 
     # DIRECT_ALLOC: FetchAdd on the Head, read the slot, write the data, BIND.
     masked = transport == "iwarp"
-    ticket, slot_offset, _ = ring.fetch_add(0, RING_N, masked=masked)
+    ticket, slot_offset, _ = ring.fetch_add(0, RING_LOG2, masked=masked)
     add = T.RING_COUNTER.masked_add_data if masked else T.RING_COUNTER.unmasked_add_data
-    s.rec.fetch_add(True, HEAD_STAG, 0, add, ring.add_mask(RING_N) if masked else 0, original=0)
+    s.rec.fetch_add(True, HEAD_STAG, 0, add, ring.add_mask(RING_LOG2) if masked else 0, original=0)
     block_offset = 40 * BLOCK
     slot = codec.encode_struct(T.RING_SLOT, {"slot.sequence": ticket,
                                              "slot.block_offset": block_offset}, addr_le)

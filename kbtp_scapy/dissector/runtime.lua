@@ -245,7 +245,7 @@ local function track(pinfo, conn, st, msg, values)
     if not msg then return end
     local rid = tostring(values.request_id)
     if msg.answer then
-        conn.pending[rid] = { frame = pinfo.number, ts = pinfo.abs_ts, answer = msg.answer }
+        conn.pending[rid] = { frame = pinfo.number, st = st, ts = pinfo.abs_ts, answer = msg.answer }
         if msg.answer == OPCODE.COMPLETION then
             conn.outstanding = conn.outstanding + 1
             if conn.credits and conn.outstanding > conn.credits then
@@ -257,7 +257,7 @@ local function track(pinfo, conn, st, msg, values)
         if req and req.answer == op then
             conn.pending[rid] = nil
             st.request_in, st.delta = req.frame, pinfo.abs_ts - req.ts
-            frames[req.frame].response_in = pinfo.number
+            req.st.response_in = pinfo.number      -- the request's own state: two may share a frame
             if op == OPCODE.COMPLETION then conn.outstanding = conn.outstanding - 1 end
         else
             st.unanswered = true
@@ -313,6 +313,7 @@ local function dissect_message(tvb, pinfo, tree, key, st)
     local info = summary(msg, op, values)
     if problem then info = info .. " [Malformed]" end
     root:append_text(", " .. info)
+    st.info = info
     return info
 end
 
@@ -454,4 +455,23 @@ local function heur_iwarp(tvb, pinfo, tree)
     end
     set_columns(pinfo, dissect_message(tvb, pinfo, tree, key, st))
     return true
+end
+
+-- For rdma.lua: a further KBTP message in a frame whose heuristic call decoded another
+-- (two Sends in one iWARP TCP segment: tshark 4.0 offers only the first to heuristics).
+-- Returns the Info text, or nil when ``tvb`` is not KBTP.
+local function dissect_more(tvb, pinfo, tree, st, roce)
+    local key = conn_key(pinfo, roce)
+    if not pinfo.visited then
+        if not recognise(tvb, conns[key]) then return nil end
+        st.kbtp = true
+    elseif not st.kbtp then
+        return nil
+    end
+    return dissect_message(tvb, pinfo, tree, key, st)
+end
+
+local function frame_info(number)
+    local st = frames[number]
+    return st and st.info
 end
