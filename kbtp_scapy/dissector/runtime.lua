@@ -32,10 +32,15 @@ local X = {
     bth_padcnt = Field.new("infiniband.bth.padcnt"),
 }
 
+local function last_value(...)
+    local n = select("#", ...)
+    if n == 0 then return nil end
+    return (select(n, ...)).value
+end
+
+-- The last value an extractor has for this frame (some fields are added twice).
 local function last(extractor)
-    local all = { extractor() }
-    local fi = all[#all]
-    return fi and fi.value
+    return last_value(extractor())
 end
 
 -- ---- state: filled only when not pinfo.visited, cleared in init ----------------------
@@ -59,10 +64,10 @@ end
 
 -- Both directions of a connection share one key. On RoCEv2 without the CM exchange the
 -- two directions name different QPs, so the address pair stands for the session.
-local function conn_key(pinfo, roce)
+local function conn_key(pinfo, roce, src, dst)
     local a, b
     if roce then
-        a, b = tostring(pinfo.src), tostring(pinfo.dst)
+        a, b = src or tostring(pinfo.src), dst or tostring(pinfo.dst)
     else
         a, b = endpoint(pinfo.src, pinfo.src_port), endpoint(pinfo.dst, pinfo.dst_port)
     end
@@ -92,15 +97,16 @@ local function value_of(range, size, le)
     return le and range:le_uint() or range:uint()
 end
 
--- Walk ``items`` from ``off``; add to ``tree`` when given. Returns the offset reached and
--- whether the message ended before a fixed field did.
+-- Walk ``items`` from ``off`` over the first ``ctx.len`` octets of ``tvb``; add to ``tree``
+-- when given. Returns the offset reached and whether the message ended before a fixed
+-- field did.
 local function walk(items, tvb, off, tree, ctx)
-    local len = tvb:len()
+    local len = ctx.len
     for _, item in ipairs(items) do
         if present(item, ctx.values) then
             if item.member then
-                local sub = tree and tree:add(tvb:range(off, math.max(0, math.min(item.size, len - off))),
-                                              item.title)
+                if off >= len then return off, true end
+                local sub = tree and tree:add(tvb:range(off, math.min(item.size, len - off)), item.title)
                 local truncated
                 off, truncated = walk(item.items, tvb, off, sub, ctx)
                 if truncated then return off, true end
@@ -138,53 +144,65 @@ local function opcode_known(op)
     return MESSAGES[op] ~= nil or (op >= PRIVATE_OPCODES[1] and op <= PRIVATE_OPCODES[2])
 end
 
--- What is wrong with the layout of a message, or nil; ``values`` gets what was read.
-local function layout_problem(tvb, msg, le)
-    local ctx = { values = {}, le = le and msg.addr_le, msg = msg }
-    local off, truncated = walk(HEADER, tvb, 0, nil, ctx)
-    if truncated then return "truncated header", ctx.values end
-    off, truncated = walk(msg.items, tvb, off, nil, ctx)
-    if truncated then
-        return string.format("truncated: %d octets, %s with these flags needs more", tvb:len(), msg.name), ctx.values
+-- Read one message from the first ``len`` octets of ``tvb`` (into ``tree`` when given):
+-- the context holds the values, the offset reached, truncation and the inline tail.
+local function read_message(tvb, len, msg, le, tree)
+    local ctx = { values = {}, le = le and (msg == nil or msg.addr_le), msg = msg, len = len }
+    local off, truncated = walk(HEADER, tvb, 0, tree, ctx)
+    if msg and not truncated then off, truncated = walk(msg.items, tvb, off, tree, ctx) end
+    ctx.off, ctx.truncated = off, truncated
+    return ctx
+end
+
+-- What is wrong with the layout a read found, or nil.
+local function problem_of(ctx)
+    local msg = ctx.msg
+    if ctx.truncated then
+        return string.format("truncated: %d octets, %s with these flags needs more", ctx.len, msg.name)
     end
     if ctx.tail then
         local declared = ctx.values[ctx.tail.length_from]
         if declared ~= ctx.values[ctx.tail.key] then
             return string.format("inline data is %d octets, the descriptor says %s",
-                                 ctx.values[ctx.tail.key], tostring(declared)), ctx.values
+                                 ctx.values[ctx.tail.key], tostring(declared))
         end
-    elseif off < tvb:len() then
-        return string.format("%d octets after the end of %s", tvb:len() - off, msg.name), ctx.values
+    elseif ctx.off < ctx.len then
+        return string.format("%d octets after the end of %s", ctx.len - ctx.off, msg.name)
     end
-    return nil, ctx.values
+end
+
+-- Length of the whole message a read found: the fixed part plus the inline data it
+-- declares; nil when the fixed part is not all there.
+local function declared_of(ctx)
+    if ctx.truncated then return nil end
+    if ctx.tail then return ctx.off - ctx.values[ctx.tail.key] + ctx.values[ctx.tail.length_from] end
+    return ctx.off
+end
+
+-- Version 1 and a known or Private Use opcode: the cheap test before any other. Returns
+-- the opcode, or nil.
+local function header_ok(tvb, len)
+    if len < HEADER_SIZE then return nil end
+    local word = tvb:range(0, 2):uint()
+    local op = word % 256
+    if (word - op) / 256 ~= VERSION or not opcode_known(op) then return nil end
+    return op
 end
 
 -- Strict recognition: Version 1, a known or Private Use opcode, and a layout that fits the
 -- opcode, flags and descriptors. Inside a conversation already known to carry KBTP, a
 -- message with a wrong layout is still claimed (and marked malformed).
-local function recognise(tvb, conn)
-    if tvb:len() < HEADER_SIZE then return false end
-    if tvb:range(0, 1):uint() ~= VERSION then return false end
-    local op = tvb:range(1, 1):uint()
-    if not opcode_known(op) then return false end
+local function recognise(tvb, len, conn)
+    local op = header_ok(tvb, len)
+    if not op then return false end
     if conn and conn.kbtp then return true end
     local msg = MESSAGES[op]
-    if not msg then return false end
-    return layout_problem(tvb, msg, false) == nil
+    return msg ~= nil and problem_of(read_message(tvb, len, msg, false)) == nil
 end
 
 -- The first packet of a multi-packet Send: a header whose inline data continues past it.
-local function recognise_first(tvb, conn)
-    if tvb:len() < HEADER_SIZE or tvb:range(0, 1):uint() ~= VERSION then return false end
-    local op = tvb:range(1, 1):uint()
-    if not opcode_known(op) then return false end
-    if conn and conn.kbtp then return true end
-    local msg = MESSAGES[op]
-    if not msg then return false end
-    local ctx = { values = {}, le = false, msg = msg }
-    local off, truncated = walk(HEADER, tvb, 0, nil, ctx)
-    off, truncated = walk(msg.items, tvb, off, nil, ctx)
-    return not truncated and ctx.tail ~= nil and ctx.values[ctx.tail.key] < ctx.values[ctx.tail.length_from]
+local function continues(ctx)
+    return not ctx.truncated and ctx.tail ~= nil and ctx.values[ctx.tail.key] < ctx.values[ctx.tail.length_from]
 end
 
 local function show(key, value)
@@ -268,8 +286,9 @@ local function track(pinfo, conn, st, msg, values)
     end
 end
 
--- Decode one whole KBTP message in ``tvb`` into ``tree``; ``st`` is its per-frame state.
-local function dissect_message(tvb, pinfo, tree, key, st)
+-- Decode one whole KBTP message, the first ``len`` octets of ``tvb``, into ``tree``;
+-- ``st`` is its per-frame state.
+local function dissect_message(tvb, len, pinfo, tree, key, st)
     local conn = conn_of(key)
     local op = tvb:range(1, 1):uint()
     local msg = MESSAGES[op]
@@ -278,15 +297,10 @@ local function dissect_message(tvb, pinfo, tree, key, st)
         local pref = kbtp.prefs.addr_le
         st.le = (pref == 2) or (pref == 1 and conn.le == true)
     end
-    local root = tree:add(kbtp, tvb:range(0, tvb:len()))
-    local ctx = { values = {}, le = st.le and (msg == nil or msg.addr_le), msg = msg }
-    walk(HEADER, tvb, 0, root, ctx)
-    local problem
-    if msg then
-        problem = layout_problem(tvb, msg, st.le)
-        walk(msg.items, tvb, HEADER_SIZE, root, ctx)
-    end
+    local root = tree:add(kbtp, tvb:range(0, len))
+    local ctx = read_message(tvb, len, msg, st.le, root)
     local values = ctx.values
+    local problem = msg and problem_of(ctx)
     if not pinfo.visited then track(pinfo, conn, st, msg, values) end
 
     if st.le then root:add(F["session.addr_le"], true):set_generated() end
@@ -346,34 +360,18 @@ local function send_kind(opcode)
     return false
 end
 
--- Length of the whole message whose header starts ``tvb``: the fixed part plus the inline
--- data it declares; nil when the fixed part is not all there.
-local function declared_length(tvb, le)
-    local msg = tvb:len() >= HEADER_SIZE and MESSAGES[tvb:range(1, 1):uint()]
-    if not msg then return nil end
-    local ctx = { values = {}, le = le and msg.addr_le, msg = msg }
-    local off, truncated = walk(HEADER, tvb, 0, nil, ctx)
-    if not truncated then off, truncated = walk(msg.items, tvb, off, nil, ctx) end
-    if truncated then return nil end
-    if ctx.tail then return off - ctx.values[ctx.tail.key] + ctx.values[ctx.tail.length_from] end
-    return off
-end
-
 -- First sight of a RoCEv2 / InfiniBand payload: is it (part of) a KBTP Send? Works from
 -- lengths, because a first pass without a tree (tshark -2) gets no BTH fields: FIRST and
 -- MIDDLE packets carry exactly one path MTU and no pad; LAST carries the rest plus the pad
 -- to 4 octets; ONLY the whole message plus its pad. BTH fields, when there, must agree.
-local function classify_roce(tvb, pinfo, key)
+local function classify_roce(tvb, pinfo, key, src, dst)
     local n = tvb:len()
     local opcode = last(X.bth_opcode)
     local kind = opcode and send_kind(opcode)
     if kind == false then return nil end
-    local dir = tostring(pinfo.src) .. ">" .. tostring(pinfo.dst) .. "/" .. tostring(pinfo.dst_port)
-    local conn = conns[key]
-    local le = (conn and conn.le) or kbtp.prefs.addr_le == 2
+    local dir = src .. ">" .. dst .. "/" .. pinfo.dst_port
     local r = reasm[dir]
     if r then
-        local pad = (-r.remaining) % 4
         if kind ~= "last" and kind ~= "only" and kind ~= "first" and n == r.mtu and r.remaining > r.mtu then
             r.data:append(tvb:range(0, n):bytes())
             r.remaining = r.remaining - n
@@ -381,7 +379,7 @@ local function classify_roce(tvb, pinfo, key)
             local st = frame_state(pinfo)
             st.fragment = true
             return st
-        elseif (kind == nil or kind == "last") and n == r.remaining + pad then
+        elseif (kind == nil or kind == "last") and n == r.remaining + (-r.remaining) % 4 then
             r.data:append(tvb:range(0, r.remaining):bytes())
             reasm[dir] = nil
             local st = frame_state(pinfo)
@@ -391,26 +389,26 @@ local function classify_roce(tvb, pinfo, key)
         end
         reasm[dir] = nil
     end
-    if kind == "middle" or kind == "last" or n < HEADER_SIZE then return nil end
-    if tvb:range(0, 1):uint() ~= VERSION or not opcode_known(tvb:range(1, 1):uint()) then return nil end
-    local expected = declared_length(tvb, le)
-    if (kind == "first" or (kind == nil and PATH_MTUS[n])) and expected and expected > n
-            and recognise_first(tvb, conn) then
-        reasm[dir] = { data = tvb:range(0, n):bytes(), remaining = expected - n, mtu = n,
-                       frames = { pinfo.number } }
-        local st = frame_state(pinfo)
-        st.fragment = true
-        return st
+    local op = kind ~= "middle" and kind ~= "last" and header_ok(tvb, n)
+    if not op then return nil end
+    local conn = conns[key]
+    local msg = MESSAGES[op]
+    local pad = kind == "only" and last(X.bth_padcnt) or nil
+    if pad == nil and msg then     -- a first packet, or no BTH fields: the header decides
+        local ctx = read_message(tvb, n, msg, (conn and conn.le) or kbtp.prefs.addr_le == 2)
+        if (kind == "first" or (kind == nil and PATH_MTUS[n])) and continues(ctx) then
+            reasm[dir] = { data = tvb:range(0, n):bytes(), remaining = declared_of(ctx) - n, mtu = n,
+                           frames = { pinfo.number } }
+            local st = frame_state(pinfo)
+            st.fragment = true
+            return st
+        end
+        local expected = declared_of(ctx)
+        if expected and n >= expected and n - expected == (-expected) % 4 then pad = n - expected end
     end
-    if kind == "first" then return nil end
-    local pad = opcode and last(X.bth_padcnt)
-    if not pad and expected and n >= expected and n - expected == (-expected) % 4 then
-        pad = n - expected
-    end
-    local body = tvb:range(0, n - (pad or 0))
-    if not recognise(body:tvb(), conn) then return nil end
+    if kind == "first" or not recognise(tvb, n - (pad or 0), conn) then return nil end
     local st = frame_state(pinfo)
-    st.message, st.pad_unknown = body:bytes(), pad == nil
+    st.len, st.pad_unknown = n - (pad or 0), pad == nil
     return st
 end
 
@@ -419,21 +417,24 @@ end
 -- heuristic misreads the continuation packets.
 local function heur_infiniband(tvb, pinfo, tree)
     if tvb:len() == 0 then return false end
-    local key = conn_key(pinfo, true)
     local st = frames[pinfo.number]
+    if pinfo.visited and not (st and st.kbtp) then return false end
+    local src, dst = tostring(pinfo.src), tostring(pinfo.dst)
+    local key = conn_key(pinfo, true, src, dst)
     if not pinfo.visited then
-        st = classify_roce(tvb, pinfo, key)
+        st = classify_roce(tvb, pinfo, key, src, dst)
         if not st then return false end
         st.kbtp = true
-    elseif not (st and st.kbtp) then
-        return false
     end
-    if st.message then
+    if st.len then               -- one packet: dissect it in place
         local pad = st.pad_unknown and last(X.bth_padcnt)
-        if pad and pad > 0 then   -- first seen without BTH fields, whose pad count we know now
-            st.message, st.pad_unknown = st.message:subset(0, st.message:len() - pad), false
+        if pad and pad > 0 and pad < st.len then   -- first seen without BTH fields
+            st.len, st.pad_unknown = st.len - pad, false
         end
-        set_columns(pinfo, dissect_message(st.message:tvb("KBTP message"), pinfo, tree, key, st))
+        set_columns(pinfo, dissect_message(tvb, st.len, pinfo, tree, key, st))
+    elseif st.message then       -- reassembled: a new data source
+        local msg_tvb = st.message:tvb("Reassembled KBTP message")
+        set_columns(pinfo, dissect_message(msg_tvb, msg_tvb:len(), pinfo, tree, key, st))
     else
         local item = tree:add(kbtp, tvb:range(0, tvb:len()), "KBTP fragment")
         if st.fragment_in then item:add(F.fragment_in, st.fragment_in):set_generated() end
@@ -449,11 +450,11 @@ local function heur_iwarp(tvb, pinfo, tree)
     if pinfo.visited then
         if not st or not st.kbtp then return false end
     else
-        if not recognise(tvb, conns[key]) then return false end
+        if not recognise(tvb, tvb:len(), conns[key]) then return false end
         st = frame_state(pinfo)
         st.kbtp = true
     end
-    set_columns(pinfo, dissect_message(tvb, pinfo, tree, key, st))
+    set_columns(pinfo, dissect_message(tvb, tvb:len(), pinfo, tree, key, st))
     return true
 end
 
@@ -463,12 +464,12 @@ end
 local function dissect_more(tvb, pinfo, tree, st, roce)
     local key = conn_key(pinfo, roce)
     if not pinfo.visited then
-        if not recognise(tvb, conns[key]) then return nil end
+        if not recognise(tvb, tvb:len(), conns[key]) then return nil end
         st.kbtp = true
     elseif not st.kbtp then
         return nil
     end
-    return dissect_message(tvb, pinfo, tree, key, st)
+    return dissect_message(tvb, tvb:len(), pinfo, tree, key, st)
 end
 
 local function frame_info(number)
