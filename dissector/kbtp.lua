@@ -678,6 +678,7 @@ local function classify_roce(tvb, pinfo, key, src, dst)
     local dir = src .. ">" .. dst .. "/" .. pinfo.dst_port
     local r = reasm[dir]
     if r then
+        local fits_last = n == r.remaining + (-r.remaining) % 4
         if kind ~= "last" and kind ~= "only" and kind ~= "first" and n == r.mtu and r.remaining > r.mtu then
             r.data:append(tvb:range(0, n):bytes())
             r.remaining = r.remaining - n
@@ -685,7 +686,7 @@ local function classify_roce(tvb, pinfo, key, src, dst)
             local st = frame_state(pinfo)
             st.fragment = true
             return st
-        elseif (kind == nil or kind == "last") and n == r.remaining + (-r.remaining) % 4 then
+        elseif (kind == nil or kind == "last") and fits_last then
             r.data:append(tvb:range(0, r.remaining):bytes())
             reasm[dir] = nil
             local st = frame_state(pinfo)
@@ -694,6 +695,16 @@ local function classify_roce(tvb, pinfo, key, src, dst)
             return st
         end
         reasm[dir] = nil
+        -- A Send we claimed the start of goes on, but not as its header said (a length lie,
+        -- a lost, repeated or reordered packet): claim what continues it, so that no other
+        -- heuristic gets a Send LAST without its FIRST (RPC-over-RDMA then fails an assertion
+        -- on a second pass), until a packet shorter than the path MTU ends it.
+        if kind == "middle" or kind == "last" or (kind == nil and not header_ok(tvb, n)) then
+            if n >= r.mtu and kind ~= "last" then reasm[dir] = r end
+            local st = frame_state(pinfo)
+            st.fragment, st.broken = true, true
+            return st
+        end
     end
     local op = kind ~= "middle" and kind ~= "last" and header_ok(tvb, n)
     if not op then return nil end
@@ -702,9 +713,13 @@ local function classify_roce(tvb, pinfo, key, src, dst)
     local pad = kind == "only" and last(X.bth_padcnt) or nil
     if pad == nil and msg then     -- a first packet, or no BTH fields: the header decides
         local ctx = read_message(tvb, n, msg, (conn and conn.le) or kbtp.prefs.addr_le == 2)
-        if (kind == "first" or (kind == nil and PATH_MTUS[n])) and continues(ctx) then
-            reasm[dir] = { data = tvb:range(0, n):bytes(), remaining = declared_of(ctx) - n, mtu = n,
-                           frames = { pinfo.number } }
+    local exact = declared_of(ctx)
+    exact = exact and n == exact + (-exact) % 4   -- a whole message with its pad: not a FIRST
+    if (kind == "first" or (kind == nil and PATH_MTUS[n])) and (continues(ctx) or
+            (conn and conn.kbtp and not exact)) then
+            local declared = declared_of(ctx)
+            reasm[dir] = { data = tvb:range(0, n):bytes(), mtu = n, frames = { pinfo.number },
+                           remaining = declared and declared > n and declared - n or 0 }
             local st = frame_state(pinfo)
             st.fragment = true
             return st
@@ -744,7 +759,11 @@ local function heur_infiniband(tvb, pinfo, tree)
     else
         local item = tree:add(kbtp, tvb:range(0, tvb:len()), "KBTP fragment")
         if st.fragment_in then item:add(F.fragment_in, st.fragment_in):set_generated() end
-        set_columns(pinfo, "KBTP fragment" .. (st.fragment_in and (" (message in " .. st.fragment_in .. ")") or ""))
+        if st.broken then
+            item:add_proto_expert_info(E.malformed, "Send fragment that does not continue the message as its header said")
+        end
+        set_columns(pinfo, "KBTP fragment" .. (st.fragment_in and (" (message in " .. st.fragment_in .. ")") or "")
+                           .. (st.broken and " [reassembly failed]" or ""))
     end
     return true
 end

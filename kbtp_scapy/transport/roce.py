@@ -19,7 +19,8 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
-from scapy.utils import wrpcap
+from scapy.data import DLT_EN10MB
+from scapy.utils import PcapWriter
 
 from kbtp_scapy.layers.roce import (HEADERS, OPCODES, DETH, IETH, RETH, AtomicAckETH, AtomicETH,
                                     ImmDt, add_pad, bth_parts, icrc_ok)
@@ -248,8 +249,13 @@ class RcConnection:
         return frames
 
     def write_pcap(self, path: str) -> None:
-        """Write every frame so far to a pcap file (link type Ethernet)."""
-        wrpcap(path, self.frames)
+        """Write every frame so far to a pcap file (link type Ethernet), as the octets it
+        was built from: rebuilding a dissected frame would move octets that follow an
+        upper-layer message (Scapy's Padding) behind the ICRC."""
+        with PcapWriter(path, linktype=DLT_EN10MB, sync=False) as out:
+            out.write_header(None)
+            for frame in self.frames:
+                out.write_packet(frame.original, sec=frame.time)
 
 
 # --- finding messages in captures ---------------------------------------------------------
