@@ -38,7 +38,6 @@ import struct
 import subprocess
 import sys
 import zlib
-from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +48,7 @@ from scapy.contrib.roce import BTH
 from scapy.layers.inet import IP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.packet import Raw, fuzz
-from scapy.utils import RawPcapReader
+from scapy.utils import RawPcapReader, checksum
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -145,19 +144,6 @@ def locate(d: bytes) -> Where | None:
     return w
 
 
-def _csum(data: bytes) -> int:
-    """Internet checksum (RFC 1071) of ``data``."""
-    if len(data) % 2:
-        data += b"\0"
-    words = array("H", data)
-    if sys.byteorder == "little":
-        words.byteswap()
-    s = sum(words)
-    while s >> 16:
-        s = (s & 0xFFFF) + (s >> 16)
-    return ~s & 0xFFFF
-
-
 def fix(d: bytearray, lengths: bool = False) -> None:
     """Make the framing of ``d`` valid again: IP/UDP/TCP lengths (``lengths``: from the
     frame size), IPv4 header checksum, UDP/TCP checksums, RoCEv2 ICRC, MPA CRC32c."""
@@ -174,7 +160,7 @@ def fix(d: bytearray, lengths: bool = False) -> None:
         w = locate(d)
     if not w.v6:
         d[24:26] = b"\0\0"
-        d[24:26] = _csum(bytes(d[14:w.l4])).to_bytes(2, "big")
+        d[24:26] = checksum(bytes(d[14:w.l4])).to_bytes(2, "big")
     if w.mpa is not None:
         ulpdu = int.from_bytes(d[w.mpa:w.mpa + 2], "big")
         crc_at = w.mpa + 2 + ulpdu + (-(2 + ulpdu) % 4)
@@ -197,7 +183,7 @@ def fix(d: bytearray, lengths: bool = False) -> None:
     d[ck:ck + 2] = b"\0\0"
     src = d[w.l3 + 8:w.l3 + 40] if w.v6 else d[w.l3 + 12:w.l3 + 20]
     pseudo = bytes(src) + struct.pack("!HH", 17 if w.roce else 6, w.ip_end - w.l4)
-    value = _csum(pseudo + bytes(d[w.l4:w.ip_end])) or 0xFFFF
+    value = checksum(pseudo + bytes(d[w.l4:w.ip_end])) or 0xFFFF
     d[ck:ck + 2] = value.to_bytes(2, "big")
 
 

@@ -49,11 +49,11 @@ import sys
 import tempfile
 import time
 import zlib
-from array import array
 from pathlib import Path
 
 from scapy.layers.inet import TCP
 from scapy.layers.l2 import Ether
+from scapy.utils import checksum
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -109,18 +109,6 @@ def rpc_message(kind: str, rid: int) -> bytes:
 
 # ---- frame arithmetic -----------------------------------------------------------------------
 
-def _csum(data: bytes) -> int:
-    if len(data) % 2:
-        data += b"\0"
-    words = array("H", data)
-    if sys.byteorder == "little":
-        words.byteswap()
-    s = sum(words)
-    while s >> 16:
-        s = (s & 0xFFFF) + (s >> 16)
-    return ~s & 0xFFFF
-
-
 _L3, _L4 = 14, 34                    # Ethernet / IPv4 (no options) / UDP or TCP
 _BTH = _L4 + 8
 
@@ -146,7 +134,7 @@ def tcp_fix(d: bytearray, seq: int, ack: int) -> None:
         d[crc_at:crc_at + 4] = struct.pack("<I", crc32c(bytes(d[p:crc_at])))
     d[_L4 + 16:_L4 + 18] = b"\0\0"
     pseudo = bytes(d[26:34]) + struct.pack("!HH", 6, len(d) - _L4)
-    d[_L4 + 16:_L4 + 18] = _csum(pseudo + bytes(d[_L4:])).to_bytes(2, "big")
+    d[_L4 + 16:_L4 + 18] = checksum(pseudo + bytes(d[_L4:])).to_bytes(2, "big")
 
 
 def write_pcap(path: Path, frames: list[tuple[float, bytes]]) -> None:
