@@ -372,7 +372,6 @@ local function classify_roce(tvb, pinfo, key, src, dst)
     local dir = src .. ">" .. dst .. "/" .. pinfo.dst_port
     local r = reasm[dir]
     if r then
-        local fits_last = n == r.remaining + (-r.remaining) % 4
         if kind ~= "last" and kind ~= "only" and kind ~= "first" and n == r.mtu and r.remaining > r.mtu then
             r.data:append(tvb:range(0, n):bytes())
             r.remaining = r.remaining - n
@@ -380,7 +379,7 @@ local function classify_roce(tvb, pinfo, key, src, dst)
             local st = frame_state(pinfo)
             st.fragment = true
             return st
-        elseif (kind == nil or kind == "last") and fits_last then
+        elseif (kind == nil or kind == "last") and n == r.remaining + (-r.remaining) % 4 then
             r.data:append(tvb:range(0, r.remaining):bytes())
             reasm[dir] = nil
             local st = frame_state(pinfo)
@@ -407,19 +406,18 @@ local function classify_roce(tvb, pinfo, key, src, dst)
     local pad = kind == "only" and last(X.bth_padcnt) or nil
     if pad == nil and msg then     -- a first packet, or no BTH fields: the header decides
         local ctx = read_message(tvb, n, msg, (conn and conn.le) or kbtp.prefs.addr_le == 2)
-    local exact = declared_of(ctx)
-    exact = exact and n == exact + (-exact) % 4   -- a whole message with its pad: not a FIRST
-    if (kind == "first" or (kind == nil and PATH_MTUS[n])) and (continues(ctx) or
-            (conn and conn.kbtp and not exact)) then
-            local declared = declared_of(ctx)
+        local declared = declared_of(ctx)
+        -- the whole message plus the pad to 4 octets: a Send ONLY, whatever its length
+        local exact = declared and n >= declared and n - declared == (-declared) % 4
+        if (kind == "first" or (kind == nil and PATH_MTUS[n])) and
+                (continues(ctx) or (conn and conn.kbtp and not exact)) then
             reasm[dir] = { data = tvb:range(0, n):bytes(), mtu = n, frames = { pinfo.number },
                            remaining = declared and declared > n and declared - n or 0 }
             local st = frame_state(pinfo)
             st.fragment = true
             return st
         end
-        local expected = declared_of(ctx)
-        if expected and n >= expected and n - expected == (-expected) % 4 then pad = n - expected end
+        if exact then pad = n - declared end
     end
     if kind == "first" or not recognise(tvb, n - (pad or 0), conn) then return nil end
     local st = frame_state(pinfo)
