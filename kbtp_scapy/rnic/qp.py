@@ -1,0 +1,254 @@
+"""The verbs a soft RNIC offers on one reliable connection, independent of the binding.
+
+A ``QueuePair`` is what KBTP code (target and initiator) talks to. Its requester side
+posts Sends, RDMA Writes, RDMA Reads and atomics, each returning a future that completes
+in posting order, as a NIC's completion queue does. Its responder side is driven by the
+transport: an incoming Send lands in a posted receive buffer (those are what KBTP's
+credits count), and incoming Writes, Reads and atomics are checked against the
+``MemoryTable`` and executed there, or refused with ``AccessError`` so the transport can
+NAK (RoCEv2) or Terminate (iWARP) exactly as the binding prescribes.
+
+Transports subclass it: ``rnic/iwarp.py`` (kernel TCP, MPA, DDP, RDMAP) and
+``rnic/roce.py`` (UDP, BTH, reliable connection). They implement ``_transmit`` and
+``_shutdown`` and call the ``deliver_*``/``serve_*``/``complete``/``lost`` methods.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .memory import Access, MemoryTable
+
+
+class Verb(enum.Enum):
+    SEND = "send"
+    WRITE = "write"
+    READ = "read"
+    FETCH_ADD = "fetch_add"
+    COMPARE_SWAP = "compare_swap"
+
+
+@dataclass(eq=False)
+class WorkRequest:
+    """One posted operation; the transport fills ``result`` through ``QueuePair.complete``."""
+
+    verb: Verb
+    payload: bytes = b""           # Send payload, Write data
+    stag: int = 0                  # remote STag (Write, Read, atomics)
+    offset: int = 0                # remote Tagged Offset
+    length: int = 0                # Read length
+    invalidate: int | None = None  # Send with Invalidate: the peer's STag to invalidate
+    solicited: bool = False
+    imm: int | None = None         # Immediate Data (RoCEv2 Write/Send with Immediate)
+    add: int = 0                   # FetchAdd Add Data, or Compare and Swap swap value
+    mask: int | None = None        # RFC 7306 Add Mask; None is the unmasked (InfiniBand) add
+    compare: int = 0
+    future: asyncio.Future = field(default=None, repr=False)  # type: ignore[assignment]
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class Received:
+    """A receive completion: a Send placed in a posted buffer, or a Write with Immediate."""
+
+    payload: bytes
+    invalidated: int | None = None   # STag the Send with Invalidate invalidated here
+    imm: int | None = None
+    solicited: bool = False
+    write_imm: bool = False          # RDMA Write with Immediate (no payload delivered here)
+
+
+class ReceiveError(Exception):
+    """An incoming Send that no posted buffer can take (RNR on RoCEv2, DDP error on iWARP)."""
+
+    NO_BUFFER = "no posted receive buffer"
+    TOO_LONG = "message longer than the posted receive buffer"
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ConnectionLost(Exception):
+    """The connection ended (closed, reset, Terminate, retries exhausted)."""
+
+
+class RemoteError(Exception):
+    """The peer refused one of our operations (a NAK, or a Terminate naming it)."""
+
+
+FrameListener = Callable[[str, bytes], None]
+"""Called with "tx" or "rx" and the whole link-layer (Ethernet) frame."""
+
+
+class QueuePair:
+    """One RDMA connection's send and receive queues over a shared ``MemoryTable``."""
+
+    transport = ""            # "iwarp" or "roce"
+    masked_atomics = False    # RFC 7306 masked FetchAdd (iWARP) or unmasked (InfiniBand)
+
+    def __init__(self, memory: MemoryTable, *, recv_size: int = 4096) -> None:
+        self.memory = memory
+        self.recv_size = recv_size
+        self.local: tuple[str, int] = ("", 0)
+        self.remote: tuple[str, int] = ("", 0)
+        self.frame_listeners: list[FrameListener] = []
+        self.stats: dict[str, int] = {}
+        self._posted = 0
+        self._received: asyncio.Queue[Received | BaseException] = asyncio.Queue()
+        self._outstanding: deque[WorkRequest] = deque()
+        self._closed = asyncio.Event()
+        self.error: BaseException | None = None
+
+    # -- requester side ------------------------------------------------------------------
+
+    def post(self, wr: WorkRequest) -> asyncio.Future:
+        """Queue an operation; the returned future completes in posting order."""
+        wr.future = asyncio.get_running_loop().create_future()
+        if self.error is not None:
+            wr.future.set_exception(ConnectionLost(str(self.error)))
+            return wr.future
+        self._outstanding.append(wr)
+        self._transmit(wr)
+        return wr.future
+
+    def send(self, payload: bytes, *, invalidate: int | None = None, solicited: bool = False,
+             imm: int | None = None) -> asyncio.Future:
+        return self.post(WorkRequest(Verb.SEND, payload, invalidate=invalidate,
+                                     solicited=solicited, imm=imm))
+
+    def write(self, stag: int, offset: int, data: bytes, *, imm: int | None = None) -> asyncio.Future:
+        return self.post(WorkRequest(Verb.WRITE, data, stag, offset, len(data), imm=imm))
+
+    def read(self, stag: int, offset: int, length: int) -> asyncio.Future:
+        """RDMA Read; the future's result is the octets read."""
+        return self.post(WorkRequest(Verb.READ, b"", stag, offset, length))
+
+    def fetch_add(self, stag: int, offset: int, add: int, mask: int | None = None) -> asyncio.Future:
+        """FetchAdd on the peer's 8-octet operand; the result is the original value."""
+        return self.post(WorkRequest(Verb.FETCH_ADD, b"", stag, offset, 8, add=add, mask=mask))
+
+    def compare_swap(self, stag: int, offset: int, compare: int, swap: int) -> asyncio.Future:
+        return self.post(WorkRequest(Verb.COMPARE_SWAP, b"", stag, offset, 8, add=swap,
+                                     compare=compare))
+
+    def complete(self, wr: WorkRequest, result: Any = None,
+                 error: BaseException | None = None) -> None:
+        """Called by the transport when ``wr`` is acknowledged, answered or refused."""
+        wr.done, wr.result, wr.error = True, result, error
+        while self._outstanding and self._outstanding[0].done:
+            head = self._outstanding.popleft()
+            if head.future.done():
+                continue
+            if head.error is not None:
+                head.future.set_exception(head.error)
+            else:
+                head.future.set_result(head.result)
+
+    def unacknowledged(self) -> list[WorkRequest]:
+        return [wr for wr in self._outstanding if not wr.done]
+
+    # -- receive queue -------------------------------------------------------------------
+
+    def post_recv(self, count: int = 1) -> None:
+        """Post ``count`` receive buffers of ``recv_size`` octets."""
+        self._posted += count
+
+    @property
+    def posted(self) -> int:
+        return self._posted
+
+    async def recv(self) -> Received:
+        """The next receive completion; raises ``ConnectionLost`` once the connection ends."""
+        item = await self._received.get()
+        if isinstance(item, BaseException):
+            self._received.put_nowait(item)   # every later call sees the end too
+            raise item
+        return item
+
+    def deliver_send(self, payload: bytes, *, invalidate: int | None = None,
+                     solicited: bool = False, imm: int | None = None) -> None:
+        """Place an incoming Send; ``ReceiveError`` (nothing consumed) when it cannot be."""
+        if self._posted == 0:
+            raise ReceiveError(ReceiveError.NO_BUFFER)
+        if len(payload) > self.recv_size:
+            raise ReceiveError(ReceiveError.TOO_LONG)
+        self._posted -= 1
+        invalidated = None
+        if invalidate is not None and self.memory.invalidate(invalidate):
+            invalidated = invalidate
+        self._count("recv")
+        self._received.put_nowait(Received(payload, invalidated, imm, solicited))
+
+    def deliver_write_imm(self, imm: int) -> None:
+        """RDMA Write with Immediate consumes a receive buffer (InfiniBand semantics)."""
+        if self._posted == 0:
+            raise ReceiveError(ReceiveError.NO_BUFFER)
+        self._posted -= 1
+        self._received.put_nowait(Received(b"", imm=imm, write_imm=True))
+
+    # -- responder side: executed on our memory -----------------------------------------
+
+    def serve_write(self, stag: int, offset: int, data: bytes) -> None:
+        self.memory.remote_write(stag, offset, data, self)
+
+    def serve_read(self, stag: int, offset: int, length: int) -> bytes:
+        return self.memory.remote_read(stag, offset, length, self)
+
+    def check_write(self, stag: int, offset: int, length: int) -> None:
+        """Validate a whole tagged Write before its first segment is placed."""
+        self.memory.remote(stag, offset, length, Access.REMOTE_WRITE, self)
+
+    def serve_fetch_add(self, stag: int, offset: int, add: int, mask: int | None) -> int:
+        return self.memory.fetch_add(self.memory.atomic(stag, offset, self), add, mask)
+
+    def serve_compare_swap(self, stag: int, offset: int, compare: int, swap: int) -> int:
+        return self.memory.compare_swap(self.memory.atomic(stag, offset, self), compare, swap)
+
+    # -- connection ----------------------------------------------------------------------
+
+    def lost(self, error: BaseException) -> None:
+        """The connection is gone: fail everything outstanding, wake every receiver."""
+        if self.error is not None:
+            return
+        self.error = error if isinstance(error, ConnectionLost) else ConnectionLost(str(error))
+        for wr in self._outstanding:
+            if not wr.future.done():
+                wr.future.set_exception(self.error)
+                wr.future.exception()     # consumed: nobody may be awaiting a Write's future
+        self._outstanding.clear()
+        self._received.put_nowait(self.error)
+        self._closed.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    async def close(self) -> None:
+        """Orderly close (TCP FIN after MPA; CM DREQ/DREP on RoCEv2)."""
+        if not self.closed:
+            await self._shutdown()
+            self.lost(ConnectionLost("closed locally"))
+
+    # -- for transports ------------------------------------------------------------------
+
+    def frame(self, direction: str, frame: bytes) -> None:
+        for listener in self.frame_listeners:
+            listener(direction, frame)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.stats[name] = self.stats.get(name, 0) + n
+
+    def _transmit(self, wr: WorkRequest) -> None:
+        raise NotImplementedError
+
+    async def _shutdown(self) -> None:
+        raise NotImplementedError
