@@ -1,0 +1,239 @@
+"""The reference initiator: a session with a KBTP target over a soft-RNIC connection.
+
+Requests are pipelined up to the credits (the smaller of the target's Request Credits
+and our Completion Credits); completions are matched to requests by Request ID. Every
+buffer the target may touch is registered for that one request and gone afterwards:
+with INVALIDATE (the default, the text's SHOULD) the target's Send with Invalidate
+revokes it, otherwise we deregister it on completion.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from typing import Any
+
+from scapy.packet import Packet
+
+from .. import codec
+from ..rnic import Access, MemoryTable, QueuePair, connect
+from ..rnic.qp import ConnectionLost, FrameListener, Received
+from ..tables import memory as M
+from ..tables.enums import FEATURES, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, flag
+from .direct import DirectModes
+from .results import KbtpError, Result, TargetInfo
+
+OP = OPCODES.by_name()
+F = {f.name: f.value for f in REQUEST_FLAGS.flags}
+ADDR_LE = flag(FEATURES, "ADDR_LE")
+ALL_FEATURES = sum(f.value for f in FEATURES.flags if f.name != "ADDR_LE")
+RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
+COMPLETION_BUFFER = 256          # HELLO_ACK with every descriptor is 152 octets
+
+
+class Initiator(DirectModes):
+    """Use ``await Initiator.connect(url)``; every operation is a coroutine."""
+
+    def __init__(self, qp: QueuePair, memory: MemoryTable, initiator_id: bytes, credits: int,
+                 invalidate: bool) -> None:
+        self.qp, self.memory, self.initiator_id = qp, memory, initiator_id
+        self.completion_credits = credits
+        self.invalidate = invalidate
+        self.target: TargetInfo | None = None
+        self.addr_le = False
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
+        self.unmatched: asyncio.Queue[Received] = asyncio.Queue()   # raw mode sees these
+        self._credits: asyncio.Semaphore | None = None
+        self._receiver: asyncio.Task | None = None
+
+    @classmethod
+    async def connect(cls, url: str, *, initiator_id: bytes | None = None,
+                      features: int = ALL_FEATURES, credits: int = 32, invalidate: bool = True,
+                      frame_listeners: list[FrameListener] | None = None, **options) -> Initiator:
+        """Connect, send HELLO and wait for HELLO_ACK; ``KbtpError`` if the target refuses."""
+        memory = MemoryTable()
+        qp = await connect(url, memory, recv_size=COMPLETION_BUFFER,
+                           frame_listeners=list(frame_listeners or ()), **options)
+        self = cls(qp, memory, initiator_id or secrets.token_bytes(16), credits, invalidate)
+        qp.post_recv(credits)
+        try:
+            await self._hello(features)
+        except BaseException:
+            await qp.close()
+            raise
+        return self
+
+    async def _hello(self, features: int) -> None:
+        await self.qp.send(codec.encode({
+            "opcode": OP["HELLO"], "hello.requested_features": features,
+            "hello.completion_credits": self.completion_credits,
+            "hello.initiator_id": self.initiator_id}))
+        msg = await self.qp.recv()
+        self.qp.post_recv(1)
+        ack = codec.decode(msg.payload)
+        if ack["opcode"] != OP["HELLO_ACK"]:
+            raise KbtpError(9, detail=f"expected HELLO_ACK, got {OPCODES.describe(ack['opcode'])}")
+        if ack["status"]:
+            raise KbtpError(ack["status"], detail="HELLO refused")
+        body = {k.split(".", 1)[1]: v for k, v in ack.items() if k.startswith("hello_ack.")}
+        self.target = TargetInfo(body.pop("features"), body.pop("request_credits"),
+                                 body.pop("block_size"), body.pop("max_inline"),
+                                 body.pop("allocation_quota"), body.pop("handle_base"),
+                                 body.pop("handle_count"), body.pop("ticket_timeout"), body)
+        self.addr_le = self.target.feature(ADDR_LE)
+        self._credits = asyncio.Semaphore(min(self.target.request_credits, self.completion_credits))
+        self._receiver = asyncio.create_task(self._receive())
+
+    # -- completions ---------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        try:
+            while True:
+                msg = await self.qp.recv()
+                self.qp.post_recv(1)
+                self._dispatch(msg)
+        except ConnectionLost as exc:
+            for future, _ in self._pending.values():
+                if not future.done():
+                    future.set_exception(exc)
+            self._pending.clear()
+
+    def _dispatch(self, msg: Received) -> None:
+        if msg.write_imm:
+            key = msg.imm
+            entry = next(((rid, p) for rid, p in self._pending.items()
+                          if rid & 0xFFFFFFFF == key and p[1] is not None), None)
+            if entry is None:
+                self.unmatched.put_nowait(msg)
+                return
+            rid, (future, record) = entry
+            d = codec.decode_struct(M.COMPLETION_RECORD, bytes(record.view), self.addr_le)
+            del self._pending[rid]
+            future.set_result(Result(d["record.request_id"], d["record.status"],
+                                     d["record.generation"], d["record.data_length"],
+                                     d["record.block_offset"], record=True))
+            return
+        try:
+            c = codec.decode(msg.payload, self.addr_le)
+        except codec.Malformed:
+            self.unmatched.put_nowait(msg)
+            return
+        pending = self._pending.pop(c["request_id"], None) if c["opcode"] == OP["COMPLETION"] else None
+        if pending is None:
+            self.unmatched.put_nowait(msg)
+            return
+        pending[0].set_result(Result(c["request_id"], c["status"], c["generation"],
+                                     c["completion.data_length"], c["completion.block_offset"]))
+
+    async def _call(self, values: dict[str, Any], regions: list, record: bool) -> Result:
+        """Send one request and wait for its completion; raises ``KbtpError`` on a status."""
+        async with self._credits:
+            rid = next(self._ids)
+            future = asyncio.get_running_loop().create_future()
+            record_region = None
+            if record:
+                record_region = self.memory.register(bytearray(M.COMPLETION_RECORD.size),
+                                                     Access.REMOTE_WRITE)
+                regions = [*regions, record_region]
+                values = {**values, "cd.stag": record_region.stag, "cd.offset": 0, "cd.reserved": 0}
+            self._pending[rid] = (future, record_region)
+            try:
+                await self.qp.send(codec.encode({**values, "request_id": rid}, self.addr_le))
+                result = await future
+            finally:
+                self._pending.pop(rid, None)
+                for region in regions:
+                    self.memory.deregister(region.stag)
+        if result.status:
+            raise KbtpError(result.status, result)
+        return result
+
+    def _flags(self, *, seal: bool = False, inline: bool = False, record: bool = False,
+               allow_unsealed: bool = False, invalidate: bool = False) -> int:
+        return ((F["SEAL"] if seal else 0) | (F["INLINE"] if inline else 0)
+                | (F["RECORD"] if record else 0) | (F["ALLOW_UNSEALED"] if allow_unsealed else 0)
+                | (F["INVALIDATE"] if invalidate else 0))
+
+    # -- operations ----------------------------------------------------------------------
+
+    async def load(self, handle: int, *, generation: int = 0, allow_unsealed: bool = False,
+                   length: int | None = None, record: bool = False) -> Result:
+        """Block Load into a fresh buffer of ``length`` (default Block Size) octets."""
+        buf = bytearray(self.target.block_size if length is None else length)
+        region = self.memory.register(buf, Access.REMOTE_WRITE)
+        result = await self._call({
+            "opcode": OP["LOAD"], "handle": handle, "generation": generation,
+            "flags": self._flags(allow_unsealed=allow_unsealed, record=record,
+                                 invalidate=self.invalidate and not record),
+            "dd.stag": region.stag, "dd.offset": 0, "dd.length": len(buf)}, [region], record)
+        result.data = bytes(buf[:result.data_length])
+        return result
+
+    async def _store(self, opcode: str, handle: int, data: bytes, generation: int, seal: bool,
+                     inline: bool | None, record: bool) -> Result:
+        if inline is None:
+            inline = len(data) <= self.target.max_inline
+        values: dict[str, Any] = {"opcode": OP[opcode], "handle": handle, "generation": generation}
+        regions = []
+        if inline:
+            values.update({"dd.stag": 0, "dd.offset": 0, "dd.length": len(data), "inline_data": data})
+        else:
+            region = self.memory.register(bytearray(data), Access.REMOTE_READ)
+            regions.append(region)
+            values.update({"dd.stag": region.stag, "dd.offset": 0, "dd.length": len(data)})
+        values["flags"] = self._flags(seal=seal, inline=inline, record=record,
+                                      invalidate=self.invalidate and not inline and not record)
+        return await self._call(values, regions, record)
+
+    async def store(self, handle: int, data: bytes, *, generation: int = 0, seal: bool = False,
+                    inline: bool | None = None, record: bool = False) -> Result:
+        """Block Mapped Store; inline when the data fits Max Inline unless told otherwise."""
+        return await self._store("STORE", handle, data, generation, seal, inline, record)
+
+    async def alloc_store(self, handle: int, data: bytes, *, generation: int = 0, seal: bool = False,
+                          inline: bool | None = None, record: bool = False) -> Result:
+        """Block Unmapped Store: the target allocates a block, binds ``handle`` to it, stores."""
+        return await self._store("ALLOC_STORE", handle, data, generation, seal, inline, record)
+
+    async def free(self, handle: int, *, generation: int = 0, record: bool = False) -> Result:
+        return await self._call({"opcode": OP["FREE"], "handle": handle, "generation": generation,
+                                 "flags": self._flags(record=record)}, [], record)
+
+    async def bind(self, handle: int, ticket: int, data_length: int, block_offset: int, *,
+                   generation: int = 0) -> Result:
+        return await self._call({"opcode": OP["BIND"], "handle": handle, "generation": generation,
+                                 "bind.ticket": ticket, "bind.data_length": data_length,
+                                 "bind.block_offset": block_offset}, [], False)
+
+    async def goodbye(self, release: bool = False) -> None:
+        """End the session; the target closes the connection once it has acted on it."""
+        await self.qp.send(codec.encode({"opcode": OP["GOODBYE"],
+                                         "flags": RELEASE if release else 0}, self.addr_le))
+        try:
+            await asyncio.wait_for(self.qp.wait_closed(), 5)
+        except asyncio.TimeoutError:
+            pass
+        await self.close()
+
+    # -- raw access for the tools ----------------------------------------------------------
+
+    async def raw(self, message: bytes | Packet, *, timeout: float = 2.0,
+                  expect: int = 1) -> list[Received]:
+        """Send any bytes (or Scapy packet) as a request; collect what comes back unmatched."""
+        await self.qp.send(bytes(message))
+        got: list[Received] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(got) < expect and (remaining := deadline - loop.time()) > 0:
+            try:
+                got.append(await asyncio.wait_for(self.unmatched.get(), remaining))
+            except asyncio.TimeoutError:
+                break
+        return got
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+        if not self.qp.closed:
+            await self.qp.close()

@@ -1,0 +1,96 @@
+"""DIRECT_LOAD and DIRECT_ALLOC: one-sided access through the STags a HELLO_ACK grants.
+
+Both follow the text's "Direct Modes" step by step: each RDMA Read is issued only after
+the previous one completed, a 16-octet slot read is confirmed by a second read (it is
+not guaranteed to be atomic), and the initiator never writes ring slots.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from .. import codec, ring as counters
+from ..tables import RING_COUNTER
+from ..tables import memory as M
+from ..target.table import SEALED, VALID
+from .results import KbtpError, Result
+
+CONSUMED = M.SLOT_CONSUMED
+NOT_VALID, NOT_SEALED, TOO_LARGE, NO_SPACE, INVALID_HANDLE, INTERNAL = 3, 7, 8, 5, 1, 10
+
+
+class DirectModes:
+    """Mixed into ``Initiator``: needs ``qp``, ``target`` and ``addr_le``."""
+
+    def _direct(self, key: str) -> tuple[int, int, int]:
+        f = self.target.fields
+        if f"{key}.stag" not in f:
+            raise KbtpError(INTERNAL, detail=f"the target did not grant the {key} descriptor")
+        return f[f"{key}.stag"], f[f"{key}.offset"], f[f"{key}.count"]
+
+    async def _entry(self, stag: int, offset: int) -> dict:
+        raw = await self.qp.read(stag, offset, M.ENTRY_SIZE)
+        return codec.decode_struct(M.TABLE_ENTRY, raw, self.addr_le)
+
+    async def direct_load(self, handle: int, *, attempts: int = 8) -> Result:
+        """Read the entry, the block, the entry again; valid if both show the same
+        Generation with VALID and SEALED. Retried while a concurrent change is seen."""
+        stag, base, count = self._direct("table")
+        index = handle - self.target.fields["table_base_handle"]
+        if not 0 <= index < count:
+            raise KbtpError(INVALID_HANDLE, detail="handle outside the table")
+        pool_stag = self._direct("pool")[0]
+        at = base + index * M.ENTRY_SIZE
+        for _ in range(attempts):
+            first = await self._entry(stag, at)
+            flags = first["entry.flags"]
+            if not flags & VALID:
+                raise KbtpError(NOT_VALID, detail="entry not VALID")
+            if not flags & SEALED:
+                raise KbtpError(NOT_SEALED, detail="entry not SEALED")
+            length = first["entry.data_length"]
+            data = await self.qp.read(pool_stag, first["entry.block_offset"], length) if length else b""
+            second = await self._entry(stag, at)
+            if second == first:
+                return Result(0, 0, first["entry.generation"], length,
+                              first["entry.block_offset"], data)
+        raise KbtpError(NOT_VALID, detail=f"entry kept changing over {attempts} attempts")
+
+    async def take_ticket(self) -> tuple[int, int]:
+        """FetchAdd on our Head: (ticket, slot offset), masked on iWARP, unmasked on RoCEv2."""
+        head_stag, head_offset, _ = self._direct("head")
+        n = (self._direct("ring")[2] - 1).bit_length()
+        if self.qp.masked_atomics:
+            value = await self.qp.fetch_add(head_stag, head_offset, RING_COUNTER.masked_add_data,
+                                            counters.add_mask(n))
+            return counters.split(value, n)
+        value = await self.qp.fetch_add(head_stag, head_offset, RING_COUNTER.unmasked_add_data)
+        ticket = value >> RING_COUNTER.ticket_shift
+        return ticket, M.SLOT_SIZE * (ticket % (1 << n))
+
+    async def wait_slot(self, ticket: int, offset: int, timeout: float) -> int:
+        """Re-read the slot until it holds a block for ``ticket``, then confirm once more."""
+        ring_stag, ring_base, _ = self._direct("ring")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        confirmed = None
+        while loop.time() < deadline:
+            raw = await self.qp.read(ring_stag, ring_base + offset, M.SLOT_SIZE)
+            slot = codec.decode_struct(M.RING_SLOT, raw, self.addr_le)
+            ready = slot["slot.sequence"] == ticket & 0xFFFFFFFF and slot["slot.block_offset"] != CONSUMED
+            if ready and confirmed == slot["slot.block_offset"]:
+                return confirmed
+            confirmed = slot["slot.block_offset"] if ready else None
+            if not ready:
+                await asyncio.sleep(0.001)
+        raise KbtpError(NO_SPACE, detail=f"no block arrived for ticket {ticket}")
+
+    async def direct_alloc(self, handle: int, data: bytes) -> Result:
+        """FetchAdd on Head, read the slot, RDMA Write the data, then BIND."""
+        if len(data) > self.target.block_size:
+            raise KbtpError(TOO_LARGE, detail="data larger than Block Size")
+        partition_stag = self._direct("partition")[0]
+        ticket, offset = await self.take_ticket()
+        block = await self.wait_slot(ticket, offset, self.target.ticket_timeout_ms / 2000)
+        if data:
+            await self.qp.write(partition_stag, block, data)
+        return await self.bind(handle, ticket, len(data), block)

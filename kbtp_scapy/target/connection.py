@@ -1,0 +1,192 @@
+"""One initiator connection: HELLO, then requests in order, then GOODBYE or loss.
+
+The target posts one receive buffer per request credit and reposts it once the request
+is answered, so an initiator that sends beyond its credits meets the transport's own
+refusal (RNR NAK on RoCEv2, DDP Terminate on iWARP; NOTES decision 8). Writes and Sends
+are posted without waiting for their acknowledgement: the connection's ordering puts a
+LOAD's data before its COMPLETION, as the binding requires, and only an RDMA Read (a
+store's data) is awaited.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .. import codec
+from ..rnic.memory import MemoryRegion
+from ..rnic.qp import ConnectionLost, QueuePair, RemoteError
+from ..tables import memory as M
+from ..tables.enums import GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
+from .config import ADDR_LE, DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION
+from .direct import TicketWatch, direct_load_fields, grant_partition
+from .operations import Executor, Outcome
+from .ring import FreeRing
+from .sessions import Initiator, Refused
+
+if TYPE_CHECKING:
+    from .server import Target
+
+log = logging.getLogger("kbtp.target")
+OP = OPCODES.by_name()
+S = STATUS.by_name()
+RECORD = flag(REQUEST_FLAGS, "RECORD")
+INVALIDATE = flag(REQUEST_FLAGS, "INVALIDATE")
+RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
+
+
+def _consume(future: asyncio.Future) -> None:
+    """A failed Write or Send fails the connection; the request loop sees that, not here."""
+    if not future.cancelled():
+        future.exception()
+
+
+class Connection:
+    def __init__(self, target: Target, qp: QueuePair) -> None:
+        self.target, self.qp = target, qp
+        self.state: Initiator | None = None
+        self.features = 0
+        self.addr_le = False
+        self.windows: list[MemoryRegion] = []
+
+    @property
+    def ring(self) -> FreeRing:
+        part = self.state.partition
+        return part.ring if part is not None else self.target.memory.shared_ring
+
+    def post(self, future: asyncio.Future) -> None:
+        future.add_done_callback(_consume)
+
+    async def serve(self) -> None:
+        t = self.target
+        self.qp.post_recv(t.config.request_credits)
+        peer = f"{self.qp.transport}://{self.qp.remote[0]}:{self.qp.remote[1]}"
+        release = False
+        try:
+            if not await self._hello():
+                return
+            log.info("session %s from %s: handles 0x%x+%d quota %d features 0x%x",
+                     self.state.initiator_id.hex()[:8], peer, self.state.handle_base,
+                     self.state.handle_count, self.state.quota, self.features)
+            release = await self._requests()
+        except (ConnectionLost, RemoteError) as exc:
+            log.info("connection from %s lost: %s", peer, exc)
+        finally:
+            for window in self.windows:
+                t.rnic_memory.deregister(window.stag)
+            if self.state is not None:
+                t.sessions.detach(self.state, release)
+                log.info("session %s ended%s", self.state.initiator_id.hex()[:8],
+                         " (released)" if release else " (retained)")
+            if not self.qp.closed:
+                await self.qp.close()
+
+    # -- session set-up ------------------------------------------------------------------
+
+    async def _hello(self) -> bool:
+        t = self.target
+        msg = await self.qp.recv()
+        self.qp.post_recv(1)
+        try:
+            hello = codec.decode(msg.payload)
+        except codec.Malformed:
+            hello = None
+        if hello is None or hello["opcode"] != OP["HELLO"]:
+            t.metrics.hello("MALFORMED")
+            await self._hello_ack(S["MALFORMED"], {})
+            return False
+        requested = hello["hello.requested_features"]
+        offered = t.offered_features(self.qp)
+        try:
+            self.state, restored = t.sessions.admit(
+                bytes(hello["hello.initiator_id"]), bool(requested & offered & DIRECT_ALLOC))
+        except Refused as refusal:
+            t.metrics.hello(refusal.status)
+            log.info("HELLO refused: %s", refusal)
+            await self._hello_ack(S[refusal.status], {})
+            return False
+        t.metrics.hello("OK")
+        features = requested & offered & ~ADDR_LE
+        if t.config.addr_le:
+            features |= ADDR_LE
+        fields: dict[str, Any] = {}
+        if features & DIRECT_LOAD:
+            fields.update(direct_load_fields(t.memory))
+        part = self.state.partition
+        if features & DIRECT_ALLOC and part is not None and not self.state.direct_disabled:
+            granted, self.windows = grant_partition(t.memory, part, self.qp)
+            fields.update(granted)
+        else:
+            features &= ~DIRECT_ALLOC
+        if part is not None and self.state.watch is None:
+            self.state.watch = TicketWatch(self.state, t.rnic_memory, t.config.ticket_timeout_ms)
+        if self.state.watch is not None:
+            self.state.watch.windows = self.windows
+        self.features, self.addr_le = features, bool(features & ADDR_LE)
+        self.state.features = features
+        c = t.config
+        await self._hello_ack(0, {
+            "hello_ack.features": features, "hello_ack.request_credits": c.request_credits,
+            "hello_ack.block_size": c.block_size, "hello_ack.max_inline": c.max_inline,
+            "hello_ack.allocation_quota": self.state.quota,
+            "hello_ack.handle_base": self.state.handle_base,
+            "hello_ack.handle_count": self.state.handle_count,
+            "hello_ack.ticket_timeout": c.ticket_timeout_ms, **fields})
+        return True
+
+    async def _hello_ack(self, status: int, body: dict[str, Any]) -> None:
+        values = {"opcode": OP["HELLO_ACK"], "status": status, "hello_ack.features": 0, **body}
+        await self.qp.send(codec.encode(values))
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def _requests(self) -> bool:
+        """Serve requests until GOODBYE (returns whether it asked for RELEASE)."""
+        t = self.target
+        while True:
+            msg = await self.qp.recv()
+            try:
+                req = codec.decode(msg.payload, self.addr_le)
+            except codec.Malformed as bad:
+                self._complete(self._malformed(bad.fields), Outcome(S["MALFORMED"]), str(bad))
+                self.qp.post_recv(1)
+                continue
+            opcode = req["opcode"]
+            if opcode == OP["GOODBYE"]:
+                t.metrics.operation("GOODBYE", 0)
+                return bool(req["flags"] & RELEASE)
+            if not Executor.handles(opcode):
+                self._complete(req, Outcome(S["MALFORMED"]), "not a request opcode")
+                self.qp.post_recv(1)
+                continue
+            outcome = await t.executor.run(self, req)
+            self._complete(req, outcome)
+            self.qp.post_recv(1)
+
+    @staticmethod
+    def _malformed(fields: dict[str, Any]) -> dict[str, Any]:
+        """Echo what could be read of a request that cannot be parsed (NOTES decision 4)."""
+        return {"opcode": fields.get("opcode", 0), "flags": 0,
+                "request_id": fields.get("request_id", 0), "handle": fields.get("handle", 0)}
+
+    def _complete(self, req: dict[str, Any], outcome: Outcome, why: str = "") -> None:
+        t = self.target
+        t.metrics.operation(OPCODES.describe(req["opcode"]), outcome.status)
+        if why:
+            log.debug("request %d: MALFORMED (%s)", req["request_id"], why)
+        flags = req["flags"] if Executor.handles(req["opcode"]) else 0
+        if flags & RECORD and self.features & RECORD_COMPLETION and "cd.stag" in req:
+            record = codec.encode_struct(M.COMPLETION_RECORD, {
+                "record.request_id": req["request_id"], "record.status": outcome.status,
+                "record.generation": outcome.generation, "record.data_length": outcome.data_length,
+                "record.block_offset": outcome.block_offset}, self.addr_le)
+            self.post(self.qp.write(req["cd.stag"], req["cd.offset"], record,
+                                    imm=req["request_id"] & 0xFFFFFFFF))
+            return
+        completion = codec.encode({
+            "opcode": OP["COMPLETION"], "request_id": req["request_id"], "handle": req["handle"],
+            "generation": outcome.generation, "status": outcome.status,
+            "completion.data_length": outcome.data_length, "completion.reserved": 0,
+            "completion.block_offset": outcome.block_offset}, self.addr_le)
+        stag = req.get("dd.stag", 0) if flags & INVALIDATE else 0
+        self.post(self.qp.send(completion, invalidate=stag or None))

@@ -1,0 +1,101 @@
+"""Direct modes: the STags a HELLO_ACK grants, and the Ticket Timeout of DIRECT_ALLOC.
+
+DIRECT_LOAD shows the table and the pool read-only. DIRECT_ALLOC gives the initiator a
+Partition STag (write access to its partition only, valid on this connection only, as a
+memory window bound to it), its ring's slots read-only, and its Head for FetchAdd. The
+RNIC executes those FetchAdds without the target's logic, so the target learns of a
+ticket only by looking at Head: ``TicketWatch`` polls it, and a ticket still unbound
+after the Ticket Timeout is abandoned: the Partition STag is invalidated first (no
+Write of the initiator can reach the block any more), then the block goes back to the
+ring under a new ticket, and a later BIND for the ticket gets TICKET_ABANDONED.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..rnic.memory import Access, MemoryRegion, MemoryTable
+from ..rnic.qp import QueuePair
+from .pool import Partition, TargetMemory
+from .sessions import Initiator
+
+
+def direct_load_fields(memory: TargetMemory) -> dict[str, Any]:
+    c = memory.config
+    return {
+        "hello_ack.table.stag": memory.table_region.stag, "hello_ack.table.offset": 0,
+        "hello_ack.table.count": memory.table.count,
+        "hello_ack.table_base_handle": memory.table.base_handle, "hello_ack.reserved": 0,
+        "hello_ack.pool.stag": memory.pool_region.stag, "hello_ack.pool.offset": 0,
+        "hello_ack.pool.count": c.blocks,
+    }
+
+
+def grant_partition(memory: TargetMemory, part: Partition, qp: QueuePair) -> tuple[dict[str, Any], list[MemoryRegion]]:
+    """HELLO_ACK fields and the connection's windows for a DIRECT_ALLOC partition."""
+    size = memory.block_size
+    start = part.first_block * size
+    table: MemoryTable = memory.memory
+    window = table.register(memory.pool, Access.REMOTE_WRITE, start=start,
+                            length=part.blocks * size, base=start, connection=qp)
+    head = table.register(part.heads.obj, Access.REMOTE_ATOMIC, length=8, connection=qp)
+    fields = {
+        "hello_ack.partition.stag": window.stag, "hello_ack.partition.offset": start,
+        "hello_ack.partition.count": part.blocks,
+        "hello_ack.ring.stag": part.ring_region.stag, "hello_ack.ring.offset": 0,
+        "hello_ack.ring.count": part.ring.size,
+        "hello_ack.head.stag": head.stag, "hello_ack.head.offset": 0, "hello_ack.head.count": 1,
+    }
+    return fields, [window, head]
+
+
+class TicketWatch:
+    """Tickets of one partition ring: taken, bound, abandoned (spec "Allocation Quotas")."""
+
+    def __init__(self, state: Initiator, memory: MemoryTable, timeout_ms: int) -> None:
+        self.state, self.memory = state, memory
+        self.part = state.partition
+        self.timeout = timeout_ms / 1000
+        self._seen = self.part.ring.counter("head") >> 32   # first ticket not yet looked at
+        self._pending: dict[int, float] = {}                 # ticket -> when first seen
+        self._target: set[int] = set()                       # taken by target-executed allocs
+        self._abandoned: set[int] = set()
+        self.windows: list[MemoryRegion] = []
+
+    def taken_by_target(self, ticket: int) -> None:
+        self._target.add(ticket)
+
+    def outstanding(self, ticket: int) -> bool:
+        self.poll()
+        return ticket in self._pending
+
+    def abandoned(self, ticket: int) -> bool:
+        return ticket in self._abandoned
+
+    def bound(self, ticket: int) -> None:
+        self._pending.pop(ticket)
+        self.state.tickets -= 1
+
+    def poll(self) -> None:
+        """Notice tickets the initiator took since the last look, then expire old ones."""
+        now = asyncio.get_running_loop().time()
+        head = self.part.ring.counter("head") >> 32
+        for ticket in range(self._seen, head):
+            if ticket in self._target:
+                self._target.discard(ticket)
+            else:
+                self._pending[ticket] = now
+                self.state.tickets += 1
+        self._seen = max(self._seen, head)
+        for ticket, since in list(self._pending.items()):
+            if now - since > self.timeout:
+                self._abandon(ticket)
+
+    def _abandon(self, ticket: int) -> None:
+        for window in self.windows:          # first: no Write of the initiator can land
+            self.memory.invalidate(window.stag)
+        self.state.direct_disabled = True
+        del self._pending[ticket]
+        self._abandoned.add(ticket)
+        self.state.tickets -= 1
+        self.part.ring.reclaim(ticket)

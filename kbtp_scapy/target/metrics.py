@@ -1,0 +1,85 @@
+"""The target's counters (the text's SHOULD in "Operational Considerations").
+
+Counters per operation and status, ring occupancy, and quota use per initiator. They
+are served in the Prometheus text format by prometheus-client on request, and printed as
+a table when ``kbtp target`` exits.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..tables.enums import STATUS
+
+if TYPE_CHECKING:
+    from .server import Target
+
+
+class Metrics:
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.operations: Counter[tuple[str, str]] = Counter()
+        self.hellos: Counter[str] = Counter()
+
+    def operation(self, opcode: str, status: int) -> None:
+        self.operations[opcode, STATUS.describe(status)] += 1
+
+    def hello(self, status: str) -> None:
+        self.hellos[status] += 1
+
+    # -- Prometheus ----------------------------------------------------------------------
+
+    def collect(self) -> Iterator:
+        ops = CounterMetricFamily("kbtp_operations", "KBTP requests completed, by opcode and status",
+                                  labels=["opcode", "status"])
+        for (opcode, status), n in sorted(self.operations.items()):
+            ops.add_metric([opcode, status], n)
+        yield ops
+        hellos = CounterMetricFamily("kbtp_hellos", "HELLOs answered, by HELLO_ACK status",
+                                     labels=["status"])
+        for status, n in sorted(self.hellos.items()):
+            hellos.add_metric([status], n)
+        yield hellos
+        rings = GaugeMetricFamily("kbtp_ring_blocks", "Free blocks in each ring", labels=["ring"])
+        for name, ring in self.target.rings():
+            rings.add_metric([name], ring.occupancy())
+        yield rings
+        deferred = GaugeMetricFamily("kbtp_ring_deferred_frees", "Frees waiting for their slot",
+                                     labels=["ring"])
+        for name, ring in self.target.rings():
+            deferred.add_metric([name], ring.deferred)
+        yield deferred
+        usage = GaugeMetricFamily("kbtp_quota_used", "Blocks bound plus tickets outstanding",
+                                  labels=["initiator"])
+        quota = GaugeMetricFamily("kbtp_quota", "Allocation Quota", labels=["initiator"])
+        active = GaugeMetricFamily("kbtp_session_active", "1 while connected, 0 while retained",
+                                   labels=["initiator"])
+        for state in self.target.sessions.by_id.values():
+            label = [state.initiator_id.hex()[:8]]
+            usage.add_metric(label, state.usage)
+            quota.add_metric(label, state.quota)
+            active.add_metric(label, int(state.active))
+        yield from (usage, quota, active)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Serve ``/metrics`` over HTTP from a background thread."""
+        registry = CollectorRegistry()
+        registry.register(self)
+        start_http_server(port, addr=addr, registry=registry)
+
+    def table(self) -> str:
+        """The counters as a plain text table."""
+        lines = [f"{'operation':<12} {'status':<17} {'count':>10}"]
+        for (opcode, status), n in sorted(self.operations.items()):
+            lines.append(f"{opcode:<12} {status:<17} {n:>10}")
+        for status, n in sorted(self.hellos.items()):
+            lines.append(f"{'HELLO':<12} {status:<17} {n:>10}")
+        for name, ring in self.target.rings():
+            lines.append(f"ring {name}: {ring.occupancy()} free blocks, {ring.deferred} deferred frees")
+        for state in self.target.sessions.by_id.values():
+            lines.append(f"initiator {state.initiator_id.hex()[:8]}: {state.usage}/{state.quota} "
+                         f"blocks, {'active' if state.active else 'retained'}")
+        return "\n".join(lines)

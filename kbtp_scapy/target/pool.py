@@ -1,0 +1,76 @@
+"""The target's registered memory: block pool, block table, rings and counters.
+
+Everything a remote peer may be shown lives here as bytes in regions of the RNIC's
+``MemoryTable``: the pool (F blocks of Block Size; block i at Block Offset i * S), the
+table (one entry per handle of every initiator range), the shared ring for
+target-executed allocations, and one ring with its Head per DIRECT_ALLOC partition.
+The pool is an anonymous mapping, so a 1 GiB pool costs nothing until it is written.
+"""
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+from ..rnic.memory import Access, MemoryRegion, MemoryTable
+from ..tables import memory as M
+from .config import TargetConfig
+from .ring import FreeRing, ring_log2
+from .table import BlockTable
+
+
+@dataclass(eq=False)
+class Partition:
+    """A contiguous run of ``quota`` blocks with its own ring and Head (DIRECT_ALLOC)."""
+
+    index: int
+    first_block: int
+    blocks: int
+    ring: FreeRing
+    ring_region: MemoryRegion      # slots, read-only to the initiator
+    heads: memoryview              # Head at 0, Tail at 8
+    owner: bytes | None = None     # Initiator ID holding it
+
+    def contains(self, block_offset: int, block_size: int) -> bool:
+        return self.first_block * block_size <= block_offset < (self.first_block + self.blocks) * block_size
+
+
+class TargetMemory:
+    def __init__(self, config: TargetConfig, memory: MemoryTable, masked: bool) -> None:
+        self.config, self.memory = config, memory
+        c = config
+        self.block_size = c.block_size
+        self.pool = mmap.mmap(-1, c.blocks * c.block_size)
+        self.pool_view = memoryview(self.pool)
+        # DIRECT_LOAD grants read access to the whole pool and table (spec "Direct Modes").
+        self.pool_region = memory.register(self.pool, Access.REMOTE_READ)
+        handles = c.max_initiators * c.handles_per_initiator
+        self.table_buffer = bytearray(handles * M.ENTRY_SIZE)
+        self.table_region = memory.register(self.table_buffer, Access.REMOTE_READ)
+        self.table = BlockTable(memoryview(self.table_buffer), c.base_handle, handles, c.addr_le)
+        shared = list(range(0, c.shared_blocks * c.block_size, c.block_size))
+        self.shared_ring = self._ring(shared, masked)[0]
+        self.partitions = []
+        for k in range(c.direct_partitions):
+            first = c.shared_blocks + k * c.quota
+            blocks = [(first + i) * c.block_size for i in range(c.quota)]
+            ring, slots, heads = self._ring(blocks, masked)
+            region = memory.register(slots, Access.REMOTE_READ)
+            self.partitions.append(Partition(k, first, c.quota, ring, region, heads))
+
+    def _ring(self, blocks: list[int], masked: bool) -> tuple[FreeRing, bytearray, memoryview]:
+        n = ring_log2(max(1, len(blocks)))
+        slots = bytearray(M.SLOT_SIZE << n)
+        heads = memoryview(bytearray(16))     # Head and Tail, each 8-octet aligned
+        ring = FreeRing(self.memory, memoryview(slots), heads, n, blocks, masked=masked,
+                        addr_le=self.config.addr_le)
+        return ring, slots, heads
+
+    def block(self, block_offset: int, length: int | None = None) -> memoryview:
+        return self.pool_view[block_offset:block_offset + (self.block_size if length is None else length)]
+
+    def ring_of(self, block_offset: int) -> FreeRing:
+        """The ring a block was allocated from, which is where a FREE returns it."""
+        for part in self.partitions:
+            if part.contains(block_offset, self.block_size):
+                return part.ring
+        return self.shared_ring

@@ -1,0 +1,178 @@
+"""The free-block ring: slots and Head/Tail counters in registered memory (spec "Free-Block Ring").
+
+Allocation and free follow the text's rules literally, on the bytes a remote peer sees:
+FetchAdd on Head (through the same atomic the RNIC executes for remote peers, masked on
+iWARP and unmasked on RoCEv2), wait until the slot holds the ticket's block, consume it;
+free is FetchAdd on Tail and a slot write, deferred while the slot is still unconsumed.
+A ticket that is abandoned (DIRECT_ALLOC's Ticket Timeout) has its block taken back and
+returned under a new ticket, even if its slot is only filled later.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+from array import array
+from typing import Awaitable, Callable
+
+from .. import codec, ring as counters
+from ..rnic.memory import MemoryTable
+from ..tables import memory as M
+from ..tables import RING_COUNTER
+
+CONSUMED = M.SLOT_CONSUMED
+_U32 = 0xFFFFFFFF
+
+
+def ring_log2(blocks: int) -> int:
+    """n such that N = 2**n is the smallest power of two not smaller than ``blocks``."""
+    return max(0, (blocks - 1).bit_length())
+
+
+class FreeRing:
+    """N = 2**n slots in ``slots`` and two counters (Head at 0, Tail at 8) in ``heads``."""
+
+    def __init__(self, memory: MemoryTable, slots: memoryview, heads: memoryview, n: int,
+                 blocks: list[int], *, masked: bool, addr_le: bool) -> None:
+        self.memory, self.slots, self.n, self.masked, self.addr_le = memory, slots, n, masked, addr_le
+        self.size = 1 << n
+        self.head, self.tail = heads[0:8], heads[8:16]
+        self.add = RING_COUNTER.masked_add_data if masked else RING_COUNTER.unmasked_add_data
+        self.mask = counters.add_mask(n) if masked else None
+        self.blocks = set(blocks)
+        self._deferred: dict[int, tuple[int, int]] = {}   # slot offset -> (ticket, block)
+        self._abandoned: set[int] = set()                  # tickets whose blocks go back
+        self._changed = asyncio.Event()
+        f = len(blocks)
+        self._initialise_slots(blocks)
+        self._store(self.head, counters.join(0, 0))
+        self._store(self.tail, counters.join(f, M.SLOT_SIZE * (f % self.size) if masked else 0))
+
+    def _initialise_slots(self, blocks: list[int]) -> None:
+        """Slot s < F holds {s, s-th block}; the others {s - N mod 2**32, consumed}.
+
+        Filled column-wise (one C-level copy per field) so a 1 GiB pool starts at once;
+        the offsets and orders come from the ring slot table.
+        """
+        f, size = len(blocks), self.size
+        sequences = array("I", range(f))
+        sequences.extend((s - size) & _U32 for s in range(f, size))
+        offsets = array("Q", blocks)
+        offsets.extend([CONSUMED] * (size - f))
+        little = sys.byteorder == "little"
+        if little:                       # Sequence is always in network order
+            sequences.byteswap()
+        if little != self.addr_le:       # Block Offset is an address field
+            offsets.byteswap()
+        per_slot = M.SLOT_SIZE
+        self.slots[:size * per_slot] = bytes(size * per_slot)
+        seq_at, off_at = M.RING_SLOT.offset("sequence"), M.RING_SLOT.offset("block_offset")
+        self.slots.cast("I")[seq_at // 4::per_slot // 4] = memoryview(sequences)
+        self.slots.cast("Q")[off_at // 8::per_slot // 8] = memoryview(offsets)
+
+    # -- bytes ---------------------------------------------------------------------------
+
+    def _store(self, view: memoryview, value: int) -> None:
+        view[:] = value.to_bytes(8, self.memory.order)
+
+    def counter(self, which: str = "head") -> int:
+        return int.from_bytes(self.head if which == "head" else self.tail, self.memory.order)
+
+    def slot(self, offset: int) -> tuple[int, int]:
+        d = codec.decode_struct(M.RING_SLOT, self.slots[offset:offset + M.SLOT_SIZE], self.addr_le)
+        return d["slot.sequence"], d["slot.block_offset"]
+
+    def _write_slot(self, offset: int, sequence: int, block: int) -> None:
+        raw = codec.encode_struct(M.RING_SLOT, {"slot.sequence": sequence, "slot.reserved": 0,
+                                                "slot.block_offset": block}, self.addr_le)
+        # Block Offset before Sequence: a reader that sees the Sequence sees the block.
+        self.slots[offset + 8:offset + 16] = raw[8:]
+        self.slots[offset:offset + 8] = raw[:8]
+
+    def offset_of(self, ticket: int) -> int:
+        return M.SLOT_SIZE * (ticket % self.size)
+
+    def _fetch_add(self, view: memoryview) -> tuple[int, int]:
+        value = self.memory.fetch_add(view, self.add, self.mask)
+        ticket, low = counters.split(value, self.n if self.masked else None)
+        return ticket, low if self.masked else self.offset_of(ticket)
+
+    # -- allocation ----------------------------------------------------------------------
+
+    def take_ticket(self) -> tuple[int, int]:
+        """FetchAdd on Head: (ticket, slot offset)."""
+        return self._fetch_add(self.head)
+
+    def ready(self, ticket: int, offset: int) -> int | None:
+        """The block the slot holds for ``ticket``, or None while it does not yet."""
+        sequence, block = self.slot(offset)
+        return block if sequence == ticket & _U32 and block != CONSUMED else None
+
+    async def allocate(self, pause: Callable[[int], Awaitable[None]] | None = None,
+                       timeout: float = 5.0) -> tuple[int, int]:
+        """A target-executed allocation: (ticket, block offset), the slot consumed.
+
+        ``pause`` runs between the FetchAdd and the slot read (the test hook that
+        reproduces the specification's deferred-free example).
+        """
+        ticket, offset = self.take_ticket()
+        if pause is not None:
+            await pause(ticket)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (block := self.ready(ticket, offset)) is None:
+            self._changed.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"ring slot for ticket {ticket} never filled")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        self.consume(offset)
+        return ticket, block
+
+    def consume(self, offset: int) -> None:
+        """Mark a slot consumed, then write a free that was waiting for it."""
+        sequence, _ = self.slot(offset)
+        self._write_slot(offset, sequence, CONSUMED)
+        deferred = self._deferred.pop(offset, None)
+        if deferred is not None:
+            self._fill(offset, *deferred)
+
+    # -- free ----------------------------------------------------------------------------
+
+    def free(self, block: int) -> None:
+        """FetchAdd on Tail, then write the slot, or defer while it is unconsumed."""
+        ticket, offset = self._fetch_add(self.tail)
+        if self.slot(offset)[1] == CONSUMED:
+            self._fill(offset, ticket, block)
+        else:
+            self._deferred[offset] = (ticket, block)
+
+    def _fill(self, offset: int, ticket: int, block: int) -> None:
+        self._write_slot(offset, ticket & _U32, block)
+        self._changed.set()
+        if ticket in self._abandoned:
+            self._abandoned.discard(ticket)
+            self.consume(offset)
+            self.free(block)
+
+    @property
+    def deferred(self) -> int:
+        return len(self._deferred)
+
+    # -- abandoned tickets (DIRECT_ALLOC) -------------------------------------------------
+
+    def reclaim(self, ticket: int) -> None:
+        """Take back the block of an abandoned ticket and return it under a new ticket."""
+        offset = self.offset_of(ticket)
+        block = self.ready(ticket, offset)
+        if block is None:
+            self._abandoned.add(ticket)    # filled later: _fill sends it straight back
+            return
+        self.consume(offset)
+        self.free(block)
+
+    def occupancy(self) -> int:
+        """Blocks in the ring: tickets issued by Tail minus tickets taken from Head."""
+        return (self.counter("tail") >> 32) - (self.counter("head") >> 32)

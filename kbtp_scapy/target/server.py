@@ -1,0 +1,99 @@
+"""The reference target: memory, sessions and operations behind a listening RNIC."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Iterator
+
+from ..rnic import Address, Listener, MemoryTable, QueuePair, listen, parse_url
+from ..rnic.qp import FrameListener
+from .config import DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION, TargetConfig
+from .connection import Connection
+from .metrics import Metrics
+from .operations import Executor
+from .pool import TargetMemory
+from .ring import FreeRing
+from .sessions import Initiator, Sessions
+
+log = logging.getLogger("kbtp.target")
+
+
+class Target:
+    """A KBTP target. ``await start(url)``, then it serves until ``close()``."""
+
+    def __init__(self, config: TargetConfig, transport: str) -> None:
+        config.validate()
+        self.config = config
+        self.transport = transport
+        self.rnic_memory = MemoryTable(config.memory_order)
+        # iWARP has RFC 7306 masked FetchAdd; InfiniBand's Fetch and Add is unmasked.
+        self.memory = TargetMemory(config, self.rnic_memory, masked=transport == "iwarp")
+        self.executor = Executor(self.memory, config.clear_freed, config.max_inline)
+        self.sessions = Sessions(config, self.memory.partitions, self._release)
+        self.metrics = Metrics(self)
+        self.frame_listeners: list[FrameListener] = []
+        self.listener: Listener | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._watcher: asyncio.Task | None = None
+
+    def offered_features(self, qp: QueuePair) -> int:
+        """RECORD_COMPLETION never over RDMAP (spec "Completion"); ADDR_LE is ours to set."""
+        offered = self.config.features & (DIRECT_LOAD | DIRECT_ALLOC | RECORD_COMPLETION)
+        if qp.transport == "iwarp":
+            offered &= ~RECORD_COMPLETION
+        return offered
+
+    async def start(self, url: str | Address, **options) -> Address:
+        address = url if isinstance(url, Address) else parse_url(url)
+        if address.transport != self.transport:
+            raise ValueError(f"this target was built for {self.transport}, not {address.transport}")
+        self.listener = await listen(address, self.rnic_memory, self._serve,
+                                     recv_size=self._recv_size(),
+                                     frame_listeners=self.frame_listeners, **options)
+        self._watcher = asyncio.create_task(self._watch_tickets())
+        return self.listener.address
+
+    def _recv_size(self) -> int:
+        """Largest request: header, two descriptors and Max Inline octets."""
+        return 24 + 16 + 16 + self.config.max_inline
+
+    async def _serve(self, qp: QueuePair) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            await Connection(self, qp).serve()
+        finally:
+            self._tasks.discard(task)
+
+    async def _watch_tickets(self) -> None:
+        """Poll the Head of every DIRECT_ALLOC ring a few times per Ticket Timeout."""
+        interval = max(0.005, self.config.ticket_timeout_ms / 4000)
+        while True:
+            await asyncio.sleep(interval)
+            for state in list(self.sessions.by_id.values()):
+                if state.watch is not None:
+                    state.watch.poll()
+
+    def _release(self, state: Initiator) -> None:
+        """Free every block an initiator has bound (GOODBYE RELEASE, or retention expired)."""
+        table = self.memory.table
+        for handle in sorted(state.bound):
+            entry = table.unbind(handle)
+            self.executor.release_block(entry.block_offset)
+        state.bound.clear()
+
+    def rings(self) -> Iterator[tuple[str, FreeRing]]:
+        yield "shared", self.memory.shared_ring
+        for part in self.memory.partitions:
+            yield f"partition{part.index}", part.ring
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.listener is not None:
+            self.listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.listener is not None:
+            await self.listener.wait_closed()

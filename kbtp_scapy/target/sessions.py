@@ -1,0 +1,114 @@
+"""Initiators known to the target: handle ranges, quotas, retention (spec "Session Establishment").
+
+An initiator is known by its Initiator ID. Its range, quota, bindings and DIRECT_ALLOC
+partition outlive its connection for the retention time (GOODBYE without RELEASE, or a
+lost connection), so a reconnect with the same ID finds them intact; a HELLO whose ID
+belongs to a session that is still active is refused.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .config import TargetConfig
+from .pool import Partition
+
+
+@dataclass(eq=False)
+class Initiator:
+    initiator_id: bytes
+    index: int                     # which handle range
+    handle_base: int
+    handle_count: int
+    quota: int
+    partition: Partition | None = None
+    bound: set[int] = field(default_factory=set)
+    tickets: int = 0               # taken and not yet bound (target-executed or direct)
+    active: bool = False
+    features: int = 0
+    direct_disabled: bool = False  # Partition STag invalidated after an abandoned ticket
+    watch: Any = None              # direct.TicketWatch of the partition's ring
+    expiry: asyncio.TimerHandle | None = None
+
+    def owns(self, handle: int) -> bool:
+        return self.handle_base <= handle < self.handle_base + self.handle_count
+
+    @property
+    def usage(self) -> int:
+        """Handles bound plus tickets taken and not bound (spec "Allocation Quotas")."""
+        return len(self.bound) + self.tickets
+
+
+class Refused(Exception):
+    """A HELLO the target answers with a non-zero HELLO_ACK Status (NOTES decision 6)."""
+
+    def __init__(self, status: str, reason: str):
+        super().__init__(reason)
+        self.status = status
+
+
+class Sessions:
+    """Admission, retention and release of initiators."""
+
+    def __init__(self, config: TargetConfig, partitions: list[Partition],
+                 release: Callable[[Initiator], None]) -> None:
+        self.config = config
+        self.by_id: dict[bytes, Initiator] = {}
+        self._free_ranges = list(range(config.max_initiators))
+        self._partitions = partitions
+        self._release = release
+
+    def admit(self, initiator_id: bytes, want_partition: bool) -> tuple[Initiator, bool]:
+        """The initiator's state and whether it was restored from retention."""
+        known = self.by_id.get(initiator_id)
+        if known is not None:
+            if known.active:
+                raise Refused("ALREADY_BOUND", "this Initiator ID has an active session")
+            if known.expiry is not None:
+                known.expiry.cancel()
+                known.expiry = None
+            known.active = True
+            return known, True
+        shared_sessions = sum(1 for i in self.by_id.values() if i.partition is None)
+        partition = None
+        if want_partition:
+            partition = next((p for p in self._partitions if p.owner is None), None)
+        shared_room = (shared_sessions + 1) * self.config.quota <= self.config.shared_blocks
+        if partition is None and not shared_room or not self._free_ranges:
+            raise Refused("NO_SPACE", "no quota or handle range is left for another initiator")
+        index = self._free_ranges.pop(0)
+        c = self.config
+        state = Initiator(initiator_id, index, c.base_handle + index * c.handles_per_initiator,
+                          c.handles_per_initiator, c.quota, partition, active=True)
+        if partition is not None:
+            partition.owner = initiator_id
+        self.by_id[initiator_id] = state
+        return state, False
+
+    def detach(self, state: Initiator, release: bool) -> None:
+        """The session ended: release now (GOODBYE RELEASE), else keep for the retention time."""
+        state.active = False
+        if release:
+            self.forget(state)
+            return
+        loop = asyncio.get_running_loop()
+        state.expiry = loop.call_later(self.config.retention_s, self.forget, state)
+
+    def forget(self, state: Initiator) -> None:
+        """Free every binding of the initiator and give back its range and partition."""
+        if self.by_id.get(state.initiator_id) is not state:
+            return
+        if state.expiry is not None:
+            state.expiry.cancel()
+        self._release(state)
+        del self.by_id[state.initiator_id]
+        self._free_ranges.append(state.index)
+        self._free_ranges.sort()
+        if state.partition is not None:
+            state.partition.owner = None
+
+    def owner_of(self, handle: int) -> Initiator | None:
+        c = self.config
+        index = (handle - c.base_handle) // c.handles_per_initiator
+        return next((s for s in self.by_id.values() if s.index == index), None)
