@@ -9,6 +9,8 @@ from .craft import craft
 from .decode import decode
 from .demo import demo
 from .dissector import dissector
+from .initiator import initiator
+from .target import target
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -24,6 +26,8 @@ def cli() -> None:
       kbtp craft ALLOC_STORE --handle 0x4001 --inline-data 4b56424c4f434b21
       kbtp craft LOAD --handle 7 --dd-length 4096 --transport roce -o load.pcap
       kbtp dissector install              the Wireshark dissector into your plugin folder
+      kbtp target --transport roce        the reference target on 127.0.0.1:4791
+      kbtp initiator roce://127.0.0.1 alloc-store 0x4000 --text hello --seal
     """
 
 
@@ -31,6 +35,8 @@ cli.add_command(decode)
 cli.add_command(craft)
 cli.add_command(demo)
 cli.add_command(dissector)
+cli.add_command(target)
+cli.add_command(initiator)
 
 
 def main(argv: list[str] | None = None) -> int:

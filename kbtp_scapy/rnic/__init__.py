@@ -48,7 +48,9 @@ def parse_url(url: str, default_host: str = "127.0.0.1") -> Address:
         ipaddress.ip_address(host)
     except ValueError:
         raise ValueError(f"{url!r}: {host!r} is not an IP address") from None
-    return Address(transport, host, port or (IWARP_PORT if transport == "iwarp" else ROCE_PORT))
+    if port is None:
+        port = IWARP_PORT if transport == "iwarp" else ROCE_PORT
+    return Address(transport, host, port)
 
 
 class Listener(Protocol):

@@ -1,0 +1,268 @@
+"""``kbtp initiator URL OP ...``: one session with a target, one operation, human or JSON output.
+
+Each run connects, says HELLO with a persistent Initiator ID (kept in a file readable
+only by its owner, since it gives access to the bindings), performs one operation and
+says GOODBYE without RELEASE, so the next run finds its handle range and bindings.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import sys
+from functools import update_wrapper
+from pathlib import Path
+
+import click
+
+from ..initiator import Initiator, KbtpError, Result
+from ..rnic.pcap import PcapSink
+from ..rnic.qp import ConnectionLost, RemoteError
+from .options import address, feature_names, features, integer
+
+DEFAULT_ID_FILE = Path("~/.config/kbtp/initiator_id")
+
+
+def _initiator_id(id_hex: str | None, id_file: str) -> bytes:
+    if id_hex:
+        try:
+            value = bytes.fromhex(id_hex)
+        except ValueError:
+            value = b""
+        if len(value) != 16:
+            raise click.BadParameter("must be 32 hex digits (128 bits)", param_hint="--id")
+        return value
+    path = Path(id_file).expanduser()
+    if path.exists():
+        value = bytes.fromhex(path.read_text().strip())
+        if len(value) == 16:
+            return value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_bytes(16)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value.hex() + "\n")
+    return value
+
+
+@click.group()
+@click.argument("url")
+@click.option("--id", "id_hex", default=None, metavar="HEX", help="Initiator ID (32 hex digits).")
+@click.option("--id-file", default=str(DEFAULT_ID_FILE), show_default=True,
+              help="File holding the Initiator ID, created (mode 0600) if missing.")
+@click.option("--features", "feature_list", default="all", show_default=True,
+              help="Requested Features: DIRECT_LOAD,DIRECT_ALLOC,RECORD_COMPLETION, all or none.")
+@click.option("--credits", type=click.IntRange(1, 0xFFFF), default=32, show_default=True,
+              help="Completion Credits (receive buffers posted for completions).")
+@click.option("--no-invalidate", is_flag=True, help="Do not ask for Send with Invalidate.")
+@click.option("--local", default=None, help="RoCEv2: local address to send from.")
+@click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write every frame sent and received to this pcap file.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per result.")
+@click.pass_context
+def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, local, pcap,
+              as_json) -> None:
+    """Talk to a KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT): one
+    session per run, with the Initiator ID of --id-file so bindings carry over.
+
+    \b
+    Examples:
+      kbtp initiator roce://127.0.0.1 alloc-store 0x4000 --data-file kv.bin --seal
+      kbtp initiator roce://127.0.0.1 load 0x4000 -o out.bin
+      kbtp initiator iwarp://127.0.0.1:5420 --json free 0x4000
+      kbtp initiator roce://127.0.0.1 goodbye --release
+    """
+    transport = url.split("://", 1)[0] if "://" in url else ""
+    if transport not in ("iwarp", "roce"):
+        raise click.BadParameter("must start with roce:// or iwarp://", param_hint="URL")
+    options = {"local": local} if local and transport == "roce" else {}
+    ctx.obj = dict(url=address(transport, url), initiator_id=_initiator_id(id_hex, id_file),
+                   features=features(feature_list), credits=credits,
+                   invalidate=not no_invalidate, pcap=pcap, as_json=as_json, options=options)
+
+
+def session(func):
+    """Run ``func(initiator, **kwargs)`` inside a connected session, then GOODBYE."""
+    @click.pass_context
+    def run(ctx, **kwargs):
+        o = ctx.obj
+        try:
+            asyncio.run(_session(o, func, kwargs))
+        except KbtpError as exc:
+            raise click.ClickException(f"{ctx.command.name}: {exc}") from None
+        except (ConnectionLost, RemoteError, OSError, TimeoutError) as exc:
+            raise click.ClickException(f"{o['url']}: {exc or type(exc).__name__}") from None
+    return update_wrapper(run, func)
+
+
+async def _session(o: dict, func, kwargs: dict) -> None:
+    sink = PcapSink(o["pcap"]) if o["pcap"] else None
+    try:
+        ini = await asyncio.wait_for(Initiator.connect(
+            o["url"], initiator_id=o["initiator_id"], features=o["features"], credits=o["credits"],
+            invalidate=o["invalidate"], frame_listeners=[sink] if sink else None, **o["options"]), 10)
+        try:
+            release = await func(ini, o, **kwargs)
+        finally:
+            if not ini.qp.closed:
+                await ini.goodbye(release=bool(release))
+    finally:
+        if sink:
+            sink.close()
+
+
+def emit(o: dict, op: str, handle: int | None, result: Result | None, **extra) -> None:
+    if o["as_json"]:
+        record = {"op": op, **({"handle": handle} if handle is not None else {}),
+                  **(result.as_dict() if result else {}), **extra}
+        click.echo(json.dumps(record))
+        return
+    if result is None:
+        click.echo(f"{op}: " + ", ".join(f"{k} {v}" for k, v in extra.items()))
+        return
+    click.echo(f"{op} 0x{handle:x}: {result.status_name}, generation {result.generation}, "
+               f"{result.data_length} octets at block offset 0x{result.block_offset:x}"
+               + "".join(f", {k} {v}" for k, v in extra.items()))
+
+
+def _data(data_file: str | None, data_hex: str | None, text: str | None) -> bytes:
+    given = [x for x in (data_file, data_hex, text) if x is not None]
+    if len(given) != 1:
+        raise click.UsageError("give the data with exactly one of --data-file, --data or --text")
+    if data_file is not None:
+        return sys.stdin.buffer.read() if data_file == "-" else Path(data_file).read_bytes()
+    if text is not None:
+        return text.encode()
+    try:
+        return bytes.fromhex(data_hex)
+    except ValueError:
+        raise click.BadParameter("not hex", param_hint="--data") from None
+
+
+def data_options(func):
+    func = click.option("--data-file", type=click.Path(dir_okay=False, allow_dash=True),
+                        help="File with the block's data (- for standard input).")(func)
+    func = click.option("--data", "data_hex", metavar="HEX", help="The data as hex.")(func)
+    func = click.option("--text", help="The data as UTF-8 text.")(func)
+    return func
+
+
+def _output(path: str | None, data: bytes, o: dict) -> dict:
+    if path == "-":
+        sys.stdout.buffer.write(data)
+        return {}
+    if path:
+        Path(path).write_bytes(data)
+        return {"written": path}
+    return {} if o["as_json"] else {"data": data[:32].hex() + ("..." if len(data) > 32 else "")}
+
+
+HANDLE = click.argument("handle", type=integer)
+GENERATION = click.option("--generation", type=integer, default=0, help="Expected Generation (0: any).")
+RECORD = click.option("--record", is_flag=True, help="Ask for a completion record (RoCEv2 only).")
+
+
+@initiator.command()
+@session
+async def hello(ini: Initiator, o: dict) -> None:
+    """Show what the target grants this initiator (its HELLO_ACK)."""
+    t = ini.target
+    info = {"features": feature_names(t.features), "request_credits": t.request_credits,
+            "block_size": t.block_size, "max_inline": t.max_inline, "quota": t.quota,
+            "handle_base": t.handle_base, "handle_count": t.handle_count,
+            "ticket_timeout_ms": t.ticket_timeout_ms, **t.fields}
+    if o["as_json"]:
+        click.echo(json.dumps({"op": "hello", **info}))
+    else:
+        for key, value in info.items():
+            click.echo(f"{key:>18}: {hex(value) if key == 'handle_base' else value}")
+
+
+@initiator.command()
+@HANDLE
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Write the block's data here (- for standard output).")
+@GENERATION
+@click.option("--allow-unsealed", is_flag=True, help="Load even if the block is not sealed.")
+@RECORD
+@session
+async def load(ini, o, handle, output, generation, allow_unsealed, record):
+    """Block Load: read HANDLE's block into a fresh buffer."""
+    r = await ini.load(handle, generation=generation, allow_unsealed=allow_unsealed, record=record)
+    emit(o, "LOAD", handle, r, **_output(output, r.data, o))
+
+
+def _store_command(name: str, opcode: str, method: str, doc: str):
+    @initiator.command(name=name, help=doc)
+    @HANDLE
+    @data_options
+    @GENERATION
+    @click.option("--seal", is_flag=True, help="Seal the block after the store.")
+    @click.option("--inline/--no-inline", default=None,
+                  help="Send the data in the request [default: when it fits Max Inline] "
+                       "or let the target RDMA-Read it.")
+    @RECORD
+    @session
+    async def command(ini, o, handle, data_file, data_hex, text, generation, seal, inline, record):
+        data = _data(data_file, data_hex, text)
+        r = await getattr(ini, method)(handle, data, generation=generation, seal=seal,
+                                       inline=inline, record=record)
+        emit(o, opcode, handle, r)
+    return command
+
+
+_store_command("store", "STORE", "store", "Block Mapped Store: overwrite HANDLE's bound block.")
+_store_command("alloc-store", "ALLOC_STORE", "alloc_store",
+               "Block Unmapped Store: allocate a block for HANDLE and store the data.")
+
+
+@initiator.command()
+@HANDLE
+@GENERATION
+@RECORD
+@session
+async def free(ini, o, handle, generation, record):
+    """Block Free: unbind HANDLE and return its block."""
+    emit(o, "FREE", handle, await ini.free(handle, generation=generation, record=record))
+
+
+@initiator.command(name="direct-load")
+@HANDLE
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Write the block's data here (- for standard output).")
+@session
+async def direct_load(ini, o, handle, output):
+    """DIRECT_LOAD: RDMA-read the entry, the block, and the entry again."""
+    r = await ini.direct_load(handle)
+    emit(o, "DIRECT_LOAD", handle, r, **_output(output, r.data, o))
+
+
+@initiator.command(name="direct-alloc")
+@HANDLE
+@data_options
+@session
+async def direct_alloc(ini, o, handle, data_file, data_hex, text):
+    """DIRECT_ALLOC: FetchAdd on the Head, read the slot, write the block, BIND."""
+    emit(o, "DIRECT_ALLOC", handle, await ini.direct_alloc(handle, _data(data_file, data_hex, text)))
+
+
+@initiator.command()
+@HANDLE
+@click.option("--ticket", type=integer, required=True)
+@click.option("--length", type=integer, required=True, help="Data Length.")
+@click.option("--block-offset", type=integer, required=True)
+@GENERATION
+@session
+async def bind(ini, o, handle, ticket, length, block_offset, generation):
+    """BIND a ticket's block (taken with FetchAdd) to HANDLE."""
+    emit(o, "BIND", handle, await ini.bind(handle, ticket, length, block_offset, generation=generation))
+
+
+@initiator.command()
+@click.option("--release", is_flag=True, help="Free every block this initiator has bound.")
+@session
+async def goodbye(ini, o, release):
+    """End the session now; with --release the target frees all our bindings."""
+    emit(o, "GOODBYE", None, None, release=release)
+    return release

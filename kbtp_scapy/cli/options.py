@@ -1,0 +1,47 @@
+"""Option parsing shared by ``kbtp target`` and ``kbtp initiator``."""
+from __future__ import annotations
+
+import click
+
+from ..rnic import Address, parse_url
+from ..tables.enums import FEATURES
+
+FEATURE_NAMES = {f.name: f.value for f in FEATURES.flags}
+
+
+def address(transport: str, where: str) -> Address:
+    """``HOST``, ``HOST:PORT``, ``[V6]:PORT`` or a whole URL, for one transport."""
+    if "://" not in where:
+        if where.count(":") > 1 and not where.startswith("["):
+            where = f"[{where}]"
+        where = f"{transport}://{where}"
+    try:
+        return parse_url(where)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def features(text: str) -> int:
+    """``DIRECT_LOAD,DIRECT_ALLOC``, ``all`` or ``none`` (ADDR_LE has its own option)."""
+    names = [n.strip().upper() for n in text.split(",") if n.strip()]
+    if names in (["ALL"], []):
+        return sum(v for n, v in FEATURE_NAMES.items() if n != "ADDR_LE") if names else 0
+    if names == ["NONE"]:
+        return 0
+    unknown = [n for n in names if n not in FEATURE_NAMES or n == "ADDR_LE"]
+    if unknown:
+        raise click.BadParameter(f"unknown feature {', '.join(unknown)}; choose from "
+                                 f"{', '.join(n for n in FEATURE_NAMES if n != 'ADDR_LE')}")
+    return sum(FEATURE_NAMES[n] for n in names)
+
+
+def integer(text: str) -> int:
+    """Decimal or 0x-hex."""
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a number") from None
+
+
+def feature_names(value: int) -> str:
+    return ",".join(n for n, v in FEATURE_NAMES.items() if value & v) or "none"

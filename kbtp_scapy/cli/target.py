@@ -1,0 +1,115 @@
+"""``kbtp target``: run the reference target until interrupted."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import click
+
+from ..rnic.pcap import PcapSink
+from ..target import Target, TargetConfig
+from .options import address, feature_names, features
+
+
+@click.command()
+@click.option("--transport", type=click.Choice(["iwarp", "roce"]), default="roce", show_default=True,
+              help="RDMA binding: iwarp (TCP, MPA rev 2) or roce (UDP 4791, RC).")
+@click.option("--listen", "where", default="127.0.0.1", show_default=True, metavar="HOST[:PORT]",
+              help="Address to listen on (iWARP default port 5420, RoCEv2 4791).")
+@click.option("--blocks", "-F", type=click.IntRange(1), default=1024, show_default=True,
+              help="Number of blocks in the pool.")
+@click.option("--block-size", "-S", type=click.IntRange(8), default=4096, show_default=True,
+              help="Block Size in octets (a multiple of 8).")
+@click.option("--features", "feature_list", default="all", show_default=True,
+              help="Features offered: DIRECT_LOAD,DIRECT_ALLOC,RECORD_COMPLETION, all or none "
+                   "(RECORD_COMPLETION is never offered over iWARP).")
+@click.option("--addr-le", is_flag=True, help="Select little-endian address fields (ADDR_LE).")
+@click.option("--max-initiators", type=click.IntRange(1), default=8, show_default=True,
+              help="Sessions (active or retained) the target admits.")
+@click.option("--quota", type=click.IntRange(0), default=0,
+              help="Allocation Quota per initiator [default: blocks / max-initiators].")
+@click.option("--handles", type=click.IntRange(0), default=0,
+              help="Handles per initiator range [default: 4 x quota].")
+@click.option("--direct-partitions", type=click.IntRange(-1), default=-1,
+              help="Pool partitions kept for DIRECT_ALLOC [default: max-initiators / 2].")
+@click.option("--credits", type=click.IntRange(1, 0xFFFF), default=32, show_default=True,
+              help="Request Credits: receive buffers posted per connection.")
+@click.option("--max-inline", type=click.IntRange(0), default=4096, show_default=True,
+              help="Max Inline octets (capped at the Block Size).")
+@click.option("--ticket-timeout", type=click.IntRange(1), default=2000, show_default=True,
+              help="Ticket Timeout in milliseconds (DIRECT_ALLOC).")
+@click.option("--retention", type=float, default=300.0, show_default=True,
+              help="Seconds a departed initiator's bindings are kept for its reconnect.")
+@click.option("--no-clear", is_flag=True,
+              help="Do not clear freed blocks (all initiators share one trust domain).")
+@click.option("--mtu", type=click.Choice(["256", "512", "1024", "2048", "4096"]), default=None,
+              help="RoCEv2 path MTU [default: 1024].")
+@click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write every frame sent and received to this pcap file.")
+@click.option("--metrics", "metrics_port", type=click.IntRange(1, 65535), default=None,
+              help="Serve Prometheus metrics over HTTP on 127.0.0.1:PORT/metrics.")
+@click.option("--duration", type=float, default=None,
+              help="Stop after this many seconds (default: run until interrupted).")
+@click.option("--verbose", "-v", is_flag=True, help="Log each malformed request too.")
+def target(transport, where, blocks, block_size, feature_list, addr_le, max_initiators, quota,
+           handles, direct_partitions, credits, max_inline, ticket_timeout, retention, no_clear,
+           mtu, pcap, metrics_port, duration, verbose) -> None:
+    """Run the reference KBTP target: a pool of BLOCKS blocks in registered memory,
+    served over a software RDMA NIC until interrupted (Ctrl-C), then print its counters.
+
+    \b
+    Examples:
+      kbtp target                                   RoCEv2 on 127.0.0.1:4791
+      kbtp target --transport iwarp --listen 127.0.0.1:5420 --blocks 4096 -S 32768
+      kbtp target --addr-le --pcap target.pcap --metrics 9464
+    """
+    addr = address(transport, where)
+    try:
+        config = TargetConfig(blocks=blocks, block_size=block_size, features=features(feature_list),
+                              addr_le=addr_le, max_initiators=max_initiators, quota=quota,
+                              handles_per_initiator=handles, direct_partitions=direct_partitions,
+                              request_credits=credits, max_inline=max_inline,
+                              ticket_timeout_ms=ticket_timeout, retention_s=retention,
+                              clear_freed=not no_clear)
+        config.validate()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    options = {"mtu": int(mtu)} if mtu and transport == "roce" else {}
+    asyncio.run(_run(config, addr, pcap, metrics_port, duration, options))
+
+
+async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options) -> None:
+    t = Target(config, addr.transport)
+    sink = PcapSink(pcap) if pcap else None
+    if sink:
+        t.frame_listeners.append(sink)
+    try:
+        bound = await t.start(addr, **options)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {addr}: {exc.strerror or exc}") from None
+    if metrics_port:
+        try:
+            t.metrics.serve(metrics_port)
+        except OSError as exc:
+            await t.close()
+            raise click.ClickException(f"cannot serve metrics on port {metrics_port}: {exc.strerror}") from None
+    click.echo(f"kbtp target listening on {bound}: {config.blocks} blocks of {config.block_size} "
+               f"octets, quota {config.quota}, features {feature_names(config.features)}"
+               f"{', ADDR_LE' if config.addr_le else ''}"
+               f"{f', metrics on http://127.0.0.1:{metrics_port}/metrics' if metrics_port else ''}",
+               err=False)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await asyncio.wait_for(stop.wait(), duration)
+    except asyncio.TimeoutError:
+        pass
+    await t.close()
+    if sink:
+        sink.close()
+    click.echo(t.metrics.table())
