@@ -168,6 +168,11 @@ def message_length(opcode: int, flags: int, features: int = 0, inline_length: in
     return layout.size + (inline_length if layout.tail is not None else 0)
 
 
+def decode_header(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
+    """The common header alone, whatever follows it (``buf`` has at least 24 octets)."""
+    return _unpack(_HEADER_LAYOUT, buf, _addr_le(buf[_OPCODE_AT], addr_le))
+
+
 def decode(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
     """Decode one KBTP message; raise ``Malformed`` (with the decodable fields) if it is not one."""
     if len(buf) < HEADER_SIZE:

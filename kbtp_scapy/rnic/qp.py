@@ -92,14 +92,16 @@ class QueuePair:
     transport = ""            # "iwarp" or "roce"
     masked_atomics = False    # RFC 7306 masked FetchAdd (iWARP) or unmasked (InfiniBand)
 
-    def __init__(self, memory: MemoryTable, *, recv_size: int = 4096) -> None:
+    def __init__(self, memory: MemoryTable, *, recv_size: int = 4096, posted: int = 0) -> None:
+        """``posted`` receive buffers exist from the start: a listener's peer may send at
+        once, before any code of ours runs on the new connection."""
         self.memory = memory
         self.recv_size = recv_size
         self.local: tuple[str, int] = ("", 0)
         self.remote: tuple[str, int] = ("", 0)
         self.frame_listeners: list[FrameListener] = []
         self.stats: dict[str, int] = {}
-        self._posted = 0
+        self._posted = posted
         self._received: asyncio.Queue[Received | BaseException] = asyncio.Queue()
         self._outstanding: deque[WorkRequest] = deque()
         self._closed = asyncio.Event()

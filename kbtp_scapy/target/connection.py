@@ -19,7 +19,7 @@ from ..rnic.qp import ConnectionLost, QueuePair, RemoteError
 from ..tables import memory as M
 from ..tables.enums import GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
 from .config import ADDR_LE, DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION
-from .direct import TicketWatch, direct_load_fields, grant_partition
+from .direct import TicketWatch, grant_direct_load, grant_partition
 from .operations import Executor, Outcome
 from .ring import FreeRing
 from .sessions import Initiator, Refused
@@ -59,7 +59,6 @@ class Connection:
 
     async def serve(self) -> None:
         t = self.target
-        self.qp.post_recv(t.config.request_credits)
         peer = f"{self.qp.transport}://{self.qp.remote[0]}:{self.qp.remote[1]}"
         release = False
         try:
@@ -111,17 +110,20 @@ class Connection:
             features |= ADDR_LE
         fields: dict[str, Any] = {}
         if features & DIRECT_LOAD:
-            fields.update(direct_load_fields(t.memory))
+            granted, self.windows = grant_direct_load(t.memory, self.qp)
+            fields.update(granted)
         part = self.state.partition
         if features & DIRECT_ALLOC and part is not None and not self.state.direct_disabled:
-            granted, self.windows = grant_partition(t.memory, part, self.qp)
+            granted, windows = grant_partition(t.memory, part, self.qp)
             fields.update(granted)
+            self.windows += windows
         else:
             features &= ~DIRECT_ALLOC
+            windows = []
         if part is not None and self.state.watch is None:
             self.state.watch = TicketWatch(self.state, t.rnic_memory, t.config.ticket_timeout_ms)
         if self.state.watch is not None:
-            self.state.watch.windows = self.windows
+            self.state.watch.windows = windows
         self.features, self.addr_le = features, bool(features & ADDR_LE)
         self.state.features = features
         c = t.config
@@ -148,7 +150,7 @@ class Connection:
             try:
                 req = codec.decode(msg.payload, self.addr_le)
             except codec.Malformed as bad:
-                self._complete(self._malformed(bad.fields), Outcome(S["MALFORMED"]), str(bad))
+                self._complete(self._malformed(msg.payload), Outcome(S["MALFORMED"]), str(bad))
                 self.qp.post_recv(1)
                 continue
             opcode = req["opcode"]
@@ -163,11 +165,13 @@ class Connection:
             self._complete(req, outcome)
             self.qp.post_recv(1)
 
-    @staticmethod
-    def _malformed(fields: dict[str, Any]) -> dict[str, Any]:
-        """Echo what could be read of a request that cannot be parsed (NOTES decision 4)."""
-        return {"opcode": fields.get("opcode", 0), "flags": 0,
-                "request_id": fields.get("request_id", 0), "handle": fields.get("handle", 0)}
+    def _malformed(self, payload: bytes) -> dict[str, Any]:
+        """Echo the Request ID and Block Handle of a request that cannot be parsed, as far
+        as the octets reach (NOTES decision 4); what is missing is zero."""
+        head = codec.decode_header(payload.ljust(codec.HEADER_SIZE, b"\0"), self.addr_le)
+        return {"opcode": head["opcode"], "flags": 0,
+                "request_id": head["request_id"] if len(payload) >= 12 else 0,
+                "handle": head["handle"] if len(payload) >= 20 else 0}
 
     def _complete(self, req: dict[str, Any], outcome: Outcome, why: str = "") -> None:
         t = self.target

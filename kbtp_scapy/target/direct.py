@@ -8,6 +8,9 @@ ticket only by looking at Head: ``TicketWatch`` polls it, and a ticket still unb
 after the Ticket Timeout is abandoned: the Partition STag is invalidated first (no
 Write of the initiator can reach the block any more), then the block goes back to the
 ring under a new ticket, and a later BIND for the ticket gets TICKET_ABANDONED.
+
+Every STag granted is a window bound to the connection it was granted on, so no other
+connection (another initiator, or the same one after a reconnect) can use it.
 """
 from __future__ import annotations
 
@@ -20,33 +23,39 @@ from .pool import Partition, TargetMemory
 from .sessions import Initiator
 
 
-def direct_load_fields(memory: TargetMemory) -> dict[str, Any]:
-    c = memory.config
-    return {
-        "hello_ack.table.stag": memory.table_region.stag, "hello_ack.table.offset": 0,
+def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[dict[str, Any], list[MemoryRegion]]:
+    """HELLO_ACK fields and windows for DIRECT_LOAD: table and pool, read-only."""
+    rnic: MemoryTable = memory.memory
+    table = rnic.register(memory.table_buffer, Access.REMOTE_READ, connection=qp)
+    pool = rnic.register(memory.pool, Access.REMOTE_READ, connection=qp)
+    fields = {
+        "hello_ack.table.stag": table.stag, "hello_ack.table.offset": 0,
         "hello_ack.table.count": memory.table.count,
         "hello_ack.table_base_handle": memory.table.base_handle, "hello_ack.reserved": 0,
-        "hello_ack.pool.stag": memory.pool_region.stag, "hello_ack.pool.offset": 0,
-        "hello_ack.pool.count": c.blocks,
+        "hello_ack.pool.stag": pool.stag, "hello_ack.pool.offset": 0,
+        "hello_ack.pool.count": memory.config.blocks,
     }
+    return fields, [table, pool]
 
 
 def grant_partition(memory: TargetMemory, part: Partition, qp: QueuePair) -> tuple[dict[str, Any], list[MemoryRegion]]:
-    """HELLO_ACK fields and the connection's windows for a DIRECT_ALLOC partition."""
+    """HELLO_ACK fields and windows for DIRECT_ALLOC: the partition (write), its ring's
+    slots (read) and its Head (atomic)."""
     size = memory.block_size
     start = part.first_block * size
-    table: MemoryTable = memory.memory
-    window = table.register(memory.pool, Access.REMOTE_WRITE, start=start,
-                            length=part.blocks * size, base=start, connection=qp)
-    head = table.register(part.heads.obj, Access.REMOTE_ATOMIC, length=8, connection=qp)
+    rnic: MemoryTable = memory.memory
+    window = rnic.register(memory.pool, Access.REMOTE_WRITE, start=start,
+                           length=part.blocks * size, base=start, connection=qp)
+    ring = rnic.register(part.slots, Access.REMOTE_READ, connection=qp)
+    head = rnic.register(part.heads.obj, Access.REMOTE_ATOMIC, length=8, connection=qp)
     fields = {
         "hello_ack.partition.stag": window.stag, "hello_ack.partition.offset": start,
         "hello_ack.partition.count": part.blocks,
-        "hello_ack.ring.stag": part.ring_region.stag, "hello_ack.ring.offset": 0,
+        "hello_ack.ring.stag": ring.stag, "hello_ack.ring.offset": 0,
         "hello_ack.ring.count": part.ring.size,
         "hello_ack.head.stag": head.stag, "hello_ack.head.offset": 0, "hello_ack.head.count": 1,
     }
-    return fields, [window, head]
+    return fields, [window, ring, head]
 
 
 class TicketWatch:

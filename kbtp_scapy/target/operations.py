@@ -56,6 +56,7 @@ class Executor:
         self.clear_freed = clear_freed
         self.max_inline = max_inline
         self.before_slot_read: Pause | None = None   # test hook: pause after FetchAdd on Head
+        self.allocate_timeout = 5.0     # a slot that never fills is a target failure (INTERNAL)
 
     async def run(self, conn: Connection, req: dict[str, Any]) -> Outcome:
         handler = self._handlers[req["opcode"]]
@@ -135,7 +136,7 @@ class Executor:
         ring = conn.ring
         state.tickets += 1
         try:
-            ticket, block = await ring.allocate(self._pause(ring, conn))
+            ticket, block = await ring.allocate(self._pause(ring, conn), self.allocate_timeout)
         except TimeoutError:
             raise Failed("INTERNAL") from None
         finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 
-from ..rnic.memory import Access, MemoryRegion, MemoryTable
+from ..rnic.memory import MemoryTable
 from ..tables import memory as M
 from .config import TargetConfig
 from .ring import FreeRing, ring_log2
@@ -26,7 +26,7 @@ class Partition:
     first_block: int
     blocks: int
     ring: FreeRing
-    ring_region: MemoryRegion      # slots, read-only to the initiator
+    slots: bytearray               # N ring slots
     heads: memoryview              # Head at 0, Tail at 8
     owner: bytes | None = None     # Initiator ID holding it
 
@@ -41,11 +41,8 @@ class TargetMemory:
         self.block_size = c.block_size
         self.pool = mmap.mmap(-1, c.blocks * c.block_size)
         self.pool_view = memoryview(self.pool)
-        # DIRECT_LOAD grants read access to the whole pool and table (spec "Direct Modes").
-        self.pool_region = memory.register(self.pool, Access.REMOTE_READ)
         handles = c.max_initiators * c.handles_per_initiator
         self.table_buffer = bytearray(handles * M.ENTRY_SIZE)
-        self.table_region = memory.register(self.table_buffer, Access.REMOTE_READ)
         self.table = BlockTable(memoryview(self.table_buffer), c.base_handle, handles, c.addr_le)
         shared = list(range(0, c.shared_blocks * c.block_size, c.block_size))
         self.shared_ring = self._ring(shared, masked)[0]
@@ -54,8 +51,7 @@ class TargetMemory:
             first = c.shared_blocks + k * c.quota
             blocks = [(first + i) * c.block_size for i in range(c.quota)]
             ring, slots, heads = self._ring(blocks, masked)
-            region = memory.register(slots, Access.REMOTE_READ)
-            self.partitions.append(Partition(k, first, c.quota, ring, region, heads))
+            self.partitions.append(Partition(k, first, c.quota, ring, slots, heads))
 
     def _ring(self, blocks: list[int], masked: bool) -> tuple[FreeRing, bytearray, memoryview]:
         n = ring_log2(max(1, len(blocks)))

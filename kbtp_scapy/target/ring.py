@@ -161,6 +161,9 @@ class FreeRing:
     def deferred(self) -> int:
         return len(self._deferred)
 
+    def deferred_blocks(self) -> list[int]:
+        return [block for _, block in self._deferred.values()]
+
     # -- abandoned tickets (DIRECT_ALLOC) -------------------------------------------------
 
     def reclaim(self, ticket: int) -> None:

@@ -49,6 +49,7 @@ class Target:
             raise ValueError(f"this target was built for {self.transport}, not {address.transport}")
         self.listener = await listen(address, self.rnic_memory, self._serve,
                                      recv_size=self._recv_size(),
+                                     posted=self.config.request_credits,
                                      frame_listeners=self.frame_listeners, **options)
         self._watcher = asyncio.create_task(self._watch_tickets())
         return self.listener.address

@@ -1,0 +1,61 @@
+"""A real target on loopback for tests: runs in its own thread and event loop.
+
+Tests talk to it over real sockets with the real initiator, and inspect its registered
+memory afterwards (``call`` runs a coroutine in the target's loop). Every test gets its
+own loopback addresses, so RoCEv2's fixed UDP port never collides between tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from typing import Any, Awaitable, Callable
+
+from kbtp_scapy.rnic import Address
+from kbtp_scapy.target import Target, TargetConfig
+
+_hosts = itertools.count(1)
+
+
+def fresh_hosts(count: int = 2) -> list[str]:
+    """Unused loopback addresses, 127.44.x.y (each test its own)."""
+    out = []
+    for _ in range(count):
+        n = next(_hosts)
+        out.append(f"127.44.{n // 250}.{n % 250 + 1}")
+    return out
+
+
+class TargetThread:
+    def __init__(self, transport: str, config: TargetConfig | None = None, **options: Any) -> None:
+        self.transport = transport
+        self.host, *self.initiator_hosts = fresh_hosts(6)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.target: Target = self.call(self._make(config or TargetConfig()))
+        port = 0 if transport == "iwarp" else 4791
+        self.address: Address = self.call(self.target.start(f"{transport}://{self.host}:{port}", **options))
+        self.url = str(self.address)
+
+    async def _make(self, config: TargetConfig) -> Target:
+        return Target(config, self.transport)
+
+    def call(self, coro: Awaitable, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run(self, func: Callable[[], Any]) -> Any:
+        """Run a plain function in the target's loop thread (its state is not thread-safe)."""
+        async def wrapper():
+            return func()
+        return self.call(wrapper())
+
+    def connect_options(self, index: int = 0) -> dict[str, Any]:
+        """Options for ``Initiator.connect``: on RoCEv2 each initiator its own address."""
+        return {"local": self.initiator_hosts[index]} if self.transport == "roce" else {}
+
+    def stop(self) -> None:
+        self.call(self.target.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
