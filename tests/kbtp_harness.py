@@ -27,14 +27,18 @@ def fresh_hosts(count: int = 2) -> list[str]:
 
 
 class TargetThread:
-    def __init__(self, transport: str, config: TargetConfig | None = None, **options: Any) -> None:
+    def __init__(self, transport: str, config: TargetConfig | None = None, *,
+                 hosts: list[str] | None = None, port: int | None = None,
+                 frame_listeners: list | None = None, **options: Any) -> None:
         self.transport = transport
-        self.host, *self.initiator_hosts = fresh_hosts(6)
+        self.host, *self.initiator_hosts = hosts or fresh_hosts(6)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.target: Target = self.call(self._make(config or TargetConfig()))
-        port = 0 if transport == "iwarp" else 4791
+        self.target.frame_listeners.extend(frame_listeners or ())
+        if port is None:
+            port = 0 if transport == "iwarp" else 4791
         self.address: Address = self.call(self.target.start(f"{transport}://{self.host}:{port}", **options))
         self.url = str(self.address)
 

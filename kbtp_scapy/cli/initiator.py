@@ -46,7 +46,17 @@ def _initiator_id(id_hex: str | None, id_file: str) -> bytes:
     return value
 
 
-@click.group()
+class _UrlFirst(click.Group):
+    """``kbtp initiator URL [OPTIONS] OP ...``: options may follow the URL."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        op = next((i for i, a in enumerate(args) if a in self.commands), None)
+        if op and not args[0].startswith("-"):
+            args = [*args[1:op], args[0], *args[op:]]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_UrlFirst)
 @click.argument("url")
 @click.option("--id", "id_hex", default=None, metavar="HEX", help="Initiator ID (32 hex digits).")
 @click.option("--id-file", default=str(DEFAULT_ID_FILE), show_default=True,
@@ -102,6 +112,7 @@ async def _session(o: dict, func, kwargs: dict) -> None:
         ini = await asyncio.wait_for(Initiator.connect(
             o["url"], initiator_id=o["initiator_id"], features=o["features"], credits=o["credits"],
             invalidate=o["invalidate"], frame_listeners=[sink] if sink else None, **o["options"]), 10)
+        release = False
         try:
             release = await func(ini, o, **kwargs)
         finally:

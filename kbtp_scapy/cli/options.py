@@ -35,8 +35,10 @@ def features(text: str) -> int:
     return sum(FEATURE_NAMES[n] for n in names)
 
 
-def integer(text: str) -> int:
+def integer(text: str | int) -> int:
     """Decimal or 0x-hex."""
+    if isinstance(text, int):
+        return text
     try:
         return int(text, 0)
     except ValueError:
