@@ -81,3 +81,25 @@ def test_dropped_tcp_connection_then_reconnect_finds_bindings():
         assert t.run(lambda: audit(t.target)) == []
     finally:
         t.stop()
+
+
+def test_roce_initiator_that_vanished_is_detected_on_reconnect():
+    """No DREQ, no traffic: the old session looks active until the target probes it."""
+    t = TargetThread("roce", TargetConfig(blocks=64, max_initiators=2))
+    ident = os.urandom(16)
+
+    async def main():
+        ini = await Initiator.connect(t.url, initiator_id=ident, local=t.initiator_hosts[0])
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"survives", seal=True)
+        ini.qp._dev.close()                        # the initiator's host is gone
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        again = await Initiator.connect(t.url, initiator_id=ident, local=t.initiator_hosts[1])
+        assert loop.time() - started < 10
+        assert (await again.load(h)).data == b"survives"
+        await again.goodbye(release=True)
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        t.stop()

@@ -33,6 +33,7 @@ S = STATUS.by_name()
 RECORD = flag(REQUEST_FLAGS, "RECORD")
 INVALIDATE = flag(REQUEST_FLAGS, "INVALIDATE")
 RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
+PROBE_TIMEOUT = 10.0     # longer than a RoCEv2 QP's whole retry budget
 
 
 def _consume(future: asyncio.Future) -> None:
@@ -96,14 +97,20 @@ class Connection:
             return False
         requested = hello["hello.requested_features"]
         offered = t.offered_features(self.qp)
+        ident = bytes(hello["hello.initiator_id"])
         try:
-            self.state, restored = t.sessions.admit(
-                bytes(hello["hello.initiator_id"]), bool(requested & offered & DIRECT_ALLOC))
+            try:
+                self.state, restored = t.sessions.admit(ident, bool(requested & offered & DIRECT_ALLOC))
+            except Refused as refusal:
+                if refusal.status != "ALREADY_BOUND" or not await self._gone(ident):
+                    raise
+                self.state, restored = t.sessions.admit(ident, bool(requested & offered & DIRECT_ALLOC))
         except Refused as refusal:
             t.metrics.hello(refusal.status)
             log.info("HELLO refused: %s", refusal)
             await self._hello_ack(S[refusal.status], {})
             return False
+        self.state.qp = self.qp
         t.metrics.hello("OK")
         features = requested & offered & ~ADDR_LE
         if t.config.addr_le:
@@ -135,6 +142,27 @@ class Connection:
             "hello_ack.handle_count": self.state.handle_count,
             "hello_ack.ticket_timeout": c.ticket_timeout_ms, **fields})
         return True
+
+    async def _gone(self, ident: bytes) -> bool:
+        """Is the connection of the session that holds ``ident`` dead? RoCEv2 has no
+        keepalive: a peer that vanished without DREQ looks active until something is
+        sent to it, so probe it with a zero-length RDMA Write, which the peer's RNIC
+        acknowledges without touching memory, and let the transport's retries decide."""
+        state = self.target.sessions.by_id.get(ident)
+        if state is None or state.qp is None:
+            return False
+        try:
+            await asyncio.wait_for(state.qp.write(0, 0, b""), PROBE_TIMEOUT)
+            return False
+        except (ConnectionLost, RemoteError):
+            pass
+        except asyncio.TimeoutError:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 1.0
+        while state.active and loop.time() < deadline:   # its connection task detaches it
+            await asyncio.sleep(0.01)
+        return not state.active
 
     async def _hello_ack(self, status: int, body: dict[str, Any]) -> None:
         values = {"opcode": OP["HELLO_ACK"], "status": status, "hello_ack.features": 0, **body}

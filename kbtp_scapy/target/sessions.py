@@ -29,6 +29,7 @@ class Initiator:
     features: int = 0
     direct_disabled: bool = False  # Partition STag invalidated after an abandoned ticket
     watch: Any = None              # direct.TicketWatch of the partition's ring
+    qp: Any = None                 # the connection of the active session
     expiry: asyncio.TimerHandle | None = None
 
     def owns(self, handle: int) -> bool:
@@ -88,7 +89,7 @@ class Sessions:
 
     def detach(self, state: Initiator, release: bool) -> None:
         """The session ended: release now (GOODBYE RELEASE), else keep for the retention time."""
-        state.active = False
+        state.active, state.qp = False, None
         if release:
             self.forget(state)
             return
