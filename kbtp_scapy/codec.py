@@ -138,9 +138,17 @@ def _message_layout(opcode: int, present: tuple[bool, ...]) -> _Layout:
     return _compile(fields)
 
 
-@lru_cache(maxsize=None)
+_STRUCT_LAYOUTS: dict[str, _Layout] = {}
+
+
 def _struct_layout(struct_: Struct) -> _Layout:
-    return _compile(list(flatten(struct_)))
+    """Compiled once per structure, found by name: hashing the frozen table itself on
+    every call would cost more than the unpacking (the target reads entries and slots
+    on every operation)."""
+    layout = _STRUCT_LAYOUTS.get(struct_.name)
+    if layout is None:
+        layout = _STRUCT_LAYOUTS[struct_.name] = _compile(list(flatten(struct_)))
+    return layout
 
 
 _HEADER_LAYOUT = _compile(list(flatten(HEADER)))

@@ -12,17 +12,14 @@ _U64 = (1 << 64) - 1
 
 def masked_add(value: int, add: int, mask: int) -> int:
     """RFC 7306 masked Fetch and Add: a set mask bit discards the carry out of that bit,
-    so each run of bits ending at a mask bit adds on its own and wraps."""
-    result, low = 0, 0
-    boundaries = [b for b in range(64) if mask >> b & 1]
-    if not boundaries or boundaries[-1] != 63:
-        boundaries.append(63)
-    for high in boundaries:
-        width = high - low + 1
-        field = (1 << width) - 1
-        result |= ((((value >> low) & field) + ((add >> low) & field)) & field) << low
-        low = high + 1
-    return result & _U64
+    so each run of bits ending at a mask bit adds on its own and wraps.
+
+    With the mask bits (each run's top bit) cleared in both operands, one addition
+    carries into a top bit but never out of it; the top bits are then the XOR of that
+    carry and the operands' own top bits.
+    """
+    low = (value & ~mask) + (add & ~mask)
+    return (low ^ ((value ^ add) & mask)) & _U64
 
 
 def add_mask(n: int) -> int:

@@ -112,7 +112,7 @@ def test_sends_small_large_solicited_and_invalidate():
     sent = [m for m in messages(p.initiator_frames) if m.kind.startswith("send")]
     assert [(m.conn[0] == p.initiator.local, m.info["msn"]) for m in sent] == \
         [(True, 1), (True, 2), (True, 3), (False, 1)]
-    assert sent[1].info["segments"] == -(-100 * 1024 // (1460 - 6 - 18))
+    assert sent[1].info["segments"] == -(-100 * 1024 // (p.initiator.mulpdu - 18))  # EMSS of lo
     assert sent[1].info["solicited"] and sent[1].info["opcode"] == "Send with Solicited Event"
     assert sent[2].kind == "send_inv" and sent[2].info["inv_stag"] == stag
 

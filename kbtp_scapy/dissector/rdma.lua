@@ -33,6 +33,7 @@
 --
 -- 64-bit Tagged Offsets, Add Data and the like are kept as two 32-bit numbers (high, low):
 -- UInt64 objects cost an allocation each, and data packets are most of a KBTP capture.
+-- KBTP messages hand their 64-bit values over as 8-octet strings (runtime.lua's hl64).
 --
 -- A Send that shares an iWARP TCP segment with another one is decoded here too, with
 -- runtime.lua's dissect_more: see more_sends().
@@ -66,10 +67,6 @@ end
 rdma_init()
 
 -- ---- 64-bit values as (high, low) ----------------------------------------------------------
-local function split64(v)
-    return v:higher(), v:lower()
-end
-
 local function add64(h, l, n)
     l = l + n
     if l >= TWO32 then return (h + math.floor(l / TWO32)) % TWO32, l % TWO32 end
@@ -137,8 +134,8 @@ local function ring_mask(n)
     return h, l
 end
 
-local MASKED_H, MASKED_L = split64(RING.masked_add)
-local UNMASKED_H, UNMASKED_L = split64(RING.unmasked_add)
+local MASKED_H, MASKED_L = RING.masked_add:higher(), RING.masked_add:lower()
+local UNMASKED_H, UNMASKED_L = RING.unmasked_add:higher(), RING.unmasked_add:lower()
 
 -- ---- what KBTP messages announce (first pass, from runtime's track()) -----------------------
 local function endpoints(pinfo, roce)
@@ -152,7 +149,7 @@ local function rdma_state(conn, pinfo, from_initiator)
     if not r then
         r = { xfers = {}, sinks = {}, reads = {}, cur = {}, atomics = {} }
         conn.rdma = r
-        r.roce = conn.rdma_roce
+        r.roce = conn.roce == true
         local s, d = endpoints(pinfo, r.roce)
         if not from_initiator then s, d = d, s end
         flows[s .. "|" .. d] = { r = r, to_ini = false }
@@ -167,48 +164,43 @@ local function arm(r)
     return r
 end
 
--- A KBTP message names itself by opcode and Request ID, whatever path decoded it.
-local function send_key(opcode, request_id_hex)
-    return opcode .. ":" .. request_id_hex
+-- A KBTP message names itself by opcode and Request ID (its 8 octets), whatever path
+-- decoded it.
+local function send_key(opcode, request_id)
+    return opcode .. ":" .. request_id
 end
 
 -- iWARP: which messages the heuristics decoded in this frame, so that the postdissector can
 -- tell the Sends they were never given.
-local function note_send(conn, st, values, pinfo)
+local function note_send(conn, st, values, pinfo, n)
     if st.more then return end
     local op = values.opcode
     local from_initiator = op ~= OPCODE.COMPLETION and op ~= OPCODE.HELLO_ACK
     local r = conn.rdma or rdma_state(conn, pinfo, from_initiator)
     if r.roce then return end
     arm(r)
-    local n = pinfo.number
     local set = sends[n] or {}
     sends[n] = set
-    local k = send_key(op, values.request_id and values.request_id:tohex() or "")
+    local k = send_key(op, values.request_id or "")
     set[k] = (set[k] or 0) + 1
 end
 
 HOOKS[#HOOKS + 1] = {
     init = rdma_init,
-    message = function(conn, st, values, msg, pinfo)
+    message = function(conn, st, values, msg, pinfo, number)
         local op = values.opcode
-        local roce = conn.rdma_roce
-        if roce == nil then
-            roce = conns[conn_key(pinfo, true)] == conn
-            conn.rdma_roce = roce
-        end
-        if roce then
-            claimed[pinfo.number] = true
+        if conn.roce then
+            claimed[number] = true
         else
-            note_send(conn, st, values, pinfo)
+            note_send(conn, st, values, pinfo, number)
         end
         if op == OPCODE.LOAD or op == OPCODE.STORE or op == OPCODE.ALLOC_STORE then
             if bit32.band(values.flags or 0, INLINE) ~= 0 then return end
             local stag, off, len = values["dd.stag"], values["dd.offset"], values["dd.length"]
             if not (stag and off and len) or len == 0 then return end
             local r = arm(rdma_state(conn, pinfo, true))
-            local h, l = split64(off)
-            local e = expectation(pinfo.number, msg.name, stag, h, l, len)
+            local h, l = hl64(off)
+            local e = expectation(number, msg.name, stag, h, l, len)
             e.kind = op == OPCODE.LOAD and "write" or "read"
             push(r.xfers, e)
         elseif op == OPCODE.HELLO_ACK and values.status == STATUS_OK then
@@ -216,9 +208,9 @@ HOOKS[#HOOKS + 1] = {
             if bit32.band(feats, FEATURE.DIRECT_ALLOC) == 0 or not values["hello_ack.head.stag"] then return end
             local r = arm(rdma_state(conn, pinfo, false))
             local count = values["hello_ack.ring.count"] or 0
-            local h, l = split64(values["hello_ack.head.offset"])
+            local h, l = hl64(values["hello_ack.head.offset"])
             r.ring = { stag = values["hello_ack.head.stag"], h = h, l = l, count = count,
-                       n = log2(count), frame = pinfo.number }
+                       n = log2(count), frame = number }
         elseif op == OPCODE.COMPLETION and st.request_in and conn.rdma then
             -- The request is over, and its transfers with it (RFC 5040 s5.5, rule 5).
             local r, req = conn.rdma, st.request_in
@@ -334,7 +326,7 @@ local function send_of(tvb, d)
     local ctrl, rctrl = s:byte(3, 4)
     if bit32.band(ctrl, 0xff) ~= 0x41 or bit32.band(rctrl, 0xf0) ~= 0x40 or u32(s, 17) ~= 0 then return end
     if ulen < 18 + HEADER_SIZE or d + ulen > tvb:len() then return end
-    local key = send_key(s:byte(22), string.format("%02x%02x%02x%02x%02x%02x%02x%02x", s:byte(25, 32)))
+    local key = send_key(s:byte(22), s:sub(25, 32))
     return { t = "iwarp", kind = "send", off = d + 18, len = ulen - 18, key = key }
 end
 
@@ -615,7 +607,7 @@ end
 local function show_more(list, tvb, pinfo, tree)
     local infos = { frame_info(pinfo.number) }
     for _, e in ipairs(list) do
-        infos[#infos + 1] = dissect_more(tvb:range(e.off, e.len):tvb(), pinfo, tree, e.st, false)
+        infos[#infos + 1] = dissect_more(tvb:range(e.off, e.len):tvb(), pinfo, tree, e.st)
     end
     pinfo.cols.protocol = "KBTP"
     pinfo.cols.info = table.concat(infos, "; ")
@@ -637,7 +629,7 @@ local function more_sends(candidates, seen, tvb, pinfo, tree)
     -- Decode (and track) in capture order; keep only what was KBTP.
     local infos, kept = { frame_info(n) }, {}
     for _, e in ipairs(found) do
-        local info = dissect_more(tvb:range(e.off, e.len):tvb(), pinfo, tree, e.st, false)
+        local info = dissect_more(tvb:range(e.off, e.len):tvb(), pinfo, tree, e.st)
         if info then
             infos[#infos + 1] = info
             kept[#kept + 1] = e

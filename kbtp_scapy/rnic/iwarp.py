@@ -13,6 +13,7 @@ names the section it follows.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
 
     def __init__(self, memory: MemoryTable, *, active: bool, recv_size: int = 4096,
                  posted: int = 0, crc: bool = True, markers: bool = False,
-                 mss: int = DEFAULT_MSS, ird: int = 16, ord: int = 16,
+                 mss: int | None = None, ird: int = 16, ord: int = 16,
                  frame_listeners: Iterable = ()) -> None:
         super().__init__(memory, recv_size=recv_size, posted=posted)
         self.frame_listeners.extend(frame_listeners)
@@ -114,7 +115,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         # negotiated at startup
         self.crc = crc
         self.markers_tx = self.markers_rx = False
-        self.mulpdu = mulpdu(mss)
+        self.mulpdu = mulpdu(mss or DEFAULT_MSS)
         self.ord_limit = ord
         # DDP/RDMAP state
         self._msn_tx = [1] * _QUEUES     # RFC 5041 s5.1: MSNs start at 1 on each queue
@@ -133,6 +134,8 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._tp = transport    # type: ignore[assignment]
         self.local = transport.get_extra_info("sockname")[:2]
         self.remote = transport.get_extra_info("peername")[:2]
+        if self.mss is None:
+            self.mss = _emss(transport)
         self._frames = w.TcpFrames(self.local, self.remote, self.mss)
         if self.frame_listeners:
             for direction, frame in self._frames.handshake(self._active):
@@ -683,8 +686,18 @@ class IwarpListener:
         await self._server.wait_closed()
 
 
+def _emss(transport: asyncio.BaseTransport) -> int:
+    """The connection's effective MSS, from which RFC 5044 s7.1 derives the MULPDU
+    (65483 on loopback, about 1448 on Ethernet), as an RNIC takes it from its TCP."""
+    sock = transport.get_extra_info("socket")
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
+    except OSError:
+        return DEFAULT_MSS
+
+
 def _options(recv_size: int = 4096, posted: int = 0, crc: bool = True, markers: bool = False,
-             mss: int = DEFAULT_MSS, ird: int = 16, ord: int = 16,
+             mss: int | None = None, ird: int = 16, ord: int = 16,
              frame_listeners: Iterable = (), connect_timeout: float = 10.0) -> tuple[dict, float]:
     return ({"recv_size": recv_size, "posted": posted, "crc": crc, "markers": markers, "mss": mss,
              "ird": ird, "ord": ord, "frame_listeners": tuple(frame_listeners)}, connect_timeout)

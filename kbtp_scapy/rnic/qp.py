@@ -173,6 +173,16 @@ class QueuePair:
             raise item
         return item
 
+    def recv_nowait(self) -> Received | None:
+        """A receive completion that is already there, or None (never waits)."""
+        if self._received.empty():
+            return None
+        item = self._received.get_nowait()
+        if isinstance(item, BaseException):
+            self._received.put_nowait(item)
+            raise item
+        return item
+
     def deliver_send(self, payload: bytes, *, invalidate: int | None = None,
                      solicited: bool = False, imm: int | None = None) -> None:
         """Place an incoming Send; ``ReceiveError`` (nothing consumed) when it cannot be."""

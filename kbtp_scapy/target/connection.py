@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
@@ -171,27 +172,37 @@ class Connection:
     # -- requests ------------------------------------------------------------------------
 
     async def _requests(self) -> bool:
-        """Serve requests until GOODBYE (returns whether it asked for RELEASE)."""
+        """Serve requests until GOODBYE (returns whether it asked for RELEASE).
+
+        Requests are executed one at a time in arrival order. The RDMA Reads that fetch
+        the data of the stores that arrived together are started first, so they overlap,
+        while every check and every change of the table and rings still happens in order.
+        """
         t = self.target
+        batch: deque[tuple[dict[str, Any], asyncio.Future | None, str]] = deque()
         while True:
             msg = await self.qp.recv()
-            try:
-                req = codec.decode(msg.payload, self.addr_le)
-            except codec.Malformed as bad:
-                self._complete(self._malformed(msg.payload), Outcome(S["MALFORMED"]), str(bad))
+            while msg is not None:
+                try:
+                    req, why = codec.decode(msg.payload, self.addr_le), ""
+                except codec.Malformed as bad:
+                    req, why = self._malformed(msg.payload), str(bad)
+                batch.append((req, None if why else t.executor.prefetch(self, req), why))
+                msg = self.qp.recv_nowait()
+            while batch:
+                req, fetch, why = batch.popleft()
+                opcode = req["opcode"]
+                if why:
+                    outcome = Outcome(S["MALFORMED"])
+                elif opcode == OP["GOODBYE"]:
+                    t.metrics.operation(opcode, 0)
+                    return bool(req["flags"] & RELEASE)
+                elif not Executor.handles(opcode):
+                    outcome, why = Outcome(S["MALFORMED"]), "not a request opcode"
+                else:
+                    outcome = await t.executor.run(self, req, fetch)
+                self._complete(req, outcome, why)
                 self.qp.post_recv(1)
-                continue
-            opcode = req["opcode"]
-            if opcode == OP["GOODBYE"]:
-                t.metrics.operation("GOODBYE", 0)
-                return bool(req["flags"] & RELEASE)
-            if not Executor.handles(opcode):
-                self._complete(req, Outcome(S["MALFORMED"]), "not a request opcode")
-                self.qp.post_recv(1)
-                continue
-            outcome = await t.executor.run(self, req)
-            self._complete(req, outcome)
-            self.qp.post_recv(1)
 
     def _malformed(self, payload: bytes) -> dict[str, Any]:
         """Echo the Request ID and Block Handle of a request that cannot be parsed, as far
@@ -203,7 +214,7 @@ class Connection:
 
     def _complete(self, req: dict[str, Any], outcome: Outcome, why: str = "") -> None:
         t = self.target
-        t.metrics.operation(OPCODES.describe(req["opcode"]), outcome.status)
+        t.metrics.operation(req["opcode"], outcome.status)
         if why:
             log.debug("request %d: MALFORMED (%s)", req["request_id"], why)
         flags = req["flags"] if Executor.handles(req["opcode"]) else 0

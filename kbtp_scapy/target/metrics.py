@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterator
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..tables.enums import STATUS
+from ..tables.enums import OPCODES, STATUS
 
 if TYPE_CHECKING:
     from .server import Target
@@ -21,11 +21,16 @@ if TYPE_CHECKING:
 class Metrics:
     def __init__(self, target: Target) -> None:
         self.target = target
-        self.operations: Counter[tuple[str, str]] = Counter()
+        self.operations: Counter[tuple[int, int]] = Counter()   # (opcode, status): count
         self.hellos: Counter[str] = Counter()
 
-    def operation(self, opcode: str, status: int) -> None:
-        self.operations[opcode, STATUS.describe(status)] += 1
+    def operation(self, opcode: int, status: int) -> None:
+        """Counted by number on the data path; named when shown."""
+        self.operations[opcode, status] += 1
+
+    def _named(self) -> list[tuple[str, str, int]]:
+        return sorted((OPCODES.describe(op), STATUS.describe(st), n)
+                      for (op, st), n in self.operations.items())
 
     def hello(self, status: str) -> None:
         self.hellos[status] += 1
@@ -35,7 +40,7 @@ class Metrics:
     def collect(self) -> Iterator:
         ops = CounterMetricFamily("kbtp_operations", "KBTP requests completed, by opcode and status",
                                   labels=["opcode", "status"])
-        for (opcode, status), n in sorted(self.operations.items()):
+        for opcode, status, n in self._named():
             ops.add_metric([opcode, status], n)
         yield ops
         hellos = CounterMetricFamily("kbtp_hellos", "HELLOs answered, by HELLO_ACK status",
@@ -73,7 +78,7 @@ class Metrics:
     def table(self) -> str:
         """The counters as a plain text table."""
         lines = [f"{'operation':<12} {'status':<17} {'count':>10}"]
-        for (opcode, status), n in sorted(self.operations.items()):
+        for opcode, status, n in self._named():
             lines.append(f"{opcode:<12} {status:<17} {n:>10}")
         for status, n in sorted(self.hellos.items()):
             lines.append(f"{'HELLO':<12} {status:<17} {n:>10}")

@@ -58,12 +58,28 @@ class Executor:
         self.before_slot_read: Pause | None = None   # test hook: pause after FetchAdd on Head
         self.allocate_timeout = 5.0     # a slot that never fills is a target failure (INTERNAL)
 
-    async def run(self, conn: Connection, req: dict[str, Any]) -> Outcome:
+    async def run(self, conn: Connection, req: dict[str, Any],
+                  fetch: asyncio.Future | None = None) -> Outcome:
+        """Execute one request; ``fetch`` is its data's RDMA Read if ``prefetch`` began it."""
         handler = self._handlers[req["opcode"]]
         try:
-            return await handler(self, conn, req)
+            return await handler(self, conn, req, fetch)
         except Failed as failure:
+            if fetch is not None:
+                conn.post(fetch)           # its outcome no longer matters
             return self._failure(failure.status, req["handle"])
+
+    def prefetch(self, conn: Connection, req: dict[str, Any]) -> asyncio.Future | None:
+        """Start the RDMA Read of a store's data as the request arrives, when the checks
+        that no earlier request can change (opcode, range, length) already pass. Reading
+        the initiator's buffer has no effect on the target, so a read wasted on a request
+        that then fails a later check is harmless."""
+        if req["opcode"] not in (OP["STORE"], OP["ALLOC_STORE"]) or req["flags"] & INLINE:
+            return None
+        length = req["dd.length"]
+        if not 0 < length <= self.block_size or not conn.state.owns(req["handle"]):
+            return None
+        return conn.qp.read(req["dd.stag"], req["dd.offset"], length)
 
     def _failure(self, status: int, handle: int) -> Outcome:
         """NOTES decision 2: zero length and offset; the Generation if the handle is readable."""
@@ -88,17 +104,19 @@ class Executor:
             raise Failed("TOO_LARGE")    # NOTES decision 5
         return length
 
-    async def _data(self, conn: Connection, req: dict[str, Any], length: int) -> bytes:
+    async def _data(self, conn: Connection, req: dict[str, Any], length: int,
+                    fetch: asyncio.Future | None) -> bytes:
         """The store's data: inline, or RDMA Read from the initiator's Data Descriptor."""
         if req["flags"] & INLINE:
             return req.get("inline_data", b"")
         if not length:
             return b""
-        return await conn.qp.read(req["dd.stag"], req["dd.offset"], length)
+        return await (fetch or conn.qp.read(req["dd.stag"], req["dd.offset"], length))
 
     # -- operations ----------------------------------------------------------------------
 
-    async def load(self, conn: Connection, req: dict[str, Any]) -> Outcome:
+    async def load(self, conn: Connection, req: dict[str, Any],
+                  fetch: asyncio.Future | None = None) -> Outcome:
         entry = self._entry(req, None)
         if not entry.valid:
             raise Failed("NOT_VALID")
@@ -111,20 +129,22 @@ class Executor:
                                     bytes(self.memory.block(entry.block_offset, entry.data_length))))
         return Outcome(0, entry.generation, entry.data_length, entry.block_offset)
 
-    async def store(self, conn: Connection, req: dict[str, Any]) -> Outcome:
+    async def store(self, conn: Connection, req: dict[str, Any],
+                   fetch: asyncio.Future | None = None) -> Outcome:
         length = self._store_length(req)
         entry = self._entry(req, conn.state)
         if not entry.valid:
             raise Failed("NOT_VALID")
         if entry.sealed:
             raise Failed("SEALED")
-        data = await self._data(conn, req, length)
+        data = await self._data(conn, req, length, fetch)
         self.memory.block(entry.block_offset, len(data))[:] = data
         flags = entry.flags | (SEALED if req["flags"] & SEAL else 0)
         self.table.write(req["handle"], Entry(flags, entry.generation, len(data), entry.block_offset))
         return Outcome(0, entry.generation, len(data), entry.block_offset)
 
-    async def alloc_store(self, conn: Connection, req: dict[str, Any]) -> Outcome:
+    async def alloc_store(self, conn: Connection, req: dict[str, Any],
+                         fetch: asyncio.Future | None = None) -> Outcome:
         length = self._store_length(req)
         state = conn.state
         entry = self._entry(req, state)
@@ -132,7 +152,7 @@ class Executor:
             raise Failed("ALREADY_BOUND")
         if state.usage >= state.quota:
             raise Failed("NO_SPACE")
-        data = await self._data(conn, req, length)
+        data = await self._data(conn, req, length, fetch)
         ring = conn.ring
         state.tickets += 1
         try:
@@ -159,7 +179,8 @@ class Executor:
                 await hook(ticket)
         return pause
 
-    async def free(self, conn: Connection, req: dict[str, Any]) -> Outcome:
+    async def free(self, conn: Connection, req: dict[str, Any],
+                  fetch: asyncio.Future | None = None) -> Outcome:
         entry = self._entry(req, conn.state)
         if not entry.valid:
             raise Failed("NOT_VALID")
@@ -175,7 +196,8 @@ class Executor:
             self.memory.block(block)[:] = bytes(self.block_size)
         ring.free(block)
 
-    async def bind(self, conn: Connection, req: dict[str, Any]) -> Outcome:
+    async def bind(self, conn: Connection, req: dict[str, Any],
+                  fetch: asyncio.Future | None = None) -> Outcome:
         state, watch = conn.state, conn.state.watch
         if watch is None:
             raise Failed("MALFORMED")     # no DIRECT_ALLOC in this session: nothing to bind
