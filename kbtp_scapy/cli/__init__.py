@@ -1,19 +1,29 @@
 """The ``kbtp`` command: one click group, one module per subcommand."""
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
 
-from .craft import craft
-from .decode import decode
-from .demo import demo
-from .dissector import dissector
-from .initiator import initiator
-from .target import target
+#: subcommand -> module of this package defining it; imported only when that command runs,
+#: so ``kbtp target`` does not pay for Scapy's layers in start-up time and memory.
+COMMANDS = {"decode": "decode", "craft": "craft", "demo": "demo", "dissector": "dissector",
+            "target": "target", "initiator": "initiator"}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        return getattr(importlib.import_module(f".{COMMANDS[name]}", __name__), name)
+
+
+@click.group(cls=LazyGroup,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="kbtp_scapy", prog_name="kbtp")
 def cli() -> None:
     """Toolkit for KBTP, the KV Cache Block Transfer Protocol, over iWARP and RoCEv2.
@@ -31,12 +41,6 @@ def cli() -> None:
     """
 
 
-cli.add_command(decode)
-cli.add_command(craft)
-cli.add_command(demo)
-cli.add_command(dissector)
-cli.add_command(target)
-cli.add_command(initiator)
 
 
 def main(argv: list[str] | None = None) -> int:

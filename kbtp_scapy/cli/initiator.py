@@ -17,7 +17,6 @@ from pathlib import Path
 import click
 
 from ..initiator import Initiator, KbtpError, Result
-from ..rnic.pcap import PcapSink
 from ..rnic.qp import ConnectionLost, RemoteError
 from .options import address, feature_names, features, integer
 
@@ -107,7 +106,10 @@ def session(func):
 
 
 async def _session(o: dict, func, kwargs: dict) -> None:
-    sink = PcapSink(o["pcap"]) if o["pcap"] else None
+    sink = None
+    if o["pcap"]:
+        from ..rnic.pcap import PcapSink     # Scapy's writer: imported only when asked for
+        sink = PcapSink(o["pcap"])
     try:
         ini = await asyncio.wait_for(Initiator.connect(
             o["url"], initiator_id=o["initiator_id"], features=o["features"], credits=o["credits"],

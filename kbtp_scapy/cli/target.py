@@ -7,7 +7,6 @@ import signal
 
 import click
 
-from ..rnic.pcap import PcapSink
 from ..target import Target, TargetConfig
 from .options import address, feature_names, features
 
@@ -30,7 +29,7 @@ from .options import address, feature_names, features
 @click.option("--quota", type=click.IntRange(0), default=0,
               help="Allocation Quota per initiator [default: blocks / max-initiators].")
 @click.option("--handles", type=click.IntRange(0), default=0,
-              help="Handles per initiator range [default: 4 x quota].")
+              help="Handles per initiator range [default: 2 x quota].")
 @click.option("--direct-partitions", type=click.IntRange(-1), default=-1,
               help="Pool partitions kept for DIRECT_ALLOC [default: max-initiators / 2].")
 @click.option("--credits", type=click.IntRange(1, 0xFFFF), default=32, show_default=True,
@@ -83,7 +82,10 @@ def target(transport, where, blocks, block_size, feature_list, addr_le, max_init
 
 async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options) -> None:
     t = Target(config, addr.transport)
-    sink = PcapSink(pcap) if pcap else None
+    sink = None
+    if pcap:
+        from ..rnic.pcap import PcapSink     # Scapy's writer: imported only when asked for
+        sink = PcapSink(pcap)
     if sink:
         t.frame_listeners.append(sink)
     try:

@@ -27,7 +27,7 @@ class TargetConfig:
     addr_le: bool = False
     max_initiators: int = 8
     quota: int = 0                   # 0: blocks // max_initiators
-    handles_per_initiator: int = 0   # 0: 4 * quota
+    handles_per_initiator: int = 0   # 0: 2 * quota
     direct_partitions: int = -1      # -1: max_initiators // 2 when DIRECT_ALLOC is offered
     base_handle: int = 0x4000
     request_credits: int = 32
@@ -41,7 +41,7 @@ class TargetConfig:
         if not self.quota and self.max_initiators > 0:
             self.quota = self.blocks // self.max_initiators
         if not self.handles_per_initiator:
-            self.handles_per_initiator = max(16, 4 * self.quota)
+            self.handles_per_initiator = max(16, 2 * self.quota)
         if self.direct_partitions < 0:
             self.direct_partitions = self.max_initiators // 2 if self.features & DIRECT_ALLOC else 0
         self.max_inline = min(self.max_inline, self.block_size)

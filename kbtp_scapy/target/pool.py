@@ -44,16 +44,16 @@ class TargetMemory:
         handles = c.max_initiators * c.handles_per_initiator
         self.table_buffer = bytearray(handles * M.ENTRY_SIZE)
         self.table = BlockTable(memoryview(self.table_buffer), c.base_handle, handles, c.addr_le)
-        shared = list(range(0, c.shared_blocks * c.block_size, c.block_size))
+        shared = range(0, c.shared_blocks * c.block_size, c.block_size)
         self.shared_ring = self._ring(shared, masked)[0]
         self.partitions = []
         for k in range(c.direct_partitions):
             first = c.shared_blocks + k * c.quota
-            blocks = [(first + i) * c.block_size for i in range(c.quota)]
+            blocks = range(first * c.block_size, (first + c.quota) * c.block_size, c.block_size)
             ring, slots, heads = self._ring(blocks, masked)
             self.partitions.append(Partition(k, first, c.quota, ring, slots, heads))
 
-    def _ring(self, blocks: list[int], masked: bool) -> tuple[FreeRing, bytearray, memoryview]:
+    def _ring(self, blocks: range, masked: bool) -> tuple[FreeRing, bytearray, memoryview]:
         n = ring_log2(max(1, len(blocks)))
         slots = bytearray(M.SLOT_SIZE << n)
         heads = memoryview(bytearray(16))     # Head and Tail, each 8-octet aligned

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from array import array
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 from .. import codec, ring as counters
 from ..rnic.memory import MemoryTable
@@ -32,13 +32,12 @@ class FreeRing:
     """N = 2**n slots in ``slots`` and two counters (Head at 0, Tail at 8) in ``heads``."""
 
     def __init__(self, memory: MemoryTable, slots: memoryview, heads: memoryview, n: int,
-                 blocks: list[int], *, masked: bool, addr_le: bool) -> None:
+                 blocks: Sequence[int], *, masked: bool, addr_le: bool) -> None:
         self.memory, self.slots, self.n, self.masked, self.addr_le = memory, slots, n, masked, addr_le
         self.size = 1 << n
         self.head, self.tail = heads[0:8], heads[8:16]
         self.add = RING_COUNTER.masked_add_data if masked else RING_COUNTER.unmasked_add_data
         self.mask = counters.add_mask(n) if masked else None
-        self.blocks = set(blocks)
         self._deferred: dict[int, tuple[int, int]] = {}   # slot offset -> (ticket, block)
         self._abandoned: set[int] = set()                  # tickets whose blocks go back
         self._changed = asyncio.Event()
@@ -47,7 +46,7 @@ class FreeRing:
         self._store(self.head, counters.join(0, 0))
         self._store(self.tail, counters.join(f, M.SLOT_SIZE * (f % self.size) if masked else 0))
 
-    def _initialise_slots(self, blocks: list[int]) -> None:
+    def _initialise_slots(self, blocks: Sequence[int]) -> None:
         """Slot s < F holds {s, s-th block}; the others {s - N mod 2**32, consumed}.
 
         Filled column-wise (one C-level copy per field) so a 1 GiB pool starts at once;
