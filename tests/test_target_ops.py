@@ -15,7 +15,8 @@ from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic.qp import ConnectionLost, RemoteError
 from kbtp_scapy.tables import memory as M
-from kbtp_scapy.tables.enums import OPCODES, STATUS
+from kbtp_scapy.rnic import Access
+from kbtp_scapy.tables.enums import OPCODES, REQUEST_FLAGS, STATUS
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.audit import audit
 
@@ -24,6 +25,7 @@ from .kbtp_harness import TargetThread
 TRANSPORTS = ["iwarp", "roce"]
 S = STATUS.by_name()
 OP = OPCODES.by_name()
+REQUEST_FLAGS_BY_NAME = {f.name: f.value for f in REQUEST_FLAGS.flags}
 
 
 def run(coro, timeout: float = 60):
@@ -99,7 +101,10 @@ def test_every_operation_and_status(target):
         state = target.run(lambda: target.target.sessions.by_id[b.initiator_id])
         ring = state.partition.ring if state.partition else target.target.memory.shared_ring
 
+        lost = []
+
         async def break_slot(ticket):
+            lost.append(ring.slot(ring.offset_of(ticket))[1])
             ring._write_slot(ring.offset_of(ticket), ticket + 1, M.SLOT_CONSUMED)
         ex = target.target.executor
         target.run(lambda: setattr(ex, "before_slot_read", break_slot))
@@ -114,6 +119,30 @@ def test_every_operation_and_status(target):
         await expect("TICKET_ABANDONED", a.bind(h + 30, ticket, 1, block))
         seen.add("OK")
         assert seen == set(S), set(S) - seen
-        await a.goodbye(release=True)
         await b.goodbye(release=True)
+        # The abandoned block went back to the ring only after the Partition STag died.
+        assert target.run(lambda: audit(target.target)) == \
+            [f"block offset 0x{lost[0]:x} is neither free nor bound (lost)"]
+        with pytest.raises((RemoteError, ConnectionLost)):
+            await a.qp.write(a.target.fields["partition.stag"], block, b"late")
+            await a.load(h + 1)
+    run(main())
+
+
+def test_invalidate_and_clearing(target):
+    async def main():
+        a = await connect(target, 0, features=0)          # shared ring: blocks are cleared
+        h = a.target.handle_base
+        r = await a.alloc_store(h, b"secret" * 100, seal=True)
+        region = a.memory.register(bytearray(4096), Access.REMOTE_WRITE)
+        load = codec.encode({"opcode": OP["LOAD"], "request_id": 77, "handle": h,
+                             "flags": REQUEST_FLAGS_BY_NAME["INVALIDATE"], "dd.stag": region.stag,
+                             "dd.offset": 0, "dd.length": 4096}, a.addr_le)
+        [got] = await a.raw(load)
+        assert got.invalidated == region.stag and not region.valid   # Send with Invalidate
+        assert bytes(region.view[:600]) == b"secret" * 100
+        await a.free(h)
+        block = target.run(lambda: bytes(target.target.memory.block(r.block_offset)))
+        assert block == bytes(len(block))                       # cleared before reuse
+        await a.goodbye(release=True)
     run(main())
