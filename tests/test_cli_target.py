@@ -56,6 +56,9 @@ def test_a_session_from_the_command_line(target):
     # a second run (same --id-file) finds the binding, as the reconnect rules promise
     initiator(t, "load", hex(base), "-o", str(t["tmp"] / "out.bin"))
     assert (t["tmp"] / "out.bin").read_bytes() == data.read_bytes()
+    initiator(t, "alloc-store", hex(base + 2), "--text", "to stdout", "--seal")
+    piped = initiator(t, "load", hex(base + 2), "-o", "-")
+    assert piped.stdout == "to stdout" and piped.stderr.startswith(f"LOAD 0x{base + 2:x}: OK")
     text = initiator(t, "direct-load", hex(base)).stdout
     assert text.startswith(f"DIRECT_LOAD 0x{base:x}: OK, generation 1, 768 octets")
     failed = initiator(t, "load", hex(base + 1), ok=False)

@@ -125,18 +125,20 @@ async def _session(o: dict, func, kwargs: dict) -> None:
             sink.close()
 
 
-def emit(o: dict, op: str, handle: int | None, result: Result | None, **extra) -> None:
+def emit(o: dict, op: str, handle: int | None, result: Result | None, to_stderr: bool = False,
+         **extra) -> None:
+    """One line per result: JSON, or text (on stderr when stdout carries the data)."""
     if o["as_json"]:
         record = {"op": op, **({"handle": handle} if handle is not None else {}),
                   **(result.as_dict() if result else {}), **extra}
-        click.echo(json.dumps(record))
+        click.echo(json.dumps(record), err=to_stderr)
         return
     if result is None:
-        click.echo(f"{op}: " + ", ".join(f"{k} {v}" for k, v in extra.items()))
+        click.echo(f"{op}: " + ", ".join(f"{k} {v}" for k, v in extra.items()), err=to_stderr)
         return
     click.echo(f"{op} 0x{handle:x}: {result.status_name}, generation {result.generation}, "
                f"{result.data_length} octets at block offset 0x{result.block_offset:x}"
-               + "".join(f", {k} {v}" for k, v in extra.items()))
+               + "".join(f", {k} {v}" for k, v in extra.items()), err=to_stderr)
 
 
 def _data(data_file: str | None, data_hex: str | None, text: str | None) -> bytes:
@@ -164,6 +166,7 @@ def data_options(func):
 def _output(path: str | None, data: bytes, o: dict) -> dict:
     if path == "-":
         sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
         return {}
     if path:
         Path(path).write_bytes(data)
@@ -203,7 +206,7 @@ async def hello(ini: Initiator, o: dict) -> None:
 async def load(ini, o, handle, output, generation, allow_unsealed, record):
     """Block Load: read HANDLE's block into a fresh buffer."""
     r = await ini.load(handle, generation=generation, allow_unsealed=allow_unsealed, record=record)
-    emit(o, "LOAD", handle, r, **_output(output, r.data, o))
+    emit(o, "LOAD", handle, r, output == "-", **_output(output, r.data, o))
 
 
 def _store_command(name: str, opcode: str, method: str, doc: str):
@@ -248,7 +251,7 @@ async def free(ini, o, handle, generation, record):
 async def direct_load(ini, o, handle, output):
     """DIRECT_LOAD: RDMA-read the entry, the block, and the entry again."""
     r = await ini.direct_load(handle)
-    emit(o, "DIRECT_LOAD", handle, r, **_output(output, r.data, o))
+    emit(o, "DIRECT_LOAD", handle, r, output == "-", **_output(output, r.data, o))
 
 
 @initiator.command(name="direct-alloc")

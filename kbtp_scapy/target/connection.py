@@ -15,6 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
+from ..rnic import Address
 from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ConnectionLost, QueuePair, RemoteError
 from ..tables import memory as M
@@ -61,7 +62,7 @@ class Connection:
 
     async def serve(self) -> None:
         t = self.target
-        peer = f"{self.qp.transport}://{self.qp.remote[0]}:{self.qp.remote[1]}"
+        peer = str(Address(self.qp.transport, *self.qp.remote[:2]))
         release = False
         try:
             if not await self._hello():
