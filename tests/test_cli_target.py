@@ -66,7 +66,7 @@ def test_a_session_from_the_command_line(target):
     assert failed.stderr.strip() == "kbtp: load: NOT_VALID"
     assert json.loads(initiator(t, "--json", "free", hex(base)).stdout)["generation"] == 2
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{t['metrics']}/metrics", timeout=5).read().decode()
-    assert 'kbtp_operations_total{opcode="ALLOC_STORE",status="OK"} 1.0' in metrics
+    assert 'kbtp_operations_total{opcode="ALLOC_STORE",status="OK"} 2.0' in metrics
     assert 'kbtp_operations_total{opcode="LOAD",status="NOT_VALID"} 1.0' in metrics
     assert "kbtp_ring_blocks" in metrics and "kbtp_quota_used" in metrics
     initiator(t, "goodbye", "--release")
