@@ -66,11 +66,14 @@ class _UrlFirst(click.Group):
               help="Completion Credits (receive buffers posted for completions).")
 @click.option("--no-invalidate", is_flag=True, help="Do not ask for Send with Invalidate.")
 @click.option("--local", default=None, help="RoCEv2: local address to send from.")
+@click.option("--mtu", type=click.Choice(["256", "512", "1024", "2048", "4096"]), default=None,
+              help="RoCEv2 path MTU, which the CM REQ sets for both ends "
+                   "[default: the largest the route's link MTU allows].")
 @click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write every frame sent and received to this pcap file.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per result.")
 @click.pass_context
-def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, local, pcap,
+def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, local, mtu, pcap,
               as_json) -> None:
     """Talk to a KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT): one
     session per run, with the Initiator ID of --id-file so bindings carry over.
@@ -85,7 +88,9 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
     transport = url.split("://", 1)[0] if "://" in url else ""
     if transport not in ("iwarp", "roce"):
         raise click.BadParameter("must start with roce:// or iwarp://", param_hint="URL")
-    options = {"local": local} if local and transport == "roce" else {}
+    options = {}
+    if transport == "roce":
+        options = {k: v for k, v in (("local", local), ("mtu", int(mtu) if mtu else None)) if v}
     ctx.obj = dict(url=address(transport, url), initiator_id=_initiator_id(id_hex, id_file),
                    features=features(feature_list), credits=credits,
                    invalidate=not no_invalidate, pcap=pcap, as_json=as_json, options=options)

@@ -42,8 +42,6 @@ from .options import address, feature_names, features
               help="Seconds a departed initiator's bindings are kept for its reconnect.")
 @click.option("--no-clear", is_flag=True,
               help="Do not clear freed blocks (all initiators share one trust domain).")
-@click.option("--mtu", type=click.Choice(["256", "512", "1024", "2048", "4096"]), default=None,
-              help="RoCEv2 path MTU [default: 1024].")
 @click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write every frame sent and received to this pcap file.")
 @click.option("--metrics", "metrics_port", type=click.IntRange(1, 65535), default=None,
@@ -53,7 +51,7 @@ from .options import address, feature_names, features
 @click.option("--verbose", "-v", is_flag=True, help="Log each malformed request too.")
 def target(transport, where, blocks, block_size, feature_list, addr_le, max_initiators, quota,
            handles, direct_partitions, credits, max_inline, ticket_timeout, retention, no_clear,
-           mtu, pcap, metrics_port, duration, verbose) -> None:
+           pcap, metrics_port, duration, verbose) -> None:
     """Run the reference KBTP target: a pool of BLOCKS blocks in registered memory,
     served over a software RDMA NIC until interrupted (Ctrl-C), then print its counters.
 
@@ -76,11 +74,10 @@ def target(transport, where, blocks, block_size, feature_list, addr_le, max_init
         raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    options = {"mtu": int(mtu)} if mtu and transport == "roce" else {}
-    asyncio.run(_run(config, addr, pcap, metrics_port, duration, options))
+    asyncio.run(_run(config, addr, pcap, metrics_port, duration))
 
 
-async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options) -> None:
+async def _run(config: TargetConfig, addr, pcap, metrics_port, duration) -> None:
     t = Target(config, addr.transport)
     sink = None
     if pcap:
@@ -89,7 +86,7 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
     if sink:
         t.frame_listeners.append(sink)
     try:
-        bound = await t.start(addr, **options)
+        bound = await t.start(addr)
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {addr}: {exc.strerror or exc}") from None
     if metrics_port:

@@ -337,8 +337,8 @@ local function last_of(...)
 end
 
 local function raw(tvb, off, want)
-    local n = math.min(want, tvb:len() - off)
-    return n > 0 and tvb:raw(off, n) or ""
+    local n = math.min(want, Tvb_len(tvb) - off)
+    return n > 0 and Tvb_raw(tvb, off, n) or ""
 end
 
 -- With a protocol tree. Returns the operations and whether they are RoCEv2; false when the

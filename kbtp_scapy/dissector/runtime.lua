@@ -6,7 +6,9 @@
 -- extractor) costs about a microsecond, Lua arithmetic a hundredth of that. So values are
 -- read from one tvb:raw() string with byte arithmetic, pinfo attributes are read once per
 -- call, per-frame results (connection key included) are kept for revisits, and the only
--- TvbRanges made are those the tree items need.
+-- TvbRanges made are those the tree items need. Hot paths call the class methods
+-- directly (Tree_add(tree, ...)): ``tree:add`` first looks ``add`` up through the
+-- metatable's __index function, which costs a quarter of the call.
 
 local E = {
     status = ProtoExpert.new("kbtp.expert.status", "KBTP non-OK status",
@@ -41,6 +43,8 @@ local X = {
 local byte, sub, format = string.byte, string.sub, string.format
 local band = bit32.band
 local TWO32 = 2 ^ 32
+local Tree_add, Tree_add_le, Tree_append_text = TreeItem.add, TreeItem.add_le, TreeItem.append_text
+local Tree_set_generated, Tvb_range, Tvb_raw, Tvb_len = TreeItem.set_generated, Tvb.range, Tvb.raw, Tvb.len
 
 local function last_value(...)
     local n = select("#", ...)
@@ -153,7 +157,7 @@ local FIXED_MAX = HEADER_SIZE
 for _, msg in pairs(MESSAGES) do FIXED_MAX = math.max(FIXED_MAX, HEADER_SIZE + fixed_size(msg.items)) end
 
 local function octets(tvb, len)
-    return tvb:raw(0, math.min(len, FIXED_MAX))
+    return Tvb_raw(tvb, 0, math.min(len, FIXED_MAX))
 end
 
 -- The value of ``size`` octets at 1-based ``i`` of ``s``: a number up to 4 octets, else a
@@ -188,7 +192,7 @@ local function walk(items, tvb, s, off, tree, ctx)
             local size = item.size
             if item.member then
                 if off >= len then return off, true end
-                local sub_tree = tree and tree:add(tvb:range(off, math.min(size, len - off)), item.title)
+                local sub_tree = tree and Tree_add(tree, Tvb_range(tvb, off, math.min(size, len - off)), item.title)
                 local truncated
                 off, truncated = walk(item.items, tvb, s, off, sub_tree, ctx)
                 if truncated then return off, true end
@@ -196,20 +200,20 @@ local function walk(items, tvb, s, off, tree, ctx)
                 local n = len - off
                 values[item.key] = n
                 ctx.tail = item
-                if tree and n > 0 then tree:add(item.field, tvb:range(off, n)) end
+                if tree and n > 0 then Tree_add(tree, item.field, Tvb_range(tvb, off, n)) end
                 off = len
             else
                 if off + size > len then return off, true end
                 local le = ctx.le and item.order == "A"
                 values[item.key] = value_at(s, off + 1, size, le)
                 if tree then
-                    local range = tvb:range(off, size)
-                    local ti = le and tree:add_le(item.field, range) or tree:add(item.field, range)
+                    local range = Tvb_range(tvb, off, size)
+                    local ti = (le and Tree_add_le or Tree_add)(tree, item.field, range)
                     local set = item.flagset
                     if set == true then set = ctx.msg and ctx.msg.flagset end
                     if set then
                         local bits = bit_fields(item, set)
-                        for j = 1, #bits do ti:add(bits[j], range) end
+                        for j = 1, #bits do Tree_add(ti, bits[j], range) end
                     end
                 end
                 off = off + size
@@ -395,7 +399,7 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
         conn.kbtp = true
         st.le = (pref_addr_le == 2) or (pref_addr_le == 1 and conn.le == true)
     end
-    local root = tree:add(kbtp, tvb:range(0, len))
+    local root = Tree_add(tree, kbtp, Tvb_range(tvb, 0, len))
     local ctx = read_message(tvb, s, len, msg, st.le, root)
     local values = ctx.values
     local problem = msg and problem_of(ctx)
@@ -403,10 +407,10 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
 
     if st.le then root:add(F["session.addr_le"], true):set_generated() end
     if st.request_in then
-        root:add(F.request_in, st.request_in):set_generated()
-        root:add(F.time, nstime(st.delta)):set_generated()
+        Tree_set_generated(Tree_add(root, F.request_in, st.request_in))
+        Tree_set_generated(Tree_add(root, F.time, nstime(st.delta)))
     end
-    if st.response_in then root:add(F.response_in, st.response_in):set_generated() end
+    if st.response_in then Tree_set_generated(Tree_add(root, F.response_in, st.response_in)) end
     if problem then root:add_proto_expert_info(E.malformed, problem) end
     if msg and msg.flagset and values.flags then
         local extra = band(values.flags, bit32.bnot(FLAGSETS[msg.flagset].defined))
@@ -424,7 +428,7 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
     end
     local info = summary(msg, op, values)
     if problem then info = info .. " [Malformed]" end
-    root:append_text(", " .. info)
+    Tree_append_text(root, ", " .. info)
     st.info = info
     return info
 end
@@ -528,7 +532,7 @@ end
 -- FIRST/MIDDLE/LAST per direction and QP, and claim every fragment, so no other
 -- heuristic misreads the continuation packets.
 local function heur_infiniband(tvb, pinfo, tree)
-    local n = tvb:len()
+    local n = Tvb_len(tvb)
     if n == 0 then return false end
     local number, visited = pinfo.number, pinfo.visited
     local st = frames[number]
@@ -574,7 +578,7 @@ end
 local function heur_iwarp(tvb, pinfo, tree)
     local number, visited = pinfo.number, pinfo.visited
     local st = frames[number]
-    local n = tvb:len()
+    local n = Tvb_len(tvb)
     local s
     if visited then
         if not st or not st.kbtp then return false end

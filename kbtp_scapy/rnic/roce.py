@@ -29,6 +29,7 @@ RESOURCES = 16            # responder resources / initiator depth announced in R
 _SOCK_BUF = 4 << 20
 _SO_NO_CHECK = 11                                     # Linux: IPv4 UDP checksum 0
 _IP_MTU_DISCOVER, _IP_PMTUDISC_DO = 10, 2             # Linux: always set DF
+_IP_MTU, _IPV6_MTU = 14, 24                           # Linux: the route's MTU
 _UDP_NO_CHECK6_TX, _UDP_NO_CHECK6_RX = 101, 102       # Linux: IPv6 zero checksum (RFC 6935)
 
 
@@ -281,7 +282,7 @@ class RoceListener:
     def accept(self, dev: Device, req: cm.CmMessage, addr: tuple[str, int],
                frame: bytes) -> None:
         """Create the QP a REQ asks for and answer REP until RTU (IB 12.9.5)."""
-        qp = RoceQP(self._memory, dev, **self._options)
+        qp = RoceQP(self._memory, dev, **{**self._options, "mtu": req.path_mtu})
         qp.frame("rx", frame)
         qp.setup(addr, req.local_qpn, req.starting_psn, req.path_mtu)
         qp.remote_comm_id = req.local_comm_id
@@ -334,16 +335,35 @@ class RoceListener:
         await self._closed.wait()
 
 
-def _options(recv_size: int = 4096, posted: int = 0, mtu: int = 1024, ack_timeout: float = 0.05,
+def _options(recv_size: int = 4096, posted: int = 0, mtu: int = 0, ack_timeout: float = 0.05,
              retry_count: int = 7, rnr_retry: int = 7, rnr_timer: int = 16, window: int = 128,
              frame_listeners: Iterable = (), connect_timeout: float = 5.0) -> tuple[dict, float]:
-    if mtu not in MTUS:
+    if mtu and mtu not in MTUS:
         raise ValueError(f"mtu must be one of {MTUS}")
     if not 0 <= rnr_retry <= 7 or not 0 <= retry_count <= 7 or not 0 <= rnr_timer <= 31:
         raise ValueError("retry_count and rnr_retry are 3-bit, rnr_timer a 5-bit code")
     return ({"recv_size": recv_size, "posted": posted, "mtu": mtu, "ack_timeout": ack_timeout,
              "retry_count": retry_count, "rnr_retry": rnr_retry, "rnr_timer": rnr_timer,
              "window": window, "frame_listeners": tuple(frame_listeners)}, connect_timeout)
+
+
+def path_mtu(local: str, host: str, port: int) -> int:
+    """The largest InfiniBand MTU whose packets fit the route's link MTU, as rxe derives
+    it from its netdev: 1024 on a 1500-octet Ethernet, 4096 on loopback or jumbo frames.
+
+    Headers counted: IP, UDP, BTH, the largest extension header of a data packet (RETH
+    with ImmDt, 20 octets) and the ICRC."""
+    v6 = ":" in host
+    with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((local, 0))
+            s.connect((host, port))               # sends nothing: it only picks the route
+            link = s.getsockopt(socket.IPPROTO_IPV6 if v6 else socket.IPPROTO_IP,
+                                _IPV6_MTU if v6 else _IP_MTU)
+        except OSError:
+            return 1024
+    room = link - (40 if v6 else 20) - 8 - 12 - 20 - 4
+    return max((m for m in MTUS if m <= room), default=MTUS[0])
 
 
 def default_local(host: str) -> str:
@@ -374,6 +394,7 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
     if local_port is None:
         local_port = port + 1 if local == host else ROCE_PORT
     dev = _device(local, local_port)
+    qp_options["mtu"] = qp_options["mtu"] or path_mtu(local, host, port)
     qp = RoceQP(memory, dev, **qp_options)
     dev.conns[qp.comm_id] = qp
     loop = dev.loop
