@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -100,7 +100,7 @@ class QueuePair:
         self.local: tuple[str, int] = ("", 0)
         self.remote: tuple[str, int] = ("", 0)
         self.frame_listeners: list[FrameListener] = []
-        self.stats: dict[str, int] = {}
+        self.stats: Counter[str] = Counter()
         self._posted = posted
         self._received: asyncio.Queue[Received | BaseException] = asyncio.Queue()
         self._outstanding: deque[WorkRequest] = deque()
@@ -257,7 +257,7 @@ class QueuePair:
             listener(direction, frame)
 
     def _count(self, name: str, n: int = 1) -> None:
-        self.stats[name] = self.stats.get(name, 0) + n
+        self.stats[name] += n
 
     def _transmit(self, wr: WorkRequest) -> None:
         raise NotImplementedError
