@@ -12,7 +12,7 @@ from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic.qp import ConnectionLost, RemoteError
 from kbtp_scapy.tables import memory as M
-from kbtp_scapy.tables.enums import FEATURES, OPCODES, STATUS
+from kbtp_scapy.tables.enums import OPCODES, STATUS
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.audit import audit
 from kbtp_scapy.target.config import DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION

@@ -8,8 +8,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from .ring import CONSUMED
-
 if TYPE_CHECKING:
     from .server import Target
 
