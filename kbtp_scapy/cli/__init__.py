@@ -9,7 +9,8 @@ import click
 #: subcommand -> module of this package defining it; imported only when that command runs,
 #: so ``kbtp target`` does not pay for Scapy's layers in start-up time and memory.
 COMMANDS = {"decode": "decode", "craft": "craft", "demo": "demo", "dissector": "dissector",
-            "target": "target", "initiator": "initiator"}
+            "target": "target", "initiator": "initiator",
+            "replay": "replay"}
 
 
 class LazyGroup(click.Group):

@@ -1,0 +1,128 @@
+"""``kbtp replay CAPTURE --target URL``: replay captured KBTP sessions against a live target."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import click
+
+from ..capture import CaptureError
+from ..rnic import parse_url
+
+
+class _Failed(click.ClickException):
+    """The target misbehaved or differed: exit 1, after the report."""
+
+    exit_code = 1
+
+
+class _Harness(click.ClickException):
+    """The replay could not run: exit 2, so an aborted run never reads as a pass."""
+
+    exit_code = 2
+
+
+class _Progress:
+    """``step N/M`` on stderr, at most every half second, only when stderr is a terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.last, self.shown = enabled, 0.0, False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if self.enabled and (now - self.last > 0.5 or done == total) and total > 50:
+            self.last, self.shown = now, True
+            click.echo(f"\rreplaying: step {done}/{total}", err=True, nl=False)
+
+    def end(self) -> None:
+        if self.shown:
+            click.echo("", err=True)
+
+
+@click.command()
+@click.argument("capture", type=click.Path(dir_okay=False))
+@click.option("--target", "url", required=True, metavar="URL",
+              help="The live target: roce://HOST[:PORT] or iwarp://HOST:PORT (either binding, "
+                   "whatever the capture's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of text.")
+@click.option("--ignore", "ignore", multiple=True, metavar="FIELD",
+              help="Do not compare FIELD (status, generation, data_length, block_offset, data, "
+                   "ticket, flags); repeat or separate with commas. block_offset is always ignored "
+                   "unless --strict.")
+@click.option("--strict", is_flag=True, help="Compare Block Offsets too.")
+@click.option("--pace", is_flag=True, help="Keep the captured timing between steps.")
+@click.option("--loop", "loops", type=click.IntRange(1), default=1, show_default=True,
+              help="Replay the capture N times in a row, each time with new sessions.")
+@click.option("--timeout", type=click.FloatRange(0.1), default=5.0, show_default=True,
+              help="Seconds to wait for each answer and connection.")
+@click.option("--local", default=None, help="RoCEv2: local address to send from.")
+@click.option("-v", "--verbose", is_flag=True, help="List matching steps too.")
+def replay(capture, url, as_json, ignore, strict, pace, loops, timeout, local, verbose) -> None:
+    """Replay the KBTP sessions of CAPTURE (pcap or pcapng, iWARP or RoCEv2, from any
+    implementation) against the target at URL and compare every completion, loaded
+    block and direct-mode read with the capture.
+
+    Each captured session is rebuilt (HELLO, requests, the data it supplied inline or
+    through RDMA Reads, the completions and loaded blocks it got) and replayed on a new
+    connection with fresh buffers and STags. Handles are moved into the range the new
+    HELLO_ACK grants; Block Offsets, tickets and slots are mapped as the replay learns
+    them. Sessions run concurrently, each step waiting for what the capture shows it
+    waited for; otherwise as fast as the target answers (--pace keeps the captured
+    timing).
+
+    Generations are compared as captured: a capture that starts from a fresh target
+    matches only a fresh target (and later --loop rounds see what earlier ones left).
+
+    \b
+    Exit status: 0 every compared step matched; 1 the target differed or failed to
+    answer; 2 usage error or the replay could not run.
+
+    \b
+    Examples:
+      kbtp replay session.pcap --target roce://127.0.0.1
+      kbtp replay softroce.pcapng --target iwarp://10.0.0.5:5420 --json > report.json
+      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation --loop 10
+      kbtp replay session.pcap --target iwarp://127.0.0.1:5420 --pace -v
+    """
+    from ..replay import compare, player, report, sessions
+
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--target") from None
+    ignored = {n.strip().lower() for item in ignore for n in item.split(",") if n.strip()}
+    unknown = ignored - set(compare.FIELDS)
+    if unknown:
+        raise click.BadParameter(f"unknown field {', '.join(sorted(unknown))}; choose from "
+                                 f"{', '.join(compare.FIELDS)}", param_hint="--ignore")
+    if not strict:
+        ignored |= compare.DEFAULT_IGNORE
+    try:
+        cap = sessions.load(capture)
+    except CaptureError as exc:
+        raise _Harness(str(exc)) from None
+    progress = _Progress(sys.stderr.isatty() and not as_json)
+    try:
+        runs = asyncio.run(player.play(cap, url, loops=loops, pace=pace, timeout=timeout,
+                                       local=local, progress=progress))
+    except player.HarnessError as exc:
+        raise _Harness(str(exc)) from None
+    except OSError as exc:
+        raise _Harness(f"{url}: {exc.strerror or exc}") from None
+    finally:
+        progress.end()
+    frozen = frozenset(ignored)
+    verdicts = [[compare.judge(p, frozen) for p in run.results] for run in runs]
+    kept = set().union(*(run.mapping.kept for run in runs))
+    if as_json:
+        click.echo(json.dumps(report.as_json(cap, url, verdicts, sorted(ignored), kept), indent=1))
+    else:
+        for line in report.text(cap, url, verdicts, verbose):
+            click.echo(line)
+    counts = report.summary(verdicts)
+    if counts["differ"] or counts["error"]:
+        raise _Failed(f"replay: {counts['differ']} step(s) differ, {counts['error']} failed")
+    if not counts["match"]:
+        raise _Harness("replay: no step could be compared")

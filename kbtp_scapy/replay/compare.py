@@ -1,0 +1,72 @@
+"""Judge each replayed step against the capture: match, differ, error, skipped, unchecked."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..tables.enums import STATUS
+from .player import Played
+
+FIELDS = ("status", "generation", "data_length", "block_offset", "data", "ticket", "flags")
+DEFAULT_IGNORE = frozenset({"block_offset"})
+FAILING = ("differ", "error")
+
+
+@dataclass
+class Difference:
+    field: str
+    captured: Any
+    replayed: Any
+
+    def describe(self) -> str:
+        if self.field == "data":
+            a, b = self.captured or b"", self.replayed or b""
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return f"data: {len(a)} octets captured, {len(b)} replayed, first difference at octet {at}"
+        return f"{self.field}: captured {_show(self.field, self.captured)}, " \
+               f"replayed {_show(self.field, self.replayed)}"
+
+    def as_json(self) -> dict[str, Any]:
+        value = (lambda v: v.hex() if isinstance(v, bytes) else v)
+        return {"field": self.field, "captured": value(self.captured), "replayed": value(self.replayed)}
+
+
+@dataclass
+class Verdict:
+    played: Played
+    state: str                           # match, differ, error, skipped, unchecked
+    differences: list[Difference] = field(default_factory=list)
+    detail: str = ""
+
+
+def _show(name: str, value: Any) -> str:
+    if value is None:
+        return "nothing"
+    if name == "status":
+        return STATUS.describe(value)
+    if name in ("block_offset", "flags"):
+        return f"0x{value:x}"
+    return str(value)
+
+
+def judge(played: Played, ignore: frozenset[str] = DEFAULT_IGNORE) -> Verdict:
+    """Compare what the capture shows with what the replay got, field by field."""
+    if played.skipped:
+        return Verdict(played, "skipped", detail=played.skipped)
+    if played.error:
+        return Verdict(played, "error", detail=played.error)
+    captured, replayed = played.captured, played.replayed
+    if captured is None:
+        detail = played.step.problem if played.step and played.step.problem else "no answer in the capture"
+        return Verdict(played, "unchecked", detail=detail)
+    if replayed is None:
+        return Verdict(played, "error", detail="no answer")
+    old, new = captured.values(), replayed.values()
+    diffs = [Difference(name, old.get(name), new.get(name)) for name in FIELDS
+             if name not in ignore and (name in old or name in new) and old.get(name) != new.get(name)]
+    detail = ""
+    if played.step and played.step.problem:
+        detail = played.step.problem
+    elif captured.form != replayed.form and {captured.form, replayed.form} == {"completion", "record"}:
+        detail = f"completed by {replayed.form}, captured by {captured.form}"
+    return Verdict(played, "differ" if diffs else "match", diffs, detail)

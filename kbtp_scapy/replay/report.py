@@ -1,0 +1,78 @@
+"""The replay's findings as text lines or one JSON document."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from .compare import FAILING, Verdict
+from .sessions import Capture
+
+STATES = ("match", "differ", "error", "skipped", "unchecked")
+
+
+def _where(v: Verdict) -> str:
+    step, ses = v.played.step, v.played.session
+    if step is None:
+        return f"session {ses.index} frame {ses.frame} HELLO"
+    rid = step.fields.get("request_id")
+    ident = f" rid={rid}" if step.kind == "request" and rid is not None else ""
+    return f"session {ses.index} frame {step.frame} {step.name}{ident}"
+
+
+def summary(loops: list[list[Verdict]]) -> dict[str, int]:
+    counts = Counter(v.state for verdicts in loops for v in verdicts)
+    return {state: counts.get(state, 0) for state in STATES}
+
+
+def text(capture: Capture, url: str, loops: list[list[Verdict]], verbose: bool = False) -> list[str]:
+    """One line per step that did not match (every step with ``verbose``), then totals."""
+    lines = [f"replay of {capture.path} ({len(capture.sessions)} session(s)) against {url}"]
+    lines += [f"note: {n}" for n in capture.notes]
+    lines += [f"note: session {s.index}: {n}" for s in capture.sessions for n in s.notes]
+    for number, verdicts in enumerate(loops, 1):
+        prefix = f"loop {number}: " if len(loops) > 1 else ""
+        for v in verdicts:
+            if v.state == "match" and not verbose and not v.detail:
+                continue
+            reasons = "; ".join(d.describe() for d in v.differences) or v.detail
+            lines.append(f"{prefix}{v.state.upper():9} {_where(v)}{': ' + reasons if reasons else ''}")
+    counts = summary(loops)
+    verdict = "DIFFERENT" if counts["differ"] or counts["error"] else "MATCH"
+    lines.append(f"{verdict}: " + ", ".join(f"{counts[s]} {s}" for s in STATES))
+    return lines
+
+
+def _verdict_json(v: Verdict) -> dict[str, Any]:
+    step, ses = v.played.step, v.played.session
+    out: dict[str, Any] = {"session": ses.index, "frame": step.frame if step else ses.frame,
+                           "operation": step.name if step else "HELLO", "state": v.state}
+    if step is not None and step.kind == "request" and "request_id" in step.fields:
+        out["request_id"] = step.fields["request_id"]
+        if "handle" in step.fields:
+            out["handle"] = step.fields["handle"]
+    for name, outcome in (("captured", v.played.captured), ("replayed", v.played.replayed)):
+        if outcome is not None:
+            out[name] = {k: (x.hex() if isinstance(x, bytes) else x) for k, x in outcome.values().items()}
+            out[name]["form"] = outcome.form
+    if v.differences:
+        out["differences"] = [d.as_json() for d in v.differences]
+    if v.detail:
+        out["detail"] = v.detail
+    return out
+
+
+def as_json(capture: Capture, url: str, loops: list[list[Verdict]], ignore: list[str],
+            kept: set[int]) -> dict[str, Any]:
+    counts = summary(loops)
+    return {
+        "capture": capture.path, "target": url, "ignored": sorted(ignore),
+        "sessions": [{"session": s.index, "transport": s.transport, "frame": s.frame,
+                      "handle_base": s.ack.get("hello_ack.handle_base"),
+                      "handle_count": s.ack.get("hello_ack.handle_count"),
+                      "steps": len(s.steps), "notes": s.notes} for s in capture.sessions],
+        "notes": capture.notes,
+        "handles_kept": sorted(kept),
+        "loops": [[_verdict_json(v) for v in verdicts] for verdicts in loops],
+        "summary": counts,
+        "result": "differ" if any(counts[s] for s in FAILING) else "match",
+    }
