@@ -1,0 +1,133 @@
+"""Completion: Request ID echo, request order, INVALIDATE, data before COMPLETION, records."""
+from __future__ import annotations
+
+from ...rnic import Access
+from ...tables import memory as M
+from ... import codec
+from ...initiator.client import ALL_FEATURES
+from ..context import Ctx, status_name
+from ..registry import MUST, MUST_NOT, RULE, case
+from .common import F, OP, RECORD_COMPLETION, S, bind, buffer, data, load_request
+
+SECTION = "Completion"
+
+
+@case("completion.request_id", "Common Header", RULE, """Request ID is chosen by the initiator and
+      echoed in the completion.""")
+async def request_id(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    rid = 0xFEDC_BA98_7654_3210
+    for what, values in (
+            ("an ALLOC_STORE", {"opcode": OP["ALLOC_STORE"], "handle": h, "inline_data": b"echo"}),
+            ("a failing LOAD", {"opcode": OP["LOAD"], "handle": h + 1, "dd.stag": 1, "dd.length": 8})):
+        c = await ctx.answer(a, codec.encode({**values, "request_id": rid}, a.addr_le), what)
+        ctx.check(c["request_id"] == rid, f"{what}: Request ID {rid:#x} echoed", hex(c["request_id"]))
+        ctx.check(c["version"] == 1, "Version 1 in the COMPLETION", c["version"])
+        rid -= 1
+
+
+@case("completion.order", "Operations", RULE, "A target processes the requests of one connection in order.")
+async def order(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    if min(a.target.request_credits, a.completion_credits) < 7:
+        ctx.skip("fewer than 7 Request Credits: cannot pipeline the sequence")
+    one, two, three = data(40), data(30), data(20)
+    regions = [buffer(a, 64) for _ in range(3)]
+    steps = [
+        ({"opcode": OP["ALLOC_STORE"], "handle": h, "inline_data": one}, "OK"),
+        ({"opcode": OP["STORE"], "handle": h, "inline_data": two}, "OK"),
+        (regions[0], "OK"),
+        ({"opcode": OP["FREE"], "handle": h}, "OK"),
+        (regions[1], "NOT_VALID"),
+        ({"opcode": OP["ALLOC_STORE"], "handle": h, "flags": F["INLINE"] | F["SEAL"], "inline_data": three}, "OK"),
+        (regions[2], "OK"),
+    ]
+    messages = [load_request(ctx, a, h, step, F["ALLOW_UNSEALED"]) if not isinstance(step, dict)
+                else ctx.encode(a, step) for step, _ in steps]
+    rids = [codec.decode(m, a.addr_le)["request_id"] for m in messages]
+    for message in messages[:-1]:
+        await ctx.wait(a.qp.send(message), "the pipelined requests sent")
+    got = await ctx.raw(a, messages[-1], expect=len(messages))
+    ctx.check(len(got) == len(messages), f"{len(messages)} COMPLETIONs", len(got))
+    seen = [c["request_id"] if c else None for c, _ in got]
+    ctx.check(seen == rids, "COMPLETIONs in request order", [hex(r) if r else r for r in seen])
+    statuses = [status_name(c["status"]) for c, _ in got]
+    ctx.check(statuses == [want for _, want in steps], f"statuses {[w for _, w in steps]}", statuses)
+    ctx.check(bytes(regions[0].view[:len(two)]) == two and bytes(regions[2].view[:len(three)]) == three,
+              "each LOAD saw the stores before it", "other data")
+
+
+@case("completion.invalidate", "Common Header", RULE, """0x0008 INVALIDATE: the target completes
+      with Send with Invalidate , invalidating the STag of the initiator's Data Descriptor.""")
+async def invalidate(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    payload = data(100)
+    await bind(ctx, a, h, payload)
+    region = buffer(a, 128)
+    got = await ctx.raw(a, load_request(ctx, a, h, region, F["INVALIDATE"]))
+    ctx.check(bool(got) and got[0][0] is not None, "a COMPLETION", "none")
+    ctx.check(got[0][1].invalidated == region.stag and not region.valid,
+              f"a Send with Invalidate of STag {region.stag:#010x}",
+              "a plain Send" if got[0][1].invalidated is None else f"STag {got[0][1].invalidated:#x}")
+    ctx.check(bytes(region.view[:100]) == payload, "the loaded data", "other octets")
+    src = a.memory.register(bytearray(payload), Access.REMOTE_READ)
+    store = ctx.encode(a, {"opcode": OP["STORE"], "handle": h + 1, "flags": F["INVALIDATE"],
+                           "dd.stag": src.stag, "dd.offset": 0, "dd.length": len(payload)})
+    await bind(ctx, a, h + 1, b"first", seal=False)
+    got = await ctx.raw(a, store)
+    ctx.check(bool(got) and got[0][1].invalidated == src.stag,
+              "the STORE's COMPLETION as a Send with Invalidate of its source STag",
+              "a plain Send" if got and got[0][1].invalidated is None else "none")
+
+
+@case("completion.load_data", SECTION, RULE, """receipt of the completion implies that the loaded
+      data is in the initiator's buffer.""")
+async def load_data(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    payload = data(a.target.block_size)
+    await bind(ctx, a, h, payload, inline=False)
+    got = await ctx.ok(a.load(h), "LOAD of a whole block")
+    ctx.check(got.data == payload, f"the {len(payload)} octets in the buffer at the COMPLETION",
+              f"{sum(x != y for x, y in zip(got.data, payload))} octets differ")
+
+
+@case("completion.record.rdmap", SECTION, MUST_NOT, """RDMAP does not guarantee this (rules 3 and 5
+      of ), so a target MUST NOT advertise RECORD_COMPLETION in the RDMAP binding.""", transport="iwarp")
+async def record_rdmap(ctx: Ctx) -> None:
+    a = await ctx.connect(features=ALL_FEATURES)
+    ctx.check(not a.target.features & RECORD_COMPLETION, "HELLO_ACK Features without RECORD_COMPLETION",
+              f"Features {a.target.features:#06x}")
+
+
+@case("completion.record.write_imm", "InfiniBand and RoCEv2", MUST, """Completion records on these
+      transports MUST be written with RDMA Write with Immediate, so that the initiator learns of
+      completion from its completion queue rather than by polling memory.""",
+      transport="roce", features=RECORD_COMPLETION)
+async def record_write_imm(ctx: Ctx) -> None:
+    a = await ctx.connect(need=RECORD_COMPLETION)
+    h = a.target.handle_base
+    payload = data(50)
+    r = await bind(ctx, a, h, payload)
+    region = buffer(a, 64)
+    record = a.memory.register(bytearray(M.COMPLETION_RECORD.size), Access.REMOTE_WRITE)
+    rid = ctx.rid()
+    message = codec.encode({"opcode": OP["LOAD"], "request_id": rid, "handle": h, "flags": F["RECORD"],
+                            "dd.stag": region.stag, "dd.offset": 0, "dd.length": region.length,
+                            "cd.stag": record.stag, "cd.offset": 0, "cd.reserved": 0}, a.addr_le)
+    got = await ctx.raw(a, message)
+    ctx.check(bool(got), "a completion", "none")
+    ctx.check(got[0][1].write_imm, "an RDMA Write with Immediate of the completion record",
+              "a Send" if got[0][0] else "something else")
+    d = codec.decode_struct(M.COMPLETION_RECORD, bytes(record.view), a.addr_le)
+    seen = (hex(d["record.request_id"]), d["record.status"], d["record.generation"],
+            d["record.data_length"], hex(d["record.block_offset"]))
+    ctx.check(seen == (hex(rid), S["OK"], r.generation, len(payload), hex(r.block_offset)),
+              "the record: Request ID, Status OK, Generation, Data Length, Block Offset", seen)
+    ctx.check(bytes(region.view[:len(payload)]) == payload, "the loaded data", "other octets")
+    if got[0][1].imm != rid & 0xFFFFFFFF:
+        ctx.note("the Immediate Data is not the low 32 bits of the Request ID, as the reference "
+                 "target's is")

@@ -1,0 +1,303 @@
+"""Operations: validation before memory is touched, every status code, quotas, isolation."""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from ...initiator import Initiator
+from ..context import Ctx, status_name
+from ..registry import MUST, MUST_NOT, RULE, case
+from .common import (F, OP, S, bind, buffer, data, holds, load_request, other_generation,
+                     unbound, untouched)
+
+SECTION = "Operations"
+VALIDATE = """It validates every request before touching memory: the handle MUST be within a range
+    the initiator is authorized for (its own range for stores and frees), lengths MUST NOT exceed
+    Block Size or the initiator's buffer, and, if the request Generation is non-zero, it MUST equal
+    the entry's. A failed check completes the request with the corresponding status and has no
+    other effect."""
+UNPARSEABLE = """Version is 1. Opcodes are listed in (); MALFORMED: Request cannot be parsed"""
+
+
+async def _not_executed(ctx: Ctx, raw: Callable[[Initiator, int], bytes], handle_offset: int,
+                        what: str) -> None:
+    """A request the target must not execute: any answer is not OK, the handle stays unbound."""
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base + handle_offset
+    got = await ctx.raw(a, raw(a, h))
+    if got and got[0][0] is not None:
+        c = got[0][0]
+        ctx.check(c["status"] != S["OK"], f"{what}: not executed (a non-OK status)", "status OK")
+        if c["status"] != S["MALFORMED"]:
+            ctx.note(f"{what}: answered {status_name(c['status'])}; the reference answers MALFORMED "
+                     "(NOTES decision 4)")
+    else:
+        ctx.note(f"{what}: no COMPLETION ({'connection closed' if a.qp.closed else 'none'}); "
+                 "the reference answers MALFORMED echoing the Request ID (NOTES decision 4)")
+    if a.qp.closed:
+        a = await ctx.reconnect(a)
+    await unbound(ctx, a, h, f"after {what}")
+
+
+def _alloc_inline(ctx: Ctx, a: Initiator, h: int) -> bytes:
+    return ctx.encode(a, {"opcode": OP["ALLOC_STORE"], "handle": h, "inline_data": b"VERSION!"})
+
+
+@case("ops.header.version", "Common Header", RULE, UNPARSEABLE)
+async def version(ctx: Ctx) -> None:
+    await _not_executed(ctx, lambda a, h: bytes([2]) + _alloc_inline(ctx, a, h)[1:], 0,
+                        "an ALLOC_STORE with Version 2")
+
+
+@case("ops.header.opcode", "Common Header", RULE, UNPARSEABLE)
+async def opcode(ctx: Ctx) -> None:
+    await _not_executed(ctx, lambda a, h: (lambda m: m[:1] + b"\x7e" + m[2:])(_alloc_inline(ctx, a, h)),
+                        0, "an ALLOC_STORE body under the unassigned opcode 0x7E")
+    await _not_executed(ctx, lambda a, h: ctx.encode(a, {"opcode": OP["COMPLETION"], "handle": h}),
+                        1, "a COMPLETION sent as a request")
+
+
+@case("ops.header.length", "Common Header", RULE, UNPARSEABLE)
+async def length(ctx: Ctx) -> None:
+    await _not_executed(ctx, lambda a, h: ctx.encode(a, {
+        "opcode": OP["ALLOC_STORE"], "handle": h, "flags": F["INLINE"], "dd.length": 12,
+        "inline_data": b"SHORT"}), 0, "an inline ALLOC_STORE with fewer octets than its Length")
+    await _not_executed(ctx, lambda a, h: _alloc_inline(ctx, a, h)[:30], 1,
+                        "an ALLOC_STORE truncated to 30 octets")
+
+
+@case("ops.handle.own_range", SECTION, MUST, VALIDATE)
+async def own_range(ctx: Ctx) -> None:
+    """Isolation: a second initiator cannot store to, allocate in, or free the first's range."""
+    a = await ctx.connect(features=0)
+    b = await ctx.connect(features=0)
+    h = a.target.handle_base
+    payload = data(100)
+    r = await bind(ctx, a, h, payload, seal=False)
+    await ctx.expect(b.store(h, b"intruder"), "INVALID_HANDLE", "STORE to another initiator's handle")
+    await ctx.expect(b.free(h), "INVALID_HANDLE", "FREE of another initiator's handle")
+    await ctx.expect(b.alloc_store(h + 1, b"intruder"), "INVALID_HANDLE",
+                     "ALLOC_STORE in another initiator's range")
+    await holds(ctx, a, h, payload, "after the other initiator's attempts", r.generation)
+    await unbound(ctx, a, h + 1, "after the other initiator's ALLOC_STORE")
+
+
+@case("ops.handle.outside_table", SECTION, MUST, VALIDATE)
+async def outside(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    far = 0xFFFF_FFFF_FFFF_FF00
+    await ctx.expect(a.load(far), "INVALID_HANDLE", "LOAD of a handle no initiator is authorized for")
+    await ctx.expect(a.alloc_store(far, b"x"), "INVALID_HANDLE", "ALLOC_STORE outside every range")
+    await ctx.expect(a.free(far), "INVALID_HANDLE", "FREE outside every range")
+
+
+@case("ops.generation.stale", SECTION, MUST, VALIDATE)
+async def stale(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h, payload = a.target.handle_base, data(64)
+    r = await bind(ctx, a, h, payload, seal=False)
+    wrong = other_generation(r.generation)
+    await ctx.expect(a.load(h, generation=wrong, allow_unsealed=True), "STALE_GENERATION",
+                     f"LOAD with Generation {wrong} (entry has {r.generation})")
+    await ctx.expect(a.store(h, b"overwrite", generation=wrong), "STALE_GENERATION",
+                     "STORE with a wrong Generation")
+    await ctx.expect(a.free(h, generation=wrong), "STALE_GENERATION", "FREE with a wrong Generation")
+    await holds(ctx, a, h, payload, "after the stale requests", r.generation)
+    await ctx.ok(a.load(h, generation=r.generation, allow_unsealed=True), "LOAD with the right Generation")
+    await ctx.ok(a.free(h, generation=r.generation), "FREE with the right Generation")
+
+
+@case("ops.load.not_valid", "Block Load", MUST, """The entry MUST be VALID, and SEALED unless
+      ALLOW_UNSEALED is set.""")
+async def load_not_valid(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    region = buffer(a, 64)
+    c = await ctx.answer(a, load_request(ctx, a, h, region, F["ALLOW_UNSEALED"]), "LOAD of an unbound handle")
+    ctx.check(c["status"] == S["NOT_VALID"], "LOAD of an unbound handle: NOT_VALID", status_name(c["status"]))
+    ctx.check(untouched(region), "the initiator's buffer untouched", "octets written into it")
+
+
+@case("ops.load.not_sealed", "Block Load", MUST, """The entry MUST be VALID, and SEALED unless
+      ALLOW_UNSEALED is set.""")
+async def load_not_sealed(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h, payload = a.target.handle_base, data(64)
+    await bind(ctx, a, h, payload, seal=False)
+    region = buffer(a, 64)
+    c = await ctx.answer(a, load_request(ctx, a, h, region), "LOAD of an unsealed block")
+    ctx.check(c["status"] == S["NOT_SEALED"], "LOAD of an unsealed block: NOT_SEALED", status_name(c["status"]))
+    ctx.check(untouched(region), "the initiator's buffer untouched", "octets written into it")
+    await holds(ctx, a, h, payload, "with ALLOW_UNSEALED")
+
+
+@case("ops.load.too_large", "Block Load", MUST_NOT, """Data Length MUST NOT exceed the descriptor
+      Length.""")
+async def load_too_large(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    await bind(ctx, a, h, data(100))
+    region = buffer(a, 60)
+    c = await ctx.answer(a, load_request(ctx, a, h, region), "LOAD into a 60-octet buffer of 100 octets")
+    ctx.check(c["status"] == S["TOO_LARGE"], "TOO_LARGE", status_name(c["status"]))
+    ctx.check(untouched(region), "the initiator's buffer untouched", "octets written into it")
+
+
+@case("ops.store.too_large", SECTION, MUST_NOT, VALIDATE)
+async def store_too_large(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h, size = a.target.handle_base, a.target.block_size
+    await ctx.expect(a.alloc_store(h, bytes(size + 8), inline=False), "TOO_LARGE",
+                     f"ALLOC_STORE of {size + 8} octets (Block Size {size})")
+    await unbound(ctx, a, h, "after the refused ALLOC_STORE")
+    payload = data(32)
+    await bind(ctx, a, h + 1, payload, seal=False)
+    await ctx.expect(a.store(h + 1, bytes(size + 8), inline=False), "TOO_LARGE",
+                     f"STORE of {size + 8} octets")
+    await holds(ctx, a, h + 1, payload, "after the refused STORE")
+
+
+@case("ops.store.not_valid", "Block Mapped Store", MUST, """The target reads the table entry, which
+      MUST be VALID and not SEALED and MUST belong to the initiator's handle range.""")
+async def store_not_valid(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    await ctx.expect(a.store(h, b"nowhere"), "NOT_VALID", "STORE to an unbound handle")
+    await unbound(ctx, a, h, "after the refused STORE")
+
+
+@case("ops.store.sealed", "Block Mapped Store", MUST, """The target reads the table entry, which
+      MUST be VALID and not SEALED and MUST belong to the initiator's handle range.""")
+async def store_sealed(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h, payload = a.target.handle_base, data(64)
+    r = await bind(ctx, a, h, payload, seal=True)
+    await ctx.expect(a.store(h, b"changed"), "SEALED", "STORE to a sealed block")
+    await holds(ctx, a, h, payload, "after the refused STORE", r.generation)
+
+
+@case("ops.store.seal_flag", "Block Mapped Store", RULE, """It updates Data Length and, if SEAL is
+      set, sets SEALED.""")
+async def seal_flag(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    await bind(ctx, a, h, data(300), seal=False)
+    new = data(40)
+    r = await ctx.ok(a.store(h, new, seal=True), "STORE with SEAL")
+    ctx.check(r.data_length == len(new), f"Data Length {len(new)} in the completion", r.data_length)
+    got = await ctx.ok(a.load(h), "LOAD without ALLOW_UNSEALED after STORE with SEAL")
+    ctx.check(got.data == new, f"the {len(new)} stored octets", f"{len(got.data)} octets that differ")
+
+
+@case("ops.store.data", "Block Mapped Store", RULE, """It obtains the data, from the inline payload
+      or by RDMA Read from the Data Descriptor, and writes it into the block.""")
+async def store_data(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h, size, inline = a.target.handle_base, a.target.block_size, a.target.max_inline
+    writes = [(h, data(min(size, 3000)), False, "ALLOC_STORE"), (h, data(min(size, 1000)), False, "STORE")]
+    if inline:
+        writes += [(h + 1, data(min(inline, 100)), True, "ALLOC_STORE"), (h + 1, data(min(inline, 50)), True, "STORE")]
+    for handle, payload, as_inline, op in writes:
+        call = a.alloc_store if op == "ALLOC_STORE" else a.store
+        await ctx.ok(call(handle, payload, inline=as_inline), f"{op}{' inline' if as_inline else ''}")
+        await holds(ctx, a, handle, payload, f"after {op}{' inline' if as_inline else ' (RDMA Read)'}")
+
+
+@case("ops.unmapped_store.already_bound", "Block Unmapped Store", MUST_NOT, """The handle MUST be in
+      the initiator's range and its entry MUST NOT be VALID.""")
+async def already_bound(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h, payload = a.target.handle_base, data(64)
+    r = await bind(ctx, a, h, payload)
+    await ctx.expect(a.alloc_store(h, b"second"), "ALREADY_BOUND", "ALLOC_STORE to a bound handle")
+    got = await holds(ctx, a, h, payload, "after the refused ALLOC_STORE", r.generation)
+    ctx.check(got.block_offset == r.block_offset, f"Block Offset {r.block_offset:#x}", hex(got.block_offset))
+
+
+@case("ops.unmapped_store.completion", "Block Unmapped Store", RULE, """It completes the request with
+      the Block Offset and Generation. (Block Load: It completes the request () with the Block
+      Offset, Data Length, and Generation of the entry.)""")
+async def completion_values(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h, payload = a.target.handle_base, data(77)
+    r = await bind(ctx, a, h, payload)
+    got = await ctx.ok(a.load(h), "LOAD after ALLOC_STORE")
+    seen = (hex(got.block_offset), got.generation, got.data_length)
+    ctx.check(seen == (hex(r.block_offset), r.generation, len(payload)),
+              f"LOAD completion with the entry's Block Offset {r.block_offset:#x}, Generation "
+              f"{r.generation}, Data Length {len(payload)}", seen)
+
+
+@case("ops.free.not_valid", "Block Free", MUST, "The handle MUST be in the initiator's range and VALID.")
+async def free_not_valid(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    await ctx.expect(a.free(h), "NOT_VALID", "FREE of an unbound handle")
+    await bind(ctx, a, h, b"once")
+    await ctx.ok(a.free(h), "FREE of a bound handle")
+    await ctx.expect(a.free(h), "NOT_VALID", "a second FREE of the same handle")
+
+
+@case("ops.free.unbinds", "Block Free", RULE, """The target clears VALID and SEALED and increments
+      the Generation (skipping zero) in the table entry. It returns the block to the ring""")
+async def free_unbinds(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    await bind(ctx, a, h, data(10))
+    await ctx.ok(a.free(h), "FREE")
+    await unbound(ctx, a, h, "after FREE")
+    await bind(ctx, a, h, data(10))
+
+
+@case("ops.no_side_effect", SECTION, RULE, VALIDATE)
+async def no_side_effect(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    h = a.target.handle_base
+    sealed, unsealed = data(200), data(150)
+    rs = await bind(ctx, a, h, sealed, seal=True)
+    ru = await bind(ctx, a, h + 1, unsealed, seal=False)
+    size = a.target.block_size
+    failing = [
+        (a.store(h, data(200)), "SEALED", "STORE to the sealed block"),
+        (a.store(h, data(200), inline=False), "SEALED", "STORE (RDMA Read) to the sealed block"),
+        (a.store(h + 1, data(150), generation=other_generation(ru.generation)), "STALE_GENERATION",
+         "STORE with a wrong Generation"),
+        (a.store(h + 1, bytes(size + 8), inline=False), "TOO_LARGE", "STORE larger than Block Size"),
+        (a.alloc_store(h, data(20)), "ALREADY_BOUND", "ALLOC_STORE to a bound handle"),
+        (a.alloc_store(h + 2, bytes(size + 8), inline=False), "TOO_LARGE", "ALLOC_STORE larger than Block Size"),
+        (a.free(h, generation=other_generation(rs.generation)), "STALE_GENERATION", "FREE with a wrong Generation"),
+    ]
+    for coro, status, what in failing:
+        await ctx.expect(coro, status, what)
+    await holds(ctx, a, h, sealed, "after the failed requests", rs.generation)
+    await holds(ctx, a, h + 1, unsealed, "after the failed requests", ru.generation)
+    await unbound(ctx, a, h + 2, "after the failed ALLOC_STORE")
+
+
+@case("ops.quota.no_space", "Allocation Quotas", RULE, """If a target observes an allocation by an
+      initiator that exceeds its quota, it completes the request with NO_SPACE and MAY terminate
+      the session. (the target releases one unit of usage when a FREE completes)""")
+async def quota(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0, credits=32)
+    q, count, h = a.target.quota, a.target.handle_count, a.target.handle_base
+    if q >= count:
+        ctx.skip(f"the quota ({q}) is not smaller than the handle range ({count})")
+    if q > 4096:
+        ctx.skip(f"a quota of {q} blocks would take too long to fill")
+    results = await ctx.wait(asyncio.gather(*(ctx.outcome(a.alloc_store(h + i, b"q", seal=True))
+                                              for i in range(q))), f"{q} ALLOC_STOREs")
+    refused = [i for i, (status, _) in enumerate(results) if status != "OK"]
+    ctx.check(not refused, f"{q} ALLOC_STOREs within the quota of {q} completed OK",
+              f"{len(refused)} refused, first {results[refused[0]][0] if refused else ''}")
+    try:
+        status, _ = await ctx.outcome(a.alloc_store(h + q, b"one too many"))
+    except Exception as exc:   # the text allows terminating the session
+        if not a.qp.closed:
+            raise
+        ctx.note(f"the target terminated the session on the allocation beyond the quota ({exc})")
+        return
+    ctx.check(status == "NO_SPACE", "the allocation beyond the quota: NO_SPACE", status)
+    await ctx.ok(a.free(h), "FREE within the full quota")
+    await ctx.ok(a.alloc_store(h + q, b"fits again"), "ALLOC_STORE after a FREE released one unit")
+
+

@@ -1,0 +1,65 @@
+"""Security Considerations: no target STag in the default mode, freed blocks cleared."""
+from __future__ import annotations
+
+from ...initiator.client import ALL_FEATURES
+from ..context import Ctx
+from ..registry import MUST, RULE, SHOULD, case, untestable
+from .common import DIRECT_ALLOC, DIRECT_LOAD, data
+from .direct import REFUSED, remote_access
+
+SECTION = "Security Considerations"
+GRANTS = {"table": "read", "pool": "read", "ring": "read", "partition": "write", "head": "atomic"}
+
+
+@case("security.default_mode.no_stag", SECTION, RULE, """In the default mode, the target exposes no
+      STag of its own memory to initiators: all access to the block pool, the table, and the ring
+      is performed by the target after validation.""")
+async def no_stag(ctx: Ctx) -> None:
+    b = await ctx.connect(features=0)
+    ctx.check(not b.target.features & (DIRECT_LOAD | DIRECT_ALLOC) and not b.target.fields,
+              "a HELLO_ACK without direct modes or descriptors for a HELLO that requested none",
+              f"Features {b.target.features:#06x}, descriptors {sorted(b.target.fields)}")
+    if not ctx.info.features & (DIRECT_LOAD | DIRECT_ALLOC):
+        return
+    a = await ctx.connect(features=ALL_FEATURES)
+    intruder = b
+    for key, right in GRANTS.items():
+        if f"{key}.stag" not in a.target.fields:
+            continue
+        stag, offset = a.target.fields[f"{key}.stag"], a.target.fields[f"{key}.offset"]
+        if intruder.qp.closed:             # one intruder, reconnecting after each refusal
+            intruder = await ctx.reconnect(intruder)
+        access = {"read": lambda: intruder.qp.read(stag, offset, 16),
+                  "write": lambda: intruder.qp.write(stag, offset, b"intruder"),
+                  "atomic": lambda: intruder.qp.fetch_add(stag, offset, 1)}[right]()
+        seen = await remote_access(ctx, intruder, access)
+        ctx.check(seen == REFUSED, f"a default-mode session's {right} through the {key} STag of "
+                  "another session refused", seen)
+
+
+@case("security.clear_freed", SECTION, SHOULD, """targets SHOULD clear blocks when they are freed if
+      the blocks may be allocated to initiators of a different trust domain.""", features=DIRECT_LOAD)
+async def clear_freed(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    secret = data(64)
+    r = await ctx.ok(a.alloc_store(a.target.handle_base, secret, seal=True), "ALLOC_STORE (set-up)")
+    await ctx.ok(a.free(a.target.handle_base), "FREE")
+    c = await ctx.connect(need=DIRECT_LOAD)
+    pool = c.target.fields["pool.stag"]
+    seen = await ctx.wait(c.qp.read(pool, r.block_offset, len(secret)), "an RDMA Read of the freed block")
+    ctx.check(seen != secret, "the freed block cleared (read through the Pool STag)",
+              "the freed data still in the block")
+
+
+untestable(SECTION, SHOULD, """it SHOULD use STags that are valid for a single request and SHOULD
+           request INVALIDATE so that they are revoked by the completion.""",
+           "a recommendation for initiators; the checker's own initiator follows it")
+untestable(SECTION, SHOULD, "Connections SHOULD be confined to a trusted network or protected with IPsec",
+           "a deployment recommendation")
+untestable("RDMAP Binding", MUST, "when the network is not trusted, IPsec MUST be used as specified there.",
+           "a deployment requirement below the RDMA layer")
+untestable("RDMAP Binding", SHOULD, "Peers SHOULD use the enhanced connection establishment of .",
+           "negotiated by the RDMA layer (MPA), below what the checker judges")
+untestable("Operational Considerations", SHOULD, """Implementations SHOULD expose counters per
+           operation and status, ring occupancy, and quota use per initiator.""",
+           "counters are exposed out of band, not over KBTP")

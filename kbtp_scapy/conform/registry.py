@@ -1,0 +1,95 @@
+"""Declaring conformance cases: one per testable requirement of the specification.
+
+A case has a stable id (its section first), the requirement's own sentence from the
+text, its level, what it needs from the target (features, binding, time) and the
+coroutine that judges it from what the target sends back. Requirements that cannot be
+judged from the wire are declared too (``untestable``), so the coverage summary can say
+what was not checked and why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from .context import Ctx
+
+MUST, MUST_NOT, SHOULD, RULE = "MUST", "MUST NOT", "SHOULD", "RULE"
+LEVELS = (MUST, MUST_NOT, SHOULD, RULE)   # RULE: normative text without a BCP 14 keyword
+
+PASS, FAIL, WARN, SKIP, ERROR = "PASS", "FAIL", "WARN", "SKIP", "ERROR"
+VERDICTS = (PASS, FAIL, WARN, SKIP, ERROR)
+
+
+class Fail(Exception):
+    """The target did not do what the requirement asks: what was expected, what was seen."""
+
+    def __init__(self, expected: str, seen: str) -> None:
+        super().__init__(f"expected {expected}; seen {seen}")
+        self.expected, self.seen = expected, seen
+
+
+class Skip(Exception):
+    """The target did not offer what the case needs, or it would take too long."""
+
+
+CaseFn = Callable[["Ctx"], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    section: str                 # the specification's section title
+    level: str
+    requirement: str             # quoted from the specification
+    fn: CaseFn = field(repr=False, compare=False)
+    features: int = 0            # HELLO_ACK Features bits the case needs
+    transport: str | None = None  # "iwarp" or "roce" when only one binding applies
+
+    @property
+    def group(self) -> str:
+        return self.id.split(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class Untestable:
+    """A requirement of the text that no peer can judge from the wire, and why."""
+
+    section: str
+    level: str
+    requirement: str
+    reason: str
+
+
+CASES: list[Case] = []
+UNTESTABLE: list[Untestable] = []
+
+
+def case(id: str, section: str, level: str, requirement: str, *, features: int = 0,
+         transport: str | None = None) -> Callable[[CaseFn], CaseFn]:
+    """Register the decorated coroutine as the case ``id``."""
+    if level not in LEVELS:
+        raise ValueError(f"{id}: unknown level {level}")
+
+    def register(fn: CaseFn) -> CaseFn:
+        if any(c.id == id for c in CASES):
+            raise ValueError(f"duplicate case id {id}")
+        CASES.append(Case(id, section, level, " ".join(requirement.split()), fn, features, transport))
+        return fn
+    return register
+
+
+def untestable(section: str, level: str, requirement: str, reason: str) -> None:
+    UNTESTABLE.append(Untestable(section, level, " ".join(requirement.split()), reason))
+
+
+def all_cases() -> list[Case]:
+    from . import cases  # noqa: F401  (registers every case module)
+    return list(CASES)
+
+
+def select(cases: list[Case], only: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> list[Case]:
+    """Cases whose id starts with one of ``only`` (all if none) and with none of ``exclude``."""
+    return [c for c in cases
+            if (not only or any(c.id.startswith(p) for p in only))
+            and not any(c.id.startswith(p) for p in exclude)]

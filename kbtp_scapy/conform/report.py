@@ -1,0 +1,120 @@
+"""Outputs of a run: text for people, JSON and JUnit XML for machines, and the exit code."""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections import Counter
+from typing import Any, Iterable
+
+from ..initiator.results import TargetInfo
+from .registry import ERROR, FAIL, PASS, SKIP, UNTESTABLE, VERDICTS, WARN, Case
+from .runner import Outcome
+
+EXIT_OK, EXIT_DIFFERS, EXIT_HARNESS = 0, 1, 2
+
+
+def exit_code(outcomes: Iterable[Outcome]) -> int:
+    """2 when any case could not be judged, else 1 when any failed, else 0."""
+    verdicts = {o.verdict for o in outcomes}
+    if ERROR in verdicts:
+        return EXIT_HARNESS
+    return EXIT_DIFFERS if FAIL in verdicts else EXIT_OK
+
+
+def listing(cases: list[Case]) -> str:
+    lines = []
+    for c in cases:
+        needs = []
+        if c.transport:
+            needs.append(c.transport)
+        if c.features:
+            needs.append(f"features {c.features:#06x}")
+        lines.append(f"{c.id:40} {c.level:8} {c.section}{' [' + ', '.join(needs) + ']' if needs else ''}")
+        lines.append(f"    \u201c{c.requirement}\u201d")
+    return "\n".join(lines)
+
+
+def coverage(outcomes: list[Outcome]) -> dict[str, Any]:
+    """Per section: cases run and judged (PASS/FAIL/WARN), plus the untestable requirements."""
+    sections: dict[str, Counter] = {}
+    for o in outcomes:
+        s = sections.setdefault(o.case.group, Counter())
+        s["cases"] += 1
+        s["judged"] += o.verdict in (PASS, FAIL, WARN)
+    return {"sections": {k: dict(v) for k, v in sorted(sections.items())},
+            "judged": sum(v["judged"] for v in sections.values()),
+            "cases": len(outcomes),
+            "not_checkable": [{"section": u.section, "level": u.level, "requirement": u.requirement,
+                               "reason": u.reason} for u in UNTESTABLE]}
+
+
+def text(url: str, info: TargetInfo, outcomes: list[Outcome]) -> str:
+    out = [f"kbtp conform {url}: Features {info.features:#06x}, Block Size {info.block_size}, "
+           f"quota {info.quota}, Ticket Timeout {info.ticket_timeout_ms} ms", ""]
+    for o in outcomes:
+        out.append(f"{o.verdict:5}  {o.case.id}{'  (' + o.detail + ')' if o.detail and o.verdict == SKIP else ''}")
+        if o.verdict in (FAIL, WARN, ERROR):
+            out.append(f"       requirement ({o.case.level}, {o.case.section}): \u201c{o.case.requirement}\u201d")
+            if o.expected or o.seen:
+                out.append(f"       expected: {o.expected}")
+                out.append(f"       seen:     {o.seen}")
+            if o.detail:
+                out.append(f"       error:    {o.detail}")
+            if o.pcap:
+                out.append(f"       pcap:     {o.pcap}")
+        for note in o.notes:
+            out.append(f"       info: {note}")
+    counts = Counter(o.verdict for o in outcomes)
+    cov = coverage(outcomes)
+    out += ["", "coverage: " + ", ".join(f"{k} {v['judged']}/{v['cases']}" for k, v in cov["sections"].items())
+            + f"; {cov['judged']} of {cov['cases']} cases judged; {len(cov['not_checkable'])} requirements "
+            "cannot be judged from the wire (see --json)",
+            "result: " + ", ".join(f"{counts[v]} {v}" for v in VERDICTS)]
+    return "\n".join(out)
+
+
+def as_json(url: str, info: TargetInfo | None, outcomes: list[Outcome], error: str | None = None) -> str:
+    doc = {
+        "target": url,
+        "error": error,
+        "exit_code": EXIT_HARNESS if error else exit_code(outcomes),
+        "target_info": None if info is None else {
+            "features": info.features, "request_credits": info.request_credits,
+            "block_size": info.block_size, "max_inline": info.max_inline, "quota": info.quota,
+            "handle_base": info.handle_base, "handle_count": info.handle_count,
+            "ticket_timeout_ms": info.ticket_timeout_ms},
+        "summary": {v: sum(o.verdict == v for o in outcomes) for v in VERDICTS},
+        "cases": [{"id": o.case.id, "section": o.case.section, "level": o.case.level,
+                   "requirement": o.case.requirement, "verdict": o.verdict, "expected": o.expected,
+                   "seen": o.seen, "detail": o.detail, "notes": o.notes, "pcap": o.pcap,
+                   "seconds": round(o.duration, 3)} for o in outcomes],
+        "coverage": coverage(outcomes),
+    }
+    return json.dumps(doc, indent=2)
+
+
+def junit(url: str, outcomes: list[Outcome], error: str | None = None) -> bytes:
+    suite = ET.Element("testsuite", name="kbtp-conform", tests=str(len(outcomes)),
+                       failures=str(sum(o.verdict == FAIL for o in outcomes)),
+                       errors=str(sum(o.verdict == ERROR for o in outcomes) + bool(error)),
+                       skipped=str(sum(o.verdict == SKIP for o in outcomes)),
+                       time=f"{sum(o.duration for o in outcomes):.3f}")
+    ET.SubElement(ET.SubElement(suite, "properties"), "property", name="target", value=url)
+    for o in outcomes:
+        tc = ET.SubElement(suite, "testcase", classname=f"kbtp.{o.case.group}", name=o.case.id,
+                           time=f"{o.duration:.3f}")
+        message = f"expected {o.expected}; seen {o.seen}" if o.expected or o.seen else o.detail
+        body = f"{o.case.level}: {o.case.requirement}" + (f"\npcap: {o.pcap}" if o.pcap else "")
+        if o.verdict == FAIL:
+            ET.SubElement(tc, "failure", message=message, type=o.case.level).text = body
+        elif o.verdict == ERROR:
+            ET.SubElement(tc, "error", message=message).text = body
+        elif o.verdict == SKIP:
+            ET.SubElement(tc, "skipped", message=o.detail)
+        if o.verdict == WARN or o.notes:
+            ET.SubElement(tc, "system-out").text = "\n".join(
+                ([f"WARN (SHOULD not met): {message}"] if o.verdict == WARN else []) + o.notes)
+    if error:
+        tc = ET.SubElement(suite, "testcase", classname="kbtp.harness", name="harness", time="0")
+        ET.SubElement(tc, "error", message=error)
+    return ET.tostring(suite, encoding="utf-8", xml_declaration=True)
