@@ -72,8 +72,7 @@ def conform(url: str | None, local: str | None, list_only: bool, only: tuple[str
         _write(json_file, report.as_json(url, None, [], str(exc)))
         _write(junit_file, report.junit(url, [], str(exc)))
         raise _Exit(report.EXIT_HARNESS, f"harness error: {exc}") from None
-    shown = [o for o in outcomes if o.verdict != "PASS" or o.notes] if quiet else outcomes
-    click.echo(report.text(url, info, shown) if shown or not quiet else "")
+    click.echo(report.text(url, info, outcomes, quiet))
     _write(json_file, report.as_json(url, info, outcomes))
     _write(junit_file, report.junit(url, outcomes))
     code = report.exit_code(outcomes)

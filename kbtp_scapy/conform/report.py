@@ -48,10 +48,13 @@ def coverage(outcomes: list[Outcome]) -> dict[str, Any]:
                                "reason": u.reason} for u in UNTESTABLE]}
 
 
-def text(url: str, info: TargetInfo, outcomes: list[Outcome]) -> str:
+def text(url: str, info: TargetInfo, outcomes: list[Outcome], quiet: bool = False) -> str:
+    """Every case, or with ``quiet`` only those that did not pass; the counts cover all."""
     out = [f"kbtp conform {url}: Features {info.features:#06x}, Block Size {info.block_size}, "
            f"quota {info.quota}, Ticket Timeout {info.ticket_timeout_ms} ms", ""]
     for o in outcomes:
+        if quiet and o.verdict == PASS and not o.notes:
+            continue
         out.append(f"{o.verdict:5}  {o.case.id}{'  (' + o.detail + ')' if o.detail and o.verdict == SKIP else ''}")
         if o.verdict in (FAIL, WARN, ERROR):
             out.append(f"       requirement ({o.case.level}, {o.case.section}): \u201c{o.case.requirement}\u201d")

@@ -628,8 +628,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._count("bytes_tx", len(data))
         if self.frame_listeners:
             self._show_rx()           # what arrived first is shown first
-            # tshark 4.0 finds markers only in segments holding one FPDU: pack none then
-            for frame in self._frames.data("tx", units or [bytes(data)], not self.markers_tx):
+            for frame in self._frames.data("tx", units or [bytes(data)]):
                 self._emit("tx", frame)
         else:
             self._frames.skip("tx", len(data))
@@ -645,7 +644,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
     def _show_rx(self) -> None:
         if self._rx_units:
             units, self._rx_units = self._rx_units, []
-            for frame in self._frames.data("rx", units, not self.markers_rx):
+            for frame in self._frames.data("rx", units):
                 self._emit("rx", frame)
 
     def _emit(self, direction: str, frame: bytes) -> None:

@@ -253,14 +253,15 @@ class TcpFrames:
                 (second, self._segment(second, _SYN | _ACK, b"", mss)),
                 (first, self._segment(first, _ACK, b""))]
 
-    def data(self, direction: str, units: list[bytes], pack: bool = True) -> list[bytes]:
+    def data(self, direction: str, units: list[bytes]) -> list[bytes]:
         """Segments carrying ``units`` (FPDUs or startup frames) in ``direction`` ("tx" or
-        "rx"): as many whole units as fit in the MSS go in one segment (one only, unless
-        ``pack``), as an MPA-aware TCP sends them (RFC 5044 s4.1); a larger unit is cut
-        at the MSS."""
+        "rx"): one whole unit per segment, aligned as an MPA-aware TCP sends them (RFC 5044
+        s4.1) and as hardware RNICs do; a larger unit is cut at the MSS. tshark 4.0 needs
+        that too: it passes only the first Send of a segment to the KBTP heuristic, and
+        finds markers only in segments of one FPDU."""
         frames, segment = [], b""
         for unit in units:
-            if segment and (not pack or len(segment) + len(unit) > self.mss):
+            if segment:
                 frames.append(self._segment(direction, _PSH | _ACK, segment))
                 segment = b""
             segment += unit
