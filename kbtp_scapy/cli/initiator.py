@@ -18,6 +18,7 @@ import click
 
 from ..initiator import Initiator, KbtpError, Result
 from ..rnic.qp import ConnectionLost, RemoteError
+from ..rnic.roce_raw import parse_addr
 from .options import address, feature_names, features, integer
 
 DEFAULT_ID_FILE = Path("~/.config/kbtp/initiator_id")
@@ -66,6 +67,12 @@ class _UrlFirst(click.Group):
               help="Completion Credits (receive buffers posted for completions).")
 @click.option("--no-invalidate", is_flag=True, help="Do not ask for Send with Invalidate.")
 @click.option("--local", default=None, help="RoCEv2: local address to send from.")
+@click.option("--io", type=click.Choice(["udp", "raw"]), default="udp", show_default=True,
+              help="RoCEv2 I/O: a kernel UDP socket, or whole frames on --iface as --addr.")
+@click.option("--iface", default=None, metavar="IF", help="Interface of --io raw.")
+@click.option("--addr", "raw_addr", default=None, metavar="IP[/MAC]",
+              help="--io raw: the address the initiator owns (not configured in the kernel); "
+                   "without MAC a locally administered one from the IP.")
 @click.option("--mtu", type=click.Choice(["256", "512", "1024", "2048", "4096"]), default=None,
               help="RoCEv2 path MTU, which the CM REQ sets for both ends "
                    "[default: the largest the route's link MTU allows].")
@@ -73,8 +80,8 @@ class _UrlFirst(click.Group):
               help="Write every frame sent and received to this pcap file.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per result.")
 @click.pass_context
-def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, local, mtu, pcap,
-              as_json) -> None:
+def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, local, io, iface,
+              raw_addr, mtu, pcap, as_json) -> None:
     """Talk to a KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT): one
     session per run, with the Initiator ID of --id-file so bindings carry over.
 
@@ -91,6 +98,14 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
     options = {}
     if transport == "roce":
         options = {k: v for k, v in (("local", local), ("mtu", int(mtu) if mtu else None)) if v}
+        if io == "raw":
+            if not iface or not raw_addr:
+                raise click.UsageError("--io raw needs --iface and --addr")
+            try:
+                parse_addr(raw_addr)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--addr") from None
+            options.update(io=io, iface=iface, addr=raw_addr)
     ctx.obj = dict(url=address(transport, url), initiator_id=_initiator_id(id_hex, id_file),
                    features=features(feature_list), credits=credits,
                    invalidate=not no_invalidate, pcap=pcap, as_json=as_json, options=options)

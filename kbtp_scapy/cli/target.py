@@ -4,9 +4,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from dataclasses import replace
 
 import click
 
+from ..rnic.roce_raw import parse_addr
 from ..target import Target, TargetConfig
 from .options import address, feature_names, features
 
@@ -16,6 +18,12 @@ from .options import address, feature_names, features
               help="RDMA binding: iwarp (TCP, MPA rev 2) or roce (UDP 4791, RC).")
 @click.option("--listen", "where", default="127.0.0.1", show_default=True, metavar="HOST[:PORT]",
               help="Address to listen on (iWARP default port 5420, RoCEv2 4791).")
+@click.option("--io", type=click.Choice(["udp", "raw"]), default="udp", show_default=True,
+              help="RoCEv2 I/O: a kernel UDP socket, or whole frames on --iface as --addr.")
+@click.option("--iface", default=None, metavar="IF", help="Interface of --io raw.")
+@click.option("--addr", "raw_addr", default=None, metavar="IP[/MAC]",
+              help="--io raw: the address the target owns (not configured in the kernel) "
+                   "and listens on; without MAC a locally administered one from the IP.")
 @click.option("--blocks", "-F", type=click.IntRange(1), default=1024, show_default=True,
               help="Number of blocks in the pool.")
 @click.option("--block-size", "-S", type=click.IntRange(8), default=4096, show_default=True,
@@ -49,8 +57,8 @@ from .options import address, feature_names, features
 @click.option("--duration", type=float, default=None,
               help="Stop after this many seconds (default: run until interrupted).")
 @click.option("--verbose", "-v", is_flag=True, help="Log each malformed request too.")
-def target(transport, where, blocks, block_size, feature_list, addr_le, max_initiators, quota,
-           handles, direct_partitions, credits, max_inline, ticket_timeout, retention, no_clear,
+def target(transport, where, io, iface, raw_addr, blocks, block_size, feature_list, addr_le,
+           max_initiators, quota, handles, direct_partitions, credits, max_inline, ticket_timeout, retention, no_clear,
            pcap, metrics_port, duration, verbose) -> None:
     """Run the reference KBTP target: a pool of BLOCKS blocks in registered memory,
     served over a software RDMA NIC until interrupted (Ctrl-C), then print its counters.
@@ -62,6 +70,15 @@ def target(transport, where, blocks, block_size, feature_list, addr_le, max_init
       kbtp target --addr-le --pcap target.pcap --metrics 9464
     """
     addr = address(transport, where)
+    options = {}
+    if io == "raw":
+        if transport != "roce" or not iface or not raw_addr:
+            raise click.UsageError("--io raw needs --transport roce, --iface and --addr")
+        options = {"io": io, "iface": iface, "addr": raw_addr}
+        try:
+            addr = replace(addr, host=parse_addr(raw_addr)[0])
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--addr") from None
     try:
         config = TargetConfig(blocks=blocks, block_size=block_size, features=features(feature_list),
                               addr_le=addr_le, max_initiators=max_initiators, quota=quota,
@@ -74,10 +91,10 @@ def target(transport, where, blocks, block_size, feature_list, addr_le, max_init
         raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    asyncio.run(_run(config, addr, pcap, metrics_port, duration))
+    asyncio.run(_run(config, addr, pcap, metrics_port, duration, options))
 
 
-async def _run(config: TargetConfig, addr, pcap, metrics_port, duration) -> None:
+async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options) -> None:
     t = Target(config, addr.transport)
     sink = None
     if pcap:
@@ -86,7 +103,7 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration) -> None
     if sink:
         t.frame_listeners.append(sink)
     try:
-        bound = await t.start(addr)
+        bound = await t.start(addr, **options)
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {addr}: {exc.strerror or exc}") from None
     if metrics_port:

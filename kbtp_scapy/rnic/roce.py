@@ -1,7 +1,9 @@
-"""RoCEv2 binding of the soft RNIC: UDP devices, CM connection set-up, connect and listen.
+"""RoCEv2 binding of the soft RNIC: devices, CM connection set-up, connect and listen.
 
-A ``Device`` is one UDP socket at a local (IP, port), shared by every queue pair of the
-process at that address, as one RNIC port is. It reads datagrams in batches, checks each
+A ``Device`` is one RNIC port at a local (IP, port), shared by every queue pair of the
+process at that address. Its I/O backend (``roce_io.py``) is a kernel UDP socket by
+default, or with ``io="raw"`` an AF_PACKET socket on an interface where the endpoint owns
+its IP and MAC addresses (``roce_raw.py``). It reads datagrams in batches, checks each
 ICRC, hands QP1's CM MADs to the connection manager and the rest to the QP the BTH names;
 after a batch each touched QP sends its coalesced ACK and whatever its window now admits.
 The queue pairs themselves (the reliable connection) are in ``roce_qp.py``.
@@ -9,8 +11,10 @@ The queue pairs themselves (the reliable connection) are in ``roce_qp.py``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
+import os
 import secrets
 import socket
 from collections.abc import Awaitable, Callable, Iterable
@@ -19,6 +23,7 @@ from . import Address, cm
 from . import roce_wire as w
 from .memory import MemoryTable
 from .qp import ConnectionLost
+from .roce_io import RoceIO, UdpIO
 from .roce_qp import CM_INTERVAL, MTUS, RoceQP
 from .roce_wire import MASK24
 
@@ -26,36 +31,19 @@ log = logging.getLogger(__name__)
 
 ROCE_PORT = 4791
 RESOURCES = 16            # responder resources / initiator depth announced in REQ and REP
-_SOCK_BUF = 4 << 20
-_SO_NO_CHECK = 11                                     # Linux: IPv4 UDP checksum 0
-_IP_MTU_DISCOVER, _IP_PMTUDISC_DO = 10, 2             # Linux: always set DF
-_IP_MTU, _IPV6_MTU = 14, 24                           # Linux: the route's MTU
-_UDP_NO_CHECK6_TX, _UDP_NO_CHECK6_RX = 101, 102       # Linux: IPv6 zero checksum (RFC 6935)
 
 
 class Device:
-    """One UDP socket at a local (IP, port): an RNIC port with its QPs and its QP1."""
+    """One RNIC port at a local (IP, port) with its QPs and its QP1, over an I/O backend."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int,
+                 io: dict | None = None) -> None:
         self.loop = loop
-        v6 = ":" in host
-        sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            if v6:
-                sock.setsockopt(socket.IPPROTO_UDP, _UDP_NO_CHECK6_TX, 1)
-                sock.setsockopt(socket.IPPROTO_UDP, _UDP_NO_CHECK6_RX, 1)
-            else:   # DF set, so the ICRC's pseudo header (Identification 0) is what is sent
-                sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
-                sock.setsockopt(socket.SOL_SOCKET, _SO_NO_CHECK, 1)
-            for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
-            sock.bind((host, port))
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-        self.address: tuple[str, int] = sock.getsockname()[:2]
+        self.stats: dict[str, int] = {}
+        self.io_options = dict(io or {})
+        self.io: RoceIO = _backend(host, port, self.stats, self.io_options)
+        self.address: tuple[str, int] = self.io.address
+        self.netns = _netns()
         self.users = 0
         self.closed = False
         self.qps: dict[int, RoceQP] = {}
@@ -63,12 +51,9 @@ class Device:
         self.accepting: dict[tuple, tuple[RoceQP, bytes]] = {}   # by (peer, its comm ID)
         self.connecting: dict[int, asyncio.Future] = {}
         self.services: dict[int, RoceListener] = {}
-        self.stats: dict[str, int] = {}
         self._paths: dict[tuple, tuple[w.Path, w.Path]] = {}
         self._ud_psn = secrets.randbits(24)
-        self._buf = bytearray(65536)
-        self._view = memoryview(self._buf)
-        loop.add_reader(sock.fileno(), self.poll)
+        loop.add_reader(self.io.fileno(), self.poll)
 
     # -- users ---------------------------------------------------------------------------
 
@@ -96,61 +81,58 @@ class Device:
         if self.closed:
             return
         self.closed = True
-        if _devices.get(self.address) is self:
-            del _devices[self.address]
+        if _devices.get((self.loop, *self.address)) is self:
+            del _devices[self.loop, *self.address]
         if not self.loop.is_closed():
-            self.loop.remove_reader(self.sock.fileno())
-        self.sock.close()
+            self.loop.remove_reader(self.io.fileno())
+        self.io.close()
 
     # -- datagrams -----------------------------------------------------------------------
 
     def send(self, parts: list, addr: tuple[str, int]) -> None:
-        try:
-            self.sock.sendmsg(parts, (), 0, addr)
-        except (BlockingIOError, InterruptedError):
-            self.stats["tx_dropped"] = self.stats.get("tx_dropped", 0) + 1
-        except OSError as exc:
-            log.debug("sendmsg to %s: %s", addr, exc)
+        self.io.send(parts, addr, self.paths(addr)[0])
 
     def paths(self, addr: tuple[str, int]) -> tuple[w.Path, w.Path]:
         """(to ``addr``, from ``addr``)."""
         pair = self._paths.get(addr)
         if pair is None:
-            pair = self._paths[addr] = (w.Path(self.address, addr), w.Path(addr, self.address))
+            pair = self._paths[addr] = (self.io.tx_path(addr), w.Path(addr, self.address))
         return pair
+
+    def bind(self, qp: RoceQP, addr: tuple[str, int]) -> None:
+        """Give a QP set up towards ``addr`` this device's paths (the backend's framing)."""
+        qp._tx, qp._rx = self.paths(addr)
+
+    @staticmethod
+    def _frame(path: w.Path, data: memoryview, wire: memoryview | None) -> bytes:
+        """The frame a datagram came in: as received where the backend saw it."""
+        return bytes(wire) if wire is not None else path.frame(bytes(data))
 
     def poll(self) -> None:
         """Read what is queued (bounded), then let the touched QPs flush."""
-        sock, buf, view, qps = self.sock, self._buf, self._view, self.qps
+        qps, check = self.qps, self.io.check
         touched: set[RoceQP] = set()
-        for _ in range(256):
-            try:
-                n, addr = sock.recvfrom_into(buf)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                log.debug("recvfrom: %s", exc)
-                break
+        for data, addr, wire in self.io.receive(256):
+            n = len(data)
             if n < 16:
                 continue
-            data = view[:n]
-            dqpn = w.U32.unpack_from(buf, 4)[0] & MASK24
+            dqpn = w.U32.unpack_from(data, 4)[0] & MASK24
             qp = qps.get(dqpn)
             if qp is None:
                 if dqpn == w.CM_QPN:
-                    self._mad(data, n, addr[:2])
+                    self._mad(data, n, addr, wire)
                 else:
                     self.stats["unknown_qp"] = self.stats.get("unknown_qp", 0) + 1
                 continue
-            if addr[:2] != qp.remote:
+            if addr != qp.remote:
                 qp._count("foreign")
                 continue
-            if not qp._rx.check(data):
+            if not check(qp._rx, data, wire):
                 qp._count("icrc_errors")
                 continue
             qp._count("frames_rx")
             if qp.frame_listeners:
-                qp.frame("rx", qp._rx.frame(bytes(data)))
+                qp.frame("rx", self._frame(qp._rx, data, wire))
             qp.receive(data, n)
             touched.add(qp)
         for qp in touched:
@@ -180,9 +162,10 @@ class Device:
                                    local_comm_id=qp.comm_id, remote_comm_id=qp.remote_comm_id,
                                    remote_qpn=qp.remote_qpn), qp.remote, qp.frame_listeners)
 
-    def _mad(self, data: memoryview, n: int, addr: tuple[str, int]) -> None:
+    def _mad(self, data: memoryview, n: int, addr: tuple[str, int],
+             wire: memoryview | None) -> None:
         rx = self.paths(addr)[1]
-        if not rx.check(data) or data[0] != w.UD_SEND_ONLY:
+        if not self.io.check(rx, data, wire) or data[0] != w.UD_SEND_ONLY:
             self.stats["bad_mads"] = self.stats.get("bad_mads", 0) + 1
             return
         if w.U32.unpack_from(data, 12)[0] != w.CM_QKEY:
@@ -193,11 +176,11 @@ class Device:
             return
         attr = msg.attr
         if attr == cm.CmAttr.REQ:
-            self._req(msg, addr, rx.frame(frame))
+            self._req(msg, addr, self._frame(rx, data, wire))
             return
         qp = self.conns.get(msg.remote_comm_id)
         if qp is not None and qp.frame_listeners:
-            qp.frame("rx", rx.frame(frame))
+            qp.frame("rx", self._frame(rx, data, wire))
         if attr in (cm.CmAttr.REP, cm.CmAttr.REJ):
             future = self.connecting.get(msg.remote_comm_id)
             if future is not None and not future.done():
@@ -245,21 +228,57 @@ class Device:
         listener.accept(self, msg, addr, frame)
 
 
-_devices: dict[tuple[str, int], Device] = {}
+_devices: dict[tuple[asyncio.AbstractEventLoop, str, int], Device] = {}
 
 
-def _device(host: str, port: int) -> Device:
-    """The device at (host, port) of this event loop, opened on first use."""
+def _backend(host: str, port: int, stats: dict[str, int], io: dict) -> RoceIO:
+    """The I/O backend ``io`` (from ``_options``) names: {} for a UDP socket."""
+    if not io:
+        return UdpIO(host, port, stats)
+    from .roce_raw import RawIO
+    return RawIO(host, port, stats, **{k: v for k, v in io.items() if k != "io"})
+
+
+def _netns() -> int:
+    """This thread's network namespace: the same address may be in use in two."""
+    try:
+        return os.stat("/proc/thread-self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+def _device(host: str, port: int, io: dict) -> Device:
+    """The device at (host, port) of this event loop, opened on first use. A raw device
+    owns its IP address: no other device of the process in the same network namespace
+    may use it (EADDRINUSE)."""
     loop = asyncio.get_running_loop()
     host = str(ipaddress.ip_address(host))
-    dev = _devices.get((host, port)) if port else None
-    if dev is not None and (dev.loop is not loop or dev.closed):
-        dev.close()            # left behind by an event loop that has ended
-        dev = None
+    for other in list(_devices.values()):
+        if other.loop.is_closed():
+            other.close()      # left behind by an event loop that has ended
+    dev = _devices.get((loop, host, port)) if port else None
+    if dev is not None and dev.io_options != io:
+        dev = None             # the same address through another backend: refused below
     if dev is None:
-        dev = Device(loop, host, port)
-        _devices[dev.address] = dev
+        raw, netns = io.get("io") == "raw", _netns()
+        for other in list(_devices.values()):
+            if (other.netns == netns and other.address[0] == host
+                    and (raw or other.io_options.get("io") == "raw")):
+                raise OSError(errno.EADDRINUSE, f"{host} is already owned by this process "
+                                                f"through {other.io}")
+        dev = Device(loop, host, port, io)
+        _devices[(loop, *dev.address)] = dev
     return dev
+
+
+async def _started(dev: Device) -> None:
+    """Wait until the device's backend may use its address; close an unused one if not."""
+    try:
+        await dev.io.start()
+    except BaseException:
+        if dev.users <= 0:
+            dev.close()
+        raise
 
 
 class RoceListener:
@@ -285,6 +304,7 @@ class RoceListener:
         qp = RoceQP(self._memory, dev, **{**self._options, "mtu": req.path_mtu})
         qp.frame("rx", frame)
         qp.setup(addr, req.local_qpn, req.starting_psn, req.path_mtu)
+        dev.bind(qp, addr)
         qp.remote_comm_id = req.local_comm_id
         dev.conns[qp.comm_id] = qp
         rep = dev.mad_datagram(cm.CmMessage(
@@ -337,33 +357,35 @@ class RoceListener:
 
 def _options(recv_size: int = 4096, posted: int = 0, mtu: int = 0, ack_timeout: float = 0.05,
              retry_count: int = 7, rnr_retry: int = 7, rnr_timer: int = 16, window: int = 128,
-             frame_listeners: Iterable = (), connect_timeout: float = 5.0) -> tuple[dict, float]:
+             frame_listeners: Iterable = (), connect_timeout: float = 5.0, io: str = "udp",
+             iface: str | None = None, addr: str | None = None, udp_checksum: bool = False,
+             traffic_class: int = 0) -> tuple[dict, float, dict]:
+    """QP options, the connection timeout and the I/O backend's options.
+
+    ``io="raw"`` sends whole frames on interface ``iface`` as ``addr`` ("IP" or "IP/MAC"),
+    with UDP checksums when ``udp_checksum`` and IP TOS / Traffic Class ``traffic_class``
+    (ECN bits included); see ``roce_raw.RawIO``."""
     if mtu and mtu not in MTUS:
         raise ValueError(f"mtu must be one of {MTUS}")
     if not 0 <= rnr_retry <= 7 or not 0 <= retry_count <= 7 or not 0 <= rnr_timer <= 31:
         raise ValueError("retry_count and rnr_retry are 3-bit, rnr_timer a 5-bit code")
+    if io == "raw":
+        if not iface or not addr:
+            raise ValueError("io='raw' needs iface and addr")
+        from .roce_raw import parse_addr
+        parse_addr(addr)
+        io_options = {"io": "raw", "iface": iface, "addr": addr,
+                      "udp_checksum": bool(udp_checksum), "traffic_class": traffic_class}
+    elif io == "udp":
+        if iface or addr or udp_checksum or traffic_class:
+            raise ValueError("iface, addr, udp_checksum and traffic_class need io='raw'")
+        io_options = {}
+    else:
+        raise ValueError(f"io must be 'udp' or 'raw', not {io!r}")
     return ({"recv_size": recv_size, "posted": posted, "mtu": mtu, "ack_timeout": ack_timeout,
              "retry_count": retry_count, "rnr_retry": rnr_retry, "rnr_timer": rnr_timer,
-             "window": window, "frame_listeners": tuple(frame_listeners)}, connect_timeout)
-
-
-def path_mtu(local: str, host: str, port: int) -> int:
-    """The largest InfiniBand MTU whose packets fit the route's link MTU, as rxe derives
-    it from its netdev: 1024 on a 1500-octet Ethernet, 4096 on loopback or jumbo frames.
-
-    Headers counted: IP, UDP, BTH, the largest extension header of a data packet (RETH
-    with ImmDt, 20 octets) and the ICRC."""
-    v6 = ":" in host
-    with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.bind((local, 0))
-            s.connect((host, port))               # sends nothing: it only picks the route
-            link = s.getsockopt(socket.IPPROTO_IPV6 if v6 else socket.IPPROTO_IP,
-                                _IPV6_MTU if v6 else _IP_MTU)
-        except OSError:
-            return 1024
-    room = link - (40 if v6 else 20) - 8 - 12 - 20 - 4
-    return max((m for m in MTUS if m <= room), default=MTUS[0])
+             "window": window, "frame_listeners": tuple(frame_listeners)}, connect_timeout,
+            io_options)
 
 
 def default_local(host: str) -> str:
@@ -386,15 +408,29 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
     """REQ, REP, RTU with the listener at ``host:port``; returns an established QP.
 
     ``local_port`` defaults to 4791, or to ``port + 1`` when local and remote addresses are
-    the same (IPv6 loopback). Raises ``ConnectionRefusedError`` on REJ and
-    ``TimeoutError`` when no REP comes within ``connect_timeout``."""
-    qp_options, timeout = _options(**options)
+    the same (IPv6 loopback); with ``io="raw"`` the local address is ``addr``'s IP.
+    Raises ``ConnectionRefusedError`` on REJ and ``TimeoutError`` when no REP comes (or,
+    raw, no ARP or NDP answer) within ``connect_timeout``."""
+    qp_options, timeout, io = _options(**options)
     host = str(ipaddress.ip_address(host))
+    if io:
+        from .roce_raw import parse_addr
+        own = parse_addr(io["addr"])[0]
+        if local is not None and str(ipaddress.ip_address(local)) != own:
+            raise ValueError(f"local {local} is not the raw endpoint's address {own}")
+        local = own
     local = str(ipaddress.ip_address(local or default_local(host)))
     if local_port is None:
         local_port = port + 1 if local == host else ROCE_PORT
-    dev = _device(local, local_port)
-    qp_options["mtu"] = qp_options["mtu"] or path_mtu(local, host, port)
+    dev = _device(local, local_port, io)
+    await _started(dev)
+    try:
+        await asyncio.wait_for(dev.io.resolve(host, timeout), timeout)
+    except BaseException:
+        if dev.users <= 0:
+            dev.close()
+        raise
+    qp_options["mtu"] = qp_options["mtu"] or dev.io.path_mtu(host, port)
     qp = RoceQP(memory, dev, **qp_options)
     dev.conns[qp.comm_id] = qp
     loop = dev.loop
@@ -427,6 +463,7 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
         raise ConnectionRefusedError(f"roce://{host}:{port} rejected the REQ "
                                      f"(reason {rep.reject_reason})")
     qp.setup(addr, rep.local_qpn, rep.starting_psn, qp.mtu)
+    dev.bind(qp, addr)
     qp.remote_comm_id = rep.local_comm_id
     dev._rtu(qp, rep)
     qp.establish()
@@ -435,11 +472,13 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
 
 async def listen(host: str, port: int, memory: MemoryTable,
                  on_connect: Callable[[RoceQP], Awaitable[None]], **options) -> RoceListener:
-    """Accept connections at ``host:port`` (port 0 picks one: see ``.address``)."""
-    qp_options, timeout = _options(**options)
+    """Accept connections at ``host:port`` (port 0 picks one: see ``.address``); with
+    ``io="raw"``, ``host`` is ``addr``'s IP."""
+    qp_options, timeout, io = _options(**options)
     if ipaddress.ip_address(host).is_unspecified:
         raise ValueError("listen on a specific address: the ICRC covers it (annex A17)")
-    dev = _device(host, port)
+    dev = _device(host, port, io)
+    await _started(dev)
     dev.users += 1
     listener = RoceListener(dev, memory, on_connect, qp_options, timeout)
     if listener.service_id in dev.services:

@@ -1,0 +1,159 @@
+"""Socket I/O backends of the RoCEv2 ``Device``: how its datagrams reach the wire.
+
+A backend moves RoCEv2 datagrams (BTH to ICRC) between a ``Device`` and the network:
+
+- ``UdpIO`` (the default): a kernel UDP socket; the host's IP stack owns the address and
+  writes the IP and UDP headers, so both ends compute the ICRC over the header Linux
+  writes (``roce_wire.Path``);
+- ``RawIO`` (``roce_raw.py``): whole Ethernet frames on an AF_PACKET socket; the endpoint
+  owns its IP and MAC addresses and writes every header itself.
+
+The ``Device`` reads with ``receive`` (datagram, source (IP, port), and the whole frame
+where the backend has it), checks ICRCs with ``check`` and sends with ``send``.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+from typing import Protocol
+
+from . import roce_wire as w
+from .roce_qp import MTUS
+
+log = logging.getLogger(__name__)
+
+Received = tuple[memoryview, tuple[str, int], "memoryview | None"]
+
+_SOCK_BUF = 4 << 20
+_SO_NO_CHECK = 11                                     # Linux: IPv4 UDP checksum 0
+_IP_MTU_DISCOVER, _IP_PMTUDISC_DO = 10, 2             # Linux: always set DF
+_IP_MTU, _IPV6_MTU = 14, 24                           # Linux: the route's MTU
+_UDP_NO_CHECK6_TX, _UDP_NO_CHECK6_RX = 101, 102       # Linux: IPv6 zero checksum (RFC 6935)
+
+
+class RoceIO(Protocol):
+    """What a ``Device`` needs of its I/O backend."""
+
+    address: tuple[str, int]          # the local (IP, UDP port)
+    gid: str                          # the port's GID (annex A17.4.1), as an IPv6 address
+
+    def fileno(self) -> int: ...
+
+    def receive(self, limit: int) -> Iterator[Received]: ...
+
+    def check(self, path: w.Path, data: memoryview, wire: memoryview | None) -> bool: ...
+
+    def tx_path(self, addr: tuple[str, int]) -> w.Path: ...
+
+    def send(self, parts: list, addr: tuple[str, int], path: w.Path) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def resolve(self, host: str, timeout: float) -> None: ...
+
+    def path_mtu(self, host: str, port: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def ib_mtu(link: int, v6: bool) -> int:
+    """The largest InfiniBand MTU whose packets fit a link MTU of ``link`` octets, as rxe
+    derives it from its netdev. Headers counted: IP, UDP, BTH, the largest extension
+    header of a data packet (RETH with ImmDt, 20 octets) and the ICRC."""
+    room = link - (40 if v6 else 20) - 8 - 12 - 20 - 4
+    return max((m for m in MTUS if m <= room), default=MTUS[0])
+
+
+def gid_of(host: str) -> str:
+    """RoCEv2 GID of an IP address (annex A17.4.1): IPv4-mapped for IPv4, else itself."""
+    return f"::ffff:{host}" if ":" not in host else host
+
+
+def path_mtu(local: str, host: str, port: int) -> int:
+    """``ib_mtu`` of the route's link MTU: 1024 on a 1500-octet Ethernet, 4096 on
+    loopback or jumbo frames."""
+    v6 = ":" in host
+    with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((local, 0))
+            s.connect((host, port))               # sends nothing: it only picks the route
+            link = s.getsockopt(socket.IPPROTO_IPV6 if v6 else socket.IPPROTO_IP,
+                                _IPV6_MTU if v6 else _IP_MTU)
+        except OSError:
+            return 1024
+    return ib_mtu(link, v6)
+
+
+class UdpIO:
+    """One kernel UDP socket at (host, port); datagrams only, the kernel frames them."""
+
+    def __init__(self, host: str, port: int, stats: dict[str, int]) -> None:
+        v6 = ":" in host
+        sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            if v6:
+                sock.setsockopt(socket.IPPROTO_UDP, _UDP_NO_CHECK6_TX, 1)
+                sock.setsockopt(socket.IPPROTO_UDP, _UDP_NO_CHECK6_RX, 1)
+            else:   # DF set, so the ICRC's pseudo header (Identification 0) is what is sent
+                sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
+                sock.setsockopt(socket.SOL_SOCKET, _SO_NO_CHECK, 1)
+            for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+            sock.bind((host, port))
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.address: tuple[str, int] = sock.getsockname()[:2]
+        self.gid = gid_of(self.address[0])
+        self.stats = stats
+        self._buf = bytearray(65536)
+        self._view = memoryview(self._buf)
+
+    def __str__(self) -> str:
+        return "a UDP socket"
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def receive(self, limit: int) -> Iterator[Received]:
+        """Up to ``limit`` queued datagrams; each view is valid until the next one."""
+        sock, buf, view = self.sock, self._buf, self._view
+        for _ in range(limit):
+            try:
+                n, addr = sock.recvfrom_into(buf)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.debug("recvfrom: %s", exc)
+                return
+            yield view[:n], addr[:2], None
+
+    @staticmethod
+    def check(path: w.Path, data: memoryview, wire: memoryview | None) -> bool:
+        return path.check(data)
+
+    def tx_path(self, addr: tuple[str, int]) -> w.Path:
+        return w.Path(self.address, addr)
+
+    def send(self, parts: list, addr: tuple[str, int], path: w.Path) -> None:
+        try:
+            self.sock.sendmsg(parts, (), 0, addr)
+        except (BlockingIOError, InterruptedError):
+            self.stats["tx_dropped"] = self.stats.get("tx_dropped", 0) + 1
+        except OSError as exc:
+            log.debug("sendmsg to %s: %s", addr, exc)
+
+    async def start(self) -> None:
+        """Nothing to do: the kernel owns the address."""
+
+    async def resolve(self, host: str, timeout: float) -> None:
+        """Nothing to do: the kernel resolves neighbours."""
+
+    def path_mtu(self, host: str, port: int) -> int:
+        return path_mtu(self.address[0], host, port)
+
+    def close(self) -> None:
+        self.sock.close()
