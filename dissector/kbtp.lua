@@ -307,6 +307,14 @@ local MESSAGES = {
 -- Interprets the generated layouts (HEADER, MESSAGES, FLAGSETS, FMT): recognition,
 -- field tree, Info column, expert info, sessions and request/response tracking.
 -- Holds no layout of its own. Wireshark 4.0 / Lua 5.2.
+--
+-- Speed: every call into Wireshark (a TvbRange, a tree item, a pinfo attribute, a field
+-- extractor) costs about a microsecond, Lua arithmetic a hundredth of that. So values are
+-- read from one tvb:raw() string with byte arithmetic, pinfo attributes are read once per
+-- call, per-frame results (connection key included) are kept for revisits, and the only
+-- TvbRanges made are those the tree items need. Hot paths call the class methods
+-- directly (Tree_add(tree, ...)): ``tree:add`` first looks ``add`` up through the
+-- metatable's __index function, which costs a quarter of the call.
 
 local E = {
     status = ProtoExpert.new("kbtp.expert.status", "KBTP non-OK status",
@@ -338,6 +346,12 @@ local X = {
     bth_padcnt = Field.new("infiniband.bth.padcnt"),
 }
 
+local byte, sub, format = string.byte, string.sub, string.format
+local band = bit32.band
+local TWO32 = 2 ^ 32
+local Tree_add, Tree_add_le, Tree_append_text = TreeItem.add, TreeItem.add_le, TreeItem.append_text
+local Tree_set_generated, Tvb_range, Tvb_raw, Tvb_len = TreeItem.set_generated, Tvb.range, Tvb.raw, Tvb.len
+
 local function last_value(...)
     local n = select("#", ...)
     if n == 0 then return nil end
@@ -349,19 +363,43 @@ local function last(extractor)
     return last_value(extractor())
 end
 
+-- ---- 64-bit values ----------------------------------------------------------------------
+-- Kept as 8-character strings, most significant octet first whatever the wire order: exact
+-- (Lua numbers are doubles), usable as table keys, and no UInt64 object per field.
+local function hl64(v)
+    local a, b, c, d, e, f, g, h = byte(v, 1, 8)
+    return ((a * 256 + b) * 256 + c) * 256 + d, ((e * 256 + f) * 256 + g) * 256 + h
+end
+
+-- Integers print with "%d": cheaper than tostring()'s "%.14g", and exact below 2^53.
+local function dec64(v)
+    local h, l = hl64(v)
+    if h < 0x200000 then return format("%d", h * TWO32 + l) end
+    return tostring(UInt64.new(l, h))
+end
+
+local function hex64(v)
+    local h, l = hl64(v)
+    if h == 0 then return format("0x%x", l) end
+    return format("0x%x%08x", h, l)
+end
+
 -- ---- state: filled only when not pinfo.visited, cleared in init ----------------------
 local conns   -- conversation key -> { le, credits, outstanding, pending = {[rid] = req} }
 local frames  -- frame number -> per-frame result (kept for revisits: -2, GUI)
 local reasm   -- RoCEv2 Send reassembly, per direction and QP
 local HOOKS = {}  -- functions(conn, st, values, msg, pinfo) run on first pass after a message
+local pref_addr_le  -- kbtp.prefs.addr_le, read once per dissection pass
 
 local function reset()
     conns, frames, reasm = {}, {}, {}
+    pref_addr_le = kbtp.prefs.addr_le
     for _, hook in ipairs(HOOKS) do
         if hook.init then hook.init() end
     end
 end
 kbtp.init = reset
+kbtp.prefs_changed = function() pref_addr_le = kbtp.prefs.addr_le end
 reset()
 
 local function endpoint(addr, port)
@@ -370,75 +408,122 @@ end
 
 -- Both directions of a connection share one key. On RoCEv2 without the CM exchange the
 -- two directions name different QPs, so the address pair stands for the session.
-local function conn_key(pinfo, roce, src, dst)
-    local a, b
-    if roce then
-        a, b = src or tostring(pinfo.src), dst or tostring(pinfo.dst)
-    else
-        a, b = endpoint(pinfo.src, pinfo.src_port), endpoint(pinfo.dst, pinfo.dst_port)
-    end
+local function roce_key(a, b)
     if a > b then a, b = b, a end
-    return (roce and "roce " or "iwarp ") .. a .. " " .. b
+    return "roce " .. a .. " " .. b
 end
 
-local function conn_of(key)
+local function iwarp_key(pinfo)
+    local a, b = endpoint(pinfo.src, pinfo.src_port), endpoint(pinfo.dst, pinfo.dst_port)
+    if a > b then a, b = b, a end
+    return "iwarp " .. a .. " " .. b
+end
+
+local function conn_of(key, roce)
     local c = conns[key]
     if not c then
-        c = { pending = {}, outstanding = 0 }
+        c = { pending = {}, outstanding = 0, roce = roce }
         conns[key] = c
     end
     return c
 end
 
 -- ---- layout walking --------------------------------------------------------------------
-local function present(item, values)
-    if not item.when then return true end
-    local word = values[item.when[1]]
-    return word ~= nil and bit32.band(word, item.when[2]) ~= 0
-end
-
-local function value_of(range, size, le)
-    if size > 8 then return range:bytes() end
-    if size == 8 then return le and range:le_uint64() or range:uint64() end
-    return le and range:le_uint() or range:uint()
-end
-
--- Walk ``items`` from ``off`` over the first ``ctx.len`` octets of ``tvb``; add to ``tree``
--- when given. Returns the offset reached and whether the message ended before a fixed
--- field did.
-local function walk(items, tvb, off, tree, ctx)
-    local len = ctx.len
+-- Per item, found once: its ProtoField, and per flag set the fields of its bits.
+local function prepare(items)
     for _, item in ipairs(items) do
-        if present(item, ctx.values) then
+        if item.member then prepare(item.items) else item.field = F[item.key] end
+    end
+end
+prepare(HEADER)
+for _, msg in pairs(MESSAGES) do prepare(msg.items) end
+
+local function bit_fields(item, set)
+    local cache = item.bits
+    if not cache then
+        cache = {}
+        item.bits = cache
+    end
+    local list = cache[set]
+    if not list then
+        list = {}
+        for i, bit in ipairs(FLAGSETS[set].bits) do list[i] = F[item.key .. "." .. bit[3]] end
+        cache[set] = list
+    end
+    return list
+end
+
+-- Octets of a message that values are read from: its fixed part at most (inline data
+-- is only shown, never read).
+local function fixed_size(items)
+    local n = 0
+    for _, item in ipairs(items) do n = n + item.size end
+    return n
+end
+local FIXED_MAX = HEADER_SIZE
+for _, msg in pairs(MESSAGES) do FIXED_MAX = math.max(FIXED_MAX, HEADER_SIZE + fixed_size(msg.items)) end
+
+local function octets(tvb, len)
+    return Tvb_raw(tvb, 0, math.min(len, FIXED_MAX))
+end
+
+-- The value of ``size`` octets at 1-based ``i`` of ``s``: a number up to 4 octets, else a
+-- string (8 octets: see hl64); ``le`` for little-endian.
+local function value_at(s, i, size, le)
+    if size == 1 then return byte(s, i) end
+    if size == 2 then
+        local a, b = byte(s, i, i + 1)
+        if le then return b * 256 + a end
+        return a * 256 + b
+    end
+    if size == 4 then
+        local a, b, c, d = byte(s, i, i + 3)
+        if le then a, b, c, d = d, c, b, a end
+        return ((a * 256 + b) * 256 + c) * 256 + d
+    end
+    local v = sub(s, i, i + size - 1)
+    if le and size == 8 then v = v:reverse() end
+    return v
+end
+
+-- Walk ``items`` from ``off`` over the first ``ctx.len`` octets (``s`` holds their fixed
+-- part); add to ``tree`` (ranges of ``tvb``) when given. Returns the offset reached and
+-- whether the message ended before a fixed field did.
+local function walk(items, tvb, s, off, tree, ctx)
+    local len, values = ctx.len, ctx.values
+    for i = 1, #items do
+        local item = items[i]
+        local when = item.when
+        local word = when and values[when[1]]
+        if not when or (word ~= nil and band(word, when[2]) ~= 0) then
+            local size = item.size
             if item.member then
                 if off >= len then return off, true end
-                local sub = tree and tree:add(tvb:range(off, math.min(item.size, len - off)), item.title)
+                local sub_tree = tree and Tree_add(tree, Tvb_range(tvb, off, math.min(size, len - off)), item.title)
                 local truncated
-                off, truncated = walk(item.items, tvb, off, sub, ctx)
+                off, truncated = walk(item.items, tvb, s, off, sub_tree, ctx)
                 if truncated then return off, true end
-            elseif item.size == 0 then
+            elseif size == 0 then
                 local n = len - off
-                ctx.values[item.key] = n
+                values[item.key] = n
                 ctx.tail = item
-                if tree and n > 0 then tree:add(F[item.key], tvb:range(off, n)) end
+                if tree and n > 0 then Tree_add(tree, item.field, Tvb_range(tvb, off, n)) end
                 off = len
             else
-                if off + item.size > len then return off, true end
-                local range = tvb:range(off, item.size)
+                if off + size > len then return off, true end
                 local le = ctx.le and item.order == "A"
-                local value = value_of(range, item.size, le)
-                ctx.values[item.key] = value
+                values[item.key] = value_at(s, off + 1, size, le)
                 if tree then
-                    local ti = le and tree:add_le(F[item.key], range) or tree:add(F[item.key], range)
+                    local range = Tvb_range(tvb, off, size)
+                    local ti = (le and Tree_add_le or Tree_add)(tree, item.field, range)
                     local set = item.flagset
                     if set == true then set = ctx.msg and ctx.msg.flagset end
                     if set then
-                        for _, bit in ipairs(FLAGSETS[set].bits) do
-                            ti:add(F[item.key .. "." .. bit[3]], range)
-                        end
+                        local bits = bit_fields(item, set)
+                        for j = 1, #bits do Tree_add(ti, bits[j], range) end
                     end
                 end
-                off = off + item.size
+                off = off + size
             end
         end
     end
@@ -450,12 +535,19 @@ local function opcode_known(op)
     return MESSAGES[op] ~= nil or (op >= PRIVATE_OPCODES[1] and op <= PRIVATE_OPCODES[2])
 end
 
--- Read one message from the first ``len`` octets of ``tvb`` (into ``tree`` when given):
--- the context holds the values, the offset reached, truncation and the inline tail.
-local function read_message(tvb, len, msg, le, tree)
-    local ctx = { values = {}, le = le and (msg == nil or msg.addr_le), msg = msg, len = len }
-    local off, truncated = walk(HEADER, tvb, 0, tree, ctx)
-    if msg and not truncated then off, truncated = walk(msg.items, tvb, off, tree, ctx) end
+-- One context for every read, cleared each time: a read is used up before the next one
+-- starts, and new tables (growing key by key) would cost a malloc per growth step.
+local CTX, VALUES = {}, {}
+
+-- Read one message from the first ``len`` octets (``s``: see octets()), into ``tree`` when
+-- given: the context holds the values, the offset reached, truncation and the inline tail.
+-- Valid until the next read.
+local function read_message(tvb, s, len, msg, le, tree)
+    local ctx, values = CTX, VALUES
+    for k in next, values do values[k] = nil end
+    ctx.values, ctx.le, ctx.msg, ctx.len, ctx.tail = values, le and (msg == nil or msg.addr_le), msg, len, nil
+    local off, truncated = walk(HEADER, tvb, s, 0, tree, ctx)
+    if msg and not truncated then off, truncated = walk(msg.items, tvb, s, off, tree, ctx) end
     ctx.off, ctx.truncated = off, truncated
     return ctx
 end
@@ -464,16 +556,16 @@ end
 local function problem_of(ctx)
     local msg = ctx.msg
     if ctx.truncated then
-        return string.format("truncated: %d octets, %s with these flags needs more", ctx.len, msg.name)
+        return format("truncated: %d octets, %s with these flags needs more", ctx.len, msg.name)
     end
     if ctx.tail then
         local declared = ctx.values[ctx.tail.length_from]
         if declared ~= ctx.values[ctx.tail.key] then
-            return string.format("inline data is %d octets, the descriptor says %s",
-                                 ctx.values[ctx.tail.key], tostring(declared))
+            return format("inline data is %d octets, the descriptor says %s",
+                          ctx.values[ctx.tail.key], tostring(declared))
         end
     elseif ctx.off < ctx.len then
-        return string.format("%d octets after the end of %s", ctx.len - ctx.off, msg.name)
+        return format("%d octets after the end of %s", ctx.len - ctx.off, msg.name)
     end
 end
 
@@ -487,23 +579,22 @@ end
 
 -- Version 1 and a known or Private Use opcode: the cheap test before any other. Returns
 -- the opcode, or nil.
-local function header_ok(tvb, len)
+local function header_ok(s, len)
     if len < HEADER_SIZE then return nil end
-    local word = tvb:range(0, 2):uint()
-    local op = word % 256
-    if (word - op) / 256 ~= VERSION or not opcode_known(op) then return nil end
+    local version, op = byte(s, 1, 2)
+    if version ~= VERSION or not opcode_known(op) then return nil end
     return op
 end
 
 -- Strict recognition: Version 1, a known or Private Use opcode, and a layout that fits the
 -- opcode, flags and descriptors. Inside a conversation already known to carry KBTP, a
 -- message with a wrong layout is still claimed (and marked malformed).
-local function recognise(tvb, len, conn)
-    local op = header_ok(tvb, len)
+local function recognise(s, len, conn)
+    local op = header_ok(s, len)
     if not op then return false end
     if conn and conn.kbtp then return true end
     local msg = MESSAGES[op]
-    return msg ~= nil and problem_of(read_message(tvb, len, msg, false)) == nil
+    return msg ~= nil and problem_of(read_message(nil, s, len, msg, false)) == nil
 end
 
 -- The first packet of a multi-packet Send: a header whose inline data continues past it.
@@ -511,43 +602,66 @@ local function continues(ctx)
     return not ctx.truncated and ctx.tail ~= nil and ctx.values[ctx.tail.key] < ctx.values[ctx.tail.length_from]
 end
 
-local function show(key, value)
-    local fmt = FMT[key] or "dec"
+-- Info column text of a value, per field (from FMT, once).
+local SHOW = {}
+for key, fmt in pairs(FMT) do
     if fmt == "hex" then
-        if type(value) == "number" then return string.format("0x%x", value) end
-        local hex = value:tohex():gsub("^0+", "")
-        return "0x" .. (hex == "" and "0" or hex)
+        SHOW[key] = function(v)
+            if type(v) == "number" then return format("0x%x", v) end
+            return hex64(v)
+        end
     elseif fmt:sub(1, 5) == "enum:" then
-        for _, row in ipairs(ENUMS[fmt:sub(6)]) do
-            if value >= row[1] and value <= row[2] then
-                return row[1] == row[2] and row[3] or string.format("%s (0x%x)", row[3], value)
+        local rows = ENUMS[fmt:sub(6)]
+        SHOW[key] = function(v)
+            for _, row in ipairs(rows) do
+                if v >= row[1] and v <= row[2] then
+                    return row[1] == row[2] and row[3] or format("%s (0x%x)", row[3], v)
+                end
             end
+            return format("Unknown (0x%x)", v)
         end
-        return string.format("Unknown (0x%x)", value)
     elseif fmt:sub(1, 6) == "flags:" then
-        local names = {}
-        for _, bit in ipairs(FLAGSETS[fmt:sub(7)].bits) do
-            if bit32.band(value, bit[1]) ~= 0 then names[#names + 1] = bit[2] end
+        local bits = FLAGSETS[fmt:sub(7)].bits
+        SHOW[key] = function(v)
+            local names = {}
+            for _, bit in ipairs(bits) do
+                if band(v, bit[1]) ~= 0 then names[#names + 1] = bit[2] end
+            end
+            return #names > 0 and table.concat(names, "+") or "0"
         end
-        return #names > 0 and table.concat(names, "+") or "0"
+    elseif fmt == "bytes" then
+        SHOW[key] = function(v)
+            return (v:gsub(".", function(c) return format("%02X", byte(c)) end))
+        end
+    else
+        SHOW[key] = function(v)
+            if type(v) == "string" then return dec64(v) end
+            return format("%d", v)
+        end
     end
-    return tostring(value)
+end
+
+local function show(key, value)
+    return SHOW[key](value)
 end
 
 local function summary(msg, op, values)
     if not msg then
-        return string.format("%s rid=%s", show("opcode", op), tostring(values.request_id))
+        return format("%s rid=%s", show("opcode", op), show("request_id", values.request_id))
     end
     local parts = { msg.name }
-    for _, pair in ipairs(msg.summary) do
-        local v = values[pair[2]]
+    local pairs_ = msg.summary
+    for i = 1, #pairs_ do
+        local pair = pairs_[i]
+        local key = pair[2]
+        local v = values[key]
         if v ~= nil then
-            parts[#parts + 1] = pair[1] ~= "" and (pair[1] .. "=" .. show(pair[2], v)) or show(pair[2], v)
+            parts[#parts + 1] = pair[1] ~= "" and (pair[1] .. "=" .. SHOW[key](v)) or SHOW[key](v)
         end
     end
     if msg.flagset and values.flags then
         for _, bit in ipairs(FLAGSETS[msg.flagset].bits) do
-            if bit32.band(values.flags, bit[1]) ~= 0 then parts[#parts + 1] = bit[2] end
+            if band(values.flags, bit[1]) ~= 0 then parts[#parts + 1] = bit[2] end
         end
     end
     return table.concat(parts, " ")
@@ -559,17 +673,17 @@ local function nstime(seconds)
 end
 
 -- First pass only: session state and request/response tracking for one message.
-local function track(pinfo, conn, st, msg, values)
+local function track(pinfo, number, conn, st, msg, values)
     local op = values.opcode
     if op == OPCODE.HELLO_ACK and values.status == STATUS_OK then
         local feats = values["hello_ack.features"] or 0
-        conn.le = bit32.band(feats, FEATURE.ADDR_LE) ~= 0
+        conn.le = band(feats, FEATURE.ADDR_LE) ~= 0
         conn.credits = values["hello_ack.request_credits"]
     end
     if not msg then return end
-    local rid = tostring(values.request_id)
+    local rid = values.request_id
     if msg.answer then
-        conn.pending[rid] = { frame = pinfo.number, st = st, ts = pinfo.abs_ts, answer = msg.answer }
+        conn.pending[rid] = { frame = number, st = st, ts = pinfo.abs_ts, answer = msg.answer }
         if msg.answer == OPCODE.COMPLETION then
             conn.outstanding = conn.outstanding + 1
             if conn.credits and conn.outstanding > conn.credits then
@@ -581,45 +695,44 @@ local function track(pinfo, conn, st, msg, values)
         if req and req.answer == op then
             conn.pending[rid] = nil
             st.request_in, st.delta = req.frame, pinfo.abs_ts - req.ts
-            req.st.response_in = pinfo.number      -- the request's own state: two may share a frame
+            req.st.response_in = number      -- the request's own state: two may share a frame
             if op == OPCODE.COMPLETION then conn.outstanding = conn.outstanding - 1 end
         else
             st.unanswered = true
         end
     end
     for _, hook in ipairs(HOOKS) do
-        if hook.message then hook.message(conn, st, values, msg, pinfo) end
+        if hook.message then hook.message(conn, st, values, msg, pinfo, number) end
     end
 end
 
--- Decode one whole KBTP message, the first ``len`` octets of ``tvb``, into ``tree``;
--- ``st`` is its per-frame state.
-local function dissect_message(tvb, len, pinfo, tree, key, st)
-    local conn = conn_of(key)
-    local op = tvb:range(1, 1):uint()
+-- Decode one whole KBTP message, the first ``len`` octets of ``tvb`` (``s``: see octets()),
+-- into ``tree``; ``st`` is its per-frame state, ``visited`` and ``number`` pinfo's.
+local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, st)
+    local conn = conn_of(key, st.roce)
+    local op = byte(s, 2)
     local msg = MESSAGES[op]
-    if not pinfo.visited then
+    if not visited then
         conn.kbtp = true
-        local pref = kbtp.prefs.addr_le
-        st.le = (pref == 2) or (pref == 1 and conn.le == true)
+        st.le = (pref_addr_le == 2) or (pref_addr_le == 1 and conn.le == true)
     end
-    local root = tree:add(kbtp, tvb:range(0, len))
-    local ctx = read_message(tvb, len, msg, st.le, root)
+    local root = Tree_add(tree, kbtp, Tvb_range(tvb, 0, len))
+    local ctx = read_message(tvb, s, len, msg, st.le, root)
     local values = ctx.values
     local problem = msg and problem_of(ctx)
-    if not pinfo.visited then track(pinfo, conn, st, msg, values) end
+    if not visited then track(pinfo, number, conn, st, msg, values) end
 
     if st.le then root:add(F["session.addr_le"], true):set_generated() end
     if st.request_in then
-        root:add(F.request_in, st.request_in):set_generated()
-        root:add(F.time, nstime(st.delta)):set_generated()
+        Tree_set_generated(Tree_add(root, F.request_in, st.request_in))
+        Tree_set_generated(Tree_add(root, F.time, nstime(st.delta)))
     end
-    if st.response_in then root:add(F.response_in, st.response_in):set_generated() end
+    if st.response_in then Tree_set_generated(Tree_add(root, F.response_in, st.response_in)) end
     if problem then root:add_proto_expert_info(E.malformed, problem) end
     if msg and msg.flagset and values.flags then
-        local extra = bit32.band(values.flags, bit32.bnot(FLAGSETS[msg.flagset].defined))
+        local extra = band(values.flags, bit32.bnot(FLAGSETS[msg.flagset].defined))
         if extra ~= 0 then
-            root:add_proto_expert_info(E.undefined_flags, string.format("undefined flag bits 0x%04x", extra))
+            root:add_proto_expert_info(E.undefined_flags, format("undefined flag bits 0x%04x", extra))
         end
     end
     if (op == OPCODE.COMPLETION or op == OPCODE.HELLO_ACK) and values.status and values.status ~= STATUS_OK then
@@ -627,19 +740,20 @@ local function dissect_message(tvb, len, pinfo, tree, key, st)
     end
     if st.unanswered then root:add_proto_expert_info(E.unanswered) end
     if st.over_credits then
-        root:add_proto_expert_info(E.credits, string.format("%d requests outstanding, %d credits",
-                                                            st.over_credits, conn.credits or 0))
+        root:add_proto_expert_info(E.credits, format("%d requests outstanding, %d credits",
+                                                     st.over_credits, conn.credits or 0))
     end
     local info = summary(msg, op, values)
     if problem then info = info .. " [Malformed]" end
-    root:append_text(", " .. info)
+    Tree_append_text(root, ", " .. info)
     st.info = info
     return info
 end
 
 local function set_columns(pinfo, info)
-    pinfo.cols.protocol = "KBTP"
-    pinfo.cols.info = info
+    local cols = pinfo.cols
+    cols.protocol = "KBTP"
+    cols.info = info
 end
 
 -- ---- entry points -------------------------------------------------------------------------
@@ -648,11 +762,24 @@ local SEND_LAST = { [0x02] = true, [0x03] = true, [0x16] = true }
 local SEND_ONLY = { [0x04] = true, [0x05] = true, [0x17] = true, [0x64] = true, [0x65] = true }
 local PATH_MTUS = { [256] = true, [512] = true, [1024] = true, [2048] = true, [4096] = true }
 
-local function frame_state(pinfo)
-    local st = frames[pinfo.number]
+local function frame_state(number)
+    local st = frames[number]
     if not st then
         st = {}
-        frames[pinfo.number] = st
+        frames[number] = st
+    end
+    return st
+end
+
+-- The state of a frame carrying one KBTP message, made with the keys it will hold (one
+-- allocation instead of one per growth step).
+local function message_state(number, key, roce, len, pad_unknown)
+    local st = frames[number]
+    if st then
+        st.kbtp, st.key, st.roce, st.len, st.pad_unknown = true, key, roce, len, pad_unknown
+    else
+        st = { kbtp = true, key = key, roce = roce, len = len, pad_unknown = pad_unknown, le = false }
+        frames[number] = st
     end
     return st
 end
@@ -661,8 +788,8 @@ end
 local function send_kind(opcode)
     if SEND_ONLY[opcode] then return "only" end
     if SEND_LAST[opcode] then return "last" end
-    if opcode < 0x40 and bit32.band(opcode, 0x1f) == SEND_FIRST then return "first" end
-    if opcode < 0x40 and bit32.band(opcode, 0x1f) == SEND_MIDDLE then return "middle" end
+    if opcode < 0x40 and band(opcode, 0x1f) == SEND_FIRST then return "first" end
+    if opcode < 0x40 and band(opcode, 0x1f) == SEND_MIDDLE then return "middle" end
     return false
 end
 
@@ -670,27 +797,26 @@ end
 -- lengths, because a first pass without a tree (tshark -2) gets no BTH fields: FIRST and
 -- MIDDLE packets carry exactly one path MTU and no pad; LAST carries the rest plus the pad
 -- to 4 octets; ONLY the whole message plus its pad. BTH fields, when there, must agree.
-local function classify_roce(tvb, pinfo, key, src, dst)
-    local n = tvb:len()
+local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
     local opcode = last(X.bth_opcode)
     local kind = opcode and send_kind(opcode)
     if kind == false then return nil end
-    local dir = src .. ">" .. dst .. "/" .. pinfo.dst_port
-    local r = reasm[dir]
+    local dir = next(reasm) ~= nil and (src .. ">" .. dst .. "/" .. pinfo.dst_port)
+    local r = dir and reasm[dir]
     if r then
         if kind ~= "last" and kind ~= "only" and kind ~= "first" and n == r.mtu and r.remaining > r.mtu then
             r.data:append(tvb:range(0, n):bytes())
             r.remaining = r.remaining - n
-            r.frames[#r.frames + 1] = pinfo.number
-            local st = frame_state(pinfo)
+            r.frames[#r.frames + 1] = number
+            local st = frame_state(number)
             st.fragment = true
             return st
         elseif (kind == nil or kind == "last") and n == r.remaining + (-r.remaining) % 4 then
             r.data:append(tvb:range(0, r.remaining):bytes())
             reasm[dir] = nil
-            local st = frame_state(pinfo)
+            local st = frame_state(number)
             st.message = r.data
-            for _, number in ipairs(r.frames) do frames[number].fragment_in = pinfo.number end
+            for _, other in ipairs(r.frames) do frames[other].fragment_in = number end
             return st
         end
         reasm[dir] = nil
@@ -698,64 +824,74 @@ local function classify_roce(tvb, pinfo, key, src, dst)
         -- a lost, repeated or reordered packet): claim what continues it, so that no other
         -- heuristic gets a Send LAST without its FIRST (RPC-over-RDMA then fails an assertion
         -- on a second pass), until a packet shorter than the path MTU ends it.
-        if kind == "middle" or kind == "last" or (kind == nil and not header_ok(tvb, n)) then
+        if kind == "middle" or kind == "last" or (kind == nil and not header_ok(s, n)) then
             if n >= r.mtu and kind ~= "last" then reasm[dir] = r end
-            local st = frame_state(pinfo)
+            local st = frame_state(number)
             st.fragment, st.broken = true, true
             return st
         end
     end
-    local op = kind ~= "middle" and kind ~= "last" and header_ok(tvb, n)
+    local op = kind ~= "middle" and kind ~= "last" and header_ok(s, n)
     if not op then return nil end
     local conn = conns[key]
     local msg = MESSAGES[op]
     local pad = kind == "only" and last(X.bth_padcnt) or nil
     if pad == nil and msg then     -- a first packet, or no BTH fields: the header decides
-        local ctx = read_message(tvb, n, msg, (conn and conn.le) or kbtp.prefs.addr_le == 2)
+        local ctx = read_message(nil, s, n, msg, (conn and conn.le) or pref_addr_le == 2)
         local declared = declared_of(ctx)
         -- the whole message plus the pad to 4 octets: a Send ONLY, whatever its length
         local exact = declared and n >= declared and n - declared == (-declared) % 4
         if (kind == "first" or (kind == nil and PATH_MTUS[n])) and
                 (continues(ctx) or (conn and conn.kbtp and not exact)) then
-            reasm[dir] = { data = tvb:range(0, n):bytes(), mtu = n, frames = { pinfo.number },
-                           remaining = declared and declared > n and declared - n or 0 }
-            local st = frame_state(pinfo)
+            reasm[dir or (src .. ">" .. dst .. "/" .. pinfo.dst_port)] = {
+                data = tvb:range(0, n):bytes(), mtu = n, frames = { number },
+                remaining = declared and declared > n and declared - n or 0 }
+            local st = frame_state(number)
             st.fragment = true
             return st
         end
         if exact then pad = n - declared end
     end
-    if kind == "first" or not recognise(tvb, n - (pad or 0), conn) then return nil end
-    local st = frame_state(pinfo)
-    st.len, st.pad_unknown = n - (pad or 0), pad == nil
-    return st
+    if kind == "first" or not recognise(s, n - (pad or 0), conn) then return nil end
+    return message_state(number, key, true, n - (pad or 0), pad == nil)
 end
 
 -- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
 -- FIRST/MIDDLE/LAST per direction and QP, and claim every fragment, so no other
 -- heuristic misreads the continuation packets.
 local function heur_infiniband(tvb, pinfo, tree)
-    if tvb:len() == 0 then return false end
-    local st = frames[pinfo.number]
-    if pinfo.visited and not (st and st.kbtp) then return false end
-    local src, dst = tostring(pinfo.src), tostring(pinfo.dst)
-    local key = conn_key(pinfo, true, src, dst)
-    if not pinfo.visited then
-        st = classify_roce(tvb, pinfo, key, src, dst)
+    local n = Tvb_len(tvb)
+    if n == 0 then return false end
+    local number, visited = pinfo.number, pinfo.visited
+    local st = frames[number]
+    local s
+    if visited then
+        if not (st and st.kbtp) then return false end
+    else
+        s = octets(tvb, n)
+        -- Not a KBTP header and no Send being reassembled: not ours (RDMA Writes, other
+        -- protocols), before any further call into Wireshark.
+        if next(reasm) == nil and not header_ok(s, n) then return false end
+        local src, dst = tostring(pinfo.src), tostring(pinfo.dst)
+        local key = roce_key(src, dst)
+        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst)
         if not st then return false end
-        st.kbtp = true
+        st.kbtp, st.key, st.roce = true, key, true  -- fragments too
     end
     if st.len then               -- one packet: dissect it in place
         local pad = st.pad_unknown and last(X.bth_padcnt)
         if pad and pad > 0 and pad < st.len then   -- first seen without BTH fields
             st.len, st.pad_unknown = st.len - pad, false
         end
-        set_columns(pinfo, dissect_message(tvb, st.len, pinfo, tree, key, st))
+        set_columns(pinfo, dissect_message(tvb, s or octets(tvb, st.len), st.len, pinfo, visited, number,
+                                           tree, st.key, st))
     elseif st.message then       -- reassembled: a new data source
         local msg_tvb = st.message:tvb("Reassembled KBTP message")
-        set_columns(pinfo, dissect_message(msg_tvb, msg_tvb:len(), pinfo, tree, key, st))
+        local len = msg_tvb:len()
+        set_columns(pinfo, dissect_message(msg_tvb, octets(msg_tvb, len), len, pinfo, visited, number,
+                                           tree, st.key, st))
     else
-        local item = tree:add(kbtp, tvb:range(0, tvb:len()), "KBTP fragment")
+        local item = tree:add(kbtp, tvb:range(0, n), "KBTP fragment")
         if st.fragment_in then item:add(F.fragment_in, st.fragment_in):set_generated() end
         if st.broken then
             item:add_proto_expert_info(E.malformed, "Send fragment that does not continue the message as its header said")
@@ -768,31 +904,39 @@ end
 
 -- iWARP: Wireshark reassembles Sends; the heuristic sees whole messages.
 local function heur_iwarp(tvb, pinfo, tree)
-    local key = conn_key(pinfo, false)
-    local st = frames[pinfo.number]
-    if pinfo.visited then
+    local number, visited = pinfo.number, pinfo.visited
+    local st = frames[number]
+    local n = Tvb_len(tvb)
+    local s
+    if visited then
         if not st or not st.kbtp then return false end
+        s = octets(tvb, n)
     else
-        if not recognise(tvb, tvb:len(), conns[key]) then return false end
-        st = frame_state(pinfo)
-        st.kbtp = true
+        s = octets(tvb, n)
+        if not header_ok(s, n) then return false end
+        local key = iwarp_key(pinfo)
+        if not recognise(s, n, conns[key]) then return false end
+        st = message_state(number, key, false)
     end
-    set_columns(pinfo, dissect_message(tvb, tvb:len(), pinfo, tree, key, st))
+    set_columns(pinfo, dissect_message(tvb, s, n, pinfo, visited, number, tree, st.key, st))
     return true
 end
 
 -- For rdma.lua: a further KBTP message in a frame whose heuristic call decoded another
 -- (two Sends in one iWARP TCP segment: tshark 4.0 offers only the first to heuristics).
 -- Returns the Info text, or nil when ``tvb`` is not KBTP.
-local function dissect_more(tvb, pinfo, tree, st, roce)
-    local key = conn_key(pinfo, roce)
-    if not pinfo.visited then
-        if not recognise(tvb, tvb:len(), conns[key]) then return nil end
-        st.kbtp = true
+local function dissect_more(tvb, pinfo, tree, st)
+    local n = tvb:len()
+    local s = octets(tvb, n)
+    local visited = pinfo.visited
+    if not visited then
+        local key = iwarp_key(pinfo)
+        if not recognise(s, n, conns[key]) then return nil end
+        st.kbtp, st.key = true, key
     elseif not st.kbtp then
         return nil
     end
-    return dissect_message(tvb, tvb:len(), pinfo, tree, key, st)
+    return dissect_message(tvb, s, n, pinfo, visited, pinfo.number, tree, st.key, st)
 end
 
 local function frame_info(number)
@@ -836,6 +980,7 @@ end
 --
 -- 64-bit Tagged Offsets, Add Data and the like are kept as two 32-bit numbers (high, low):
 -- UInt64 objects cost an allocation each, and data packets are most of a KBTP capture.
+-- KBTP messages hand their 64-bit values over as 8-octet strings (runtime.lua's hl64).
 --
 -- A Send that shares an iWARP TCP segment with another one is decoded here too, with
 -- runtime.lua's dissect_more: see more_sends().
@@ -859,20 +1004,17 @@ local armed   -- some connection expects RDMA traffic tied to KBTP
 local armed_roce, armed_iwarp  -- ... on that binding: only its extractor is asked
 local sends   -- frame -> { [Send key] = count } of the KBTP messages the heuristics decoded
 local extras  -- frame -> { { off, len, st } } KBTP messages decoded here (see more_sends())
-local claimed -- RoCEv2 frame -> true when it carried a KBTP message: no RDMA operation of
-              -- interest can share its packet, so the postdissector skips it at once
+local claimed -- the last RoCEv2 frame that carried a KBTP message: no RDMA operation of
+              -- interest can share its packet, so the postdissector, which runs right after
+              -- the heuristic on the same frame, skips it at once
 
 local function rdma_init()
     marks, flows, armed, armed_roce, armed_iwarp = {}, {}, false, false, false
-    sends, extras, claimed = {}, {}, {}
+    sends, extras, claimed = {}, {}, nil
 end
 rdma_init()
 
 -- ---- 64-bit values as (high, low) ----------------------------------------------------------
-local function split64(v)
-    return v:higher(), v:lower()
-end
-
 local function add64(h, l, n)
     l = l + n
     if l >= TWO32 then return (h + math.floor(l / TWO32)) % TWO32, l % TWO32 end
@@ -940,8 +1082,8 @@ local function ring_mask(n)
     return h, l
 end
 
-local MASKED_H, MASKED_L = split64(RING.masked_add)
-local UNMASKED_H, UNMASKED_L = split64(RING.unmasked_add)
+local MASKED_H, MASKED_L = RING.masked_add:higher(), RING.masked_add:lower()
+local UNMASKED_H, UNMASKED_L = RING.unmasked_add:higher(), RING.unmasked_add:lower()
 
 -- ---- what KBTP messages announce (first pass, from runtime's track()) -----------------------
 local function endpoints(pinfo, roce)
@@ -955,7 +1097,7 @@ local function rdma_state(conn, pinfo, from_initiator)
     if not r then
         r = { xfers = {}, sinks = {}, reads = {}, cur = {}, atomics = {} }
         conn.rdma = r
-        r.roce = conn.rdma_roce
+        r.roce = conn.roce == true
         local s, d = endpoints(pinfo, r.roce)
         if not from_initiator then s, d = d, s end
         flows[s .. "|" .. d] = { r = r, to_ini = false }
@@ -970,48 +1112,43 @@ local function arm(r)
     return r
 end
 
--- A KBTP message names itself by opcode and Request ID, whatever path decoded it.
-local function send_key(opcode, request_id_hex)
-    return opcode .. ":" .. request_id_hex
+-- A KBTP message names itself by opcode and Request ID (its 8 octets), whatever path
+-- decoded it.
+local function send_key(opcode, request_id)
+    return opcode .. ":" .. request_id
 end
 
 -- iWARP: which messages the heuristics decoded in this frame, so that the postdissector can
 -- tell the Sends they were never given.
-local function note_send(conn, st, values, pinfo)
+local function note_send(conn, st, values, pinfo, n)
     if st.more then return end
     local op = values.opcode
     local from_initiator = op ~= OPCODE.COMPLETION and op ~= OPCODE.HELLO_ACK
     local r = conn.rdma or rdma_state(conn, pinfo, from_initiator)
     if r.roce then return end
     arm(r)
-    local n = pinfo.number
     local set = sends[n] or {}
     sends[n] = set
-    local k = send_key(op, values.request_id and values.request_id:tohex() or "")
+    local k = send_key(op, values.request_id or "")
     set[k] = (set[k] or 0) + 1
 end
 
 HOOKS[#HOOKS + 1] = {
     init = rdma_init,
-    message = function(conn, st, values, msg, pinfo)
+    message = function(conn, st, values, msg, pinfo, number)
         local op = values.opcode
-        local roce = conn.rdma_roce
-        if roce == nil then
-            roce = conns[conn_key(pinfo, true)] == conn
-            conn.rdma_roce = roce
-        end
-        if roce then
-            claimed[pinfo.number] = true
+        if conn.roce then
+            claimed = number
         else
-            note_send(conn, st, values, pinfo)
+            note_send(conn, st, values, pinfo, number)
         end
         if op == OPCODE.LOAD or op == OPCODE.STORE or op == OPCODE.ALLOC_STORE then
             if bit32.band(values.flags or 0, INLINE) ~= 0 then return end
             local stag, off, len = values["dd.stag"], values["dd.offset"], values["dd.length"]
             if not (stag and off and len) or len == 0 then return end
             local r = arm(rdma_state(conn, pinfo, true))
-            local h, l = split64(off)
-            local e = expectation(pinfo.number, msg.name, stag, h, l, len)
+            local h, l = hl64(off)
+            local e = expectation(number, msg.name, stag, h, l, len)
             e.kind = op == OPCODE.LOAD and "write" or "read"
             push(r.xfers, e)
         elseif op == OPCODE.HELLO_ACK and values.status == STATUS_OK then
@@ -1019,9 +1156,9 @@ HOOKS[#HOOKS + 1] = {
             if bit32.band(feats, FEATURE.DIRECT_ALLOC) == 0 or not values["hello_ack.head.stag"] then return end
             local r = arm(rdma_state(conn, pinfo, false))
             local count = values["hello_ack.ring.count"] or 0
-            local h, l = split64(values["hello_ack.head.offset"])
+            local h, l = hl64(values["hello_ack.head.offset"])
             r.ring = { stag = values["hello_ack.head.stag"], h = h, l = l, count = count,
-                       n = log2(count), frame = pinfo.number }
+                       n = log2(count), frame = number }
         elseif op == OPCODE.COMPLETION and st.request_in and conn.rdma then
             -- The request is over, and its transfers with it (RFC 5040 s5.5, rule 5).
             local r, req = conn.rdma, st.request_in
@@ -1137,7 +1274,7 @@ local function send_of(tvb, d)
     local ctrl, rctrl = s:byte(3, 4)
     if bit32.band(ctrl, 0xff) ~= 0x41 or bit32.band(rctrl, 0xf0) ~= 0x40 or u32(s, 17) ~= 0 then return end
     if ulen < 18 + HEADER_SIZE or d + ulen > tvb:len() then return end
-    local key = send_key(s:byte(22), string.format("%02x%02x%02x%02x%02x%02x%02x%02x", s:byte(25, 32)))
+    local key = send_key(s:byte(22), s:sub(25, 32))
     return { t = "iwarp", kind = "send", off = d + 18, len = ulen - 18, key = key }
 end
 
@@ -1148,8 +1285,8 @@ local function last_of(...)
 end
 
 local function raw(tvb, off, want)
-    local n = math.min(want, tvb:len() - off)
-    return n > 0 and tvb:raw(off, n) or ""
+    local n = math.min(want, Tvb_len(tvb) - off)
+    return n > 0 and Tvb_raw(tvb, off, n) or ""
 end
 
 -- With a protocol tree. Returns the operations and whether they are RoCEv2; false when the
@@ -1380,16 +1517,24 @@ end
 -- ---- the postdissector ---------------------------------------------------------------------------
 local rdma_context = Proto("kbtp_rdma", "KBTP RDMA context (block data and ring counters)")
 
+local TITLE = kbtp.description
+local Tree_set_hidden, Tree_add_expert = TreeItem.set_hidden, TreeItem.add_proto_expert_info
+
+-- The item's whole text in one call, made once per label (labels are shared).
 local function show_one(m, tree)
-    local item = tree:add(kbtp)
-    item:append_text(m.text)
+    local title = m.title
+    if not title then
+        title = TITLE .. m.text
+        m.title = title
+    end
+    local item = Tree_add(tree, kbtp, title)
     if m.ring == "response" then
-        item:add(F["ring.ticket"], m.ticket):set_generated()
-        item:add(F["ring.slot_offset"], m.slot):set_generated()
+        Tree_set_generated(Tree_add(item, F["ring.ticket"], m.ticket))
+        Tree_set_generated(Tree_add(item, F["ring.slot_offset"], m.slot))
     elseif m.ring == nil then
-        item:add(F.data_for, m.req):set_generated()
+        Tree_set_generated(Tree_add(item, F.data_for, m.req))
     elseif m.problem then
-        item:add_proto_expert_info(E.ring, m.problem)
+        Tree_add_expert(item, E.ring, m.problem)
     end
     return m.info
 end
@@ -1398,7 +1543,7 @@ end
 -- A hidden kbtp_rdma item tells these frames from those carrying KBTP messages
 -- (`kbtp && !kbtp_rdma`), and finds them all (`kbtp_rdma`).
 local function show(mark, pinfo, tree)
-    tree:add(rdma_context):set_hidden()
+    Tree_set_hidden(Tree_add(tree, rdma_context))
     local info
     if mark.many then
         local notes = {}
@@ -1418,7 +1563,7 @@ end
 local function show_more(list, tvb, pinfo, tree)
     local infos = { frame_info(pinfo.number) }
     for _, e in ipairs(list) do
-        infos[#infos + 1] = dissect_more(tvb:range(e.off, e.len):tvb(), pinfo, tree, e.st, false)
+        infos[#infos + 1] = dissect_more(tvb:range(e.off, e.len):tvb(), pinfo, tree, e.st)
     end
     pinfo.cols.protocol = "KBTP"
     pinfo.cols.info = table.concat(infos, "; ")
@@ -1440,7 +1585,7 @@ local function more_sends(candidates, seen, tvb, pinfo, tree)
     -- Decode (and track) in capture order; keep only what was KBTP.
     local infos, kept = { frame_info(n) }, {}
     for _, e in ipairs(found) do
-        local info = dissect_more(tvb:range(e.off, e.len):tvb(), pinfo, tree, e.st, false)
+        local info = dissect_more(tvb:range(e.off, e.len):tvb(), pinfo, tree, e.st)
         if info then
             infos[#infos + 1] = info
             kept[#kept + 1] = e
@@ -1455,10 +1600,7 @@ end
 function rdma_context.dissector(tvb, pinfo, tree)
     if not armed then return end  -- no KBTP session expecting RDMA: nothing marked either
     local n = pinfo.number
-    if claimed[n] then  -- first pass of a RoCEv2 frame that carried a KBTP message
-        claimed[n] = nil
-        return
-    end
+    if claimed == n then return end  -- a RoCEv2 frame that carried a KBTP message
     if pinfo.visited then
         local more = extras[n]
         if more then show_more(more, tvb, pinfo, tree) end

@@ -236,3 +236,24 @@ def test_real_captures_decode_exactly_as_without_the_plugin(pcap, tmp_path):
         return [line for line in text.splitlines() if "[Protocols in frame:" not in line]
     assert strip(with_plugin) == strip(plain)
     assert "kbtp" not in with_plugin.lower()
+
+
+@pytest.mark.parametrize("transport", ["roce", "iwarp"])
+def test_64_bit_values_beyond_double_precision_in_info_and_links(tmp_path, transport):
+    """The runtime keeps 64-bit values as octet strings, not numbers: Request IDs above
+    2^53 still print exactly, in decimal, and still pair a request with its answer."""
+    big = [2**64 - 1, 2**53 + 1, 0x123456789ABCDEF0]
+    msgs = []
+    for rid in big:
+        msgs.append(("request", {"opcode": 0x10, "request_id": rid, "handle": rid, "dd.stag": 1, "dd.length": 8}))
+        msgs.append(("response", {"opcode": 0x20, "request_id": rid, "handle": rid,
+                                  "completion.block_offset": rid}))
+    pcap = _messages_capture(tmp_path / "big_ids.pcap", transport, msgs)
+    out = tshark(pcap, "-T", "fields", "-e", "frame.number", "-e", "_ws.col.Info",
+                 "-e", "kbtp.request_in", "-Y", KBTP_FRAMES)
+    rows = [line.split("\t") for line in out.splitlines()]
+    assert len(rows) == 2 * len(big)
+    for (req, res), rid in zip(zip(rows[::2], rows[1::2]), big):
+        assert f"LOAD rid={rid} handle={rid:#x} len=8" in req[1], req
+        assert f"COMPLETION rid={rid} OK gen=0 off={rid:#x}" in res[1], res
+        assert int(res[2]) == int(req[0])

@@ -57,12 +57,13 @@ local armed   -- some connection expects RDMA traffic tied to KBTP
 local armed_roce, armed_iwarp  -- ... on that binding: only its extractor is asked
 local sends   -- frame -> { [Send key] = count } of the KBTP messages the heuristics decoded
 local extras  -- frame -> { { off, len, st } } KBTP messages decoded here (see more_sends())
-local claimed -- RoCEv2 frame -> true when it carried a KBTP message: no RDMA operation of
-              -- interest can share its packet, so the postdissector skips it at once
+local claimed -- the last RoCEv2 frame that carried a KBTP message: no RDMA operation of
+              -- interest can share its packet, so the postdissector, which runs right after
+              -- the heuristic on the same frame, skips it at once
 
 local function rdma_init()
     marks, flows, armed, armed_roce, armed_iwarp = {}, {}, false, false, false
-    sends, extras, claimed = {}, {}, {}
+    sends, extras, claimed = {}, {}, nil
 end
 rdma_init()
 
@@ -190,7 +191,7 @@ HOOKS[#HOOKS + 1] = {
     message = function(conn, st, values, msg, pinfo, number)
         local op = values.opcode
         if conn.roce then
-            claimed[number] = true
+            claimed = number
         else
             note_send(conn, st, values, pinfo, number)
         end
@@ -569,16 +570,24 @@ end
 -- ---- the postdissector ---------------------------------------------------------------------------
 local rdma_context = Proto("kbtp_rdma", "KBTP RDMA context (block data and ring counters)")
 
+local TITLE = kbtp.description
+local Tree_set_hidden, Tree_add_expert = TreeItem.set_hidden, TreeItem.add_proto_expert_info
+
+-- The item's whole text in one call, made once per label (labels are shared).
 local function show_one(m, tree)
-    local item = tree:add(kbtp)
-    item:append_text(m.text)
+    local title = m.title
+    if not title then
+        title = TITLE .. m.text
+        m.title = title
+    end
+    local item = Tree_add(tree, kbtp, title)
     if m.ring == "response" then
-        item:add(F["ring.ticket"], m.ticket):set_generated()
-        item:add(F["ring.slot_offset"], m.slot):set_generated()
+        Tree_set_generated(Tree_add(item, F["ring.ticket"], m.ticket))
+        Tree_set_generated(Tree_add(item, F["ring.slot_offset"], m.slot))
     elseif m.ring == nil then
-        item:add(F.data_for, m.req):set_generated()
+        Tree_set_generated(Tree_add(item, F.data_for, m.req))
     elseif m.problem then
-        item:add_proto_expert_info(E.ring, m.problem)
+        Tree_add_expert(item, E.ring, m.problem)
     end
     return m.info
 end
@@ -587,7 +596,7 @@ end
 -- A hidden kbtp_rdma item tells these frames from those carrying KBTP messages
 -- (`kbtp && !kbtp_rdma`), and finds them all (`kbtp_rdma`).
 local function show(mark, pinfo, tree)
-    tree:add(rdma_context):set_hidden()
+    Tree_set_hidden(Tree_add(tree, rdma_context))
     local info
     if mark.many then
         local notes = {}
@@ -644,10 +653,7 @@ end
 function rdma_context.dissector(tvb, pinfo, tree)
     if not armed then return end  -- no KBTP session expecting RDMA: nothing marked either
     local n = pinfo.number
-    if claimed[n] then  -- first pass of a RoCEv2 frame that carried a KBTP message
-        claimed[n] = nil
-        return
-    end
+    if claimed == n then return end  -- a RoCEv2 frame that carried a KBTP message
     if pinfo.visited then
         local more = extras[n]
         if more then show_more(more, tvb, pinfo, tree) end

@@ -65,9 +65,10 @@ local function hl64(v)
     return ((a * 256 + b) * 256 + c) * 256 + d, ((e * 256 + f) * 256 + g) * 256 + h
 end
 
+-- Integers print with "%d": cheaper than tostring()'s "%.14g", and exact below 2^53.
 local function dec64(v)
     local h, l = hl64(v)
-    if h < 0x200000 then return format("%.0f", h * TWO32 + l) end  -- exact below 2^53
+    if h < 0x200000 then return format("%d", h * TWO32 + l) end
     return tostring(UInt64.new(l, h))
 end
 
@@ -228,10 +229,17 @@ local function opcode_known(op)
     return MESSAGES[op] ~= nil or (op >= PRIVATE_OPCODES[1] and op <= PRIVATE_OPCODES[2])
 end
 
+-- One context for every read, cleared each time: a read is used up before the next one
+-- starts, and new tables (growing key by key) would cost a malloc per growth step.
+local CTX, VALUES = {}, {}
+
 -- Read one message from the first ``len`` octets (``s``: see octets()), into ``tree`` when
 -- given: the context holds the values, the offset reached, truncation and the inline tail.
+-- Valid until the next read.
 local function read_message(tvb, s, len, msg, le, tree)
-    local ctx = { values = {}, le = le and (msg == nil or msg.addr_le), msg = msg, len = len }
+    local ctx, values = CTX, VALUES
+    for k in next, values do values[k] = nil end
+    ctx.values, ctx.le, ctx.msg, ctx.len, ctx.tail = values, le and (msg == nil or msg.addr_le), msg, len, nil
     local off, truncated = walk(HEADER, tvb, s, 0, tree, ctx)
     if msg and not truncated then off, truncated = walk(msg.items, tvb, s, off, tree, ctx) end
     ctx.off, ctx.truncated = off, truncated
@@ -322,7 +330,7 @@ for key, fmt in pairs(FMT) do
     else
         SHOW[key] = function(v)
             if type(v) == "string" then return dec64(v) end
-            return tostring(v)
+            return format("%d", v)
         end
     end
 end
@@ -336,10 +344,13 @@ local function summary(msg, op, values)
         return format("%s rid=%s", show("opcode", op), show("request_id", values.request_id))
     end
     local parts = { msg.name }
-    for _, pair in ipairs(msg.summary) do
-        local v = values[pair[2]]
+    local pairs_ = msg.summary
+    for i = 1, #pairs_ do
+        local pair = pairs_[i]
+        local key = pair[2]
+        local v = values[key]
         if v ~= nil then
-            parts[#parts + 1] = pair[1] ~= "" and (pair[1] .. "=" .. show(pair[2], v)) or show(pair[2], v)
+            parts[#parts + 1] = pair[1] ~= "" and (pair[1] .. "=" .. SHOW[key](v)) or SHOW[key](v)
         end
     end
     if msg.flagset and values.flags then
@@ -454,6 +465,19 @@ local function frame_state(number)
     return st
 end
 
+-- The state of a frame carrying one KBTP message, made with the keys it will hold (one
+-- allocation instead of one per growth step).
+local function message_state(number, key, roce, len, pad_unknown)
+    local st = frames[number]
+    if st then
+        st.kbtp, st.key, st.roce, st.len, st.pad_unknown = true, key, roce, len, pad_unknown
+    else
+        st = { kbtp = true, key = key, roce = roce, len = len, pad_unknown = pad_unknown, le = false }
+        frames[number] = st
+    end
+    return st
+end
+
 -- "first", "middle", "last" or "only" for a Send's BTH opcode; false for other opcodes.
 local function send_kind(opcode)
     if SEND_ONLY[opcode] then return "only" end
@@ -523,9 +547,7 @@ local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
         if exact then pad = n - declared end
     end
     if kind == "first" or not recognise(s, n - (pad or 0), conn) then return nil end
-    local st = frame_state(number)
-    st.len, st.pad_unknown = n - (pad or 0), pad == nil
-    return st
+    return message_state(number, key, true, n - (pad or 0), pad == nil)
 end
 
 -- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
@@ -548,7 +570,7 @@ local function heur_infiniband(tvb, pinfo, tree)
         local key = roce_key(src, dst)
         st = classify_roce(tvb, s, n, pinfo, number, key, src, dst)
         if not st then return false end
-        st.kbtp, st.key, st.roce = true, key, true
+        st.kbtp, st.key, st.roce = true, key, true  -- fragments too
     end
     if st.len then               -- one packet: dissect it in place
         local pad = st.pad_unknown and last(X.bth_padcnt)
@@ -588,8 +610,7 @@ local function heur_iwarp(tvb, pinfo, tree)
         if not header_ok(s, n) then return false end
         local key = iwarp_key(pinfo)
         if not recognise(s, n, conns[key]) then return false end
-        st = frame_state(number)
-        st.kbtp, st.key = true, key
+        st = message_state(number, key, false)
     end
     set_columns(pinfo, dissect_message(tvb, s, n, pinfo, visited, number, tree, st.key, st))
     return true
