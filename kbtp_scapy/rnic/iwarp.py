@@ -18,17 +18,18 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from kbtp_scapy.layers.iwarp import (
+from kbtp_scapy.transport.iwarp_defs import (
     DDP_TAGGED_LEN,
     DDP_UNTAGGED_LEN,
+    DEFAULT_MSS,
     FPDU_OVERHEAD,
     INVALIDATE_OPCODES,
     OPCODE_QUEUE,
     SOLICITED_OPCODES,
     Op,
     fpdu_pad_len,
+    mulpdu,
 )
-from kbtp_scapy.transport.iwarp import DEFAULT_MSS, mulpdu
 from kbtp_scapy.transport.mpa_markers import (
     MARKER_INTERVAL,
     MARKER_LEN,

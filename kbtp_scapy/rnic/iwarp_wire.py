@@ -13,9 +13,8 @@ import struct
 from dataclasses import dataclass
 
 import google_crc32c
-from scapy.utils import checksum
 
-from kbtp_scapy.layers.iwarp import (
+from kbtp_scapy.transport.iwarp_defs import (
     DDP_TAGGED_LEN,
     DDP_UNTAGGED_LEN,
     MPA_REP_KEY,
@@ -284,6 +283,7 @@ class TcpFrames:
 
     def _segment(self, d: str, flags: int, data: bytes, options: bytes = b"",
                  ack: bool = True) -> bytes:
+        from scapy.utils import checksum  # only frame listeners pay for importing Scapy
         o = "rx" if d == "tx" else "tx"
         seq = self._seq[d]
         self._seq[d] = (seq + len(data) + bool(flags & (_SYN | _FIN))) & 0xFFFFFFFF

@@ -28,7 +28,6 @@ from kbtp_scapy.layers.iwarp import (
     DDP,
     DDP_TAGGED_LEN,
     DDP_UNTAGGED_LEN,
-    FPDU_OVERHEAD,
     INVALIDATE_OPCODES,
     MPA,
     MPA_REP_KEY,
@@ -50,23 +49,9 @@ from kbtp_scapy.layers.iwarp import (
     crc32c,
     fpdu_pad_len,
 )
+from kbtp_scapy.transport.iwarp_defs import DEFAULT_MSS, MULPDU, mulpdu  # noqa: F401 (MULPDU re-exported)
 from kbtp_scapy.transport.message import RdmaMessage
-from kbtp_scapy.transport.mpa_markers import MARKER_INTERVAL, insert_markers, strip_markers
-
-DEFAULT_MSS = 1460
-
-
-def mulpdu(emss: int = DEFAULT_MSS, markers: bool = False) -> int:
-    """Largest ULPDU that keeps one FPDU in one TCP segment (RFC 5044's MULPDU formula).
-
-    FPDU overhead is 6 octets, the FPDU is padded to 4, and with markers every 512
-    octets of the segment may hold one more 4-octet marker.
-    """
-    marker_room = 4 * -(-emss // MARKER_INTERVAL) if markers else 0
-    return emss - (FPDU_OVERHEAD + marker_room + emss % 4)
-
-
-MULPDU = mulpdu()
+from kbtp_scapy.transport.mpa_markers import insert_markers, strip_markers
 
 
 def _opcode(op: int | str) -> Op:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import struct
 
-from kbtp_scapy.layers.iwarp import crc32c
+from .iwarp_defs import MARKER_INTERVAL, crc32c
 
-MARKER_INTERVAL = 512
 MARKER_LEN = 4
 
 

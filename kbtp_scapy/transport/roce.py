@@ -15,15 +15,26 @@ from typing import Iterable, Iterator
 
 from scapy.compat import raw
 from scapy.contrib.roce import AETH, BTH, GRH
+from scapy.data import DLT_EN10MB
 from scapy.layers.inet import IP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
-from scapy.data import DLT_EN10MB
 from scapy.utils import PcapWriter
 
-from kbtp_scapy.layers.roce import (HEADERS, OPCODES, DETH, IETH, RETH, AtomicAckETH, AtomicETH,
-                                    ImmDt, add_pad, bth_parts, icrc_ok)
+from kbtp_scapy.layers.roce import (
+    DETH,
+    HEADERS,
+    IETH,
+    OPCODES,
+    RETH,
+    AtomicAckETH,
+    AtomicETH,
+    ImmDt,
+    add_pad,
+    bth_parts,
+    icrc_ok,
+)
 from kbtp_scapy.transport.message import RdmaMessage
 
 __all__ = ["ROCE_UDP_PORT", "PATH_MTUS", "segment_message", "reassemble", "RoceEndpoint",
