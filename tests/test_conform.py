@@ -186,6 +186,21 @@ def plant_order(t, mp):
     wrap_method(mp, Connection, "_complete", wrapper)
 
 
+def plant_valid_before_data(t, mp):
+    """ALLOC_STORE that writes the entry first and the data a little later."""
+    def wrapper(original):
+        async def alloc_store(self, conn, req, fetch=None):
+            data = await self._data(conn, req, req["dd.length"], fetch)
+            _, block = await conn.ring.allocate()
+            bound = self.table.bind(req["handle"], block, len(data), bool(req["flags"] & F["SEAL"]))
+            conn.state.bound.add(req["handle"])
+            await asyncio.sleep(0.05)
+            self.memory.block(block, len(data))[:] = data
+            return Outcome(0, bound.generation, len(data), block)
+        return alloc_store
+    set_handler(t, "ALLOC_STORE", wrapper)
+
+
 def plant_late_data(t, mp):
     def wrapper(original):
         async def load(self, conn, req, fetch=None):
@@ -369,6 +384,7 @@ PLANTS = {
     "completion.invalidate": lambda t, mp: wrap_method(mp, Connection, "_complete", complete_with(
         lambda req: {**req, "flags": req["flags"] & ~F["INVALIDATE"]})),
     "completion.load_data": plant_late_data,
+    "direct.load.data_before_valid": plant_valid_before_data,
     "completion.record.rdmap": lambda t, mp: mp.setattr(Target, "offered_features",
                                                         lambda self, qp: self.config.features),
     "completion.record.write_imm": lambda t, mp: wrap_method(mp, Connection, "_complete", complete_with(

@@ -201,3 +201,38 @@ untestable("Free-Block Ring", MUST, """If it is not yet consumed, because the al
            has taken its ticket but not yet read it, the target MUST defer the write until the slot
            is consumed; it MUST NOT overwrite the slot.""",
            "needs a race inside the target; the shared ring is not visible to initiators")
+
+
+@case("direct.load.data_before_valid", "Block Unmapped Store", RULE, """The entry is written after
+      the data, so any initiator that observes VALID in the entry also observes the data.""",
+      features=DIRECT_LOAD)
+async def data_before_valid(ctx: Ctx) -> None:
+    """Watch the entries through the Table STag while unmapped stores run: the first read
+    that shows VALID must be followed by a block read that shows the stored data."""
+    a = await ctx.connect(need=DIRECT_LOAD)
+    watcher = await ctx.connect(need=DIRECT_LOAD)
+    table, base, _ = granted(watcher, "table")
+    pool = granted(watcher, "pool")[0]
+    first = watcher.target.fields["table_base_handle"]
+    seen: list[str] = []
+    for i in range(4):
+        h = a.target.handle_base + i
+        payload = data(a.target.block_size)
+        store = asyncio.ensure_future(a.alloc_store(h, payload, seal=True, inline=False))
+        at = base + (h - first) * 16
+        deadline = asyncio.get_running_loop().time() + ctx.timeout
+        while asyncio.get_running_loop().time() < deadline:
+            entry = await watcher._entry(table, at)
+            if entry["entry.flags"] & 1:          # VALID: the data must be there already
+                block = await watcher.qp.read(pool, entry["entry.block_offset"],
+                                              entry["entry.data_length"])
+                if block != payload:
+                    seen.append(f"0x{h:x}: VALID with {sum(x != y for x, y in zip(block, payload))} "
+                                f"octets of {len(payload)} not yet stored")
+                break
+            if store.done():                      # completed before we saw VALID: read once more
+                if not (await watcher._entry(table, at))["entry.flags"] & 1:
+                    seen.append(f"0x{h:x}: completed OK but the entry is not VALID")
+                    break
+        await ctx.ok(asyncio.wait_for(store, ctx.timeout), f"ALLOC_STORE to 0x{h:x} (set-up)")
+    ctx.check(not seen, "every entry seen VALID already holds its data", "; ".join(seen))
