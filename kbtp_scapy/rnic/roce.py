@@ -296,6 +296,7 @@ class RoceListener:
         self.address = Address("roce", host, port)
         self.service_id = cm.rdma_cm_service_id(port)
         self.tasks: set[asyncio.Task] = set()
+        self._resends: set[asyncio.Task] = set()      # REP retransmission until RTU
         self._closed = asyncio.Event()
 
     def accept(self, dev: Device, req: cm.CmMessage, addr: tuple[str, int],
@@ -317,7 +318,9 @@ class RoceListener:
         dev.accepting[key] = (qp, rep)
         qp.on_established = self._established
         dev.send_datagram(rep, addr, qp.frame_listeners)
-        dev.loop.create_task(self._until_rtu(dev, qp, rep, key))
+        resend = dev.loop.create_task(self._until_rtu(dev, qp, rep, key))
+        self._resends.add(resend)
+        resend.add_done_callback(self._resends.discard)
 
     async def _until_rtu(self, dev: Device, qp: RoceQP, rep: bytes, key: tuple) -> None:
         """REP again until RTU (or the first packet) comes; give up at the timeout."""
@@ -347,6 +350,8 @@ class RoceListener:
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
+            for resend in self._resends:
+                resend.cancel()
             if self._dev.services.get(self.service_id) is self:
                 del self._dev.services[self.service_id]
             self._dev.release()
