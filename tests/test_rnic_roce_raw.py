@@ -25,15 +25,16 @@ from kbtp_scapy.rnic.roce_raw import bpf_program, parse_addr
 from kbtp_scapy.target import Target, TargetConfig
 
 from . import test_target_ops as ops
+from . import test_target_sessions as sessions
 from .kbtp_harness import TargetThread
 from .netns import Link, enter, move
 from .test_target_capture import decoded, dissected, session
 from .tshark import TSHARK, needs_tshark
 
-V4 = {"target": "10.99.0.1", "kernel": ["10.99.0.2/24", "10.99.0.3/24"],
-      "raw": ["10.99.0.10", "10.99.0.11"], "other": "10.99.0.99"}
-V6 = {"target": "fd99::1", "kernel": ["fd99::2/64", "fd99::3/64"],
-      "raw": ["fd99::10", "fd99::11"], "other": "fd99::99"}
+V4 = {"target": "10.99.0.1", "kernel": ["10.99.0.2/24", "10.99.0.3/24", "10.99.0.4/24"],
+      "raw": ["10.99.0.10", "10.99.0.11", "10.99.0.12"], "other": "10.99.0.99"}
+V6 = {"target": "fd99::1", "kernel": ["fd99::2/64", "fd99::3/64", "fd99::4/64"],
+      "raw": ["fd99::10", "fd99::11", "fd99::12"], "other": "fd99::99"}
 
 
 class RawTarget(TargetThread):
@@ -80,6 +81,29 @@ def target(request, link):
     t = RawTarget(link, V4 if family == "v4" else V6, io, config)
     yield t
     t.stop()
+
+
+@pytest.fixture(params=[("v4", "udp"), ("v6", "raw")], ids="-".join)
+def make(request, link):
+    """tests/test_target_sessions.py's targets, on the raw backend in namespace A."""
+    family, io = request.param
+
+    def start(**config) -> RawTarget:
+        return RawTarget(link, V4 if family == "v4" else V6, io,
+                         TargetConfig(**{**sessions.BASE, **config}))
+    return start
+
+
+# The session tests, unchanged, over the raw backend (they take the ``make`` above).
+test_deferred_free_example = sessions.test_deferred_free_example
+test_reconnect_finds_bindings_and_active_id_is_refused = \
+    sessions.test_reconnect_finds_bindings_and_active_id_is_refused
+test_direct_load_and_direct_alloc = sessions.test_direct_load_and_direct_alloc
+test_completion_records_only_on_roce = sessions.test_completion_records_only_on_roce
+test_addr_le_session_keeps_memory_little_endian = sessions.test_addr_le_session_keeps_memory_little_endian
+test_isolation = sessions.test_isolation
+test_bad_input_gets_malformed_and_others_are_served = \
+    sessions.test_bad_input_gets_malformed_and_others_are_served
 
 
 def test_every_operation_and_status(target):

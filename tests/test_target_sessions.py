@@ -28,24 +28,26 @@ def run(coro, timeout: float = 60):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-def make(transport: str, **config) -> TargetThread:
-    base = dict(blocks=64, block_size=4096, max_initiators=4, retention_s=30)
-    return TargetThread(transport, TargetConfig(**{**base, **config}))
+BASE = dict(blocks=64, block_size=4096, max_initiators=4, retention_s=30)
 
 
 @pytest.fixture(params=TRANSPORTS)
-def transport(request):
-    return request.param
+def make(request):
+    """Start a target of this binding with the test's settings (other backends, such as
+    the raw-socket one in tests/test_rnic_roce_raw.py, give their own ``make``)."""
+    def start(**config) -> TargetThread:
+        return TargetThread(request.param, TargetConfig(**{**BASE, **config}))
+    return start
 
 
 async def connect(t: TargetThread, index: int = 0, **kw) -> Initiator:
     return await Initiator.connect(t.url, **t.connect_options(index), **kw)
 
 
-def test_deferred_free_example(transport):
+def test_deferred_free_example(make):
     """The text's example: X's allocation is held between its FetchAdd and its slot read
     while Y allocates, and Y's free finds X's slot unconsumed and is deferred."""
-    t = make(transport, blocks=4, max_initiators=2, features=0, clear_freed=False)
+    t = make(blocks=4, max_initiators=2, features=0, clear_freed=False)
     try:
         held = threading.Event()
         release = asyncio.Event()      # belongs to the target's loop; set from there
@@ -87,8 +89,8 @@ def test_deferred_free_example(transport):
         t.stop()
 
 
-def test_reconnect_finds_bindings_and_active_id_is_refused(transport):
-    t = make(transport)
+def test_reconnect_finds_bindings_and_active_id_is_refused(make):
+    t = make()
     try:
         ident = os.urandom(16)
 
@@ -117,8 +119,8 @@ def test_reconnect_finds_bindings_and_active_id_is_refused(transport):
         t.stop()
 
 
-def test_direct_load_and_direct_alloc(transport):
-    t = make(transport)
+def test_direct_load_and_direct_alloc(make):
+    t = make()
     try:
         async def main():
             a = await connect(t, 0)
@@ -146,25 +148,25 @@ def test_direct_load_and_direct_alloc(transport):
         t.stop()
 
 
-def test_completion_records_only_on_roce(transport):
-    t = make(transport)
+def test_completion_records_only_on_roce(make):
+    t = make()
     try:
         async def main():
             a = await connect(t, 0)
             h = a.target.handle_base
             r = await a.alloc_store(h, b"recorded", seal=True, record=True)
-            assert r.record == (transport == "roce")
-            assert a.target.feature(RECORD_COMPLETION) == (transport == "roce")
+            assert r.record == (t.transport == "roce")
+            assert a.target.feature(RECORD_COMPLETION) == (t.transport == "roce")
             r = await a.load(h, record=True)
-            assert (r.record, r.data) == (transport == "roce", b"recorded")
+            assert (r.record, r.data) == (t.transport == "roce", b"recorded")
             await a.goodbye(release=True)
         run(main())
     finally:
         t.stop()
 
 
-def test_addr_le_session_keeps_memory_little_endian(transport):
-    t = make(transport, addr_le=True)
+def test_addr_le_session_keeps_memory_little_endian(make):
+    t = make(addr_le=True)
     try:
         async def main():
             a = await connect(t, 0)
@@ -184,8 +186,8 @@ def test_addr_le_session_keeps_memory_little_endian(transport):
         t.stop()
 
 
-def test_isolation(transport):
-    t = make(transport)
+def test_isolation(make):
+    t = make()
     try:
         async def main():
             a = await connect(t, 0)
@@ -247,8 +249,8 @@ def _bad_requests(h: int) -> list[tuple[str, bytes, int]]:
     return out
 
 
-def test_bad_input_gets_malformed_and_others_are_served(transport):
-    t = make(transport)
+def test_bad_input_gets_malformed_and_others_are_served(make):
+    t = make()
     try:
         async def main():
             a = await connect(t, 0)
