@@ -79,8 +79,8 @@ class Target:
         """Free every block an initiator has bound (GOODBYE RELEASE, or retention expired)."""
         table = self.memory.table
         for handle in sorted(state.bound):
-            entry = table.unbind(handle)
-            self.executor.release_block(entry.block_offset)
+            if table.read(handle).valid:    # never free what is not bound, whatever happened
+                self.executor.release_block(table.unbind(handle).block_offset)
         state.bound.clear()
 
     def rings(self) -> Iterator[tuple[str, FreeRing]]:
