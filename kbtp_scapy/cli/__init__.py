@@ -10,7 +10,7 @@ import click
 #: so ``kbtp target`` does not pay for Scapy's layers in start-up time and memory.
 COMMANDS = {"decode": "decode", "craft": "craft", "demo": "demo", "dissector": "dissector",
             "target": "target", "initiator": "initiator",
-            "replay": "replay", "conform": "conform"}
+            "replay": "replay", "conform": "conform", "fuzz": "fuzz"}
 
 
 class LazyGroup(click.Group):

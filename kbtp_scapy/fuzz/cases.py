@@ -1,0 +1,102 @@
+"""Cases from (seed, index): a stable name and a list of symbolic steps.
+
+A step names what it acts on by role (``["guard", 0]``, ``["peer", 1]``, ``["edge",
+"own_end"]``), never by value: values (handles, STags, generations, tickets) are learned
+from the target while the case runs, so a case replays on a fresh session as it first ran.
+Every random choice a step makes at run time draws from the step's own ``seed``.
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..tables.enums import OPCODES
+
+Step = dict[str, Any]
+
+EDGES = ("own_before", "own_first", "own_last", "own_end", "peer_first", "peer_last",
+         "table_end", "zero", "max", "random")
+FAMILIES = ("field", "scapy_fuzz", "flags", "inline_lie", "generation", "handle_edge",
+            "opcode", "bytes", "bind_forged")
+REQUEST_OPS = ("LOAD", "STORE", "ALLOC_STORE", "FREE", "BIND")
+VALID_OPS = ("alloc_store", "store", "load", "free", "direct_load", "direct_alloc")
+RDMA_KINDS = ("random_stag", "peer_stag", "read_only_write", "out_of_bounds", "head_wrong_add")
+SCRATCH = 8          # own handles the valid operations play with, after the guards
+_NAME = re.compile(r"^(iwarp|roce)-(\d+)-(\d+)$")
+
+
+@dataclass
+class Case:
+    name: str
+    seed: int
+    index: int
+    steps: list[Step] = field(default_factory=list)
+
+
+def case_name(transport: str, seed: int, index: int) -> str:
+    return f"{transport}-{seed}-{index:06d}"
+
+
+def parse_name(name: str) -> tuple[str, int, int]:
+    """``roce-42-007315`` -> ("roce", 42, 7315); ValueError for anything else."""
+    m = _NAME.match(name)
+    if not m:
+        raise ValueError(f"{name!r} is not a case name like roce-42-007315")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def _handle(rng: random.Random) -> list:
+    role = rng.choices(["scratch", "guard", "peer", "edge"], [5, 2, 3, 3])[0]
+    if role == "edge":
+        return ["edge", rng.choice(EDGES)]
+    return [role, rng.randrange(SCRATCH if role == "scratch" else 2)]
+
+
+def _valid(rng: random.Random) -> Step:
+    return {"kind": "valid", "op": rng.choice(VALID_OPS), "handle": ["scratch", rng.randrange(SCRATCH)],
+            "size": rng.choice([0, 1, 8, 100, 4096, rng.randrange(1, 4097)]),
+            "seal": rng.random() < 0.5, "inline": rng.choice([None, True, False]),
+            "fill": rng.randrange(256)}
+
+
+def _mutate(rng: random.Random) -> Step:
+    family = rng.choice(FAMILIES)
+    op = "BIND" if family == "bind_forged" else rng.choice(REQUEST_OPS)
+    handle = ["edge", rng.choice(EDGES)] if family == "handle_edge" else _handle(rng)
+    return {"kind": "mutate", "op": op, "family": family, "handle": handle,
+            "inline": rng.random() < 0.5, "record": rng.random() < 0.2,
+            "seed": rng.getrandbits(32)}
+
+
+def _rdma(rng: random.Random) -> Step:
+    return {"kind": "rdma", "what": rng.choice(RDMA_KINDS),
+            "verb": rng.choice(["read", "write", "fetch_add"]), "seed": rng.getrandbits(32)}
+
+
+def make_case(transport: str, seed: int, index: int) -> Case:
+    """The case ``index`` of run ``seed``: the same steps every time."""
+    rng = random.Random(f"kbtp-fuzz/{seed}/{index}")
+    steps = []
+    for _ in range(rng.choice([1, 2, 2, 3, 4])):
+        kind = rng.choices(["mutate", "valid", "rdma", "burst", "reconnect"], [60, 25, 9, 3, 3])[0]
+        if kind == "mutate":
+            steps.append(_mutate(rng))
+        elif kind == "valid":
+            steps.append(_valid(rng))
+        elif kind == "rdma":
+            steps.append(_rdma(rng))
+        elif kind == "burst":
+            steps.append({"kind": "burst", "extra": rng.randrange(1, 9)})
+        else:
+            steps.append({"kind": "reconnect"})
+    return Case(case_name(transport, seed, index), seed, index, steps)
+
+
+def unknown_opcodes() -> list[int]:
+    """Opcodes a request may not carry: unassigned, Private Use, and the answers."""
+    assigned = {v.value for v in OPCODES.values}
+    lo, hi = OPCODES.private_use
+    return sorted(set(range(256)) - assigned) + [OPCODES.by_name()[n] for n in
+                                                  ("HELLO", "HELLO_ACK", "COMPLETION")] + [lo, hi]
