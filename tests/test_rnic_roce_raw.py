@@ -26,12 +26,14 @@ from kbtp_scapy.target import Target, TargetConfig
 
 from . import test_target_ops as ops
 from . import test_target_sessions as sessions
+from . import test_target_storm as storm_test
 from .kbtp_harness import TargetThread
 from .netns import Link, enter, move
 from .test_target_capture import decoded, dissected, session
 from .tshark import TSHARK, needs_tshark
 
-V4 = {"target": "10.99.0.1", "kernel": ["10.99.0.2/24", "10.99.0.3/24", "10.99.0.4/24"],
+V4 = {"target": "10.99.0.1", "kernel": ["10.99.0.2/24", "10.99.0.3/24", "10.99.0.4/24",
+                                        "10.99.0.5/24"],
       "raw": ["10.99.0.10", "10.99.0.11", "10.99.0.12"], "other": "10.99.0.99"}
 V6 = {"target": "fd99::1", "kernel": ["fd99::2/64", "fd99::3/64", "fd99::4/64"],
       "raw": ["fd99::10", "fd99::11", "fd99::12"], "other": "fd99::99"}
@@ -104,6 +106,15 @@ test_addr_le_session_keeps_memory_little_endian = sessions.test_addr_le_session_
 test_isolation = sessions.test_isolation
 test_bad_input_gets_malformed_and_others_are_served = \
     sessions.test_bad_input_gets_malformed_and_others_are_served
+
+
+def test_allocation_storm_over_the_raw_backend(link):
+    """Four initiator processes in namespace B (kernel UDP) against the raw target in A."""
+    t = RawTarget(link, V4, "udp", storm_test.CONFIG)
+    try:
+        storm_test.storm(t, [a.split("/")[0] for a in V4["kernel"][:storm_test.WORKERS]])
+    finally:
+        t.stop()
 
 
 def test_every_operation_and_status(target):
