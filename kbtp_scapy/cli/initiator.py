@@ -18,8 +18,7 @@ import click
 
 from ..initiator import Initiator, KbtpError, Result
 from ..rnic.qp import ConnectionLost, RemoteError
-from ..rnic.roce_raw import parse_addr
-from .options import address, feature_names, features, integer
+from .options import address, feature_names, features, integer, raw_io, raw_io_options
 
 DEFAULT_ID_FILE = Path("~/.config/kbtp/initiator_id")
 
@@ -67,12 +66,7 @@ class _UrlFirst(click.Group):
               help="Completion Credits (receive buffers posted for completions).")
 @click.option("--no-invalidate", is_flag=True, help="Do not ask for Send with Invalidate.")
 @click.option("--local", default=None, help="RoCEv2: local address to send from.")
-@click.option("--io", type=click.Choice(["udp", "raw"]), default="udp", show_default=True,
-              help="RoCEv2 I/O: a kernel UDP socket, or whole frames on --iface as --addr.")
-@click.option("--iface", default=None, metavar="IF", help="Interface of --io raw.")
-@click.option("--addr", "raw_addr", default=None, metavar="IP[/MAC]",
-              help="--io raw: the address the initiator owns (not configured in the kernel); "
-                   "without MAC a locally administered one from the IP.")
+@raw_io_options("initiator")
 @click.option("--mtu", type=click.Choice(["256", "512", "1024", "2048", "4096"]), default=None,
               help="RoCEv2 path MTU, which the CM REQ sets for both ends "
                    "[default: the largest the route's link MTU allows].")
@@ -98,14 +92,7 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
     options = {}
     if transport == "roce":
         options = {k: v for k, v in (("local", local), ("mtu", int(mtu) if mtu else None)) if v}
-        if io == "raw":
-            if not iface or not raw_addr:
-                raise click.UsageError("--io raw needs --iface and --addr")
-            try:
-                parse_addr(raw_addr)
-            except ValueError as exc:
-                raise click.BadParameter(str(exc), param_hint="--addr") from None
-            options.update(io=io, iface=iface, addr=raw_addr)
+        options.update(raw_io(transport, io, iface, raw_addr))
     ctx.obj = dict(url=address(transport, url), initiator_id=_initiator_id(id_hex, id_file),
                    features=features(feature_list), credits=credits,
                    invalidate=not no_invalidate, pcap=pcap, as_json=as_json, options=options)

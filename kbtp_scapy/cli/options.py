@@ -47,3 +47,30 @@ def integer(text: str | int) -> int:
 
 def feature_names(value: int) -> str:
     return ",".join(n for n, v in FEATURE_NAMES.items() if value & v) or "none"
+
+
+def raw_io_options(owner: str):
+    """``--io``, ``--iface`` and ``--addr`` of the RoCEv2 raw-socket backend."""
+    def decorate(func):
+        func = click.option("--addr", "raw_addr", default=None, metavar="IP[/MAC]",
+                            help=f"--io raw: the address the {owner} owns (not configured in the "
+                                 "kernel); without MAC a locally administered one from the IP.")(func)
+        func = click.option("--iface", default=None, metavar="IF", help="Interface of --io raw.")(func)
+        return click.option("--io", type=click.Choice(["udp", "raw"]), default="udp",
+                            show_default=True, help="RoCEv2 I/O: a kernel UDP socket, or whole "
+                                                    "frames on --iface as --addr.")(func)
+    return decorate
+
+
+def raw_io(transport: str, io: str, iface: str | None, raw_addr: str | None) -> dict:
+    """The binding options that ``--io raw`` asks for ({} for the kernel's UDP socket)."""
+    if io != "raw":
+        return {}
+    if transport != "roce" or not iface or not raw_addr:
+        raise click.UsageError("--io raw needs RoCEv2, --iface and --addr")
+    from ..rnic.roce_raw import parse_addr
+    try:
+        parse_addr(raw_addr)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--addr") from None
+    return {"io": "raw", "iface": iface, "addr": raw_addr}

@@ -8,9 +8,8 @@ from dataclasses import replace
 
 import click
 
-from ..rnic.roce_raw import parse_addr
 from ..target import Target, TargetConfig
-from .options import address, feature_names, features
+from .options import address, feature_names, features, raw_io, raw_io_options
 
 
 @click.command()
@@ -18,12 +17,7 @@ from .options import address, feature_names, features
               help="RDMA binding: iwarp (TCP, MPA rev 2) or roce (UDP 4791, RC).")
 @click.option("--listen", "where", default="127.0.0.1", show_default=True, metavar="HOST[:PORT]",
               help="Address to listen on (iWARP default port 5420, RoCEv2 4791).")
-@click.option("--io", type=click.Choice(["udp", "raw"]), default="udp", show_default=True,
-              help="RoCEv2 I/O: a kernel UDP socket, or whole frames on --iface as --addr.")
-@click.option("--iface", default=None, metavar="IF", help="Interface of --io raw.")
-@click.option("--addr", "raw_addr", default=None, metavar="IP[/MAC]",
-              help="--io raw: the address the target owns (not configured in the kernel) "
-                   "and listens on; without MAC a locally administered one from the IP.")
+@raw_io_options("target listens on and")
 @click.option("--blocks", "-F", type=click.IntRange(1), default=1024, show_default=True,
               help="Number of blocks in the pool.")
 @click.option("--block-size", "-S", type=click.IntRange(8), default=4096, show_default=True,
@@ -70,15 +64,9 @@ def target(transport, where, io, iface, raw_addr, blocks, block_size, feature_li
       kbtp target --addr-le --pcap target.pcap --metrics 9464
     """
     addr = address(transport, where)
-    options = {}
-    if io == "raw":
-        if transport != "roce" or not iface or not raw_addr:
-            raise click.UsageError("--io raw needs --transport roce, --iface and --addr")
-        options = {"io": io, "iface": iface, "addr": raw_addr}
-        try:
-            addr = replace(addr, host=parse_addr(raw_addr)[0])
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--addr") from None
+    options = raw_io(transport, io, iface, raw_addr)
+    if options:
+        addr = replace(addr, host=raw_addr.split("/")[0])
     try:
         config = TargetConfig(blocks=blocks, block_size=block_size, features=features(feature_list),
                               addr_le=addr_le, max_initiators=max_initiators, quota=quota,
