@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 from kbtp_scapy.rnic import roce_wire
 
+_IP_MTU_DISCOVER, _IP_PMTUDISC_DO = 10, 2             # Linux: always set DF
+
 Drop = Callable[[str, bytes], bool]
 """``drop(direction, datagram)``: direction is "up" (client to target) or "down"."""
 Corrupt = Callable[[str, bytes], bytes]
@@ -47,6 +49,8 @@ class Relay:
     def _socket(self, port: int, on_readable: Callable[[socket.socket], None]) -> socket.socket:
         sock = socket.socket(socket.AF_INET6 if ":" in self.listen[0] else socket.AF_INET,
                              socket.SOCK_DGRAM)
+        if ":" not in self.listen[0]:   # DF, hence IP ID 0: the header its ICRCs assume
+            sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
         sock.bind((self.listen[0], port))
         sock.setblocking(False)
         self._loop.add_reader(sock.fileno(), on_readable, sock)

@@ -23,12 +23,15 @@ from kbtp_scapy.rnic import roce_wire as w
 from kbtp_scapy.rnic.pcap import PcapSink
 from kbtp_scapy.rnic.roce_raw import bpf_program, parse_addr
 from kbtp_scapy.target import Target, TargetConfig
+from kbtp_scapy.target.audit import audit
 
 from . import test_target_ops as ops
 from . import test_target_sessions as sessions
+from . import test_target_faults as faults
 from . import test_target_storm as storm_test
 from .kbtp_harness import TargetThread
 from .netns import Link, enter, move
+from .relay import Relay
 from .test_target_capture import decoded, dissected, session
 from .tshark import TSHARK, needs_tshark
 
@@ -106,6 +109,28 @@ test_addr_le_session_keeps_memory_little_endian = sessions.test_addr_le_session_
 test_isolation = sessions.test_isolation
 test_bad_input_gets_malformed_and_others_are_served = \
     sessions.test_bad_input_gets_malformed_and_others_are_served
+
+
+def test_lossy_path_every_operation_completes(link):
+    """The lossy relay of tests/relay.py in namespace B, between the initiator and the raw
+    target: 5% of the datagrams lost, 10% reordered, and every operation completes."""
+    t = RawTarget(link, V4, "udp", faults.LOSSY_CONFIG)
+    relay_host = V4["kernel"][3].split("/")[0]
+
+    async def main():
+        relay = Relay((relay_host, 4791), (V4["target"], 4791), loss=0.05, reorder=0.1,
+                      seed=11).start()
+        try:
+            # the relay hides the veth from the initiator's route: give it the veth's MTU
+            await faults.mixed_workload(f"roce://{relay_host}", mtu=1024, **t.connect_options(0))
+            assert relay.stats["lost"] > 20 and relay.stats["delayed"] > 20, relay.stats
+        finally:
+            relay.close()
+    try:
+        asyncio.run(asyncio.wait_for(main(), 150))
+        assert t.run(lambda: audit(t.target)) == []
+    finally:
+        t.stop()
 
 
 def test_allocation_storm_over_the_raw_backend(link):

@@ -14,40 +14,46 @@ from kbtp_scapy.target.audit import audit
 from .kbtp_harness import TargetThread, fresh_hosts
 from .relay import Relay
 
+LOSSY_CONFIG = TargetConfig(blocks=128, block_size=4096, max_initiators=2, ticket_timeout_ms=5000)
+
+
+async def mixed_workload(url: str, **options) -> None:
+    """150 random operations of every kind on 24 handles, each checked against what was
+    stored, then a pipelined burst of loads; ends with GOODBYE RELEASE."""
+    ini = await Initiator.connect(url, **options)
+    rng = random.Random(5)
+    h = ini.target.handle_base
+    stored: dict[int, bytes] = {}
+    for _ in range(150):
+        handle = h + rng.randrange(24)
+        if handle not in stored:
+            data = rng.randbytes(rng.choice((8, 1000, 4096)))
+            if rng.random() < 0.3:
+                r = await ini.direct_alloc(handle, data)
+            else:
+                r = await ini.alloc_store(handle, data, seal=True, inline=rng.random() < 0.5)
+            assert r.data_length == len(data)
+            stored[handle] = data
+        elif rng.random() < 0.6:
+            loader = ini.direct_load if rng.random() < 0.3 else ini.load
+            assert (await loader(handle)).data == stored[handle]
+        else:
+            await ini.free(handle)
+            del stored[handle]
+    results = await asyncio.gather(*(ini.load(k) for k in stored))
+    assert [r.data for r in results] == list(stored.values())
+    await ini.goodbye(release=True)
+
 
 def test_every_operation_completes_through_a_lossy_roce_path():
-    t = TargetThread("roce", TargetConfig(blocks=128, block_size=4096, max_initiators=2,
-                                          ticket_timeout_ms=5000))
+    t = TargetThread("roce", LOSSY_CONFIG)
     relay_host, = fresh_hosts(1)
 
     async def main():
         relay = Relay((relay_host, 4791), (t.host, 4791), loss=0.05, reorder=0.1, seed=11).start()
         try:
-            ini = await Initiator.connect(f"roce://{relay_host}", local=t.initiator_hosts[0])
-            rng = random.Random(5)
-            h = ini.target.handle_base
-            stored: dict[int, bytes] = {}
-            for i in range(150):
-                handle = h + rng.randrange(24)
-                if handle not in stored:
-                    data = rng.randbytes(rng.choice((8, 1000, 4096)))
-                    if rng.random() < 0.3:
-                        r = await ini.direct_alloc(handle, data)
-                    else:
-                        r = await ini.alloc_store(handle, data, seal=True, inline=rng.random() < 0.5)
-                    assert r.data_length == len(data)
-                    stored[handle] = data
-                elif rng.random() < 0.6:
-                    loader = ini.direct_load if rng.random() < 0.3 else ini.load
-                    assert (await loader(handle)).data == stored[handle]
-                else:
-                    await ini.free(handle)
-                    del stored[handle]
-            # a pipelined burst as well
-            results = await asyncio.gather(*(ini.load(k) for k in stored))
-            assert [r.data for r in results] == list(stored.values())
+            await mixed_workload(f"roce://{relay_host}", local=t.initiator_hosts[0])
             assert relay.stats["lost"] > 20 and relay.stats["delayed"] > 20, relay.stats
-            await ini.goodbye(release=True)
         finally:
             relay.close()
     try:

@@ -49,6 +49,11 @@ _SO_ATTACH_FILTER = 26
 _SOL_PACKET, _PACKET_ADD_MEMBERSHIP = 263, 1
 _PACKET_MR_MULTICAST, _PACKET_MR_UNICAST = 0, 3
 _PACKET_OUTGOING = 4
+_PACKET_AUXDATA = 8
+# tpacket_auxdata.tp_status: the UDP checksum is not filled in yet (a local sender's
+# checksum offload, as on veth) or the kernel has verified it already
+_TP_STATUS_CSUM_UNCHECKABLE = 1 << 3 | 1 << 7     # TP_STATUS_CSUMNOTREADY | CSUM_VALID
+_AUX_SPACE = socket.CMSG_SPACE(20)
 _SIOCGIFMTU, _SIOCGIFINDEX = 0x8921, 0x8933
 _SOCK_BUF = 4 << 20
 _BROADCAST = b"\xff" * 6
@@ -81,6 +86,15 @@ def parse_addr(text: str) -> tuple[str, bytes]:
     if len(mac) != 6 or mac[0] & 1:
         raise ValueError(f"{mac_text!r} is not a unicast MAC address")
     return str(ip), mac
+
+
+def _checksum_settled(aux: list) -> bool:
+    """Whether the kernel says a frame's UDP checksum is not ours to verify: still to be
+    filled in by offload (frames of a local sender, as over a veth) or verified already."""
+    for level, kind, data in aux:
+        if level == _SOL_PACKET and kind == _PACKET_AUXDATA and len(data) >= 4:
+            return bool(int.from_bytes(data[:4], "little") & _TP_STATUS_CSUM_UNCHECKABLE)
+    return False
 
 
 def _checksum(data: bytes | bytearray | memoryview) -> int:
@@ -292,6 +306,7 @@ class RawIO:
             _attach(sock, bpf_program(self.ip, self.address[1]))
             for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
                 sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+            sock.setsockopt(_SOL_PACKET, _PACKET_AUXDATA, 1)
             try:
                 sock.bind((self.iface, _ETH_P_ALL))
             except OSError as exc:
@@ -531,7 +546,7 @@ class RawIO:
         sock, buf, view, unpack = self.sock, self._buf, self._view, _H.unpack_from
         for _ in range(limit):
             try:
-                n = sock.recv_into(buf)
+                n, aux, _, _ = sock.recvmsg_into([buf], _AUX_SPACE)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -566,7 +581,7 @@ class RawIO:
             if ulen < 8 or u + ulen > end:
                 self._count("bad_udp")
                 continue
-            if unpack(buf, u + 6)[0] and _checksum(
+            if unpack(buf, u + 6)[0] and not _checksum_settled(aux) and _checksum(
                     _pseudo(src, self.ip, ulen, 17) + view[u:u + ulen]) != 0:
                 self._count("udp_checksum_errors")
                 continue
