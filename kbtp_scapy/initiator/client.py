@@ -207,12 +207,15 @@ class Initiator(DirectModes):
                                  "bind.block_offset": block_offset}, [], False)
 
     async def goodbye(self, release: bool = False) -> None:
-        """End the session; the target closes the connection once it has acted on it."""
-        await self.qp.send(codec.encode({"opcode": OP["GOODBYE"],
-                                         "flags": RELEASE if release else 0}, self.addr_le))
+        """End the session; the target closes the connection once it has acted on it.
+
+        The target's close can overtake the acknowledgement of the GOODBYE itself (a lost
+        ACK on RoCEv2): the connection ending is the answer either way."""
         try:
+            await self.qp.send(codec.encode({"opcode": OP["GOODBYE"],
+                                             "flags": RELEASE if release else 0}, self.addr_le))
             await asyncio.wait_for(self.qp.wait_closed(), 5)
-        except asyncio.TimeoutError:
+        except (ConnectionLost, asyncio.TimeoutError):
             pass
         await self.close()
 
