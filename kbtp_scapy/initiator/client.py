@@ -19,7 +19,7 @@ from .. import codec
 from ..rnic import Access, MemoryTable, QueuePair, connect
 from ..rnic.qp import ConnectionLost, FrameListener, Received
 from ..tables import memory as M
-from ..tables.enums import FEATURES, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, flag
+from ..tables.enums import FEATURES, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
 from .direct import DirectModes
 from .results import KbtpError, Result, TargetInfo
 
@@ -73,7 +73,8 @@ class Initiator(DirectModes):
         self.qp.post_recv(1)
         ack = codec.decode(msg.payload)
         if ack["opcode"] != OP["HELLO_ACK"]:
-            raise KbtpError(9, detail=f"expected HELLO_ACK, got {OPCODES.describe(ack['opcode'])}")
+            raise KbtpError(STATUS.by_name()["MALFORMED"],
+                            detail=f"expected HELLO_ACK, got {OPCODES.describe(ack['opcode'])}")
         if ack["status"]:
             raise KbtpError(ack["status"], detail="HELLO refused")
         body = {k.split(".", 1)[1]: v for k, v in ack.items() if k.startswith("hello_ack.")}

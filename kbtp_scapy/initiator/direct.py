@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import asyncio
 
-from .. import codec, ring as counters
+from .. import codec
+from .. import ring as counters
 from ..tables import RING_COUNTER
 from ..tables import memory as M
-from ..target.table import SEALED, VALID
+from ..tables.enums import ENTRY_FLAGS, STATUS, flag
 from .results import KbtpError, Result
 
 CONSUMED = M.SLOT_CONSUMED
-NOT_VALID, NOT_SEALED, TOO_LARGE, NO_SPACE, INVALID_HANDLE, INTERNAL = 3, 7, 8, 5, 1, 10
+VALID, SEALED = flag(ENTRY_FLAGS, "VALID"), flag(ENTRY_FLAGS, "SEALED")
+_S = STATUS.by_name()
+NOT_VALID, NOT_SEALED, TOO_LARGE = _S["NOT_VALID"], _S["NOT_SEALED"], _S["TOO_LARGE"]
+NO_SPACE, INVALID_HANDLE, INTERNAL = _S["NO_SPACE"], _S["INVALID_HANDLE"], _S["INTERNAL"]
 
 
 class DirectModes:

@@ -6,6 +6,8 @@ from typing import Awaitable
 
 from ...initiator import Initiator, KbtpError
 from ...rnic.qp import ConnectionLost, RemoteError
+from ...tables.enums import ENTRY_FLAGS, flag
+from ...tables.memory import ENTRY_SIZE
 from ..context import Ctx
 from ..registry import MUST, RULE, case, untestable
 from .common import DIRECT_ALLOC, DIRECT_LOAD, bind, data, holds, unbound
@@ -15,6 +17,7 @@ PARTITION = """a Partition descriptor follows, naming the part of the pool reser
     initiator (Count = its quota) through an STag that grants write access, is specific to this
     connection (for example a memory window bound to it), and covers nothing else"""
 REFUSED, ALLOWED = "refused", "allowed"
+VALID = flag(ENTRY_FLAGS, "VALID")
 
 
 async def remote_access(ctx: Ctx, ini: Initiator, access: Awaitable) -> str:
@@ -219,11 +222,11 @@ async def data_before_valid(ctx: Ctx) -> None:
         h = a.target.handle_base + i
         payload = data(a.target.block_size)
         store = asyncio.ensure_future(a.alloc_store(h, payload, seal=True, inline=False))
-        at = base + (h - first) * 16
+        at = base + (h - first) * ENTRY_SIZE
         deadline = asyncio.get_running_loop().time() + ctx.timeout
         while asyncio.get_running_loop().time() < deadline:
             entry = await watcher._entry(table, at)
-            if entry["entry.flags"] & 1:          # VALID: the data must be there already
+            if entry["entry.flags"] & VALID:      # the data must be there already
                 block = await watcher.qp.read(pool, entry["entry.block_offset"],
                                               entry["entry.data_length"])
                 if block != payload:
@@ -231,7 +234,7 @@ async def data_before_valid(ctx: Ctx) -> None:
                                 f"octets of {len(payload)} not yet stored")
                 break
             if store.done():                      # completed before we saw VALID: read once more
-                if not (await watcher._entry(table, at))["entry.flags"] & 1:
+                if not (await watcher._entry(table, at))["entry.flags"] & VALID:
                     seen.append(f"0x{h:x}: completed OK but the entry is not VALID")
                     break
         await ctx.ok(asyncio.wait_for(store, ctx.timeout), f"ALLOC_STORE to 0x{h:x} (set-up)")
