@@ -119,10 +119,11 @@ def test_every_operation_and_status(target):
         await expect("TICKET_ABANDONED", a.bind(h + 30, ticket, 1, block))
         seen.add("OK")
         assert seen == set(S), set(S) - seen
-        await b.goodbye(release=True)
-        # The abandoned block went back to the ring only after the Partition STag died.
         assert target.run(lambda: audit(target.target)) == \
             [f"block offset 0x{lost[0]:x} is neither free nor bound (lost)"]
+        await b.goodbye(release=True)     # b's partition comes back whole, the lost block too
+        # a's abandoned block went back to its ring only after the Partition STag died.
+        assert target.run(lambda: audit(target.target)) == []
         with pytest.raises((RemoteError, ConnectionLost)):
             await a.qp.write(a.target.fields["partition.stag"], block, b"late")
             await a.load(h + 1)

@@ -277,3 +277,27 @@ def test_bad_input_gets_malformed_and_others_are_served(make):
         assert t.run(lambda: audit(t.target)) == []
     finally:
         t.stop()
+
+
+def test_a_released_partition_comes_back_whole(make):
+    """A trusted initiator may FetchAdd its Head with wrong Add Data (the RNIC executes it
+    unchecked); once it is gone, the next owner of the partition gets a sound ring."""
+    t = make(max_initiators=2, direct_partitions=1)
+    try:
+        async def main():
+            a = await connect(t, 0)
+            f = a.target.fields
+            await a.alloc_store(a.target.handle_base, b"before", seal=True)
+            await a.qp.fetch_add(f["head.stag"], f["head.offset"], 0x0000000300000005)
+            await a.goodbye(release=True)
+            b = await connect(t, 1)
+            assert b.target.fields["partition.stag"] != f["partition.stag"]
+            hb = b.target.handle_base
+            assert (await b.direct_alloc(hb, b"direct")).data_length == 6
+            await b.alloc_store(hb + 1, b"target-executed", seal=True)
+            assert (await b.load(hb + 1)).data == b"target-executed"
+            await b.goodbye(release=True)
+        run(main())
+        assert t.run(lambda: audit(t.target)) == []
+    finally:
+        t.stop()

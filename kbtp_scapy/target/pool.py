@@ -28,7 +28,16 @@ class Partition:
     ring: FreeRing
     slots: bytearray               # N ring slots
     heads: memoryview              # Head at 0, Tail at 8
+    block_size: int
     owner: bytes | None = None     # Initiator ID holding it
+
+    def release(self) -> None:
+        """Back to the pool of partitions, every block free in a fresh ring: the next owner
+        must not inherit tickets, deferred frees or a Head that a FetchAdd with wrong Add
+        Data left behind (the RNIC executes the owner's atomics unchecked)."""
+        size = self.block_size
+        self.ring.reset(range(self.first_block * size, (self.first_block + self.blocks) * size, size))
+        self.owner = None
 
     def contains(self, block_offset: int, block_size: int) -> bool:
         return self.first_block * block_size <= block_offset < (self.first_block + self.blocks) * block_size
@@ -51,7 +60,7 @@ class TargetMemory:
             first = c.shared_blocks + k * c.quota
             blocks = range(first * c.block_size, (first + c.quota) * c.block_size, c.block_size)
             ring, slots, heads = self._ring(blocks, masked)
-            self.partitions.append(Partition(k, first, c.quota, ring, slots, heads))
+            self.partitions.append(Partition(k, first, c.quota, ring, slots, heads, c.block_size))
 
     def _ring(self, blocks: range, masked: bool) -> tuple[FreeRing, bytearray, memoryview]:
         n = ring_log2(max(1, len(blocks)))

@@ -38,13 +38,18 @@ class FreeRing:
         self.head, self.tail = heads[0:8], heads[8:16]
         self.add = RING_COUNTER.masked_add_data if masked else RING_COUNTER.unmasked_add_data
         self.mask = counters.add_mask(n) if masked else None
+        self._changed = asyncio.Event()
+        self.reset(blocks)
+
+    def reset(self, blocks: Sequence[int]) -> None:
+        """The initial state of the text's "Initialization" rule, with ``blocks`` free:
+        at start, and when a partition's owner is gone (whatever it did to its Head)."""
         self._deferred: dict[int, tuple[int, int]] = {}   # slot offset -> (ticket, block)
         self._abandoned: set[int] = set()                  # tickets whose blocks go back
-        self._changed = asyncio.Event()
         f = len(blocks)
         self._initialise_slots(blocks)
         self._store(self.head, counters.join(0, 0))
-        self._store(self.tail, counters.join(f, M.SLOT_SIZE * (f % self.size) if masked else 0))
+        self._store(self.tail, counters.join(f, M.SLOT_SIZE * (f % self.size) if self.masked else 0))
 
     def _initialise_slots(self, blocks: Sequence[int]) -> None:
         """Slot s < F holds {s, s-th block}; the others {s - N mod 2**32, consumed}.

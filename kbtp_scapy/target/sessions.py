@@ -107,7 +107,7 @@ class Sessions:
         self._free_ranges.append(state.index)
         self._free_ranges.sort()
         if state.partition is not None:
-            state.partition.owner = None
+            state.partition.release()
 
     def owner_of(self, handle: int) -> Initiator | None:
         c = self.config
