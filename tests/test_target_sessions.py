@@ -301,3 +301,27 @@ def test_a_released_partition_comes_back_whole(make):
         assert t.run(lambda: audit(t.target)) == []
     finally:
         t.stop()
+
+
+def test_a_wild_head_value_is_not_walked(make):
+    """A FetchAdd with a wild Add Data moves Head by a million tickets for a moment: the
+    target's Ticket Timeout watch must neither walk them nor stop serving."""
+    t = make(max_initiators=2, direct_partitions=1, ticket_timeout_ms=400)
+    try:
+        async def main():
+            a = await connect(t, 0)
+            f = a.target.fields
+            jump = 1 << 52                                   # +2**20 tickets
+            await a.qp.fetch_add(f["head.stag"], f["head.offset"], jump)
+            await asyncio.sleep(0.3)                         # the watch looks every 0.1 s
+            await a.qp.fetch_add(f["head.stag"], f["head.offset"], -jump & (1 << 64) - 1)
+            state = t.run(lambda: t.target.sessions.by_id[a.initiator_id])
+            assert t.run(lambda: len(state.watch._pending)) == 0
+            h = a.target.handle_base
+            assert (await a.direct_alloc(h, b"still fine")).data_length == 10
+            assert (await a.load(h)).data == b"still fine"
+            await a.goodbye(release=True)
+        run(main())
+        assert t.run(lambda: audit(t.target)) == []
+    finally:
+        t.stop()

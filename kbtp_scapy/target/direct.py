@@ -89,13 +89,18 @@ class TicketWatch:
         """Notice tickets the initiator took since the last look, then expire old ones."""
         now = asyncio.get_running_loop().time()
         head = self.part.ring.counter("head") >> 32
-        for ticket in range(self._seen, head):
-            if ticket in self._target:
-                self._target.discard(ticket)
-            else:
-                self._pending[ticket] = now
-                self.state.tickets += 1
-        self._seen = max(self._seen, head)
+        # A trusted initiator's FetchAdd with a wrong Add Data can put any value in Head
+        # (the RNIC executes it unchecked). No run of FetchAdds on a ring of N slots moves
+        # Head backwards or by more than N tickets between two looks: learn nothing from
+        # such a value, rather than walk billions of tickets.
+        if 0 < head - self._seen <= self.part.ring.size:
+            for ticket in range(self._seen, head):
+                if ticket in self._target:
+                    self._target.discard(ticket)
+                else:
+                    self._pending[ticket] = now
+                    self.state.tickets += 1
+            self._seen = head
         for ticket, since in list(self._pending.items()):
             if now - since > self.timeout:
                 self._abandon(ticket)
