@@ -90,10 +90,12 @@ class TicketWatch:
         now = asyncio.get_running_loop().time()
         head = self.part.ring.counter("head") >> 32
         # A trusted initiator's FetchAdd with a wrong Add Data can put any value in Head
-        # (the RNIC executes it unchecked). No run of FetchAdds on a ring of N slots moves
-        # Head backwards or by more than N tickets between two looks: learn nothing from
-        # such a value, rather than walk billions of tickets.
-        if 0 < head - self._seen <= self.part.ring.size:
+        # (the RNIC executes it unchecked). Head never moves backwards, and no initiator
+        # waits on more than N unfilled tickets, so Head stays within N of Tail (which
+        # only the target moves): learn nothing from another value, rather than walk
+        # billions of tickets.
+        tail = self.part.ring.counter("tail") >> 32
+        if self._seen < head <= tail + self.part.ring.size:
             for ticket in range(self._seen, head):
                 if ticket in self._target:
                     self._target.discard(ticket)
