@@ -207,7 +207,7 @@ def plant_late_data(t, mp):
             e = self.table.read(req["handle"])
             data = bytes(self.memory.block(e.block_offset, e.data_length))
             asyncio.get_running_loop().call_later(
-                0.3, lambda: conn.post(conn.qp.write(req["dd.stag"], req["dd.offset"], data)))
+                0.3, lambda: conn.qp.write(req["dd.stag"], req["dd.offset"], data, signaled=False))
             return Outcome(0, e.generation, e.data_length, e.block_offset)
         return load
     set_handler(t, "LOAD", wrapper)
@@ -215,7 +215,8 @@ def plant_late_data(t, mp):
 
 async def _truncating_load(self, conn, req, entry, original, fetch):
     n = req["dd.length"]
-    conn.post(conn.qp.write(req["dd.stag"], req["dd.offset"], bytes(self.memory.block(entry.block_offset, n))))
+    conn.qp.write(req["dd.stag"], req["dd.offset"], bytes(self.memory.block(entry.block_offset, n)),
+                  signaled=False)
     return Outcome(0, entry.generation, n, entry.block_offset)
 
 

@@ -46,7 +46,7 @@ class WorkRequest:
     add: int = 0                   # FetchAdd Add Data, or Compare and Swap swap value
     mask: int | None = None        # RFC 7306 Add Mask; None is the unmasked (InfiniBand) add
     compare: int = 0
-    future: asyncio.Future = field(default=None, repr=False)  # type: ignore[assignment]
+    future: asyncio.Future | None = field(default=None, repr=False)   # None: unsignaled
     done: bool = False
     result: Any = None
     error: BaseException | None = None
@@ -109,23 +109,30 @@ class QueuePair:
 
     # -- requester side ------------------------------------------------------------------
 
-    def post(self, wr: WorkRequest) -> asyncio.Future:
-        """Queue an operation; the returned future completes in posting order."""
-        wr.future = asyncio.get_running_loop().create_future()
+    def post(self, wr: WorkRequest, signaled: bool = True) -> asyncio.Future | None:
+        """Queue an operation; the returned future completes in posting order.
+
+        An unsignaled operation (``signaled=False``, as IBV_SEND_SIGNALED left out) has no
+        future: a later signaled one's completion covers it, and its failure ends the
+        connection, which every waiter sees."""
+        if signaled:
+            wr.future = asyncio.get_running_loop().create_future()
         if self.error is not None:
-            wr.future.set_exception(ConnectionLost(str(self.error)))
+            if signaled:
+                wr.future.set_exception(ConnectionLost(str(self.error)))
             return wr.future
         self._outstanding.append(wr)
         self._transmit(wr)
         return wr.future
 
     def send(self, payload: bytes, *, invalidate: int | None = None, solicited: bool = False,
-             imm: int | None = None) -> asyncio.Future:
+             imm: int | None = None, signaled: bool = True) -> asyncio.Future | None:
         return self.post(WorkRequest(Verb.SEND, payload, invalidate=invalidate,
-                                     solicited=solicited, imm=imm))
+                                     solicited=solicited, imm=imm), signaled)
 
-    def write(self, stag: int, offset: int, data: bytes, *, imm: int | None = None) -> asyncio.Future:
-        return self.post(WorkRequest(Verb.WRITE, data, stag, offset, len(data), imm=imm))
+    def write(self, stag: int, offset: int, data: bytes, *, imm: int | None = None,
+              signaled: bool = True) -> asyncio.Future | None:
+        return self.post(WorkRequest(Verb.WRITE, data, stag, offset, len(data), imm=imm), signaled)
 
     def read(self, stag: int, offset: int, length: int) -> asyncio.Future:
         """RDMA Read; the future's result is the octets read."""
@@ -145,12 +152,20 @@ class QueuePair:
         wr.done, wr.result, wr.error = True, result, error
         while self._outstanding and self._outstanding[0].done:
             head = self._outstanding.popleft()
-            if head.future.done():
+            if head.future is None or head.future.done():
                 continue
             if head.error is not None:
                 head.future.set_exception(head.error)
             else:
                 head.future.set_result(head.result)
+
+    def completion(self, wr: WorkRequest) -> asyncio.Future:
+        """The future of ``wr``, made now for an unsignaled one still outstanding."""
+        if wr.future is None:
+            wr.future = asyncio.get_running_loop().create_future()
+            if wr not in self._outstanding:
+                wr.future.set_result(wr.result)
+        return wr.future
 
     def unacknowledged(self) -> list[WorkRequest]:
         return [wr for wr in self._outstanding if not wr.done]
@@ -230,7 +245,7 @@ class QueuePair:
             return
         self.error = error if isinstance(error, ConnectionLost) else ConnectionLost(str(error))
         for wr in self._outstanding:
-            if not wr.future.done():
+            if wr.future is not None and not wr.future.done():
                 wr.future.set_exception(self.error)
                 wr.future.exception()     # consumed: nobody may be awaiting a Write's future
         self._outstanding.clear()

@@ -695,7 +695,7 @@ class RoceQP(QueuePair):
     async def _shutdown(self) -> None:
         """Drain what is posted (bounded), then DREQ and wait for DREP (IB 12.9.8.5)."""
         if self._sq and self.error is None:
-            pending = [op.wr.future for op in self._sq]
+            pending = [self.completion(op.wr) for op in self._sq]
             await asyncio.wait(pending, timeout=self.ack_timeout * 16 * (self.retry_count + 1))
         if self._cm_state == "open":
             self._cm_state = "closing"

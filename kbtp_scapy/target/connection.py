@@ -3,9 +3,9 @@
 The target posts one receive buffer per request credit and reposts it once the request
 is answered, so an initiator that sends beyond its credits meets the transport's own
 refusal (RNR NAK on RoCEv2, DDP Terminate on iWARP; NOTES decision 8). Writes and Sends
-are posted without waiting for their acknowledgement: the connection's ordering puts a
-LOAD's data before its COMPLETION, as the binding requires, and only an RDMA Read (a
-store's data) is awaited.
+are posted unsignaled, without waiting for their acknowledgement: the connection's
+ordering puts a LOAD's data before its COMPLETION, as the binding requires, a failure
+ends the connection, and only an RDMA Read (a store's data) is awaited.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ PROBE_TIMEOUT = 10.0     # longer than a RoCEv2 QP's whole retry budget
 
 
 def _consume(future: asyncio.Future) -> None:
-    """A failed Write or Send fails the connection; the request loop sees that, not here."""
+    """A failed RDMA Read fails the connection; the request loop sees that, not here."""
     if not future.cancelled():
         future.exception()
 
@@ -57,7 +57,9 @@ class Connection:
         part = self.state.partition
         return part.ring if part is not None else self.target.memory.shared_ring
 
-    def post(self, future: asyncio.Future) -> None:
+    @staticmethod
+    def discard(future: asyncio.Future) -> None:
+        """An RDMA Read whose data is no longer needed (its request failed a check)."""
         future.add_done_callback(_consume)
 
     async def serve(self) -> None:
@@ -224,8 +226,8 @@ class Connection:
                 "record.request_id": req["request_id"], "record.status": outcome.status,
                 "record.generation": outcome.generation, "record.data_length": outcome.data_length,
                 "record.block_offset": outcome.block_offset}, self.addr_le)
-            self.post(self.qp.write(req["cd.stag"], req["cd.offset"], record,
-                                    imm=req["request_id"] & 0xFFFFFFFF))
+            self.qp.write(req["cd.stag"], req["cd.offset"], record,
+                          imm=req["request_id"] & 0xFFFFFFFF, signaled=False)
             return
         completion = codec.encode({
             "opcode": OP["COMPLETION"], "request_id": req["request_id"], "handle": req["handle"],
@@ -233,4 +235,4 @@ class Connection:
             "completion.data_length": outcome.data_length, "completion.reserved": 0,
             "completion.block_offset": outcome.block_offset}, self.addr_le)
         stag = req.get("dd.stag", 0) if flags & INVALIDATE else 0
-        self.post(self.qp.send(completion, invalidate=stag or None))
+        self.qp.send(completion, invalidate=stag or None, signaled=False)

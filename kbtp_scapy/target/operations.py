@@ -66,7 +66,7 @@ class Executor:
             return await handler(self, conn, req, fetch)
         except Failed as failure:
             if fetch is not None:
-                conn.post(fetch)           # its outcome no longer matters
+                conn.discard(fetch)
             return self._failure(failure.status, req["handle"])
 
     def prefetch(self, conn: Connection, req: dict[str, Any]) -> asyncio.Future | None:
@@ -125,8 +125,9 @@ class Executor:
         if entry.data_length > req["dd.length"]:
             raise Failed("TOO_LARGE")
         if entry.data_length:
-            conn.post(conn.qp.write(req["dd.stag"], req["dd.offset"],
-                                    bytes(self.memory.block(entry.block_offset, entry.data_length))))
+            conn.qp.write(req["dd.stag"], req["dd.offset"],
+                          bytes(self.memory.block(entry.block_offset, entry.data_length)),
+                          signaled=False)
         return Outcome(0, entry.generation, entry.data_length, entry.block_offset)
 
     async def store(self, conn: Connection, req: dict[str, Any],
