@@ -45,7 +45,6 @@ class Initiator(DirectModes):
         self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
         self.unmatched: asyncio.Queue[Received] = asyncio.Queue()   # raw mode sees these
         self._credits: asyncio.Semaphore | None = None
-        self._receiver: asyncio.Task | None = None
 
     @classmethod
     async def connect(cls, url: str, *, initiator_id: bytes | None = None,
@@ -84,21 +83,20 @@ class Initiator(DirectModes):
                                  body.pop("handle_count"), body.pop("ticket_timeout"), body)
         self.addr_le = self.target.feature(ADDR_LE)
         self._credits = asyncio.Semaphore(min(self.target.request_credits, self.completion_credits))
-        self._receiver = asyncio.create_task(self._receive())
+        self.qp.on_receive(self._receive)
 
     # -- completions ---------------------------------------------------------------------
 
-    async def _receive(self) -> None:
-        try:
-            while True:
-                msg = await self.qp.recv()
-                self.qp.post_recv(1)
-                self._dispatch(msg)
-        except ConnectionLost as exc:
+    def _receive(self, msg: Received | ConnectionLost) -> None:
+        """Each completion as the RNIC delivers it: repost the buffer, wake the request."""
+        if isinstance(msg, ConnectionLost):
             for future, _ in self._pending.values():
                 if not future.done():
-                    future.set_exception(exc)
+                    future.set_exception(msg)
             self._pending.clear()
+            return
+        self.qp.post_recv(1)
+        self._dispatch(msg)
 
     def _dispatch(self, msg: Received) -> None:
         if msg.write_imm:
@@ -128,8 +126,12 @@ class Initiator(DirectModes):
                                      c["completion.data_length"], c["completion.block_offset"]))
 
     async def _call(self, values: dict[str, Any], regions: list, record: bool) -> Result:
-        """Send one request and wait for its completion; raises ``KbtpError`` on a status."""
+        """Send one request and wait for its completion; raises ``KbtpError`` on a status.
+
+        The Send is unsignaled: its failure ends the connection, which fails the wait."""
         async with self._credits:
+            if self.qp.error is not None:
+                raise self.qp.error
             rid = next(self._ids)
             future = asyncio.get_running_loop().create_future()
             record_region = None
@@ -137,10 +139,11 @@ class Initiator(DirectModes):
                 record_region = self.memory.register(bytearray(M.COMPLETION_RECORD.size),
                                                      Access.REMOTE_WRITE)
                 regions = [*regions, record_region]
-                values = {**values, "cd.stag": record_region.stag, "cd.offset": 0, "cd.reserved": 0}
+                values.update({"cd.stag": record_region.stag, "cd.offset": 0, "cd.reserved": 0})
             self._pending[rid] = (future, record_region)
+            values["request_id"] = rid
             try:
-                await self.qp.send(codec.encode({**values, "request_id": rid}, self.addr_le))
+                self.qp.send(codec.encode(values, self.addr_le), signaled=False)
                 result = await future
             finally:
                 self._pending.pop(rid, None)
@@ -237,7 +240,5 @@ class Initiator(DirectModes):
         return got
 
     async def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
         if not self.qp.closed:
             await self.qp.close()

@@ -154,7 +154,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                 True, self._flags(), 2, self.ird, self.ord, w.IRD_P2P, w.ORD_RTR_WRITE))
 
     def data_received(self, data: bytes) -> None:
-        self._count("bytes_rx", len(data))
+        self.stats["bytes_rx"] += len(data)
         self._rx += data
         try:
             if self._phase == "startup":
@@ -280,6 +280,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         buf = self._rx
         view = memoryview(buf)
         off, end = 0, len(buf)
+        listening, count, skipped = bool(self.frame_listeners), 0, 0
         try:
             while self._phase in ("rtr", "fpdu"):
                 if self.markers_rx:
@@ -298,20 +299,26 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                     if end - off < 2:
                         break
                     ulen = buf[off] << 8 | buf[off + 1]
-                    size = ulen + FPDU_OVERHEAD + fpdu_pad_len(ulen)
+                    size = ulen + FPDU_OVERHEAD + (-(2 + ulen) & 3)    # fpdu_pad_len, inline
                     if end - off < size:
                         break
                     wire = fpdu = bytes(view[off:off + size])
                 off += size
-                self._count("fpdus_rx")
-                self._received_unit(wire)
+                count += 1
+                if listening:
+                    self._rx_units.append(wire)
+                else:
+                    skipped += size
                 if self.crc and not w.crc_ok(wire):   # the CRC covers markers (RFC 5044 s4.4)
-                    self._count("crc_errors")
+                    self.stats["crc_errors"] += 1
                     raise _Fatal(w.LAYER_LLP, w.LLP_MPA, 0x02, "MPA CRC error")
                 self._segment(fpdu, ulen)
         finally:
             view.release()
             del buf[:off]
+            self.stats["fpdus_rx"] += count
+            if skipped:
+                self._frames.skip("rx", skipped)
 
     def _segment(self, fpdu: bytes, ulen: int) -> None:
         """One DDP segment (RFC 5041 s4) and its RDMAP message (RFC 5040 s4)."""
@@ -405,7 +412,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         except ReceiveError as exc:
             raise _Fatal(w.LAYER_DDP, w.DDP_UNTAGGED, _RECEIVE_ERRORS[exc.reason],
                          exc.reason) from None
-        self._count("messages_rx")
+        self.stats["messages_rx"] += 1
 
     def _rx_write(self, stag: int, to: int, data: memoryview, last: bool) -> None:
         """RFC 5040 s5.1: validate the Write at its first segment, then place each one
@@ -426,7 +433,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         elif last:
             self._write_rx = None
         if last:
-            self._count("messages_rx")
+            self.stats["messages_rx"] += 1
 
     def _rx_read_response(self, stag: int, to: int, data: memoryview, last: bool) -> None:
         if not self._reads:
@@ -439,7 +446,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         read.data[to:to + len(data)] = data
         if last:
             self._reads.popleft()
-            self.complete(read.wr, bytes(read.data))
+            self.complete(read.wr, read.data)     # its own buffer: no copy
             self._pump()
 
     def _rx_read_request(self, body: memoryview) -> None:
@@ -497,7 +504,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
     def _rx_terminate(self, body: memoryview) -> None:
         term = w.parse_terminate(bytes(body))
         reason = term.describe()
-        self._count("terminates_rx")
+        self.stats["terminates_rx"] += 1
         if term.qn == 1:
             for wr, msn in [(r.wr, r.msn) for r in self._reads] + list(self._atomics.values()):
                 if msn == term.msn:
@@ -553,7 +560,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                 body = (w.ATOMIC_CMP_SWAP, self._req_id, wr.stag, wr.offset, wr.add & _U64,
                         _U64, wr.compare & _U64, _U64)
             self._send_untagged(Op.ATOMIC_REQUEST, w.ATOMIC_REQUEST.pack(*body))
-        self._count("messages_tx")
+        self.stats["messages_tx"] += 1
 
     def _send_untagged(self, op: int, payload: bytes, inv_stag: int = 0) -> None:
         """One untagged message, segmented at the MULPDU (RFC 5041 s5.2)."""
@@ -587,7 +594,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
 
     def _put_fpdu(self, head: bytes, payload: bytes) -> None:
         tail = w.fpdu_tail(head, payload, self.crc)
-        self._count("fpdus_tx")
+        self.stats["fpdus_tx"] += 1
         if self.markers_tx:
             fpdu = insert_markers(head + payload + tail, self._tx_pos, fix_crc=self.crc)
             self._tx_pos += len(fpdu)
@@ -608,7 +615,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         ddp, length = getattr(exc, "ddp", (b"", 0))
         self._send_untagged(Op.TERMINATE, w.terminate_body(
             *exc.term, ddp_header=ddp, ddp_length=length, rdmap_header=exc.rdmap_header))
-        self._count("terminates_sent")
+        self.stats["terminates_sent"] += 1
         self._phase = "closed"
         error = ConnectionLost(f"sent Terminate: {exc}")
         if not self.ready.done():
@@ -637,7 +644,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             self._write_now(data, units)
 
     def _write_now(self, data: bytes | bytearray, units: list[bytes] | None = None) -> None:
-        self._count("bytes_tx", len(data))
+        self.stats["bytes_tx"] += len(data)
         if self.frame_listeners:
             self._show_rx()           # what arrived first is shown first
             for frame in self._frames.data("tx", units or [bytes(data)]):
@@ -660,7 +667,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                 self._emit("rx", frame)
 
     def _emit(self, direction: str, frame: bytes) -> None:
-        self._count("frames_" + direction)
+        self.stats["frames_" + direction] += 1
         self.frame(direction, frame)
 
     def _close_transport(self, error: ConnectionLost) -> None:

@@ -14,13 +14,25 @@ DIRECT_ALLOC is): then only that connection may use it remotely.
 from __future__ import annotations
 
 import enum
-import secrets
+import os
+import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..ring import masked_add
 
 _U64 = (1 << 64) - 1
+
+
+def _random_words() -> Iterator[int]:
+    """32-bit values from the OS's CSPRNG, drawn 1,024 at a time: one system call per
+    registration would cost more than the rest of it."""
+    while True:
+        yield from struct.unpack("1024I", os.urandom(4096))
+
+
+_random = _random_words()
 
 
 class Access(enum.IntFlag):
@@ -30,6 +42,10 @@ class Access(enum.IntFlag):
     REMOTE_READ = 1
     REMOTE_WRITE = 2
     REMOTE_ATOMIC = 4
+
+
+_REMOTE_READ, _REMOTE_WRITE, _REMOTE_ATOMIC = (
+    int(Access.REMOTE_READ), int(Access.REMOTE_WRITE), int(Access.REMOTE_ATOMIC))
 
 
 class Fault(enum.Enum):
@@ -97,7 +113,7 @@ class MemoryTable:
         InfiniBand; random indices keep STags unguessable (RFC 5042 s5.1).
         """
         while stag is None or stag in self._regions or stag == 0:
-            stag = secrets.randbits(32)
+            stag = next(_random)
         region = MemoryRegion(stag, buffer, access, start, length, base, connection)
         self._regions[stag] = region
         return region
@@ -122,7 +138,7 @@ class MemoryTable:
     def get(self, stag: int) -> MemoryRegion | None:
         return self._regions.get(stag)
 
-    def remote(self, stag: int, offset: int, length: int, right: Access,
+    def remote(self, stag: int, offset: int, length: int, right: int,
                connection: object | None = None) -> memoryview:
         """The octets a remote access may touch, or ``AccessError``."""
         region = self._regions.get(stag)
@@ -130,23 +146,23 @@ class MemoryTable:
             raise AccessError(Fault.INVALID_STAG, stag, offset, length)
         if region.connection is not None and region.connection is not connection:
             raise AccessError(Fault.WRONG_CONNECTION, stag, offset, length)
-        if not region.access & right:
+        if not region.access._value_ & right:     # as ints: IntFlag arithmetic is slow
             raise AccessError(Fault.ACCESS, stag, offset, length)
         return region.local(offset, length)
 
     def remote_read(self, stag: int, offset: int, length: int,
                     connection: object | None = None) -> bytes:
-        return bytes(self.remote(stag, offset, length, Access.REMOTE_READ, connection))
+        return bytes(self.remote(stag, offset, length, _REMOTE_READ, connection))
 
     def remote_write(self, stag: int, offset: int, data: bytes,
                      connection: object | None = None) -> None:
-        self.remote(stag, offset, len(data), Access.REMOTE_WRITE, connection)[:] = data
+        self.remote(stag, offset, len(data), _REMOTE_WRITE, connection)[:] = data
 
     def atomic(self, stag: int, offset: int, connection: object | None = None) -> memoryview:
         """The 8-octet operand of an atomic; RFC 7306 and InfiniBand require alignment."""
         if offset % 8:
             raise AccessError(Fault.MISALIGNED, stag, offset, 8)
-        return self.remote(stag, offset, 8, Access.REMOTE_ATOMIC, connection)
+        return self.remote(stag, offset, 8, _REMOTE_ATOMIC, connection)
 
     def fetch_add(self, view: memoryview, add: int, mask: int | None = None) -> int:
         """Fetch and Add on an operand, returning the original value.

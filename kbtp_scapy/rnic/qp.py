@@ -23,6 +23,9 @@ from typing import Any, Callable
 from .memory import Access, MemoryTable
 
 
+_REMOTE_WRITE = int(Access.REMOTE_WRITE)
+
+
 class Verb(enum.Enum):
     SEND = "send"
     WRITE = "write"
@@ -103,6 +106,7 @@ class QueuePair:
         self.stats: Counter[str] = Counter()
         self._posted = posted
         self._received: asyncio.Queue[Received | BaseException] = asyncio.Queue()
+        self._on_receive: Callable[[Received | ConnectionLost], None] | None = None
         self._outstanding: deque[WorkRequest] = deque()
         self._closed = asyncio.Event()
         self.error: BaseException | None = None
@@ -135,7 +139,7 @@ class QueuePair:
         return self.post(WorkRequest(Verb.WRITE, data, stag, offset, len(data), imm=imm), signaled)
 
     def read(self, stag: int, offset: int, length: int) -> asyncio.Future:
-        """RDMA Read; the future's result is the octets read."""
+        """RDMA Read; the future's result is the octets read, in a bytearray of its own."""
         return self.post(WorkRequest(Verb.READ, b"", stag, offset, length))
 
     def fetch_add(self, stag: int, offset: int, add: int, mask: int | None = None) -> asyncio.Future:
@@ -180,6 +184,15 @@ class QueuePair:
     def posted(self) -> int:
         return self._posted
 
+    def on_receive(self, callback: Callable[[Received | ConnectionLost], None]) -> None:
+        """Hand every receive completion to ``callback`` as it happens, instead of queueing
+        it for ``recv`` (an event-driven completion channel: no task hop per message);
+        the end of the connection arrives as a ``ConnectionLost``. What is queued already
+        goes to it first."""
+        while not self._received.empty():
+            callback(self._received.get_nowait())
+        self._on_receive = callback
+
     async def recv(self) -> Received:
         """The next receive completion; raises ``ConnectionLost`` once the connection ends."""
         item = await self._received.get()
@@ -209,15 +222,21 @@ class QueuePair:
         invalidated = None
         if invalidate is not None and self.memory.invalidate(invalidate):
             invalidated = invalidate
-        self._count("recv")
-        self._received.put_nowait(Received(payload, invalidated, imm, solicited))
+        self.stats["recv"] += 1
+        self._deliver(Received(payload, invalidated, imm, solicited))
 
     def deliver_write_imm(self, imm: int) -> None:
         """RDMA Write with Immediate consumes a receive buffer (InfiniBand semantics)."""
         if self._posted == 0:
             raise ReceiveError(ReceiveError.NO_BUFFER)
         self._posted -= 1
-        self._received.put_nowait(Received(b"", imm=imm, write_imm=True))
+        self._deliver(Received(b"", imm=imm, write_imm=True))
+
+    def _deliver(self, item: Received | ConnectionLost) -> None:
+        if self._on_receive is not None:
+            self._on_receive(item)
+        else:
+            self._received.put_nowait(item)
 
     # -- responder side: executed on our memory -----------------------------------------
 
@@ -229,7 +248,7 @@ class QueuePair:
 
     def check_write(self, stag: int, offset: int, length: int) -> None:
         """Validate a whole tagged Write before its first segment is placed."""
-        self.memory.remote(stag, offset, length, Access.REMOTE_WRITE, self)
+        self.memory.remote(stag, offset, length, _REMOTE_WRITE, self)
 
     def serve_fetch_add(self, stag: int, offset: int, add: int, mask: int | None) -> int:
         return self.memory.fetch_add(self.memory.atomic(stag, offset, self), add, mask)
@@ -249,7 +268,7 @@ class QueuePair:
                 wr.future.set_exception(self.error)
                 wr.future.exception()     # consumed: nobody may be awaiting a Write's future
         self._outstanding.clear()
-        self._received.put_nowait(self.error)
+        self._deliver(self.error)
         self._closed.set()
 
     @property
@@ -270,9 +289,6 @@ class QueuePair:
     def frame(self, direction: str, frame: bytes) -> None:
         for listener in self.frame_listeners:
             listener(direction, frame)
-
-    def _count(self, name: str, n: int = 1) -> None:
-        self.stats[name] += n
 
     def _transmit(self, wr: WorkRequest) -> None:
         raise NotImplementedError

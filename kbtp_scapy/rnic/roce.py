@@ -125,12 +125,12 @@ class Device:
                     self.stats["unknown_qp"] = self.stats.get("unknown_qp", 0) + 1
                 continue
             if addr != qp.remote:
-                qp._count("foreign")
+                qp.stats["foreign"] += 1
                 continue
             if not check(qp._rx, data, wire):
-                qp._count("icrc_errors")
+                qp.stats["icrc_errors"] += 1
                 continue
-            qp._count("frames_rx")
+            qp.stats["frames_rx"] += 1
             if qp.frame_listeners:
                 qp.frame("rx", self._frame(qp._rx, data, wire))
             qp.receive(data, n)

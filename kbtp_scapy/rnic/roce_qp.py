@@ -150,7 +150,7 @@ class RoceQP(QueuePair):
     def _out(self, parts: list, pad: int) -> None:
         parts = w.seal(self._tx, parts, pad)
         self._dev.send(parts, self.remote)
-        self._count("frames_tx")
+        self.stats["frames_tx"] += 1
         if self.frame_listeners:
             self.frame("tx", self._tx.frame(b"".join(parts)))
 
@@ -204,7 +204,7 @@ class RoceQP(QueuePair):
                 self._send_segment(op, i)
                 i += 1
             if psn_diff(self._spsn, self._sent) < 0:
-                self._count("retransmits")
+                self.stats["retransmits"] += 1
             self._spsn = (op.first + i) & MASK24
             if psn_diff(self._spsn, self._sent) > 0:
                 self._sent = self._spsn
@@ -276,7 +276,7 @@ class RoceQP(QueuePair):
         if self._retries > self.retry_count:
             self.lost(ConnectionLost("transport retry counter exceeded (no ACK)"))
             return
-        self._count("timeouts")
+        self.stats["timeouts"] += 1
         self._go_back(self._una)
         self._pump()
         self._arm()
@@ -354,7 +354,7 @@ class RoceQP(QueuePair):
             self._on_rnr(psn, syndrome & 0x1F)
         elif kind == 3 and syndrome & 0x1F == w.NAK_PSN_SEQ:
             if not self._rnr_wait:
-                self._count("seq_naks")
+                self.stats["seq_naks"] += 1
                 self._go_back(psn)
         elif kind == 3:
             why = _NAK_NAMES.get(syndrome & 0x1F, f"NAK code {syndrome & 0x1F}")
@@ -365,7 +365,7 @@ class RoceQP(QueuePair):
 
     def _on_rnr(self, psn: int, code: int) -> None:
         """RNR NAK: wait the responder's timer, then retry from ``psn`` (IB 9.7.5.2.8)."""
-        self._count("rnr_naks")
+        self.stats["rnr_naks"] += 1
         if self.rnr_retry != 7:
             self._rnr_left -= 1
             if self._rnr_left < 0:
@@ -386,7 +386,7 @@ class RoceQP(QueuePair):
     def _on_read_response(self, opcode: int, psn: int, payload: memoryview) -> None:
         op = self._find(psn)
         if op is None or op.kind != _READ:
-            self._count("stale_responses")
+            self.stats["stale_responses"] += 1
             return
         expect = (op.first + op.got) & MASK24
         if psn != expect:
@@ -395,7 +395,7 @@ class RoceQP(QueuePair):
                     and self._ack_upto((op.first - 1) & MASK24)):
                 self._go_back(expect)
                 self._gap = expect
-                self._count("read_gaps")
+                self.stats["read_gaps"] += 1
             return
         if op is not self._sq[0] and not self._ack_upto((op.first - 1) & MASK24):
             self._go_back(self._una)
@@ -403,20 +403,20 @@ class RoceQP(QueuePair):
         start = op.got * self.mtu
         last = opcode == w.READ_RESP_LAST or opcode == w.READ_RESP_ONLY
         if len(payload) != (len(op.buf) - start if last else self.mtu):
-            self._count("bad_responses")
+            self.stats["bad_responses"] += 1
             return
         op.buf[start:start + len(payload)] = payload
         op.got += 1
         self._gap = None
         if last:
-            self._retire(op, bytes(op.buf))
+            self._retire(op, op.buf)          # its own buffer: no copy
         else:
             self._advance((psn + 1) & MASK24)
 
     def _on_atomic_ack(self, psn: int, original: int) -> None:
         op = self._find(psn)
         if op is None or op.kind != _ATOMIC:
-            self._count("stale_responses")
+            self.stats["stale_responses"] += 1
             return
         if op is not self._sq[0] and not self._ack_upto((op.first - 1) & MASK24):
             self._go_back(self._una)
@@ -435,7 +435,7 @@ class RoceQP(QueuePair):
             self.establish()
         hdr = 12 + w.EXT_LEN.get(opcode, 4096)
         if hdr + 4 + (fl >> 4 & 3) > n or opcode == w.UD_SEND_ONLY:
-            self._count("malformed")
+            self.stats["malformed"] += 1
         elif opcode <= w.READ_REQUEST or opcode >= w.COMPARE_SWAP:
             self._on_request(data, n, opcode, fl, psn, word >> 31)
         elif self.error is not None:
@@ -471,9 +471,9 @@ class RoceQP(QueuePair):
         if d > 0:
             if not self._nak_gap:     # IB 9.7.5.2.1: one NAK per sequence error
                 self._nak_gap = True
-                self._count("naks_sent")
+                self.stats["naks_sent"] += 1
                 self._send_aeth(self._epsn, w.SYN_NAK | w.NAK_PSN_SEQ)
-            self._count("out_of_sequence")
+            self.stats["out_of_sequence"] += 1
             return
         if d < 0:
             self._duplicate(data, opcode, psn)
@@ -497,14 +497,14 @@ class RoceQP(QueuePair):
     def _rnr(self, psn: int) -> bool:
         """No receive posted: RNR NAK, the PSN stays expected (IB 9.7.5.2.8)."""
         self._nak_gap = True
-        self._count("rnr_naks_sent")
+        self.stats["rnr_naks_sent"] += 1
         self._send_aeth(psn, w.SYN_RNR | self.rnr_timer)
         return False
 
     def _error(self, psn: int, code: int, why: str) -> bool:
         """A class A or C responder error: NAK, then the error state (IB 9.9.3.1)."""
         self._fatal = (w.SYN_NAK | code, psn)
-        self._count("naks_sent")
+        self.stats["naks_sent"] += 1
         self._send_aeth(psn, w.SYN_NAK | code)
         self.lost(ConnectionLost(f"responder error: {why}"))
         return False
@@ -653,7 +653,7 @@ class RoceQP(QueuePair):
     def _duplicate(self, data: memoryview, opcode: int, psn: int) -> None:
         """A request below the expected PSN (IB 9.7.5.2.2): Sends and Writes are only
         acknowledged again, a Read is executed again, an atomic answered from the cache."""
-        self._count("duplicates")
+        self.stats["duplicates"] += 1
         if opcode == w.READ_REQUEST:
             va, stag, length = w.RETH.unpack_from(data, 12)
             try:

@@ -4,7 +4,10 @@ Everything a remote peer may be shown lives here as bytes in regions of the RNIC
 ``MemoryTable``: the pool (F blocks of Block Size; block i at Block Offset i * S), the
 table (one entry per handle of every initiator range), the shared ring for
 target-executed allocations, and one ring with its Head per DIRECT_ALLOC partition.
-The pool is an anonymous mapping, so a 1 GiB pool costs nothing until it is written.
+The pool is an anonymous mapping faulted in at start (MAP_POPULATE), as registering
+memory with an RNIC pins it: no operation then pays for first-touching its block (25 us
+for a fresh 32 KiB block here, against 4 us for the copy itself), and a 1 GiB pool
+still starts well inside the two seconds the target allows itself.
 """
 from __future__ import annotations
 
@@ -48,7 +51,8 @@ class TargetMemory:
         self.config, self.memory = config, memory
         c = config
         self.block_size = c.block_size
-        self.pool = mmap.mmap(-1, c.blocks * c.block_size)
+        self.pool = mmap.mmap(-1, c.blocks * c.block_size,
+                              mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         self.pool_view = memoryview(self.pool)
         handles = c.max_initiators * c.handles_per_initiator
         self.table_buffer = bytearray(handles * M.ENTRY_SIZE)
