@@ -147,3 +147,35 @@ def test_invalidate_and_clearing(target):
         assert block == bytes(len(block))                       # cleared before reuse
         await a.goodbye(release=True)
     run(main())
+
+
+def test_a_completion_for_a_cancelled_request_leaves_the_session_working():
+    """The caller gives up just as its COMPLETION arrives: a RoCEv2 frame listener, which
+    sees each frame before the RNIC acts on it, cancels the LOAD on the completion's Send,
+    the one moment such a race can hit. The completion is dropped; the session goes on."""
+    t = TargetThread("roce", TargetConfig(blocks=64, block_size=4096, max_initiators=4))
+    try:
+        async def main():
+            armed: dict[str, asyncio.Task] = {}
+            errors: list[dict] = []
+            asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+
+            def listener(direction: str, frame: bytes) -> None:
+                task = armed.get("load")          # BTH after Ethernet, IPv4 and UDP
+                if direction == "rx" and task is not None and frame[42] in (0x04, 0x17):
+                    task.cancel()
+                    armed.clear()
+
+            a = await connect(t, 0, frame_listeners=[listener])
+            h = a.target.handle_base
+            await a.alloc_store(h, b"kept", seal=True)
+            load = armed["load"] = asyncio.create_task(a.load(h))
+            with pytest.raises(asyncio.CancelledError):
+                await load
+            assert not armed, "the listener never saw the completion"
+            assert (await a.load(h)).data == b"kept"
+            assert a.unmatched.empty() and not errors
+            await a.goodbye()
+        run(main())
+    finally:
+        t.stop()

@@ -109,9 +109,10 @@ class Initiator(DirectModes):
             rid, (future, record) = entry
             d = codec.decode_struct(M.COMPLETION_RECORD, bytes(record.view), self.addr_le)
             del self._pending[rid]
-            future.set_result(Result(d["record.request_id"], d["record.status"],
-                                     d["record.generation"], d["record.data_length"],
-                                     d["record.block_offset"], record=True))
+            if not future.done():         # a caller that gave up is cancelled already
+                future.set_result(Result(d["record.request_id"], d["record.status"],
+                                         d["record.generation"], d["record.data_length"],
+                                         d["record.block_offset"], record=True))
             return
         try:
             c = codec.decode(msg.payload, self.addr_le)
@@ -122,8 +123,10 @@ class Initiator(DirectModes):
         if pending is None:
             self.unmatched.put_nowait(msg)
             return
-        pending[0].set_result(Result(c["request_id"], c["status"], c["generation"],
-                                     c["completion.data_length"], c["completion.block_offset"]))
+        if not pending[0].done():
+            pending[0].set_result(Result(c["request_id"], c["status"], c["generation"],
+                                         c["completion.data_length"],
+                                         c["completion.block_offset"]))
 
     async def _call(self, values: dict[str, Any], regions: list, record: bool) -> Result:
         """Send one request and wait for its completion; raises ``KbtpError`` on a status.
