@@ -14,9 +14,9 @@ TCP payload octets, FPDUs and send calls on iWARP.
 Right after each KBTP case the baseline, a server subprocess and a client in this
 process, moves the same traffic without KBTP or RDMA: per operation the client sends the
 same number of datagrams of the same sizes (RoCEv2: UDP between the same loopback
-addresses) or the same octets in one coalesced write per loop iteration (iWARP: TCP, as
-the soft RNIC writes), and the server answers each operation with the target's share
-once all of it has arrived, with the same window in flight. It is Python and asyncio,
+addresses) or the same octets, coalesced into one write per loop iteration or per 8
+operations (iWARP: TCP, as the soft RNIC writes), and the server answers each operation
+with the target's share once all of it has arrived, with the same window in flight. It is Python and asyncio,
 non-blocking sockets and the same batching the soft RNIC uses, so the ratio measures
 what KBTP and the RNIC add, not what the language costs. The baseline has one round
 trip per operation; a store through RDMA Read takes two in KBTP.
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kbtp_scapy.initiator import Initiator
+from kbtp_scapy.rnic.iwarp import FLUSH_MESSAGES
 
 TARGET_HOST = "127.77.0.1"      # loopback addresses of our own, clear of other tests
 INITIATOR_HOST = "127.77.0.2"
@@ -352,7 +353,8 @@ class UdpPeer:
 
 class TcpPeer(asyncio.Protocol):
     """Chunks of ``CHUNK`` header and padding; what one loop iteration queues leaves in
-    one write, as the RNIC's iWARP transport flushes."""
+    one write, or at most ``FLUSH_MESSAGES`` chunks wait for that, as the RNIC's iWARP
+    transport flushes."""
 
     def __init__(self, on_chunk: Callable[[int], None]) -> None:
         self.on_chunk = on_chunk
@@ -360,6 +362,7 @@ class TcpPeer(asyncio.Protocol):
         self.pad = bytes(65536)
         self.rx = bytearray()
         self.tx = bytearray()
+        self.queued = 0
         self.send_calls = 0
         self.lost = asyncio.get_running_loop().create_future()
 
@@ -371,8 +374,12 @@ class TcpPeer(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self._flush)
         self.tx += CHUNK.pack(op, n)
         self.tx += self.pad[:n - CHUNK.size]
+        self.queued += 1
+        if self.queued >= FLUSH_MESSAGES:
+            self._flush()
 
     def _flush(self) -> None:
+        self.queued = 0
         if self.tx and not self.tp.is_closing():
             data, self.tx = self.tx, bytearray()
             self.send_calls += 1
