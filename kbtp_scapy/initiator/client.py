@@ -21,7 +21,7 @@ from ..rnic.qp import ConnectionLost, FrameListener, Received
 from ..tables import memory as M
 from ..tables.enums import FEATURES, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
 from .direct import DirectModes
-from .results import KbtpError, Result, TargetInfo
+from .results import KbtpError, Result, TargetInfo, Waiting, match_completion
 
 OP = OPCODES.by_name()
 F = {f.name: f.value for f in REQUEST_FLAGS.flags}
@@ -42,7 +42,7 @@ class Initiator(DirectModes):
         self.target: TargetInfo | None = None
         self.addr_le = False
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
+        self._pending: Waiting = {}
         self.unmatched: asyncio.Queue[Received] = asyncio.Queue()   # raw mode sees these
         self._credits: asyncio.Semaphore | None = None
 
@@ -99,34 +99,11 @@ class Initiator(DirectModes):
         self._dispatch(msg)
 
     def _dispatch(self, msg: Received) -> None:
-        if msg.write_imm:
-            key = msg.imm
-            entry = next(((rid, p) for rid, p in self._pending.items()
-                          if rid & 0xFFFFFFFF == key and p[1] is not None), None)
-            if entry is None:
-                self.unmatched.put_nowait(msg)
-                return
-            rid, (future, record) = entry
-            d = codec.decode_struct(M.COMPLETION_RECORD, bytes(record.view), self.addr_le)
-            del self._pending[rid]
-            if not future.done():         # a caller that gave up is cancelled already
-                future.set_result(Result(d["record.request_id"], d["record.status"],
-                                         d["record.generation"], d["record.data_length"],
-                                         d["record.block_offset"], record=True))
-            return
-        try:
-            c = codec.decode(msg.payload, self.addr_le)
-        except codec.Malformed:
+        matched = match_completion(msg, self._pending, self.addr_le)
+        if matched is None:
             self.unmatched.put_nowait(msg)
-            return
-        pending = self._pending.pop(c["request_id"], None) if c["opcode"] == OP["COMPLETION"] else None
-        if pending is None:
-            self.unmatched.put_nowait(msg)
-            return
-        if not pending[0].done():
-            pending[0].set_result(Result(c["request_id"], c["status"], c["generation"],
-                                         c["completion.data_length"],
-                                         c["completion.block_offset"]))
+        elif not matched[0].done():         # a caller that gave up is cancelled already
+            matched[0].set_result(matched[1])
 
     async def _call(self, values: dict[str, Any], regions: list, record: bool) -> Result:
         """Send one request and wait for its completion; raises ``KbtpError`` on a status.

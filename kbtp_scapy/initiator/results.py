@@ -1,10 +1,19 @@
 """What the initiator API returns and raises."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tables.enums import STATUS
+from .. import codec
+from ..rnic.memory import MemoryRegion
+from ..rnic.qp import Received
+from ..tables import memory as M
+from ..tables.enums import OPCODES, STATUS
+
+COMPLETION = OPCODES.by_name()["COMPLETION"]
+Waiting = dict[int, tuple[asyncio.Future, MemoryRegion | None]]
+"""Requests awaiting their answer: Request ID -> (future, completion-record region)."""
 
 
 class KbtpError(Exception):
@@ -55,3 +64,29 @@ class TargetInfo:
 
     def feature(self, flag: int) -> bool:
         return bool(self.features & flag)
+
+
+def match_completion(msg: Received, waiting: Waiting,
+                     addr_le: bool) -> tuple[asyncio.Future, Result] | None:
+    """Take the request ``msg`` answers out of ``waiting``, with its ``Result``: a
+    COMPLETION Send by Request ID, or a completion record written with Write with
+    Immediate, whose Immediate Data is the low 32 bits of the ID. None when it answers
+    none of them (the caller decides what an unmatched message is)."""
+    if msg.write_imm:
+        rid = next((r for r, (_, record) in waiting.items()
+                    if record is not None and r & 0xFFFFFFFF == msg.imm), None)
+        if rid is None:
+            return None
+        future, record = waiting.pop(rid)
+        d = codec.decode_struct(M.COMPLETION_RECORD, bytes(record.view), addr_le)
+        return future, Result(d["record.request_id"], d["record.status"], d["record.generation"],
+                              d["record.data_length"], d["record.block_offset"], record=True)
+    try:
+        c = codec.decode(msg.payload, addr_le)
+    except codec.Malformed:
+        return None
+    if c["opcode"] != COMPLETION or c["request_id"] not in waiting:
+        return None
+    future, _ = waiting.pop(c["request_id"])
+    return future, Result(c["request_id"], c["status"], c["generation"],
+                          c["completion.data_length"], c["completion.block_offset"])

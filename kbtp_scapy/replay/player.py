@@ -19,8 +19,9 @@ from typing import Any
 
 from .. import codec
 from ..initiator import Initiator, KbtpError
+from ..initiator.results import Waiting, match_completion
 from ..rnic import Access
-from ..rnic.qp import ConnectionLost, Received, RemoteError
+from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables import memory as M
 from .mapping import Mapping
 from .sessions import OP, Capture, Outcome, Session, Step, slot_of
@@ -61,7 +62,7 @@ class _Live:
 
     def __init__(self, ses: Session, ini: Initiator) -> None:
         self.ses, self.ini = ses, ini
-        self.waiting: dict[int, tuple[asyncio.Future, Any]] = {}
+        self.waiting: Waiting = {}
         credits = min(ini.target.request_credits, ini.completion_credits)
         self.credits = asyncio.Semaphore(max(credits, 1))
         self.reader = asyncio.create_task(self._read())
@@ -69,26 +70,12 @@ class _Live:
 
     async def _read(self) -> None:
         while True:
-            msg: Received = await self.ini.unmatched.get()
-            if msg.write_imm:
-                rid = next((r for r, (_, rec) in self.waiting.items()
-                            if rec is not None and r & 0xFFFFFFFF == msg.imm), None)
-                if rid is None:
-                    continue
-                future, record = self.waiting.pop(rid)
-                d = codec.decode_struct(M.COMPLETION_RECORD, bytes(record.view), self.ini.addr_le)
-                future.set_result(Outcome(d["record.status"], d["record.generation"],
-                                          d["record.data_length"], d["record.block_offset"],
-                                          form="record"))
-                continue
-            try:
-                c = codec.decode(msg.payload, self.ini.addr_le)
-            except codec.Malformed:
-                continue
-            entry = self.waiting.pop(c.get("request_id"), None) if c["opcode"] == OP["COMPLETION"] else None
-            if entry is not None and not entry[0].done():
-                entry[0].set_result(Outcome(c["status"], c["generation"], c["completion.data_length"],
-                                            c["completion.block_offset"]))
+            matched = match_completion(await self.ini.unmatched.get(), self.waiting,
+                                       self.ini.addr_le)
+            if matched is not None and not matched[0].done():
+                future, r = matched
+                future.set_result(Outcome(r.status, r.generation, r.data_length, r.block_offset,
+                                          form="record" if r.record else "completion"))
 
     async def close(self) -> None:
         self.reader.cancel()
