@@ -164,11 +164,12 @@ class QueuePair:
                 head.future.set_result(head.result)
 
     def completion(self, wr: WorkRequest) -> asyncio.Future:
-        """The future of ``wr``, made now for an unsignaled one still outstanding."""
+        """The future of ``wr``, made now for an unsignaled one (done at once if ``wr``
+        already is), so that a close can wait for everything posted."""
         if wr.future is None:
             wr.future = asyncio.get_running_loop().create_future()
             if wr not in self._outstanding:
-                wr.future.set_result(wr.result)
+                wr.future.set_result(None)
         return wr.future
 
     def unacknowledged(self) -> list[WorkRequest]:

@@ -697,6 +697,9 @@ class RoceQP(QueuePair):
         if self._sq and self.error is None:
             pending = [self.completion(op.wr) for op in self._sq]
             await asyncio.wait(pending, timeout=self.ack_timeout * 16 * (self.retry_count + 1))
+            for future in pending:        # a refusal is the connection's end, seen elsewhere
+                if future.done() and not future.cancelled():
+                    future.exception()
         if self._cm_state == "open":
             self._cm_state = "closing"
             self._drep = self._loop.create_future()
