@@ -178,10 +178,14 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._gone.set()
         reason = ConnectionLost(f"TCP connection lost: {exc}" if exc else
                                 "TCP connection closed by the peer")
-        if not self.ready.done():
-            self.ready.set_exception(reason)
-            self.ready.exception()
+        self._not_ready(reason)
         self.lost(reason)
+
+    def _not_ready(self, error: ConnectionLost) -> None:
+        """Fail a set-up still in progress (read at once: nobody may be waiting for it)."""
+        if not self.ready.done():
+            self.ready.set_exception(error)
+            self.ready.exception()
 
     # -- MPA startup (RFC 5044 s7.1, RFC 6581) -------------------------------------------
 
@@ -269,9 +273,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
 
     def _abort_setup(self, reason: str) -> None:
         error = ConnectionLost(f"MPA set-up failed: {reason}")
-        if not self.ready.done():
-            self.ready.set_exception(error)
-            self.ready.exception()
+        self._not_ready(error)
         self._close_transport(error)
 
     # -- receiving FPDUs -----------------------------------------------------------------
@@ -299,7 +301,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                     if end - off < 2:
                         break
                     ulen = buf[off] << 8 | buf[off + 1]
-                    size = ulen + FPDU_OVERHEAD + (-(2 + ulen) & 3)    # fpdu_pad_len, inline
+                    size = ulen + FPDU_OVERHEAD + fpdu_pad_len(ulen)
                     if end - off < size:
                         break
                     wire = fpdu = bytes(view[off:off + size])
@@ -618,9 +620,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self.stats["terminates_sent"] += 1
         self._phase = "closed"
         error = ConnectionLost(f"sent Terminate: {exc}")
-        if not self.ready.done():
-            self.ready.set_exception(error)
-            self.ready.exception()
+        self._not_ready(error)
         self._close_transport(error)
 
     # -- the TCP byte stream -------------------------------------------------------------
