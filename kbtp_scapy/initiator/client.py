@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from typing import Any
-
-from scapy.packet import Packet
+from typing import TYPE_CHECKING, Any
 
 from .. import codec
 from ..rnic import Access, MemoryTable, QueuePair, connect
@@ -22,6 +20,9 @@ from ..tables import memory as M
 from ..tables.enums import FEATURES, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
 from .direct import DirectModes
 from .results import KbtpError, Result, TargetInfo, Waiting, match_completion
+
+if TYPE_CHECKING:
+    from scapy.packet import Packet     # raw() takes one; Scapy stays off the data path
 
 OP = OPCODES.by_name()
 F = {f.name: f.value for f in REQUEST_FLAGS.flags}
