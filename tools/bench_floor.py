@@ -8,10 +8,11 @@ target and initiator do only the wire work every LOAD needs, with the project's 
 pieces: MPA framing and CRC32c (``rnic.iwarp_wire``), the request and the COMPLETION
 through the codec, one entry read from a ``BlockTable`` in registered-memory format, the
 block sent as RDMA Write FPDUs no longer than the MULPDU, and writes batched as the soft
-RNIC batches them (``FLUSH_MESSAGES``). It leaves out everything else the specification
-and the RNIC require: no MPA set-up, no STag rights, bounds or validity, no MSN or
-credit checks, no validation order or status codes, no invalidation, no Terminate.
-It is a measuring stick, not a target: never point it at anything but itself.
+RNIC batches them (``FLUSH_MESSAGES``, through the baseline's ``TcpPeer``). It leaves
+out everything else the specification and the RNIC require: no MPA set-up, no STag
+rights, bounds or validity, no MSN or credit checks, no validation order or status
+codes, no invalidation, no Terminate. It is a measuring stick, not a target: never point
+it at anything but itself.
 
 For each block size, in one run: the reference target (``bench_target.run_case``: KBTP
 and its baseline), then the floor, then the baseline again with the floor's own octets
@@ -33,7 +34,6 @@ import bench_target as bt
 
 from kbtp_scapy import codec
 from kbtp_scapy.rnic import iwarp_wire as w
-from kbtp_scapy.rnic.iwarp import FLUSH_MESSAGES
 from kbtp_scapy.tables import memory as M
 from kbtp_scapy.tables.enums import OPCODES
 from kbtp_scapy.target.table import BlockTable
@@ -50,21 +50,18 @@ def block_bytes(handle: int, size: int) -> bytes:
     return bytes((handle + k) & 0xFF for k in range(256)) * (size // 256) + bytes(size % 256)
 
 
-class FloorPeer(asyncio.Protocol):
-    """MPA FPDUs in and out, CRC32c on, no markers; one write per loop iteration or per
-    ``FLUSH_MESSAGES`` messages, as the soft RNIC's iWARP transport."""
+class FloorPeer(bt.TcpPeer):
+    """MPA FPDUs in and out, CRC32c on, no markers; written as the baseline writes its
+    chunks, which is as the soft RNIC's iWARP transport writes."""
 
     def __init__(self) -> None:
-        self.tp: asyncio.Transport | None = None
-        self.rx = bytearray()
-        self.tx = bytearray()
-        self.queued = 0
+        super().__init__(lambda _op: None)
         self.msn = 0
         self.mulpdu = 0
-        self.bytes_tx = self.bytes_rx = 0
+        self.bytes_rx = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.tp = transport    # type: ignore[assignment]
+        super().connection_made(transport)
         sock = transport.get_extra_info("socket")
         self.mulpdu = mulpdu(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG))
 
@@ -73,31 +70,17 @@ class FloorPeer(asyncio.Protocol):
         self.tx += payload
         self.tx += w.fpdu_tail(head, payload, True)
 
-    def send(self, message: bytes) -> None:
+    def send_message(self, message: bytes) -> None:
         self.msn += 1
         self.put(w.untagged_head(True, Op.SEND, SEND_QUEUE, self.msn, 0, len(message)), message)
-        self.message_done()
+        self.message_queued()
 
     def write(self, stag: int, data: bytes) -> None:
         room = self.mulpdu - DDP_TAGGED_LEN
         for at in range(0, len(data), room):
             part = data[at:at + room]
             self.put(w.tagged_head(at + room >= len(data), Op.WRITE, stag, at, len(part)), part)
-        self.message_done()
-
-    def message_done(self) -> None:
-        if not self.queued:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self.queued += 1
-        if self.queued >= FLUSH_MESSAGES:
-            self.flush()
-
-    def flush(self) -> None:
-        self.queued = 0
-        if self.tx and not self.tp.is_closing():
-            data, self.tx = self.tx, bytearray()
-            self.bytes_tx += len(data)
-            self.tp.write(data)
+        self.message_queued()
 
     def data_received(self, data: bytes) -> None:
         self.bytes_rx += len(data)
@@ -132,7 +115,7 @@ class FloorTarget(FloorPeer):
         entry = self.table.read(req["handle"])
         self.write(req["dd.stag"], bytes(self.pool[entry.block_offset:
                                                    entry.block_offset + entry.data_length]))
-        self.send(codec.encode({
+        self.send_message(codec.encode({
             "opcode": OP["COMPLETION"], "request_id": req["request_id"], "handle": req["handle"],
             "generation": entry.generation, "status": 0,
             "completion.data_length": entry.data_length, "completion.reserved": 0,
@@ -154,9 +137,9 @@ class FloorInitiator(FloorPeer):
         rid = stag = self.next_id
         buf = self.buffers[stag] = bytearray(self.size)
         done = self.waiting[rid] = asyncio.get_running_loop().create_future()
-        self.send(codec.encode({"opcode": OP["LOAD"], "request_id": rid, "handle": handle,
-                                "generation": 0, "flags": 0, "dd.stag": stag, "dd.offset": 0,
-                                "dd.length": self.size}))
+        self.send_message(codec.encode({
+            "opcode": OP["LOAD"], "request_id": rid, "handle": handle, "generation": 0,
+            "flags": 0, "dd.stag": stag, "dd.offset": 0, "dd.length": self.size}))
         length = await done
         del self.buffers[stag]
         return bytes(buf[:length])

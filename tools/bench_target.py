@@ -363,17 +363,22 @@ class TcpPeer(asyncio.Protocol):
         self.rx = bytearray()
         self.tx = bytearray()
         self.queued = 0
-        self.send_calls = 0
+        self.send_calls = self.bytes_tx = 0
         self.lost = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.tp = transport    # type: ignore[assignment]   asyncio sets TCP_NODELAY
 
     def send(self, op: int, n: int) -> None:
-        if not self.tx:
-            asyncio.get_running_loop().call_soon(self._flush)
         self.tx += CHUNK.pack(op, n)
         self.tx += self.pad[:n - CHUNK.size]
+        self.message_queued()
+
+    def message_queued(self) -> None:
+        """One more message is in ``tx``: it leaves at the end of this loop iteration, or
+        now if ``FLUSH_MESSAGES`` are waiting."""
+        if not self.queued:
+            asyncio.get_running_loop().call_soon(self._flush)
         self.queued += 1
         if self.queued >= FLUSH_MESSAGES:
             self._flush()
@@ -383,6 +388,7 @@ class TcpPeer(asyncio.Protocol):
         if self.tx and not self.tp.is_closing():
             data, self.tx = self.tx, bytearray()
             self.send_calls += 1
+            self.bytes_tx += len(data)
             self.tp.write(data)
 
     def data_received(self, data: bytes) -> None:
