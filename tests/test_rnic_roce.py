@@ -229,6 +229,26 @@ def test_connect_to_nothing_times_out():
 
 # --- loss, reordering, duplicates ------------------------------------------------------------
 
+def test_a_connect_under_way_keeps_the_device_its_last_connection_leaves():
+    """The initiator's device loses its last QP (the peer's DREQ) while a second connect
+    on it waits: the connect still gets its REP (once, the device closed under it)."""
+    async def body():
+        p = await Pair().open(24)
+        second = asyncio.ensure_future(rnic.connect(
+            f"roce://{p.target_ip}", p.imem, local=p.initiator_ip, connect_timeout=3))
+        await asyncio.sleep(0)          # the second connect holds the device and waits
+        p.iqp.peer_closed()             # as on the target's DREQ: the first QP lets go
+        qp = await second
+        assert qp.established
+        tqp = await asyncio.wait_for(p.accepted.get(), 5)
+        p.tbuf[:8] = b"answered"
+        assert await qp.read(p.region.stag, 0, 8) == b"answered"
+        await qp.close()
+        p.listener.close()
+        await asyncio.wait_for(tqp.wait_closed(), 5)
+    run(body())
+
+
 def test_mixed_operations_through_a_lossy_reordering_relay():
     """Writes go to one area and Reads read another: a Read retried after a loss is
     executed again (IB 9.7.5.2.2), so without a fence it may see Writes posted after it."""

@@ -248,9 +248,11 @@ def _netns() -> int:
 
 
 def _device(host: str, port: int, io: dict) -> Device:
-    """The device at (host, port) of this event loop, opened on first use. A raw device
-    owns its IP address: no other device of the process in the same network namespace
-    may use it (EADDRINUSE)."""
+    """The device at (host, port) of this event loop, opened on first use, with one use
+    taken for the caller, who gives it back with ``release()``: a device whose last QP
+    goes while the caller is still setting up must stay open. A raw device owns its IP
+    address: no other device of the process in the same network namespace may use it
+    (EADDRINUSE)."""
     loop = asyncio.get_running_loop()
     host = str(ipaddress.ip_address(host))
     for other in list(_devices.values()):
@@ -268,16 +270,17 @@ def _device(host: str, port: int, io: dict) -> Device:
                                                 f"through {other.io}")
         dev = Device(loop, host, port, io)
         _devices[(loop, *dev.address)] = dev
+    dev.users += 1
     return dev
 
 
 async def _started(dev: Device) -> None:
-    """Wait until the device's backend may use its address; close an unused one if not."""
+    """Wait until the device's backend may use its address; give the caller's use back
+    if not."""
     try:
         await dev.io.start()
     except BaseException:
-        if dev.users <= 0:
-            dev.close()
+        dev.release()
         raise
 
 
@@ -431,12 +434,10 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
     await _started(dev)
     try:
         await asyncio.wait_for(dev.io.resolve(host, timeout), timeout)
-    except BaseException:
-        if dev.users <= 0:
-            dev.close()
-        raise
-    qp_options["mtu"] = qp_options["mtu"] or dev.io.path_mtu(host, port)
-    qp = RoceQP(memory, dev, **qp_options)
+        qp_options["mtu"] = qp_options["mtu"] or dev.io.path_mtu(host, port)
+        qp = RoceQP(memory, dev, **qp_options)
+    finally:
+        dev.release()          # the QP holds the device from here, or nothing does
     dev.conns[qp.comm_id] = qp
     loop = dev.loop
     req = cm.CmMessage(
@@ -483,8 +484,7 @@ async def listen(host: str, port: int, memory: MemoryTable,
     if ipaddress.ip_address(host).is_unspecified:
         raise ValueError("listen on a specific address: the ICRC covers it (annex A17)")
     dev = _device(host, port, io)
-    await _started(dev)
-    dev.users += 1
+    await _started(dev)        # the use _device took is the listener's
     listener = RoceListener(dev, memory, on_connect, qp_options, timeout)
     if listener.service_id in dev.services:
         dev.release()
