@@ -37,7 +37,8 @@ from kbtp_scapy.rnic import iwarp_wire as w
 from kbtp_scapy.tables import memory as M
 from kbtp_scapy.tables.enums import OPCODES
 from kbtp_scapy.target.table import BlockTable
-from kbtp_scapy.transport.iwarp_defs import DDP_TAGGED_LEN, DDP_UNTAGGED_LEN, Op, mulpdu
+from kbtp_scapy.transport.iwarp_defs import (DDP_TAGGED_LEN, DDP_UNTAGGED_LEN, FPDU_OVERHEAD, Op,
+                                             mulpdu)
 
 OP = OPCODES.by_name()
 BLOCKS = 256                    # handles 0 .. BLOCKS-1, each bound to its own block
@@ -89,7 +90,7 @@ class FloorPeer(bt.TcpPeer):
         at = 0
         while len(rx) - at >= 2:
             ulpdu = rx[at] << 8 | rx[at + 1]
-            end = at + 2 + ulpdu + w.fpdu_pad_len(ulpdu) + 4
+            end = at + ulpdu + FPDU_OVERHEAD + w.fpdu_pad_len(ulpdu)
             if end > len(rx):
                 break
             fpdu = bytes(rx[at:end])
