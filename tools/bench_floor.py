@@ -37,8 +37,13 @@ from kbtp_scapy.rnic import iwarp_wire as w
 from kbtp_scapy.tables import memory as M
 from kbtp_scapy.tables.enums import OPCODES
 from kbtp_scapy.target.table import BlockTable
-from kbtp_scapy.transport.iwarp_defs import (DDP_TAGGED_LEN, DDP_UNTAGGED_LEN, FPDU_OVERHEAD, Op,
-                                             mulpdu)
+from kbtp_scapy.transport.iwarp_defs import (
+    DDP_TAGGED_LEN,
+    DDP_UNTAGGED_LEN,
+    FPDU_OVERHEAD,
+    Op,
+    mulpdu,
+)
 
 OP = OPCODES.by_name()
 BLOCKS = 256                    # handles 0 .. BLOCKS-1, each bound to its own block
