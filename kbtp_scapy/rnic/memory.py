@@ -138,6 +138,11 @@ class MemoryTable:
     def get(self, stag: int) -> MemoryRegion | None:
         return self._regions.get(stag)
 
+    def default_base(self, buffer: Any, start: int = 0) -> int:
+        """The Tagged Offset the first octet of ``buffer[start:]`` gets when registered
+        without a ``base``: 0 here (zero-based), its virtual address on a verbs device."""
+        return 0
+
     def remote(self, stag: int, offset: int, length: int, right: int,
                connection: object | None = None) -> memoryview:
         """The octets a remote access may touch, or ``AccessError``."""

@@ -31,8 +31,7 @@ def audit(target: Target) -> list[str]:
         entry = table.read(handle)
         if entry.valid:
             where[entry.block_offset] += 1
-    size, blocks = target.memory.block_size, target.config.blocks
-    expected = set(range(0, blocks * size, size))
+    expected = set(target.memory.offsets)
     for block, n in sorted(where.items()):
         if block not in expected:
             problems.append(f"block offset 0x{block:x} is not a block of the pool")

@@ -27,12 +27,12 @@ def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[dict[str, An
     """HELLO_ACK fields and windows for DIRECT_LOAD: table and pool, read-only."""
     rnic: MemoryTable = memory.memory
     table = rnic.register(memory.table_buffer, Access.REMOTE_READ, connection=qp)
-    pool = rnic.register(memory.pool, Access.REMOTE_READ, connection=qp)
+    pool = rnic.register(memory.pool, Access.REMOTE_READ, base=memory.pool_base, connection=qp)
     fields = {
-        "hello_ack.table.stag": table.stag, "hello_ack.table.offset": 0,
+        "hello_ack.table.stag": table.stag, "hello_ack.table.offset": table.base,
         "hello_ack.table.count": memory.table.count,
         "hello_ack.table_base_handle": memory.table.base_handle, "hello_ack.reserved": 0,
-        "hello_ack.pool.stag": pool.stag, "hello_ack.pool.offset": 0,
+        "hello_ack.pool.stag": pool.stag, "hello_ack.pool.offset": pool.base,
         "hello_ack.pool.count": memory.config.blocks,
     }
     return fields, [table, pool]
@@ -41,19 +41,17 @@ def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[dict[str, An
 def grant_partition(memory: TargetMemory, part: Partition, qp: QueuePair) -> tuple[dict[str, Any], list[MemoryRegion]]:
     """HELLO_ACK fields and windows for DIRECT_ALLOC: the partition (write), its ring's
     slots (read) and its Head (atomic)."""
-    size = memory.block_size
-    start = part.first_block * size
     rnic: MemoryTable = memory.memory
-    window = rnic.register(memory.pool, Access.REMOTE_WRITE, start=start,
-                           length=part.blocks * size, base=start, connection=qp)
+    window = rnic.register(memory.pool, Access.REMOTE_WRITE, start=part.first - memory.pool_base,
+                           length=part.blocks * memory.block_size, base=part.first, connection=qp)
     ring = rnic.register(part.slots, Access.REMOTE_READ, connection=qp)
     head = rnic.register(part.heads.obj, Access.REMOTE_ATOMIC, length=8, connection=qp)
     fields = {
-        "hello_ack.partition.stag": window.stag, "hello_ack.partition.offset": start,
+        "hello_ack.partition.stag": window.stag, "hello_ack.partition.offset": window.base,
         "hello_ack.partition.count": part.blocks,
-        "hello_ack.ring.stag": ring.stag, "hello_ack.ring.offset": 0,
+        "hello_ack.ring.stag": ring.stag, "hello_ack.ring.offset": ring.base,
         "hello_ack.ring.count": part.ring.size,
-        "hello_ack.head.stag": head.stag, "hello_ack.head.offset": 0, "hello_ack.head.count": 1,
+        "hello_ack.head.stag": head.stag, "hello_ack.head.offset": head.base, "hello_ack.head.count": 1,
     }
     return fields, [window, ring, head]
 

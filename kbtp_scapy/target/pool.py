@@ -26,7 +26,7 @@ class Partition:
     """A contiguous run of ``quota`` blocks with its own ring and Head (DIRECT_ALLOC)."""
 
     index: int
-    first_block: int
+    first: int                     # Block Offset of its first block
     blocks: int
     ring: FreeRing
     slots: bytearray               # N ring slots
@@ -38,15 +38,22 @@ class Partition:
         """Back to the pool of partitions, every block free in a fresh ring: the next owner
         must not inherit tickets, deferred frees or a Head that a FetchAdd with wrong Add
         Data left behind (the RNIC executes the owner's atomics unchecked)."""
-        size = self.block_size
-        self.ring.reset(range(self.first_block * size, (self.first_block + self.blocks) * size, size))
+        self.ring.reset(self.offsets)
         self.owner = None
 
-    def contains(self, block_offset: int, block_size: int) -> bool:
-        return self.first_block * block_size <= block_offset < (self.first_block + self.blocks) * block_size
+    @property
+    def offsets(self) -> range:
+        return range(self.first, self.first + self.blocks * self.block_size, self.block_size)
+
+    def contains(self, block_offset: int) -> bool:
+        return self.first <= block_offset < self.first + self.blocks * self.block_size
 
 
 class TargetMemory:
+    """Block Offsets are Tagged Offsets of the Pool STag (spec "Terminology"): ``pool_base``
+    + i * Block Size, where ``pool_base`` is 0 on the soft RNIC and the pool's virtual
+    address on a verbs device."""
+
     def __init__(self, config: TargetConfig, memory: MemoryTable, masked: bool) -> None:
         self.config, self.memory = config, memory
         c = config
@@ -54,17 +61,17 @@ class TargetMemory:
         self.pool = mmap.mmap(-1, c.blocks * c.block_size,
                               mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         self.pool_view = memoryview(self.pool)
+        self.pool_base = memory.default_base(self.pool)
         handles = c.max_initiators * c.handles_per_initiator
         self.table_buffer = bytearray(handles * M.ENTRY_SIZE)
         self.table = BlockTable(memoryview(self.table_buffer), c.base_handle, handles, c.addr_le)
-        shared = range(0, c.shared_blocks * c.block_size, c.block_size)
-        self.shared_ring = self._ring(shared, masked)[0]
+        self.offsets = range(self.pool_base, self.pool_base + c.blocks * c.block_size, c.block_size)
+        self.shared_ring = self._ring(self.offsets[:c.shared_blocks], masked)[0]
         self.partitions = []
         for k in range(c.direct_partitions):
-            first = c.shared_blocks + k * c.quota
-            blocks = range(first * c.block_size, (first + c.quota) * c.block_size, c.block_size)
+            blocks = self.offsets[c.shared_blocks + k * c.quota:][:c.quota]
             ring, slots, heads = self._ring(blocks, masked)
-            self.partitions.append(Partition(k, first, c.quota, ring, slots, heads, c.block_size))
+            self.partitions.append(Partition(k, blocks.start, c.quota, ring, slots, heads, c.block_size))
 
     def _ring(self, blocks: range, masked: bool) -> tuple[FreeRing, bytearray, memoryview]:
         n = ring_log2(max(1, len(blocks)))
@@ -75,11 +82,12 @@ class TargetMemory:
         return ring, slots, heads
 
     def block(self, block_offset: int, length: int | None = None) -> memoryview:
-        return self.pool_view[block_offset:block_offset + (self.block_size if length is None else length)]
+        at = block_offset - self.pool_base
+        return self.pool_view[at:at + (self.block_size if length is None else length)]
 
     def ring_of(self, block_offset: int) -> FreeRing:
         """The ring a block was allocated from, which is where a FREE returns it."""
         for part in self.partitions:
-            if part.contains(block_offset, self.block_size):
+            if part.contains(block_offset):
                 return part.ring
         return self.shared_ring
