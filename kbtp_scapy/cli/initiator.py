@@ -75,7 +75,7 @@ class _UrlFirst(click.Group):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per result.")
 @click.pass_context
 def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, local, io, iface,
-              raw_addr, mtu, pcap, as_json) -> None:
+              raw_addr, device, mtu, pcap, as_json) -> None:
     """Talk to a KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT): one
     session per run, with the Initiator ID of --id-file so bindings carry over.
 
@@ -85,14 +85,20 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
       kbtp initiator roce://127.0.0.1 load 0x4000 -o out.bin
       kbtp initiator iwarp://127.0.0.1:5420 --json free 0x4000
       kbtp initiator roce://127.0.0.1 goodbye --release
+      kbtp initiator roce://10.99.0.2 --io verbs --device rxe0 load 0x4000 -o out.bin
     """
     transport = url.split("://", 1)[0] if "://" in url else ""
     if transport not in ("iwarp", "roce"):
         raise click.BadParameter("must start with roce:// or iwarp://", param_hint="URL")
     options = {}
-    if transport == "roce":
+    if transport == "roce" and io != "verbs":
         options = {k: v for k, v in (("local", local), ("mtu", int(mtu) if mtu else None)) if v}
-        options.update(raw_io(transport, io, iface, raw_addr))
+    elif local:
+        options["local"] = local
+    options.update(raw_io(transport, io, iface, raw_addr, device))
+    if io == "verbs" and pcap:
+        raise click.UsageError("--pcap records the soft RNIC's frames; with --io verbs the "
+                               "device sends them: capture with tcpdump on its interface")
     ctx.obj = dict(url=address(transport, url), initiator_id=_initiator_id(id_hex, id_file),
                    features=features(feature_list), credits=credits,
                    invalidate=not no_invalidate, pcap=pcap, as_json=as_json, options=options)
@@ -107,7 +113,7 @@ def session(func):
             asyncio.run(_session(o, func, kwargs))
         except KbtpError as exc:
             raise click.ClickException(f"{ctx.command.name}: {exc}") from None
-        except (ConnectionLost, RemoteError, OSError, TimeoutError) as exc:
+        except (ConnectionLost, RemoteError, OSError, TimeoutError, RuntimeError) as exc:
             raise click.ClickException(f"{o['url']}: {exc or type(exc).__name__}") from None
     return update_wrapper(run, func)
 

@@ -50,20 +50,33 @@ def feature_names(value: int) -> str:
 
 
 def raw_io_options(owner: str):
-    """``--io``, ``--iface`` and ``--addr`` of the RoCEv2 raw-socket backend."""
+    """``--io`` with ``--iface`` and ``--addr`` (RoCEv2 raw sockets) or ``--device``
+    (verbs: an RDMA device through rdma-core)."""
     def decorate(func):
+        func = click.option("--device", default=None, metavar="DEV",
+                            help="--io verbs: the RDMA device (as 'ibv_devices' lists it); "
+                                 "its address must be the one given.")(func)
         func = click.option("--addr", "raw_addr", default=None, metavar="IP[/MAC]",
                             help=f"--io raw: the address the {owner} owns (not configured in the "
                                  "kernel); without MAC a locally administered one from the IP.")(func)
         func = click.option("--iface", default=None, metavar="IF", help="Interface of --io raw.")(func)
-        return click.option("--io", type=click.Choice(["udp", "raw"]), default="udp",
-                            show_default=True, help="RoCEv2 I/O: a kernel UDP socket, or whole "
-                                                    "frames on --iface as --addr.")(func)
+        return click.option("--io", type=click.Choice(["udp", "raw", "verbs"]), default="udp",
+                            show_default=True,
+                            help="I/O: the soft RNIC on kernel sockets (udp: a UDP socket for "
+                                 "RoCEv2, TCP for iWARP), RoCEv2 as whole frames on --iface as "
+                                 "--addr (raw), or an RDMA device (verbs, with --device).")(func)
     return decorate
 
 
-def raw_io(transport: str, io: str, iface: str | None, raw_addr: str | None) -> dict:
-    """The binding options that ``--io raw`` asks for ({} for the kernel's UDP socket)."""
+def raw_io(transport: str, io: str, iface: str | None, raw_addr: str | None,
+           device: str | None = None) -> dict:
+    """The binding options ``--io`` asks for ({} for the soft RNIC on kernel sockets)."""
+    if io == "verbs":
+        if iface or raw_addr:
+            raise click.UsageError("--iface and --addr are for --io raw; --io verbs takes --device")
+        return {"io": "verbs", "device": device}
+    if device:
+        raise click.UsageError("--device needs --io verbs")
     if io != "raw":
         return {}
     if transport != "roce" or not iface or not raw_addr:

@@ -51,7 +51,7 @@ from .options import address, feature_names, features, raw_io, raw_io_options
 @click.option("--duration", type=float, default=None,
               help="Stop after this many seconds (default: run until interrupted).")
 @click.option("--verbose", "-v", is_flag=True, help="Log each malformed request too.")
-def target(transport, where, io, iface, raw_addr, blocks, block_size, feature_list, addr_le,
+def target(transport, where, io, iface, raw_addr, device, blocks, block_size, feature_list, addr_le,
            max_initiators, quota, handles, direct_partitions, credits, max_inline, ticket_timeout, retention, no_clear,
            pcap, metrics_port, duration, verbose) -> None:
     """Run the reference KBTP target: a pool of BLOCKS blocks in registered memory,
@@ -62,11 +62,15 @@ def target(transport, where, io, iface, raw_addr, blocks, block_size, feature_li
       kbtp target                                   RoCEv2 on 127.0.0.1:4791
       kbtp target --transport iwarp --listen 127.0.0.1:5420 --blocks 4096 -S 32768
       kbtp target --addr-le --pcap target.pcap --metrics 9464
+      kbtp target --io verbs --device rxe0 --listen 10.99.0.1    on a real RDMA device
     """
     addr = address(transport, where)
-    options = raw_io(transport, io, iface, raw_addr)
-    if options:
+    options = raw_io(transport, io, iface, raw_addr, device)
+    if io == "raw":
         addr = replace(addr, host=raw_addr.split("/")[0])
+    if io == "verbs" and pcap:
+        raise click.UsageError("--pcap records the soft RNIC's frames; with --io verbs the "
+                               "device sends them: capture with tcpdump on its interface")
     try:
         config = TargetConfig(blocks=blocks, block_size=block_size, features=features(feature_list),
                               addr_le=addr_le, max_initiators=max_initiators, quota=quota,
@@ -83,7 +87,7 @@ def target(transport, where, io, iface, raw_addr, blocks, block_size, feature_li
 
 
 async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options) -> None:
-    t = Target(config, addr.transport)
+    t = Target(config, addr.transport, options.get("io"))
     sink = None
     if pcap:
         from ..rnic.pcap import PcapSink     # Scapy's writer: imported only when asked for
@@ -92,8 +96,9 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
         t.frame_listeners.append(sink)
     try:
         bound = await t.start(addr, **options)
-    except OSError as exc:
-        raise click.ClickException(f"cannot listen on {addr}: {exc.strerror or exc}") from None
+    except (OSError, RuntimeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise click.ClickException(f"cannot listen on {addr}: {why}") from None
     if metrics_port:
         try:
             t.metrics.serve(metrics_port)

@@ -14,7 +14,7 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
-from ..rnic import Access, MemoryTable, QueuePair, connect
+from ..rnic import Access, MemoryTable, QueuePair, connect, memory_table
 from ..rnic.qp import ConnectionLost, FrameListener, Received
 from ..tables import memory as M
 from ..tables.enums import FEATURES, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
@@ -52,7 +52,7 @@ class Initiator(DirectModes):
                       features: int = ALL_FEATURES, credits: int = 32, invalidate: bool = True,
                       frame_listeners: list[FrameListener] | None = None, **options) -> Initiator:
         """Connect, send HELLO and wait for HELLO_ACK; ``KbtpError`` if the target refuses."""
-        memory = MemoryTable()
+        memory = memory_table(options.get("io"))
         qp = await connect(url, memory, recv_size=COMPLETION_BUFFER,
                            frame_listeners=list(frame_listeners or ()), **options)
         self = cls(qp, memory, initiator_id or secrets.token_bytes(16), credits, invalidate)
@@ -120,7 +120,8 @@ class Initiator(DirectModes):
                 record_region = self.memory.register(bytearray(M.COMPLETION_RECORD.size),
                                                      Access.REMOTE_WRITE)
                 regions = [*regions, record_region]
-                values.update({"cd.stag": record_region.stag, "cd.offset": 0, "cd.reserved": 0})
+                values.update({"cd.stag": record_region.stag, "cd.offset": record_region.base,
+                               "cd.reserved": 0})
             self._pending[rid] = (future, record_region)
             values["request_id"] = rid
             try:
@@ -151,7 +152,7 @@ class Initiator(DirectModes):
             "opcode": OP["LOAD"], "handle": handle, "generation": generation,
             "flags": self._flags(allow_unsealed=allow_unsealed, record=record,
                                  invalidate=self.invalidate and not record),
-            "dd.stag": region.stag, "dd.offset": 0, "dd.length": len(buf)}, [region], record)
+            "dd.stag": region.stag, "dd.offset": region.base, "dd.length": len(buf)}, [region], record)
         result.data = bytes(buf[:result.data_length])
         return result
 
@@ -166,7 +167,7 @@ class Initiator(DirectModes):
         else:
             region = self.memory.register(bytearray(data), Access.REMOTE_READ)
             regions.append(region)
-            values.update({"dd.stag": region.stag, "dd.offset": 0, "dd.length": len(data)})
+            values.update({"dd.stag": region.stag, "dd.offset": region.base, "dd.length": len(data)})
         values["flags"] = self._flags(seal=seal, inline=inline, record=record,
                                       invalidate=self.invalidate and not inline and not record)
         return await self._call(values, regions, record)

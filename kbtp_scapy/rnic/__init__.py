@@ -19,7 +19,7 @@ ROCE_PORT = 4791      # IANA's RoCEv2 port
 
 __all__ = ["Access", "AccessError", "Address", "ConnectionLost", "Fault", "Listener",
            "MemoryRegion", "MemoryTable", "QueuePair", "Received", "ReceiveError",
-           "RemoteError", "connect", "listen", "parse_url"]
+           "RemoteError", "connect", "listen", "memory_table", "parse_url"]
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,22 @@ class Listener(Protocol):
 OnConnect = Callable[[QueuePair], Awaitable[None]]
 
 
+def memory_table(io: str | None = None, order: str = "little") -> MemoryTable:
+    """The registered memory for an I/O backend: the soft RNIC's, or a device's (``verbs``)."""
+    if io == "verbs":
+        from .verbs import VerbsMemory
+        return VerbsMemory(order)
+    return MemoryTable(order)
+
+
 async def connect(url: str | Address, memory: MemoryTable, **options) -> QueuePair:
-    """Open a reliable connection to a listening peer; ``options`` go to the binding."""
+    """Open a reliable connection to a listening peer; ``options`` go to the binding
+    (``io="verbs"``: an RDMA device through rdma-core, ``device=`` to name it)."""
     address = url if isinstance(url, Address) else parse_url(url)
+    if options.get("io") == "verbs":
+        from . import verbs
+        return await verbs.connect(address.transport, address.host, address.port, memory,
+                                   **options)
     if address.transport == "iwarp":
         from . import iwarp
         return await iwarp.connect(address.host, address.port, memory, **options)
@@ -78,6 +91,10 @@ async def listen(url: str | Address, memory: MemoryTable, on_connect: OnConnect,
                  **options) -> Listener:
     """Accept connections; ``on_connect`` runs as a task for each new QueuePair."""
     address = url if isinstance(url, Address) else parse_url(url)
+    if options.get("io") == "verbs":
+        from . import verbs
+        return verbs.VerbsListener(address.transport, address.host, address.port, memory,
+                                   on_connect, options)
     if address.transport == "iwarp":
         from . import iwarp
         return await iwarp.listen(address.host, address.port, memory, on_connect, **options)

@@ -5,8 +5,9 @@ import asyncio
 import logging
 from typing import Iterator
 
-from ..rnic import Address, Listener, MemoryTable, QueuePair, listen, parse_url
+from ..rnic import Address, Listener, QueuePair, listen, memory_table, parse_url
 from ..rnic.qp import FrameListener
+from ..tables.enums import FEATURES, flag
 from .config import DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION, TargetConfig
 from .connection import Connection
 from .metrics import Metrics
@@ -21,11 +22,13 @@ log = logging.getLogger("kbtp.target")
 class Target:
     """A KBTP target. ``await start(url)``, then it serves until ``close()``."""
 
-    def __init__(self, config: TargetConfig, transport: str) -> None:
+    def __init__(self, config: TargetConfig, transport: str, io: str | None = None) -> None:
+        """``io="verbs"`` puts the target's memory on an RDMA device (``start`` then names
+        it with ``device=``); otherwise it is the soft RNIC's."""
         config.validate()
         self.config = config
         self.transport = transport
-        self.rnic_memory = MemoryTable(config.memory_order)
+        self.rnic_memory = memory_table(io, config.memory_order)
         # iWARP has RFC 7306 masked FetchAdd; InfiniBand's Fetch and Add is unmasked.
         self.memory = TargetMemory(config, self.rnic_memory, masked=transport == "iwarp")
         self.executor = Executor(self.memory, config.clear_freed, config.max_inline)
@@ -33,6 +36,7 @@ class Target:
         self.metrics = Metrics(self)
         self.frame_listeners: list[FrameListener] = []
         self.listener: Listener | None = None
+        self.unavailable = 0          # features the RDMA device cannot support
         self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
 
@@ -41,7 +45,7 @@ class Target:
         offered = self.config.features & (DIRECT_LOAD | DIRECT_ALLOC | RECORD_COMPLETION)
         if qp.transport == "iwarp":
             offered &= ~RECORD_COMPLETION
-        return offered
+        return offered & ~self.unavailable
 
     async def start(self, url: str | Address, **options) -> Address:
         address = url if isinstance(url, Address) else parse_url(url)
@@ -51,6 +55,10 @@ class Target:
                                      recv_size=self._recv_size(),
                                      posted=self.config.request_credits,
                                      frame_listeners=self.frame_listeners, **options)
+        for name, why in getattr(self.listener, "lacks", {}).items():
+            if self.config.features & flag(FEATURES, name):
+                log.info("not offering %s: %s", name, why)
+                self.unavailable |= flag(FEATURES, name)
         self._watcher = asyncio.create_task(self._watch_tickets())
         return self.listener.address
 
