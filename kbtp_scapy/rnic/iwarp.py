@@ -46,6 +46,7 @@ _U64 = (1 << 64) - 1
 _SEND_OPS = {(False, False): Op.SEND, (True, False): Op.SEND_INV,
              (False, True): Op.SEND_SE, (True, True): Op.SEND_SE_INV}
 FLUSH_MESSAGES = 8
+RTR_DELAY = 0.05          # the longest wait before the RTR (see IwarpQP._on_reply)
 """Messages queued before the stream is written without waiting for the end of the loop
 iteration: the peer starts on the first while the rest are built, as an RNIC transmits
 as it goes. Waiting for the whole batch saves send calls but makes the two ends take
@@ -107,6 +108,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self.mss, self.ird, self.ord = mss, ird, ord
         self._active, self._want_crc, self._want_markers = active, crc, markers
         self._tp: asyncio.Transport | None = None
+        self._requested = 0.0            # when our MPA Request went out
         self._frames: w.TcpFrames | None = None
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._phase = "startup"          # startup -> rtr (responder, peer-to-peer) -> fpdu
@@ -152,6 +154,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             # RTR: it needs no receive buffer (a KBTP credit) and no IRD slot or reply.
             self._write_now(w.build_startup(
                 True, self._flags(), 2, self.ird, self.ord, w.IRD_P2P, w.ORD_RTR_WRITE))
+            self._requested = asyncio.get_running_loop().time()
 
     def data_received(self, data: bytes) -> None:
         self.stats["bytes_rx"] += len(data)
@@ -258,8 +261,21 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                 self._terminate(_Fatal(w.LAYER_LLP, w.LLP_MPA, 0x07,
                                        "MPA Reply chose an RTR that was not offered"))
                 return
-            self._put_fpdu(w.tagged_head(True, Op.WRITE, 0, 0, 0), b"")   # the RTR
-            self._flush()
+            # Linux siw (6.1 at least) sends its MPA Reply before it starts listening for
+            # the RTR, and an RTR that arrives in between is never read: the connection
+            # hangs. Wait a tenth of the time the responder took to reply (at most
+            # RTR_DELAY), which covers that gap on a slow host and costs nothing on a fast one.
+            loop = asyncio.get_running_loop()
+            delay = min(RTR_DELAY, (loop.time() - self._requested) / 10)
+            loop.call_later(delay, self._send_rtr)
+            return
+        self._ready()
+
+    def _send_rtr(self) -> None:
+        if self._tp is None or self._tp.is_closing() or self.closed:
+            return
+        self._put_fpdu(w.tagged_head(True, Op.WRITE, 0, 0, 0), b"")   # the RTR
+        self._flush()
         self._ready()
 
     def _ready(self) -> None:
