@@ -1,8 +1,9 @@
 """A lossy, reordering UDP relay for tests of the RoCEv2 binding (and of KBTP over it).
 
 Clients send to the relay's address as if it were the target; each client gets its own
-back socket on the relay's IP towards the target, so the target sees one peer per client
-and answers go back to the right one. Every datagram may be dropped (``loss``), held back
+back socket towards the target on an address of its own next to the relay's (the relay's
+last octet plus one, two, ...), on the same UDP port: RoCEv2 answers the peer's address at
+port 4791 whatever port it sent from, so the target tells the clients apart by address. Every datagram may be dropped (``loss``), held back
 by ``delay`` seconds so that later ones overtake it (``reorder``), or dropped by a ``drop``
 predicate that tests use to lose one chosen packet, or rewritten by ``corrupt``. A seed makes a run repeatable, as far
 as the event loop's timing allows.
@@ -13,6 +14,7 @@ rewrites the ICRC of every datagram it forwards, as a RoCE-aware NAT would have 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import random
 import socket
 from collections.abc import Callable
@@ -46,12 +48,13 @@ class Relay:
     def address(self) -> tuple[str, int]:
         return self.listen
 
-    def _socket(self, port: int, on_readable: Callable[[socket.socket], None]) -> socket.socket:
-        sock = socket.socket(socket.AF_INET6 if ":" in self.listen[0] else socket.AF_INET,
+    def _socket(self, host: str, port: int,
+                on_readable: Callable[[socket.socket], None]) -> socket.socket:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
                              socket.SOCK_DGRAM)
-        if ":" not in self.listen[0]:   # DF, hence IP ID 0: the header its ICRCs assume
+        if ":" not in host:   # DF, hence IP ID 0: the header its ICRCs assume
             sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
-        sock.bind((self.listen[0], port))
+        sock.bind((host, port))
         sock.setblocking(False)
         self._loop.add_reader(sock.fileno(), on_readable, sock)
         return sock
@@ -59,7 +62,7 @@ class Relay:
     def start(self) -> Relay:
         """Bind and start forwarding (call from inside the event loop)."""
         self._loop = asyncio.get_running_loop()
-        self._front = self._socket(self.listen[1], self._from_clients)
+        self._front = self._socket(*self.listen, self._from_clients)
         self.listen = self._front.getsockname()[:2]
         return self
 
@@ -68,8 +71,9 @@ class Relay:
             client = addr[:2]
             back = self._backs.get(client)
             if back is None:
+                host = str(ipaddress.ip_address(self.listen[0]) + 1 + len(self._backs))
                 back = self._backs[client] = self._socket(
-                    0, lambda s, c=client: self._from_target(s, c))
+                    host, self.listen[1], lambda s, c=client: self._from_target(s, c))
             self._forward("up", data, back, self.target)
 
     def _from_target(self, sock: socket.socket, client: tuple) -> None:

@@ -128,6 +128,8 @@ def test_path_mtu_of_the_req_rules_both_ends(mtu):
 
 
 def test_ipv6_loopback_with_distinct_ports():
+    """One address for both ends: the devices need UDP ports of their own, and each must be
+    told the other's (on a network both are 4791); the rdma_cm port is apart from both."""
     async def body():
         mem = MemoryTable()
         buf = bytearray(4096)
@@ -137,8 +139,10 @@ def test_ipv6_loopback_with_distinct_ports():
         async def on_connect(qp):
             qp.post_recv(1)
             accepted.set_result(qp)
-        listener = await rnic.listen("roce://[::1]:4795", mem, on_connect)
-        qp = await rnic.connect("roce://[::1]:4795", MemoryTable())
+        listener = await rnic.listen("roce://[::1]:7174", mem, on_connect, udp_port=4795,
+                                     peer_udp_port=4796)
+        qp = await rnic.connect("roce://[::1]:7174", MemoryTable(), udp_port=4796,
+                                peer_udp_port=4795)
         assert qp.local == ("::1", 4796) and qp.remote == ("::1", 4795)
         tqp = await asyncio.wait_for(accepted, 5)
         await qp.send(b"v6")

@@ -36,7 +36,7 @@ from .test_target_capture import decoded, dissected, session
 from .tshark import TSHARK, needs_tshark
 
 V4 = {"target": "10.99.0.1", "kernel": ["10.99.0.2/24", "10.99.0.3/24", "10.99.0.4/24",
-                                        "10.99.0.5/24"],
+                                        "10.99.0.5/24", "10.99.0.6/24"],   # .5 relay, .6 its back
       "raw": ["10.99.0.10", "10.99.0.11", "10.99.0.12"], "other": "10.99.0.99"}
 V6 = {"target": "fd99::1", "kernel": ["fd99::2/64", "fd99::3/64", "fd99::4/64"],
       "raw": ["fd99::10", "fd99::11", "fd99::12"], "other": "fd99::99"}

@@ -34,15 +34,22 @@ RESOURCES = 16            # responder resources / initiator depth announced in R
 
 
 class Device:
-    """One RNIC port at a local (IP, port) with its QPs and its QP1, over an I/O backend."""
+    """One RNIC port at a local (IP, UDP port) with its QPs and its QP1, over an I/O backend.
+
+    Every packet goes to UDP port ``peer_port`` (4791) of the peer's address, whatever
+    port the peer sends from: in RoCEv2 the destination port is always 4791 and the source
+    port is entropy for ECMP (rxe picks one per QP), which identifies nothing. So QPs and
+    CM exchanges are told apart by address and QP number, and the ICRC of a packet is
+    checked over the ports it really carried."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int,
-                 io: dict | None = None) -> None:
+                 io: dict | None = None, peer_port: int = ROCE_PORT) -> None:
         self.loop = loop
         self.stats: dict[str, int] = {}
         self.io_options = dict(io or {})
         self.io: RoceIO = _backend(host, port, self.stats, self.io_options)
         self.address: tuple[str, int] = self.io.address
+        self.peer_port = peer_port
         self.netns = _netns()
         self.users = 0
         self.closed = False
@@ -99,14 +106,19 @@ class Device:
             pair = self._paths[addr] = (self.io.tx_path(addr), w.Path(addr, self.address))
         return pair
 
+    def peer(self, addr: tuple[str, int]) -> tuple[str, int]:
+        """Where packets to the sender of a packet from ``addr`` go: its RoCEv2 port."""
+        return addr[0], self.peer_port
+
     def bind(self, qp: RoceQP, addr: tuple[str, int]) -> None:
         """Give a QP set up towards ``addr`` this device's paths (the backend's framing)."""
         qp._tx, qp._rx = self.paths(addr)
+        qp._rx_from = addr
 
     @staticmethod
     def _frame(path: w.Path, data: memoryview, wire: memoryview | None) -> bytes:
         """The frame a datagram came in: as received where the backend saw it."""
-        return bytes(wire) if wire is not None else path.frame(bytes(data))
+        return bytes(wire) if wire is not None else path.frame(bytes(data), path.last_id)
 
     def poll(self) -> None:
         """Read what is queued (bounded), then let the touched QPs flush."""
@@ -124,9 +136,11 @@ class Device:
                 else:
                     self.stats["unknown_qp"] = self.stats.get("unknown_qp", 0) + 1
                 continue
-            if addr != qp.remote:
-                qp.stats["foreign"] += 1
-                continue
+            if addr != qp._rx_from:
+                if addr[0] != qp.remote[0]:
+                    qp.stats["foreign"] += 1
+                    continue
+                qp._rx, qp._rx_from = self.paths(addr)[1], addr   # the peer's source port
             if not check(qp._rx, data, wire):
                 qp.stats["icrc_errors"] += 1
                 continue
@@ -176,8 +190,9 @@ class Device:
             return
         attr = msg.attr
         if attr == cm.CmAttr.REQ:
-            self._req(msg, addr, self._frame(rx, data, wire))
+            self._req(msg, self.peer(addr), self._frame(rx, data, wire))
             return
+        addr = self.peer(addr)
         qp = self.conns.get(msg.remote_comm_id)
         if qp is not None and qp.frame_listeners:
             qp.frame("rx", self._frame(rx, data, wire))
@@ -247,7 +262,7 @@ def _netns() -> int:
         return 0
 
 
-def _device(host: str, port: int, io: dict) -> Device:
+def _device(host: str, port: int, io: dict, peer_port: int = ROCE_PORT) -> Device:
     """The device at (host, port) of this event loop, opened on first use, with one use
     taken for the caller, who gives it back with ``release()``: a device whose last QP
     goes while the caller is still setting up must stay open. A raw device owns its IP
@@ -259,7 +274,7 @@ def _device(host: str, port: int, io: dict) -> Device:
         if other.loop.is_closed():
             other.close()      # left behind by an event loop that has ended
     dev = _devices.get((loop, host, port)) if port else None
-    if dev is not None and dev.io_options != io:
+    if dev is not None and (dev.io_options != io or dev.peer_port != peer_port):
         dev = None             # the same address through another backend: refused below
     if dev is None:
         raw, netns = io.get("io") == "raw", _netns()
@@ -268,7 +283,7 @@ def _device(host: str, port: int, io: dict) -> Device:
                     and (raw or other.io_options.get("io") == "raw")):
                 raise OSError(errno.EADDRINUSE, f"{host} is already owned by this process "
                                                 f"through {other.io}")
-        dev = Device(loop, host, port, io)
+        dev = Device(loop, host, port, io, peer_port)
         _devices[(loop, *dev.address)] = dev
     dev.users += 1
     return dev
@@ -287,7 +302,7 @@ async def _started(dev: Device) -> None:
 class RoceListener:
     """Accepts RC connections for one rdma_cm service ID (the port) on a device."""
 
-    def __init__(self, device: Device, memory: MemoryTable, on_connect: Callable,
+    def __init__(self, device: Device, port: int, memory: MemoryTable, on_connect: Callable,
                  qp_options: dict, timeout: float) -> None:
         self._dev = device
         self._memory = memory
@@ -295,8 +310,7 @@ class RoceListener:
         self._options = qp_options
         self._timeout = timeout
         self.frame_listeners = list(qp_options.get("frame_listeners", ()))
-        host, port = device.address
-        self.address = Address("roce", host, port)
+        self.address = Address("roce", device.address[0], port)
         self.service_id = cm.rdma_cm_service_id(port)
         self.tasks: set[asyncio.Task] = set()
         self._resends: set[asyncio.Task] = set()      # REP retransmission until RTU
@@ -367,12 +381,15 @@ def _options(recv_size: int = 4096, posted: int = 0, mtu: int = 0, ack_timeout: 
              retry_count: int = 7, rnr_retry: int = 7, rnr_timer: int = 16, window: int = 128,
              frame_listeners: Iterable = (), connect_timeout: float = 5.0, io: str = "udp",
              iface: str | None = None, addr: str | None = None, udp_checksum: bool = False,
-             traffic_class: int = 0) -> tuple[dict, float, dict]:
+             traffic_class: int = 0, udp_port: int = ROCE_PORT,
+             peer_udp_port: int = ROCE_PORT) -> tuple[dict, float, dict, tuple[int, int]]:
     """QP options, the connection timeout and the I/O backend's options.
 
     ``io="raw"`` sends whole frames on interface ``iface`` as ``addr`` ("IP" or "IP/MAC"),
     with UDP checksums when ``udp_checksum`` and IP TOS / Traffic Class ``traffic_class``
-    (ECN bits included); see ``roce_raw.RawIO``."""
+    (ECN bits included); see ``roce_raw.RawIO``. ``udp_port`` is the device's own UDP
+    port and ``peer_udp_port`` the one every packet goes to: both 4791 but in tests that
+    put two devices on one address (IPv6 loopback)."""
     if mtu and mtu not in MTUS:
         raise ValueError(f"mtu must be one of {MTUS}")
     if not 0 <= rnr_retry <= 7 or not 0 <= retry_count <= 7 or not 0 <= rnr_timer <= 31:
@@ -390,10 +407,11 @@ def _options(recv_size: int = 4096, posted: int = 0, mtu: int = 0, ack_timeout: 
         io_options = {}
     else:
         raise ValueError(f"io must be 'udp' or 'raw', not {io!r}")
+
     return ({"recv_size": recv_size, "posted": posted, "mtu": mtu, "ack_timeout": ack_timeout,
              "retry_count": retry_count, "rnr_retry": rnr_retry, "rnr_timer": rnr_timer,
              "window": window, "frame_listeners": tuple(frame_listeners)}, connect_timeout,
-            io_options)
+            io_options, (udp_port, peer_udp_port))
 
 
 def default_local(host: str) -> str:
@@ -412,14 +430,13 @@ def default_local(host: str) -> str:
 
 
 async def connect(host: str, port: int, memory: MemoryTable, *, local: str | None = None,
-                  local_port: int | None = None, **options) -> RoceQP:
-    """REQ, REP, RTU with the listener at ``host:port``; returns an established QP.
-
-    ``local_port`` defaults to 4791, or to ``port + 1`` when local and remote addresses are
-    the same (IPv6 loopback); with ``io="raw"`` the local address is ``addr``'s IP.
+                  **options) -> RoceQP:
+    """REQ, REP, RTU with the listener of rdma_cm port ``port`` at ``host``; returns an
+    established QP. The CM MADs and the connection's packets go to UDP port 4791 of
+    ``host`` (``peer_udp_port``); with ``io="raw"`` the local address is ``addr``'s IP.
     Raises ``ConnectionRefusedError`` on REJ and ``TimeoutError`` when no REP comes (or,
     raw, no ARP or NDP answer) within ``connect_timeout``."""
-    qp_options, timeout, io = _options(**options)
+    qp_options, timeout, io, (udp_port, peer_port) = _options(**options)
     host = str(ipaddress.ip_address(host))
     if io:
         from .roce_raw import parse_addr
@@ -428,35 +445,40 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
             raise ValueError(f"local {local} is not the raw endpoint's address {own}")
         local = own
     local = str(ipaddress.ip_address(local or default_local(host)))
-    if local_port is None:
-        local_port = port + 1 if local == host else ROCE_PORT
-    dev = _device(local, local_port, io)
+    try:
+        dev = _device(local, udp_port, io, peer_port)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot use local address {local} UDP port {udp_port} "
+                                 f"({exc.strerror or exc}); pick another with local=") from None
     await _started(dev)
+    target = (host, peer_port)
     try:
         await asyncio.wait_for(dev.io.resolve(host, timeout), timeout)
-        qp_options["mtu"] = qp_options["mtu"] or dev.io.path_mtu(host, port)
+        qp_options["mtu"] = qp_options["mtu"] or dev.io.path_mtu(host, peer_port)
         qp = RoceQP(memory, dev, **qp_options)
     finally:
         dev.release()          # the QP holds the device from here, or nothing does
     dev.conns[qp.comm_id] = qp
     loop = dev.loop
+    cm_port = secrets.randbelow(61000 - 32768) + 32768    # our rdma_cm port, as Linux picks one
     req = cm.CmMessage(
         cm.CmAttr.REQ, secrets.randbits(64), local_comm_id=qp.comm_id,
         service_id=cm.rdma_cm_service_id(port), local_qpn=qp.qpn, starting_psn=qp.start_psn,
         path_mtu=qp.mtu, responder_resources=RESOURCES, initiator_depth=RESOURCES,
         local_gid=local, remote_gid=host, retry_count=qp.retry_count,
         rnr_retry_count=qp.rnr_retry,
-        flow_label=cm.rdma_cm_flow_label(dev.address[1], port),
-        private_data=cm.rdma_cm_private_data(local, host, dev.address[1]))
+        flow_label=cm.rdma_cm_flow_label(cm_port, port),
+        private_data=cm.rdma_cm_private_data(local, host, cm_port))
     future = loop.create_future()
     dev.connecting[qp.comm_id] = future
     deadline = loop.time() + timeout
     try:
         while not future.done():
-            dev.send_mad(req, (host, port), qp.frame_listeners)
+            dev.send_mad(req, target, qp.frame_listeners)
             wait = min(CM_INTERVAL, deadline - loop.time())
             if wait <= 0:
-                raise TimeoutError(f"no CM REP from roce://{host}:{port}")
+                raise TimeoutError(f"no CM REP from roce://{host}:{port} within {timeout:g} s "
+                                   f"(no RoCEv2 target there, or UDP {peer_port} blocked?)")
             await asyncio.wait([future], timeout=wait)
     except BaseException:
         qp.lost(ConnectionLost("connection set-up failed"))
@@ -466,8 +488,9 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
     rep, addr = future.result()
     if rep.attr == cm.CmAttr.REJ:
         qp.lost(ConnectionLost("rejected"))
-        raise ConnectionRefusedError(f"roce://{host}:{port} rejected the REQ "
-                                     f"(reason {rep.reject_reason})")
+        reason = "no listener on that rdma_cm port" if rep.reject_reason == 8 else \
+            f"reason {rep.reject_reason}"
+        raise ConnectionRefusedError(f"roce://{host}:{port} rejected the REQ ({reason})")
     qp.setup(addr, rep.local_qpn, rep.starting_psn, qp.mtu)
     dev.bind(qp, addr)
     qp.remote_comm_id = rep.local_comm_id
@@ -478,16 +501,18 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
 
 async def listen(host: str, port: int, memory: MemoryTable,
                  on_connect: Callable[[RoceQP], Awaitable[None]], **options) -> RoceListener:
-    """Accept connections at ``host:port`` (port 0 picks one: see ``.address``); with
-    ``io="raw"``, ``host`` is ``addr``'s IP."""
-    qp_options, timeout, io = _options(**options)
+    """Accept connections for rdma_cm port ``port`` at ``host`` (UDP 4791, or
+    ``udp_port``); with ``io="raw"``, ``host`` is ``addr``'s IP."""
+    qp_options, timeout, io, (udp_port, peer_port) = _options(**options)
     if ipaddress.ip_address(host).is_unspecified:
         raise ValueError("listen on a specific address: the ICRC covers it (annex A17)")
-    dev = _device(host, port, io)
+    if not 0 < port < 65536:
+        raise ValueError("the rdma_cm port must be 1 to 65535")
+    dev = _device(host, udp_port, io, peer_port)
     await _started(dev)        # the use _device took is the listener's
-    listener = RoceListener(dev, memory, on_connect, qp_options, timeout)
+    listener = RoceListener(dev, port, memory, on_connect, qp_options, timeout)
     if listener.service_id in dev.services:
         dev.release()
-        raise OSError(f"roce://{host}:{port} already has a listener")
+        raise OSError(errno.EADDRINUSE, f"roce://{host}:{port} already has a listener")
     dev.services[listener.service_id] = listener
     return listener

@@ -100,6 +100,7 @@ class RoceQP(QueuePair):
         self._drep: asyncio.Future | None = None
         self._tx: w.Path | None = None
         self._rx: w.Path | None = None
+        self._rx_from: tuple[str, int] | None = None   # the source _rx is for
         # requester (IB 9.7.4): PSNs assigned, sent, acknowledged
         self.start_psn = secrets.randbits(24)
         self._npsn = self._spsn = self._una = self._sent = self.start_psn
@@ -128,13 +129,23 @@ class RoceQP(QueuePair):
     def setup(self, remote: tuple[str, int], remote_qpn: int, remote_psn: int,
               mtu: int) -> None:
         """Ready to receive (RTR) and send (RTS) once the CM exchange gave the peer's QP.
-        The path MTU is the REQ's for both ends, as the path record it names is shared
-        (IB 12.6.5); a listener's own ``mtu`` option has no say, as with Linux's CM."""
+
+        ``remote`` is the peer's (IP, RoCEv2 UDP port): every packet goes there, whatever
+        source port the peer's packets come from. Each side's CM message carries the PSN
+        it will receive with, so we send from the peer's ``remote_psn`` and expect our own
+        ``start_psn``: what Linux's CM does for every device (ib_send_cm_req takes the REQ's
+        Starting PSN as the active side's receive PSN, cm_req_handler as the passive
+        side's send PSN, the REP's likewise), as rxe captures show. The path MTU is the
+        REQ's for both ends, as the path record it names is shared (IB 12.6.5); a
+        listener's own ``mtu`` option has no say, as with Linux's CM."""
         self.remote = remote
-        self.remote_qpn, self._epsn = remote_qpn, remote_psn
+        self.remote_qpn = remote_qpn
+        self._epsn = self.start_psn
+        self._npsn = self._spsn = self._una = self._sent = remote_psn
         self.mtu = mtu
         self._tx = w.Path(self.local, remote)
         self._rx = w.Path(remote, self.local)
+        self._rx_from = remote
 
     def establish(self) -> None:
         """RTU received, or the first packet from the peer (IB 12.9.8.3: communication

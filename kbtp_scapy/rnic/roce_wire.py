@@ -12,11 +12,12 @@ so a payload is never copied on its way out.
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 MASK24 = 0xFFFFFF
 HALF24 = 0x800000
@@ -92,7 +93,7 @@ class Path:
     extension headers; TOS/Traffic Class, Flow Label, TTL/Hop Limit and the checksums are
     masked anyway (annex A17.4.5)."""
 
-    __slots__ = ("_eth", "_pre", "dport", "dst", "sport", "src", "v6")
+    __slots__ = ("_eth", "_pre", "dport", "dst", "last_id", "sport", "src", "v6")
 
     _V4 = struct.Struct("!QBBHHHBBH4s4sHHHH")
     _V6 = struct.Struct("!QIHBB16s16sHHHH")
@@ -103,6 +104,7 @@ class Path:
         self.src = socket.inet_pton(family, src[0])
         self.dst = socket.inet_pton(family, dst[0])
         self.sport, self.dport = src[1], dst[1]
+        self.last_id = 0
         self._pre: dict[int, int] = {}
         self._eth = mac(dst[0]) + mac(src[0]) + (b"\x86\xdd" if self.v6 else b"\x08\x00")
 
@@ -131,24 +133,74 @@ class Path:
         return crc
 
     def check(self, data: memoryview) -> bool:
-        """Whether a received datagram's ICRC is right."""
+        """Whether a received datagram's ICRC is right.
+
+        The ICRC covers the sender's IPv4 Identification (annex A17.4.5.1 masks TOS, TTL
+        and the checksum only), which a UDP socket never shows: Linux's own sockets send
+        ID 0 with DF set, but rxe and NICs send a running ID. CRC-32 is linear, so the
+        difference between the ICRC received and the one for ID 0 says which ID (if any)
+        makes it right; it is kept in ``last_id`` for the frame the packet came in."""
         n = len(data)
         if n < 16:
             return False
-        return self.icrc((data[:-4],), n) == ICRC.unpack_from(data, n - 4)[0]
+        got = ICRC.unpack_from(data, n - 4)[0]
+        diff = self.icrc((data[:-4],), n) ^ got
+        self.last_id = 0
+        if not diff:
+            return True
+        if self.v6:
+            return False
+        ident = _id_solver(n)(diff)
+        if ident is None:
+            return False
+        self.last_id = ident
+        return True
 
-    def frame(self, datagram: bytes) -> bytes:
+    def frame(self, datagram: bytes, ident: int = 0) -> bytes:
         """The Ethernet frame that carried ``datagram``: UDP checksum 0 (annex A17.4.3),
-        IPv4 with DF and Identification 0, TTL/Hop Limit 64."""
+        IPv4 with DF and Identification ``ident``, TTL/Hop Limit 64."""
         n = len(datagram)
         udp = struct.pack("!HHHH", self.sport, self.dport, n + 8, 0)
         if self.v6:
             ip = struct.pack("!IHBB16s16s", 0x60000000, n + 8, 17, 64, self.src, self.dst)
         else:
-            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, n + 28, 0, 0x4000, 64, 17, 0,
+            ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, n + 28, ident, 0x4000, 64, 17, 0,
                              self.src, self.dst)
             ip = ip[:10] + struct.pack("!H", _ip_checksum(ip)) + ip[12:]
         return self._eth + ip + udp + datagram
+
+
+@functools.lru_cache(maxsize=2048)
+def _id_solver(n: int) -> Callable[[int], int | None]:
+    """For IPv4 datagrams of ``n`` octets: the Identification that turns an ICRC computed
+    with ID 0 into the one received (their XOR), or None if none does.
+
+    The ICRC runs over 8 octets of ones, the 20-octet IP header, the UDP header and the
+    datagram less its ICRC; the ID is octets 12-13 of that. Flipping ID bit j changes
+    the CRC by a fixed vector (the CRC of that one bit against zeros), so the XOR to
+    explain is a sum of some of the 16 vectors: Gaussian elimination finds which."""
+    length = 36 + n - 4
+    zeros = zlib.crc32(bytes(length))
+    basis: list[tuple[int, int, int]] = []       # (pivot bit, vector, ID bits behind it)
+    for j in range(16):
+        msg = bytearray(length)
+        msg[12 + (15 - j) // 8] = 1 << (j % 8)
+        vec, bits = zlib.crc32(msg) ^ zeros, 1 << j
+        for pivot, v, b in basis:
+            if vec & pivot:
+                vec, bits = vec ^ v, bits ^ b
+        if vec:
+            pivot = vec & -vec
+            basis = [(p, v ^ vec, b ^ bits) if v & pivot else (p, v, b) for p, v, b in basis]
+            basis.append((pivot, vec, bits))
+
+    def solve(diff: int) -> int | None:
+        ident = 0
+        for pivot, v, b in basis:
+            if diff & pivot:
+                diff, ident = diff ^ v, ident ^ b
+        return None if diff else ident
+    return solve
 
 
 def _ip_checksum(header: bytes) -> int:
