@@ -46,6 +46,7 @@ class Found:
     time: float | None = None
     connection: int | None = None
     payload: bytes = b""
+    addr_le: bool = False
 
 
 def read_packets(path: str | Path) -> list[Packet]:
@@ -98,7 +99,8 @@ def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) 
             fields, error = exc.fields, exc.reason
         if fields.get("opcode") == _HELLO_ACK and not fields.get("status"):
             sessions[key] = bool(fields.get("hello_ack.features", 0) & _ADDR_LE)
-        yield Found(frame, msg.transport, msg.conn, fields, error, msg.time, number, msg.payload)
+        yield Found(frame, msg.transport, msg.conn, fields, error, msg.time, number,
+                    msg.payload, le)
 
 
 @lru_cache(maxsize=None)
@@ -135,7 +137,7 @@ def to_json(found: Found) -> dict[str, Any]:
     ``malformed`` with the reason when the message is."""
     out: dict[str, Any] = {"frame": found.frame}
     if found.time is not None:
-        out["time"] = round(found.time, 9)
+        out["time"] = round(found.time, 6)     # a double holds no finer time this far from 1970
     out["transport"] = found.transport
     if found.connection is not None:
         out["conn"] = found.connection

@@ -28,6 +28,7 @@ class Stats:
     type that cannot be read, ``cut`` frames shorter than their IP datagram (snap length)."""
 
     frames: int = 0
+    first_time: float | None = None
     unsupported: Counter = field(default_factory=Counter)
     cut: int = 0
 
@@ -40,6 +41,8 @@ def rdma_messages(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMe
     unsupported = stats.unsupported
     for number, time, linktype, data in reader:
         stats.frames = number
+        if number == 1:
+            stats.first_time = time
         if linktype not in SUPPORTED:
             unsupported[linktype] += 1
             continue
