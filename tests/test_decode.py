@@ -464,3 +464,43 @@ def test_memory_stays_flat_on_a_large_capture_from_a_pipe():
     resident = [rss for rss, _ in samples]
     quarter = max(resident[: len(resident) // 4])
     assert max(resident) - quarter < 24 << 20, (quarter, max(resident))
+
+
+# ---- garbage ---------------------------------------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_ETH_IP = bytes.fromhex("020000000002020000000001" "0800")
+
+
+def _ipv4(proto: int, body: bytes, extra: int) -> bytes:
+    length = (20 + len(body) + extra) & 0xFFFF
+    return (bytes([0x45, 0]) + length.to_bytes(2, "big") + bytes(4) + bytes([64, proto, 0, 0])
+            + bytes([10, 0, 0, 1, 10, 0, 0, 2]) + body)
+
+
+_frames = st.one_of(
+    st.binary(max_size=120),                                            # anything at all
+    st.builds(lambda b, e: _ETH_IP + _ipv4(17, b"\xc0\x01\x12\xb7" + b, e),   # UDP to 4791
+              st.binary(max_size=200), st.integers(-30, 30)),
+    st.builds(lambda b, e: _ETH_IP + _ipv4(6, b"\x9c\x41\x15\x2c" + b, e),    # TCP 40001 -> 5420
+              st.binary(max_size=200), st.integers(-30, 30)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 101, 113, 276, 0, 197]), _frames), max_size=12))
+def test_decoder_survives_any_frames(frames):
+    """Frames of any content and link type: the decoder reads what it can, never raises."""
+    import io
+    out = io.BytesIO()
+    out.write(b"\x0a\x0d\x0d\x0a" + struct.pack("<IIHHq", 28, 0x1A2B3C4D, 1, 0, -1) + struct.pack("<I", 28))
+    for linktype, _ in frames:
+        out.write(struct.pack("<IIHHII", 1, 20, linktype, 0, 0, 20))
+    for iface, (_, data) in enumerate(frames):
+        body = struct.pack("<IIIII", iface, 0, iface, len(data), len(data)) + data + bytes(-len(data) % 4)
+        out.write(struct.pack("<II", 6, 12 + len(body)) + body + struct.pack("<I", 12 + len(body)))
+    out.seek(0)
+    stats = Stats()
+    for found in kbtp_messages(stream_messages(Reader(out), stats)):
+        to_json(found)
+    assert stats.frames == len(frames)
