@@ -125,11 +125,14 @@ def test_every_field_once_in_ek(captures):
 
 
 def test_every_field_once_through_pyshark(captures):
+    import asyncio
+
     import pyshark
     for pcap in captures[:len(PCAPS) + 1]:
         want = by_frame(pcap)
+        loop = asyncio.new_event_loop()     # (other tests' asyncio.run() leave none behind)
         cap = pyshark.FileCapture(str(pcap), display_filter="kbtp.opcode",
-                                  custom_parameters=list(PLUGIN))
+                                  custom_parameters=list(PLUGIN), eventloop=loop)
         try:
             seen = 0
             for pkt in cap:
@@ -141,6 +144,7 @@ def test_every_field_once_through_pyshark(captures):
                 seen += 1
         finally:
             cap.close()
+            loop.close()
         assert seen == len(want)
 
 
