@@ -3,7 +3,12 @@
 -- do not edit; change the tables and regenerate. Licence: GPL-2.0-or-later.
 -- Layouts: kbtp-draft section names are given beside each group of fields.
 
-local kbtp = Proto("kbtp", "KV Cache Block Transfer Protocol")
+-- Load once: Wireshark may be given this file twice (the copy `kbtp dissector install`
+-- put in the personal plugin folder, and -X lua_script:). Each script has globals of
+-- its own, but protocols are Wireshark's: the second Proto() fails, and that copy
+-- returns before it registers anything.
+local registered, kbtp = pcall(Proto, "kbtp", "KV Cache Block Transfer Protocol")
+if not registered then return end
 
 local RS_OPCODE = { {0x1, 0x1, "HELLO"}, {0x2, 0x2, "HELLO_ACK"}, {0x10, 0x10, "LOAD"}, {0x11, 0x11, "STORE"}, {0x12, 0x12, "ALLOC_STORE"}, {0x13, 0x13, "FREE"}, {0x14, 0x14, "BIND"}, {0x20, 0x20, "COMPLETION"}, {0x30, 0x30, "GOODBYE"}, {0xc0, 0xff, "Private Use"} }
 local RS_STATUS = { {0x0, 0x0, "OK"}, {0x1, 0x1, "INVALID_HANDLE"}, {0x2, 0x2, "STALE_GENERATION"}, {0x3, 0x3, "NOT_VALID"}, {0x4, 0x4, "ALREADY_BOUND"}, {0x5, 0x5, "NO_SPACE"}, {0x6, 0x6, "SEALED"}, {0x7, 0x7, "NOT_SEALED"}, {0x8, 0x8, "TOO_LARGE"}, {0x9, 0x9, "MALFORMED"}, {0xa, 0xa, "INTERNAL"}, {0xb, 0xb, "TICKET_ABANDONED"}, {0xc000, 0xffff, "Private Use"} }
@@ -85,6 +90,15 @@ F["bind.block_offset"] = ProtoField.uint64("kbtp.bind.block_offset", "Block Offs
 F["completion.data_length"] = ProtoField.uint32("kbtp.completion.data_length", "Data Length", base.DEC, nil, nil, "Valid octets in the block")
 F["completion.reserved"] = ProtoField.uint32("kbtp.completion.reserved", "Reserved", base.HEX, nil, nil, "Reserved, zero")
 F["completion.block_offset"] = ProtoField.uint64("kbtp.completion.block_offset", "Block Offset", base.HEX, nil, nil, "Tagged Offset of the block within the Pool STag")
+
+-- Subtrees: the structures inside messages
+F["hello_ack.table"] = ProtoField.none("kbtp.hello_ack.table", "Table descriptor (Count = entries)")
+F["hello_ack.pool"] = ProtoField.none("kbtp.hello_ack.pool", "Pool descriptor (read only, Count = F)")
+F["hello_ack.partition"] = ProtoField.none("kbtp.hello_ack.partition", "Partition descriptor (writable, Count = quota)")
+F["hello_ack.ring"] = ProtoField.none("kbtp.hello_ack.ring", "Ring descriptor (Count = N)")
+F["hello_ack.head"] = ProtoField.none("kbtp.hello_ack.head", "Head descriptor (Count = 1, offset a multiple of 8)")
+F["dd"] = ProtoField.none("kbtp.dd", "Data Descriptor")
+F["cd"] = ProtoField.none("kbtp.cd", "Completion Descriptor")
 
 -- Tracking and RDMA context (not wire fields of KBTP itself)
 F["response_in"] = ProtoField.framenum("kbtp.response_in", "Response in", base.NONE, frametype.RESPONSE, nil, "Frame of the COMPLETION (or HELLO_ACK) answering this request")
@@ -430,9 +444,19 @@ end
 
 -- ---- layout walking --------------------------------------------------------------------
 -- Per item, found once: its ProtoField, and per flag set the fields of its bits.
+-- Items whose tree item an expert info is put under (each expert on its own item, so that
+-- JSON shows every one: siblings with one name would collide).
+local EXPERT_AT = { flags = true, status = true, request_id = true }
+
 local function prepare(items)
     for _, item in ipairs(items) do
-        if item.member then prepare(item.items) else item.field = F[item.key] end
+        if item.member then
+            item.field = F[item.member]
+            prepare(item.items)
+        else
+            item.field = F[item.key]
+            item.keep = EXPERT_AT[item.key]
+        end
     end
 end
 prepare(HEADER)
@@ -499,7 +523,7 @@ local function walk(items, tvb, s, off, tree, ctx)
             local size = item.size
             if item.member then
                 if off >= len then return off, true end
-                local sub_tree = tree and Tree_add(tree, Tvb_range(tvb, off, math.min(size, len - off)), item.title)
+                local sub_tree = tree and Tree_add(tree, item.field, Tvb_range(tvb, off, math.min(size, len - off)))
                 local truncated
                 off, truncated = walk(item.items, tvb, s, off, sub_tree, ctx)
                 if truncated then return off, true end
@@ -516,6 +540,7 @@ local function walk(items, tvb, s, off, tree, ctx)
                 if tree then
                     local range = Tvb_range(tvb, off, size)
                     local ti = (le and Tree_add_le or Tree_add)(tree, item.field, range)
+                    if item.keep then ctx.items[item.key] = ti end
                     local set = item.flagset
                     if set == true then set = ctx.msg and ctx.msg.flagset end
                     if set then
@@ -537,7 +562,7 @@ end
 
 -- One context for every read, cleared each time: a read is used up before the next one
 -- starts, and new tables (growing key by key) would cost a malloc per growth step.
-local CTX, VALUES = {}, {}
+local CTX, VALUES, ITEMS = {}, {}, {}
 
 -- Read one message from the first ``len`` octets (``s``: see octets()), into ``tree`` when
 -- given: the context holds the values, the offset reached, truncation and the inline tail.
@@ -545,7 +570,11 @@ local CTX, VALUES = {}, {}
 local function read_message(tvb, s, len, msg, le, tree)
     local ctx, values = CTX, VALUES
     for k in next, values do values[k] = nil end
+    if tree then
+        for k in next, ITEMS do ITEMS[k] = nil end
+    end
     ctx.values, ctx.le, ctx.msg, ctx.len, ctx.tail = values, le and (msg == nil or msg.addr_le), msg, len, nil
+    ctx.items = ITEMS
     local off, truncated = walk(HEADER, tvb, s, 0, tree, ctx)
     if msg and not truncated then off, truncated = walk(msg.items, tvb, s, off, tree, ctx) end
     ctx.off, ctx.truncated = off, truncated
@@ -728,19 +757,21 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
         Tree_set_generated(Tree_add(root, F.time, nstime(st.delta)))
     end
     if st.response_in then Tree_set_generated(Tree_add(root, F.response_in, st.response_in)) end
+    -- Each expert under the item it is about (the message itself for a malformed layout).
+    local items = ctx.items
     if problem then root:add_proto_expert_info(E.malformed, problem) end
     if msg and msg.flagset and values.flags then
         local extra = band(values.flags, bit32.bnot(FLAGSETS[msg.flagset].defined))
         if extra ~= 0 then
-            root:add_proto_expert_info(E.undefined_flags, format("undefined flag bits 0x%04x", extra))
+            (items.flags or root):add_proto_expert_info(E.undefined_flags, format("undefined flag bits 0x%04x", extra))
         end
     end
     if (op == OPCODE.COMPLETION or op == OPCODE.HELLO_ACK) and values.status and values.status ~= STATUS_OK then
-        root:add_proto_expert_info(E.status, show("status", values.status))
+        (items.status or root):add_proto_expert_info(E.status, show("status", values.status))
     end
-    if st.unanswered then root:add_proto_expert_info(E.unanswered) end
+    if st.unanswered then (items.request_id or root):add_proto_expert_info(E.unanswered) end
     if st.over_credits then
-        root:add_proto_expert_info(E.credits, format("%d requests outstanding, %d credits",
+        (items.request_id or root):add_proto_expert_info(E.credits, format("%d requests outstanding, %d credits",
                                                      st.over_credits, conn.credits or 0))
     end
     local info = summary(msg, op, values)

@@ -1,45 +1,60 @@
 """Find every KBTP message in a capture, over either binding, with session state.
 
-The transports reassemble RDMA messages (``transport.iwarp`` / ``transport.roce``);
-this module decodes the Sends that carry KBTP with the codec, following each session's
-ADDR_LE choice from its HELLO_ACK.
+Two ways in, one way out. ``kbtp decode`` reads captures with the streaming decoder
+(``kbtp_scapy.decode``: octets to RDMA messages, no Scapy); ``read_packets`` and
+``rdma_messages`` are the Scapy path (``transport.iwarp`` / ``transport.roce`` over
+Scapy packets) that replay and the tests use. Either gives ``RdmaMessage`` objects, and
+``kbtp_messages`` decodes the Sends that carry KBTP with the codec, following each
+session's ADDR_LE choice from its HELLO_ACK; ``to_json`` gives the JSON object of one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Iterator
-
-from scapy.error import Scapy_Exception
-from scapy.packet import Packet
-from scapy.utils import PcapReader
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from . import codec, tables as T
-from .layers.kbtp import looks_like_kbtp
-from .transport import iwarp, roce
+from .codec import looks_like_kbtp
+from .decode.pcapfile import CaptureError
 from .transport.message import RdmaMessage
+
+if TYPE_CHECKING:
+    from scapy.packet import Packet
+
+__all__ = ["CaptureError", "Found", "kbtp_messages", "rdma_messages", "read_packets",
+           "session_key", "to_json"]
 
 SEND_KINDS = {"send", "send_inv"}
 _ADDR_LE = T.flag(T.FEATURES, "ADDR_LE")
-
-
-class CaptureError(Exception):
-    """A file that is not a readable pcap or pcapng capture."""
+_HELLO_ACK = T.BY_NAME["HELLO_ACK"].opcode
 
 
 @dataclass
 class Found:
-    """One KBTP message: where it was, what it says, and what is wrong with it."""
+    """One KBTP message: where it was, what it says, and what is wrong with it.
+
+    ``conn`` is the RDMA message's connection and direction (see ``RdmaMessage``);
+    ``connection`` numbers the connections (sessions) from 0 in order of appearance.
+    """
 
     frame: int
     transport: str
     conn: tuple
     fields: dict[str, Any]
     error: str | None = None
+    time: float | None = None
+    connection: int | None = None
+    payload: bytes = b""
+    addr_le: bool = False
 
 
 def read_packets(path: str | Path) -> list[Packet]:
-    """All packets of a pcap or pcapng file (Ethernet or raw IP link types)."""
+    """All packets of a pcap or pcapng file as Scapy packets (the Scapy path)."""
+    from scapy.error import Scapy_Exception
+    from scapy.utils import PcapReader
+
+    from .transport import iwarp, roce  # noqa: F401 - the layers the packets dissect into
     try:
         with PcapReader(str(path)) as reader:
             return list(reader)
@@ -50,7 +65,9 @@ def read_packets(path: str | Path) -> list[Packet]:
 
 
 def rdma_messages(packets: list[Packet]) -> list[RdmaMessage]:
-    """RDMA messages of both bindings, in the order their last frame was captured."""
+    """RDMA messages of both bindings in Scapy packets, in the order their last frame
+    was captured."""
+    from .transport import iwarp, roce
     found = list(iwarp.iter_rdma_messages(packets)) + list(roce.iter_rdma_messages(packets))
     return sorted(found, key=lambda m: m.frames[-1] if m.frames else 0)
 
@@ -67,10 +84,12 @@ def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) 
     """Decode the KBTP messages among RDMA messages; ``addr_le`` forces the byte order
     of sessions whose HELLO_ACK is not in the capture (None: follow HELLO_ACK)."""
     sessions: dict[frozenset, bool] = {}
+    numbers: dict[frozenset, int] = {}
     for msg in messages:
         if msg.kind not in SEND_KINDS or not looks_like_kbtp(msg.payload):
             continue
         key = session_key(msg)
+        number = numbers.setdefault(key, len(numbers))
         le = sessions.get(key, False) if addr_le is None else addr_le
         frame = msg.frames[-1] if msg.frames else 0
         try:
@@ -78,21 +97,59 @@ def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) 
             error = None
         except codec.Malformed as exc:
             fields, error = exc.fields, exc.reason
-        if fields.get("opcode") == T.BY_NAME["HELLO_ACK"].opcode and not fields.get("status"):
+        if fields.get("opcode") == _HELLO_ACK and not fields.get("status"):
             sessions[key] = bool(fields.get("hello_ack.features", 0) & _ADDR_LE)
-        yield Found(frame, msg.transport, msg.conn, fields, error)
+        yield Found(frame, msg.transport, msg.conn, fields, error, msg.time, number,
+                    msg.payload, le)
+
+
+@lru_cache(maxsize=None)
+def _bits(opcode: int | None, key: str) -> tuple[tuple[str, int], ...]:
+    """``(kbtp.flags.inline, mask)`` pairs of a flags word of this opcode."""
+    index = T.wire_fields()
+    if key not in index:
+        return ()
+    return tuple((f"kbtp.{bit}", mask) for bit, mask in
+                 T.flag_bits(key, index[key][0], T.BY_OPCODE.get(opcode)))
+
+
+@lru_cache(maxsize=None)
+def _json_key(key: str) -> str:
+    return f"kbtp.{key}"
+
+
+def endpoints(found: Found) -> dict[str, Any]:
+    """Source and destination of the message: addresses, and the TCP ports (iWARP) or
+    the destination QP (RoCE)."""
+    if found.transport == "iwarp":
+        (src, sport), (dst, dport) = found.conn
+        return {"src": src, "src_port": sport, "dst": dst, "dst_port": dport}
+    if found.transport == "roce":
+        src, dst, qp = found.conn
+        return {"src": src, "dst": dst, "dst_qp": qp}
+    return {}
 
 
 def to_json(found: Found) -> dict[str, Any]:
-    """JSON object keyed by display-filter names, numeric values, bytes as hex, and one
-    0/1 key per named bit of every flags word (``kbtp.flags.inline``)."""
-    out: dict[str, Any] = {"frame": found.frame, "transport": found.transport}
-    msg = T.BY_OPCODE.get(found.fields.get("opcode"))
-    index = T.wire_fields()
+    """JSON object: frame, time (seconds since the epoch), transport, connection number
+    and endpoints, then the fields keyed by display-filter names, numeric values, bytes as
+    hex, one 0/1 key per named bit of every flags word (``kbtp.flags.inline``), and
+    ``malformed`` with the reason when the message is."""
+    out: dict[str, Any] = {"frame": found.frame}
+    if found.time is not None:
+        out["time"] = round(found.time, 6)     # a double holds no finer time this far from 1970
+    out["transport"] = found.transport
+    if found.connection is not None:
+        out["conn"] = found.connection
+        out.update(endpoints(found))
+    opcode = found.fields.get("opcode")
     for key, value in found.fields.items():
-        out[f"kbtp.{key}"] = value.hex() if isinstance(value, bytes) else value
-        for bit_key, mask in T.flag_bits(key, index[key][0], msg):
-            out[f"kbtp.{bit_key}"] = int(bool(value & mask))
+        if isinstance(value, bytes):
+            out[_json_key(key)] = value.hex()
+            continue
+        out[_json_key(key)] = value
+        for bit_key, mask in _bits(opcode, key):
+            out[bit_key] = int(bool(value & mask))
     if found.error:
         out["malformed"] = found.error
     return out

@@ -176,6 +176,17 @@ def message_length(opcode: int, flags: int, features: int = 0, inline_length: in
     return layout.size + (inline_length if layout.tail is not None else 0)
 
 
+_PRIVATE_OPCODES = range(OPCODES.private_use[0], OPCODES.private_use[1] + 1)
+
+
+def looks_like_kbtp(data: bytes) -> bool:
+    """Cheap recognition for transports guessing what a Send carries: Version 1 and a
+    known or Private Use opcode in a buffer that holds at least a header."""
+    if len(data) < HEADER_SIZE or data[_VERSION_AT] != VERSION:
+        return False
+    return data[_OPCODE_AT] in BY_OPCODE or data[_OPCODE_AT] in _PRIVATE_OPCODES
+
+
 def decode_header(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
     """The common header alone, whatever follows it (``buf`` has at least 24 octets)."""
     return _unpack(_HEADER_LAYOUT, buf, _addr_le(buf[_OPCODE_AT], addr_le))

@@ -1,7 +1,15 @@
-"""Run the real tshark and return its field values per frame, for oracle tests."""
+"""Run the real tshark and return its field values per frame, for oracle tests.
+
+Every tshark the suite starts, here or anywhere else (live captures, ``kbtp demo``,
+pyshark), runs with a HOME and configuration of the suite's own: ``tests/conftest.py``
+puts ``private_home`` into the environment before any test runs, so no personal
+Wireshark plugin (an installed kbtp.lua among them), preference or profile of whoever
+runs the tests can change an outcome.
+"""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,6 +18,26 @@ import pytest
 
 TSHARK = shutil.which("tshark")
 needs_tshark = pytest.mark.skipif(TSHARK is None, reason="tshark is not installed")
+
+
+def private_home(root: Path) -> dict[str, str]:
+    """Environment for programs that must not see the user's own configuration: HOME and
+    the XDG folders under ``root`` (Wireshark's personal configuration and plugin folders
+    follow them), and none of Wireshark's WIRESHARK_* overrides."""
+    for sub in (".config", ".local/share", ".cache"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WIRESHARK_")}
+    env.update(HOME=str(root), XDG_CONFIG_HOME=str(root / ".config"),
+               XDG_DATA_HOME=str(root / ".local/share"), XDG_CACHE_HOME=str(root / ".cache"))
+    return env
+
+
+def folders(env: dict[str, str] | None = None) -> dict[str, str]:
+    """What ``tshark -G folders`` reports (folder kind -> path)."""
+    proc = subprocess.run([TSHARK or "tshark", "-G", "folders"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    return {name.strip(): value.strip() for name, _, value in
+            (line.partition(":") for line in proc.stdout.splitlines()) if value}
 
 
 def _flatten(node, out: dict[str, list]) -> None:

@@ -1,62 +1,334 @@
-"""``kbtp decode``: every KBTP message in a capture or a hex string."""
+"""``kbtp decode``: every KBTP message in a capture (file or standard input) or a hex string."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
+import sys
+import time
+from typing import Any, BinaryIO, TextIO
 
 import click
 
-from .. import codec
-from ..capture import CaptureError, Found, kbtp_messages, rdma_messages, read_packets, to_json
+from .. import codec, tables as T
+from ..capture import Found, endpoints, kbtp_messages, to_json
+from ..decode import CaptureError, Reader, Stats, rdma_messages
+from ..decode.frames import SUPPORTED, linktype_name
 from ..summary import describe
 
+PROGRESS_MIN_SIZE = 4 << 20           # files smaller than this decode before progress matters
+PROGRESS_EVERY = 0.2                  # seconds between progress updates
 
-@click.command()
-@click.argument("file", required=False, type=click.Path(dir_okay=False))
-@click.option("--hex", "hex_", metavar="HEX", help="Decode one KBTP message given as hex instead of a file.")
-@click.option("--json", "as_json", is_flag=True, help="JSON Lines: one object per message, keyed by "
-              "display-filter names (kbtp.opcode, kbtp.dd.stag, ...), plus frame and transport.")
-@click.option("--addr-le/--no-addr-le", default=None,
-              help="Force the byte order of address fields for sessions whose HELLO_ACK is not "
-                   "in the capture (default: follow each session's HELLO_ACK).")
-def decode(file: str | None, hex_: str | None, as_json: bool, addr_le: bool | None) -> None:
-    """Decode the KBTP messages in FILE (pcap or pcapng; Ethernet or raw IP).
 
-    iWARP streams (TCP/MPA/DDP/RDMAP, found by their MPA Request and Reply) and RoCEv2
-    frames (UDP 4791) are reassembled; every Send that carries KBTP gives one line.
-    A malformed message is shown as far as it decodes, with the reason.
-
-    \b
-    Examples:
-      kbtp decode pcaps/roce_all_opcodes.pcap
-      kbtp decode --json --addr-le mid_session.pcapng
-      kbtp decode --hex 0130000100000000000000000000000000000000000000000
-    """
-    if (file is None) == (hex_ is None):
-        raise click.UsageError("give a capture FILE or --hex HEX, not both and not neither")
-    if hex_ is not None:
+def _names(enum: T.Enumeration, what: str, values: tuple[str, ...]) -> frozenset[int]:
+    """Enumeration names or numbers given on the command line."""
+    by_name = enum.by_name()
+    out = set()
+    for text in (v for value in values for v in value.split(",") if v.strip()):
+        text = text.strip()
+        if text.upper() in by_name:
+            out.add(by_name[text.upper()])
+            continue
         try:
-            data = bytes.fromhex(hex_.replace(":", "").replace(" ", ""))
+            out.add(int(text, 0))
         except ValueError:
-            raise click.ClickException(f"--hex: not a hex string: {hex_[:40]!r}") from None
+            raise click.BadParameter(f"{text!r} is not a {what}; choose from "
+                                     f"{', '.join(by_name)} or give a number",
+                                     param_hint=f"--{what}") from None
+    return frozenset(out)
+
+
+def _hex(text: str) -> bytes:
+    """Octets of ``--hex``: two digits per octet; spaces, colons and 0x prefixes allowed."""
+    digits = "".join(t[2:] if t[:2].lower() == "0x" else t for t in re.split(r"[\s:]+", text))
+    bad = re.search(r"[^0-9a-fA-F]", digits)
+    if bad:
+        raise click.ClickException(f"--hex: {bad.group()!r} is not a hex digit; give the message "
+                                   "as hex digits, two per octet (0x, spaces and colons are allowed)")
+    if len(digits) % 2:
+        raise click.ClickException(f"--hex: odd number of hex digits ({len(digits)}); give two "
+                                   "digits per octet")
+    return bytes.fromhex(digits)
+
+
+class _Progress:
+    """One line on a terminal's stderr, rewritten in place; nothing anywhere else."""
+
+    def __init__(self, enabled: bool, total: int | None) -> None:
+        self.enabled, self.total = enabled, total
+        self.shown = False
+        self._next = time.monotonic() + PROGRESS_EVERY
+
+    def update(self, done: int, messages: int) -> None:
+        if not self.enabled or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + PROGRESS_EVERY
+        mb = done / 1e6
+        where = (f"{100 * done / self.total:3.0f}% of {self.total / 1e6:,.0f} MB" if self.total
+                 else f"{mb:,.0f} MB")
+        sys.stderr.write(f"\rkbtp decode: {where}, {messages:,} KBTP messages\033[K")
+        sys.stderr.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.shown = False
+
+
+def _open(file: str) -> tuple[BinaryIO, int | None]:
+    """The capture's stream and its size (None for a pipe)."""
+    if file == "-":
+        stream = sys.stdin.buffer
+    else:
         try:
-            found = Found(0, "none", (), codec.decode(data, addr_le=bool(addr_le)))
-        except codec.Malformed as exc:
-            found = Found(0, "none", (), exc.fields, exc.reason)
-        _emit(found, as_json)
-        return
+            stream = open(file, "rb")  # noqa: SIM115 - closed by the caller
+        except FileNotFoundError:
+            raise click.ClickException(f"{file}: no such file; give a pcap or pcapng capture, "
+                                       "or - to read one from standard input") from None
+        except IsADirectoryError:
+            raise click.ClickException(f"{file}: is a directory; give a capture file") from None
+        except OSError as exc:
+            raise click.ClickException(f"{file}: cannot read it ({exc.strerror})") from None
     try:
-        packets = read_packets(file)
-    except CaptureError as exc:
-        raise click.ClickException(str(exc)) from None
-    for found in kbtp_messages(rdma_messages(packets), addr_le):
-        _emit(found, as_json)
+        info = os.fstat(stream.fileno())
+    except (OSError, ValueError):
+        return stream, None
+    return stream, info.st_size if stat.S_ISREG(info.st_mode) else None
 
 
-def _emit(found: Found, as_json: bool) -> None:
-    if as_json:
-        click.echo(json.dumps(to_json(found), sort_keys=False))
-        return
+def _line(found: Found, origin: float) -> str:
+    """Frame, time since the first frame, transport, connection, endpoints, summary."""
+    ends = endpoints(found)
+    if found.transport == "iwarp":
+        fmt = "[{}]:{}" if ":" in ends["src"] else "{}:{}"
+        where = f"{fmt.format(ends['src'], ends['src_port'])} -> {fmt.format(ends['dst'], ends['dst_port'])}"
+    else:
+        where = f"{ends['src']} -> {ends['dst']} QP 0x{ends['dst_qp']:06x}"
     text = describe(found.fields)
     if found.error:
         text += f" [malformed: {found.error}]"
-    click.echo(f"{found.frame:>6} {found.transport:<5} {text}")
+    elapsed = (found.time or origin) - origin
+    return (f"{found.frame:>7} {elapsed:11.6f} {found.transport:<5} #{found.connection:<3} "
+            f"{where}  {text}\n")
+
+
+def _layers(found: Found) -> str:
+    """The message as the Scapy layers show it (Scapy's own warnings silenced)."""
+    import logging
+    logging.getLogger("scapy").setLevel(logging.ERROR)
+    from ..layers.kbtp import KBTP
+    return KBTP(found.payload, addr_le=found.addr_le).show(dump=True)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+class _Output:
+    """Where lines go: stdout (text or JSON), and JSON Lines to a file with --json-file."""
+
+    def __init__(self, as_json: bool, json_file: TextIO | None, layers: bool,
+                 progress: _Progress, origin: float) -> None:
+        self.as_json, self.json_file, self.layers = as_json, json_file, layers
+        self.progress, self.origin = progress, origin
+        self.clear = progress.enabled and sys.stdout.isatty()
+        self.write = sys.stdout.write
+
+    def __call__(self, found: Found) -> None:
+        if self.clear:
+            self.progress.clear()
+        if self.as_json:
+            self.write(json.dumps(to_json(found)) + "\n")
+            return
+        self.write(_line(found, self.origin))
+        if self.layers:
+            self.write(_layers(found))
+        if self.json_file is not None:
+            self.json_file.write(json.dumps(to_json(found)) + "\n")
+
+
+def _matches(fields: dict[str, Any], opcodes, statuses, handles) -> bool:
+    return ((not opcodes or fields.get("opcode") in opcodes)
+            and (not statuses or fields.get("status") in statuses)
+            and (not handles or fields.get("handle") in handles))
+
+
+@click.command()
+@click.argument("file", required=False)
+@click.option("--hex", "hex_", metavar="HEX", help="Decode one KBTP message given as hex (0x, "
+              "spaces and colons allowed) instead of a capture.")
+@click.option("--json", "as_json", is_flag=True, help="JSON Lines on stdout: one object per "
+              "message with frame, time, transport, conn and endpoints, then the fields keyed by "
+              "display-filter names (kbtp.opcode, kbtp.dd.stag, ...).")
+@click.option("--json-file", metavar="FILE", type=click.File("w"), default=None,
+              help="Write the JSON Lines to FILE and the text lines to stdout ('-': as --json).")
+@click.option("--addr-le/--no-addr-le", default=None,
+              help="Force the byte order of address fields for sessions whose HELLO_ACK is not "
+                   "in the capture (default: follow each session's HELLO_ACK).")
+@click.option("-c", "--count", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Stop after N messages (those the filters let through).")
+@click.option("--opcode", "opcodes", multiple=True, metavar="NAME",
+              help="Only messages with this opcode (name or number; repeat or comma-separate).")
+@click.option("--status", "statuses", multiple=True, metavar="NAME",
+              help="Only messages with this status (name or number, e.g. NOT_VALID).")
+@click.option("--handle", "handles", multiple=True, metavar="H",
+              help="Only messages naming this handle (decimal or 0x hex).")
+@click.option("--layers", is_flag=True, help="Also show each message as the Scapy layers "
+              "dissect it (slow: a Scapy packet per message).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress display; results and the summary only.")
+def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO | None,
+           addr_le: bool | None, count: int | None, opcodes: tuple[str, ...],
+           statuses: tuple[str, ...], handles: tuple[str, ...], layers: bool, quiet: bool) -> None:
+    """Decode the KBTP messages in FILE (pcap or pcapng; '-' reads standard input).
+
+    iWARP connections (TCP/MPA/DDP/RDMAP, found by their MPA Request and Reply; markers
+    and CRC as negotiated) and RoCE packets (RoCEv2 on UDP 4791, RoCEv1) are reassembled
+    as the capture is read, in bounded memory, and every Send that carries KBTP gives one
+    line as soon as its last frame is read: frame, time since the first frame, transport,
+    connection number, source and destination, then the message as Wireshark's Info
+    column shows it. A malformed message is shown as far as it decodes, with the reason.
+    At the end one line on stderr sums up what was found. Reading from a pipe works as
+    the capture is written: tcpdump -i IF -w - udp port 4791 | kbtp decode -
+
+    \b
+    Examples:
+      kbtp decode pcaps/roce_session.pcap
+      kbtp decode --json pcaps/iwarp_session.pcap
+      kbtp decode --opcode COMPLETION --status NOT_VALID,TOO_LARGE pcaps/roce_session.pcap
+      kbtp decode -c 3 --layers pcaps/iwarp_session.pcap
+      kbtp decode --no-addr-le pcaps/roce_addr_le_ipv6_session.pcap
+      cat pcaps/iwarp_session.pcap | kbtp decode --json - | head -1
+      kbtp decode --hex 0x011200010000000000000007000000000000400100000000000000000000000000000000000000084b56424c4f434b21
+    """
+    if (file is None) == (hex_ is None):
+        raise click.UsageError("give a capture FILE (- for standard input) or --hex HEX, "
+                               "not both and not neither")
+    if json_file is not None and json_file.name == "<stdout>":
+        as_json, json_file = True, None
+    if layers and as_json:
+        raise click.UsageError("--layers shows text; it does not go with --json")
+    filters = (_names(T.OPCODES, "opcode", opcodes), _names(T.STATUS, "status", statuses),
+               frozenset(_handle(h) for h in handles))
+    try:
+        if hex_ is not None:
+            _decode_hex(_hex(hex_), addr_le, as_json, json_file, layers)
+        else:
+            _decode_capture(file, addr_le, as_json, json_file, layers, quiet, count, filters)
+    except BrokenPipeError:
+        _stdout_closed()
+
+
+def _handle(text: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a handle (decimal or 0x hex)",
+                                 param_hint="--handle") from None
+
+
+def _decode_hex(data: bytes, addr_le: bool | None, as_json: bool, json_file: TextIO | None,
+                layers: bool) -> None:
+    try:
+        found = Found(0, "none", (), codec.decode(data, addr_le=bool(addr_le)), payload=data,
+                      addr_le=bool(addr_le))
+    except codec.Malformed as exc:
+        found = Found(0, "none", (), exc.fields, exc.reason, payload=data, addr_le=bool(addr_le))
+    if as_json or json_file is not None:
+        (json_file or sys.stdout).write(json.dumps(to_json(found)) + "\n")
+    if not as_json:
+        text = describe(found.fields) + (f" [malformed: {found.error}]" if found.error else "")
+        sys.stdout.write(text + "\n" + (_layers(found) if layers else ""))
+
+
+def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: TextIO | None,
+                    layers: bool, quiet: bool, count: int | None, filters) -> None:
+    stream, size = _open(file)
+    name = "standard input" if file == "-" else file
+    progress = _Progress(not quiet and sys.stderr.isatty() and (size is None or size >= PROGRESS_MIN_SIZE),
+                         size)
+    stats, shown, total, malformed, conns = Stats(), 0, 0, 0, set()
+    reader = None
+
+    def waiting() -> None:
+        sys.stdout.flush()
+        if reader is not None:
+            progress.update(reader.position, total)
+
+    try:
+        reader = Reader(stream, name, before_wait=waiting)
+        if reader.linktype is not None and reader.linktype not in SUPPORTED:
+            raise click.ClickException(
+                f"{name}: {linktype_name(reader.linktype)} cannot be decoded: kbtp decode reads "
+                "Ethernet, Linux cooked, loopback and raw IP captures")
+        out = None
+        stopped = False
+        for found in kbtp_messages(rdma_messages(reader, stats), addr_le):
+            if out is None:
+                out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0)
+            total += 1
+            malformed += found.error is not None
+            conns.add((found.transport, found.connection))
+            if _matches(found.fields, *filters):
+                out(found)
+                shown += 1
+                if count is not None and shown >= count:
+                    stopped = True
+                    break
+        sys.stdout.flush()
+    except CaptureError as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        progress.clear()
+        sys.stdout.flush()
+        _summary(stats, total, shown, malformed, len(conns), any(filters), None, name)
+        raise click.exceptions.Exit(130) from None
+    finally:
+        progress.clear()
+        if stream is not sys.stdin.buffer:
+            stream.close()
+    if json_file is not None:
+        json_file.flush()
+    for linktype, n in sorted(stats.unsupported.items()):
+        if n == stats.frames:
+            raise click.ClickException(
+                f"{name}: every frame is of {linktype_name(linktype)}, which kbtp decode cannot "
+                "read (it reads Ethernet, Linux cooked, loopback and raw IP frames)")
+        click.echo(f"kbtp: {name}: {_plural(n, 'frame')} of {linktype_name(linktype)} skipped: "
+                   "kbtp decode reads Ethernet, Linux cooked, loopback and raw IP frames", err=True)
+    _summary(stats, total, shown, malformed, len(conns), any(filters), count if stopped else None,
+             name)
+    if not stopped and (reader.cut_short or reader.problem):
+        why = reader.problem or f"the capture ends in the middle of frame {reader.cut_short}"
+        raise click.ClickException(f"{name}: {why}; the frames before it were decoded")
+
+
+def _summary(stats: Stats, total: int, shown: int, malformed: int, conns: int, filtered: bool,
+             stopped: int | None, name: str) -> None:
+    """The one line on stderr: what was found in how many frames."""
+    frames = _plural(stats.frames, "frame")
+    where = f"the first {frames}" if stopped else frames
+    if not total:
+        text = f"no KBTP message in {where}"
+    else:
+        text = f"{_plural(total, 'KBTP message')} in {where}, {_plural(conns, 'connection')}"
+        if malformed:
+            text += f", {malformed:,} malformed"
+        if filtered:
+            text += f", {shown:,} shown"
+    if stats.cut:
+        text += f"; {_plural(stats.cut, 'frame')} cut short by the capture's snap length"
+    if stopped:
+        text += f" (stopped after -c {stopped})"
+    click.echo(text, err=True)
+
+
+def _stdout_closed() -> None:
+    """The reader of stdout went away (``| head``): stop quietly, exit 0."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

@@ -1,4 +1,4 @@
-"""``kbtp dissector``: generate, check, locate and install the Wireshark Lua dissector."""
+"""``kbtp dissector``: generate, check, locate, install and uninstall the Wireshark Lua dissector."""
 from __future__ import annotations
 
 import shutil
@@ -7,9 +7,8 @@ from pathlib import Path
 
 import click
 
-from ..dissector.generate import outputs
-
-REPO_DISSECTOR = Path(__file__).resolve().parents[2] / "dissector"
+from ..dissector import REPO_DISSECTOR, lua_path as _lua_path
+from ..dissector.generate import HEADER_LINE, outputs
 
 
 def _stale(outdir: Path) -> list[Path]:
@@ -27,7 +26,10 @@ def dissector() -> None:
       kbtp dissector generate            rewrite dissector/kbtp.lua and dissector/FIELDS.md
       kbtp dissector generate --check    exit 1 if the committed files are stale
       kbtp dissector install             copy kbtp.lua into your personal Lua plugin folder
-      tshark -X lua_script:$(kbtp dissector path) -r capture.pcap
+      kbtp dissector uninstall           remove it from there
+      tshark -X lua_script:$(kbtp dissector path) -r pcaps/roce_session.pcap
+
+    The installed copy and -X lua_script: may be given together: the plugin loads once.
     """
 
 
@@ -48,19 +50,6 @@ def generate(check: bool, outdir: Path) -> None:
     for path, text in outputs(outdir).items():
         path.write_text(text)
         click.echo(f"wrote {path}")
-
-
-def _lua_path() -> Path:
-    """The committed dissector of this checkout, or a freshly generated one beside the
-    user's cache when the package was installed without the repository."""
-    path = REPO_DISSECTOR / "kbtp.lua"
-    if path.exists():
-        return path
-    cache = Path.home() / ".cache" / "kbtp_scapy"
-    cache.mkdir(parents=True, exist_ok=True)
-    for out, text in outputs(cache).items():
-        out.write_text(text)
-    return cache / "kbtp.lua"
 
 
 @dissector.command()
@@ -87,7 +76,42 @@ def _personal_plugin_folder() -> Path:
 def install(folder: Path | None) -> None:
     """Copy kbtp.lua into the personal Lua plugin folder, so Wireshark and tshark load it."""
     folder = folder or _personal_plugin_folder()
-    folder.mkdir(parents=True, exist_ok=True)
     target = folder / "kbtp.lua"
-    shutil.copyfile(_lua_path(), target)
-    click.echo(f"installed {target}")
+    if target.exists() and not _ours(target):
+        raise click.ClickException(f"{target} exists and is not this dissector; move it away "
+                                   "or install with --folder")
+    replaced = target.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_lua_path(), target)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {target}: {exc.strerror}") from None
+    click.echo(f"{'updated' if replaced else 'installed'} {target}")
+
+
+def _ours(path: Path) -> bool:
+    """Whether ``path`` is a kbtp.lua this command wrote (its generated first line)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline().rstrip("\n") == HEADER_LINE
+    except OSError:
+        return False
+
+
+@dissector.command()
+@click.option("--folder", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Uninstall from here instead of the folder 'tshark -G folders' reports.")
+def uninstall(folder: Path | None) -> None:
+    """Remove the kbtp.lua that 'kbtp dissector install' put in the personal plugin folder."""
+    folder = folder or _personal_plugin_folder()
+    target = folder / "kbtp.lua"
+    if not target.exists():
+        click.echo(f"not installed: no {target}")
+        return
+    if not _ours(target):
+        raise click.ClickException(f"{target} is not this dissector; left it alone")
+    try:
+        target.unlink()
+    except OSError as exc:
+        raise click.ClickException(f"cannot remove {target}: {exc.strerror}") from None
+    click.echo(f"removed {target}")

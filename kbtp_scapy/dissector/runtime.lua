@@ -124,9 +124,19 @@ end
 
 -- ---- layout walking --------------------------------------------------------------------
 -- Per item, found once: its ProtoField, and per flag set the fields of its bits.
+-- Items whose tree item an expert info is put under (each expert on its own item, so that
+-- JSON shows every one: siblings with one name would collide).
+local EXPERT_AT = { flags = true, status = true, request_id = true }
+
 local function prepare(items)
     for _, item in ipairs(items) do
-        if item.member then prepare(item.items) else item.field = F[item.key] end
+        if item.member then
+            item.field = F[item.member]
+            prepare(item.items)
+        else
+            item.field = F[item.key]
+            item.keep = EXPERT_AT[item.key]
+        end
     end
 end
 prepare(HEADER)
@@ -193,7 +203,7 @@ local function walk(items, tvb, s, off, tree, ctx)
             local size = item.size
             if item.member then
                 if off >= len then return off, true end
-                local sub_tree = tree and Tree_add(tree, Tvb_range(tvb, off, math.min(size, len - off)), item.title)
+                local sub_tree = tree and Tree_add(tree, item.field, Tvb_range(tvb, off, math.min(size, len - off)))
                 local truncated
                 off, truncated = walk(item.items, tvb, s, off, sub_tree, ctx)
                 if truncated then return off, true end
@@ -210,6 +220,7 @@ local function walk(items, tvb, s, off, tree, ctx)
                 if tree then
                     local range = Tvb_range(tvb, off, size)
                     local ti = (le and Tree_add_le or Tree_add)(tree, item.field, range)
+                    if item.keep then ctx.items[item.key] = ti end
                     local set = item.flagset
                     if set == true then set = ctx.msg and ctx.msg.flagset end
                     if set then
@@ -231,7 +242,7 @@ end
 
 -- One context for every read, cleared each time: a read is used up before the next one
 -- starts, and new tables (growing key by key) would cost a malloc per growth step.
-local CTX, VALUES = {}, {}
+local CTX, VALUES, ITEMS = {}, {}, {}
 
 -- Read one message from the first ``len`` octets (``s``: see octets()), into ``tree`` when
 -- given: the context holds the values, the offset reached, truncation and the inline tail.
@@ -239,7 +250,11 @@ local CTX, VALUES = {}, {}
 local function read_message(tvb, s, len, msg, le, tree)
     local ctx, values = CTX, VALUES
     for k in next, values do values[k] = nil end
+    if tree then
+        for k in next, ITEMS do ITEMS[k] = nil end
+    end
     ctx.values, ctx.le, ctx.msg, ctx.len, ctx.tail = values, le and (msg == nil or msg.addr_le), msg, len, nil
+    ctx.items = ITEMS
     local off, truncated = walk(HEADER, tvb, s, 0, tree, ctx)
     if msg and not truncated then off, truncated = walk(msg.items, tvb, s, off, tree, ctx) end
     ctx.off, ctx.truncated = off, truncated
@@ -422,19 +437,21 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
         Tree_set_generated(Tree_add(root, F.time, nstime(st.delta)))
     end
     if st.response_in then Tree_set_generated(Tree_add(root, F.response_in, st.response_in)) end
+    -- Each expert under the item it is about (the message itself for a malformed layout).
+    local items = ctx.items
     if problem then root:add_proto_expert_info(E.malformed, problem) end
     if msg and msg.flagset and values.flags then
         local extra = band(values.flags, bit32.bnot(FLAGSETS[msg.flagset].defined))
         if extra ~= 0 then
-            root:add_proto_expert_info(E.undefined_flags, format("undefined flag bits 0x%04x", extra))
+            (items.flags or root):add_proto_expert_info(E.undefined_flags, format("undefined flag bits 0x%04x", extra))
         end
     end
     if (op == OPCODE.COMPLETION or op == OPCODE.HELLO_ACK) and values.status and values.status ~= STATUS_OK then
-        root:add_proto_expert_info(E.status, show("status", values.status))
+        (items.status or root):add_proto_expert_info(E.status, show("status", values.status))
     end
-    if st.unanswered then root:add_proto_expert_info(E.unanswered) end
+    if st.unanswered then (items.request_id or root):add_proto_expert_info(E.unanswered) end
     if st.over_credits then
-        root:add_proto_expert_info(E.credits, format("%d requests outstanding, %d credits",
+        (items.request_id or root):add_proto_expert_info(E.credits, format("%d requests outstanding, %d credits",
                                                      st.over_credits, conn.credits or 0))
     end
     local info = summary(msg, op, values)

@@ -23,12 +23,12 @@ from scapy.fields import (ByteEnumField, ByteField, ConditionalField, Field, Fla
 from scapy.packet import Packet, Raw, bind_layers
 
 from .. import tables as T
+from ..codec import looks_like_kbtp
 from ..summary import describe
 
 conf.contribs.setdefault("kbtp", {}).setdefault("addr_le", False)
 
 _INT_CODE = {1: "B", 2: "H", 4: "I", 8: "Q"}
-_VERSION_AT, _OPCODE_AT = T.HEADER.offset("version"), T.HEADER.offset("opcode")
 
 
 class _KBTPPacket(Packet):
@@ -322,15 +322,6 @@ for _struct in T.MEMORY_STRUCTS:
 KBTPDataDescriptor = _struct_classes[T.DATA_DESCRIPTOR.name]
 KBTPCompletionDescriptor = _struct_classes[T.COMPLETION_DESCRIPTOR.name]
 KBTPDirectDescriptor = _struct_classes[T.DIRECT_DESCRIPTOR.name]
-
-
-def looks_like_kbtp(data: bytes) -> bool:
-    """Cheap recognition for transports guessing what a Send carries: Version 1 and a
-    known or Private Use opcode in a buffer that holds at least a header."""
-    if len(data) < T.HEADER_SIZE or data[_VERSION_AT] != T.VERSION:
-        return False
-    lo, hi = T.OPCODES.private_use
-    return data[_OPCODE_AT] in T.BY_OPCODE or lo <= data[_OPCODE_AT] <= hi
 
 
 def guess_kbtp(data: bytes) -> type[Packet]:

@@ -16,6 +16,7 @@ class RdmaMessage:
     ``conn`` names the connection and direction (src, dst) so a decoder can keep
     per-connection state.  ``payload`` is the upper-layer payload with transport
     padding removed; ``info`` holds transport header values (STag, offset, PSN...).
+    ``time`` is the capture time of the last frame, when the decoder knows it.
     """
 
     transport: str                 # "iwarp" or "roce"
@@ -24,3 +25,4 @@ class RdmaMessage:
     conn: tuple
     payload: bytes = b""
     info: dict = field(default_factory=dict)
+    time: float | None = None

@@ -266,7 +266,8 @@ class RcConnection:
         with PcapWriter(path, linktype=DLT_EN10MB, sync=False) as out:
             out.write_header(None)
             for frame in self.frames:
-                out.write_packet(frame.original, sec=frame.time)
+                sec, usec = divmod(round(float(frame.time) * 1e6), 1_000_000)
+                out.write_packet(frame.original, sec=sec, usec=usec)
 
 
 # --- finding messages in captures ---------------------------------------------------------

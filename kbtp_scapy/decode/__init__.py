@@ -1,0 +1,63 @@
+"""The streaming capture decoder: pcap or pcapng octets to RDMA messages, no Scapy.
+
+``pcapfile`` reads records as they arrive, ``frames`` finds each frame's RoCE or TCP
+payload, ``roce`` puts RoCE Sends together by PSN and ``iwarp`` reassembles TCP, MPA and
+DDP per connection, each in bounded memory. ``rdma_messages`` runs them over one capture
+and yields messages as their last frame is read; ``capture.kbtp_messages`` decodes the
+KBTP ones with the codec. This is what ``kbtp decode`` uses; the Scapy layers stay the
+way to inspect single packets.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from ..transport.message import RdmaMessage
+from .frames import ROCE, SUPPORTED, TCP, locate
+from .iwarp import IwarpStreams
+from .pcapfile import CaptureError, Reader
+from .roce import RoceSends
+
+__all__ = ["CaptureError", "Reader", "Stats", "rdma_messages"]
+
+
+@dataclass
+class Stats:
+    """What a decoder run saw besides messages: ``unsupported`` counts frames by link
+    type that cannot be read, ``cut`` frames shorter than their IP datagram (snap length)."""
+
+    frames: int = 0
+    first_time: float | None = None
+    unsupported: Counter = field(default_factory=Counter)
+    cut: int = 0
+
+
+def rdma_messages(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMessage]:
+    """RoCE Sends that carry KBTP and every iWARP Send, as their last frame is read
+    (messages left incomplete come out at the end)."""
+    stats = stats if stats is not None else Stats()
+    roce, iwarp = RoceSends(), IwarpStreams(sends_only=True)
+    unsupported = stats.unsupported
+    for number, time, linktype, data in reader:
+        stats.frames = number
+        if number == 1:
+            stats.first_time = time
+        if linktype not in SUPPORTED:
+            unsupported[linktype] += 1
+            continue
+        where = locate(linktype, data)
+        if where is None:
+            continue
+        kind = where[0]
+        if kind == ROCE:
+            done = roce.packet(number, time, where[1], where[2], data, where[3], where[4])
+        elif kind == TCP:
+            done = iwarp.segment(number, time, *where[1:8], data, where[8], where[9])
+        else:
+            stats.cut += 1
+            continue
+        if done:
+            yield from done
+    yield from roce.flush()
+    yield from iwarp.flush()

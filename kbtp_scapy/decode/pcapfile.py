@@ -1,0 +1,181 @@
+"""Read pcap and pcapng captures incrementally, from a file or a pipe, without Scapy.
+
+Formats: classic pcap in either byte order with microsecond or nanosecond timestamps
+(draft-ietf-opsawg-pcap), and pcapng (draft-ietf-opsawg-pcapng): Section Header,
+Interface Description (link type, ``if_tsresol``, ``if_tsoffset``), Enhanced, Simple and
+obsolete Packet Blocks; other blocks are skipped. Memory stays at one read chunk plus one
+record, whatever the size of the capture, and a pipe is read as data arrives
+(``read1``), so ``tcpdump -w - | kbtp decode -`` shows messages while tcpdump runs.
+"""
+from __future__ import annotations
+
+import struct
+from typing import BinaryIO, Callable, Iterator
+
+CHUNK = 1 << 20
+MAX_RECORD = 1 << 26            # no link type has frames this large: the file is corrupt
+
+_PCAP_MAGIC = {b"\xa1\xb2\xc3\xd4": (">", 1e-6), b"\xd4\xc3\xb2\xa1": ("<", 1e-6),
+               b"\xa1\xb2\x3c\x4d": (">", 1e-9), b"\x4d\x3c\xb2\xa1": ("<", 1e-9)}
+_PCAPNG_SHB = b"\x0a\x0d\x0d\x0a"
+_BYTE_ORDER_MAGIC = 0x1A2B3C4D
+_EPB, _SPB, _OPB, _IDB, _SHB = 6, 3, 2, 1, 0x0A0D0D0A
+_OPT_TSRESOL, _OPT_TSOFFSET = 9, 14
+
+
+class CaptureError(Exception):
+    """A capture that cannot be read: not pcap or pcapng, or corrupt at its start."""
+
+
+class Reader:
+    """The records of one capture: ``for number, time, linktype, data in Reader(f)``.
+
+    ``number`` counts records from 1, as Wireshark numbers frames. After iteration,
+    ``cut_short`` is the number of a record the capture ended in the middle of (None when
+    it ended cleanly) and ``problem`` says what stopped reading early. ``position`` is the
+    count of octets consumed, for progress displays. ``before_wait`` is called before a
+    read that may block, so that a caller can flush what it has written.
+    """
+
+    def __init__(self, stream: BinaryIO, name: str = "capture",
+                 before_wait: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self._base = 0                            # octets of the stream before self._buf
+        self.cut_short: int | None = None
+        self.problem: str | None = None
+        self.linktype: int | None = None          # of a classic pcap, once its header is read
+        self._read = getattr(stream, "read1", stream.read)
+        self._before_wait = before_wait or (lambda: None)
+        self._buf = b""
+        self._at = 0
+        self._eof = False
+        self._count = 0
+        head = self._need(4)
+        if head is None:
+            raise CaptureError(f"{name}: empty file, not a pcap or pcapng capture")
+        self._magic = bytes(self._buf[:4])
+        if self._magic not in _PCAP_MAGIC and self._magic != _PCAPNG_SHB:
+            raise CaptureError(f"{name}: not a pcap or pcapng capture (it starts with "
+                               f"0x{self._magic.hex()})")
+        if self._magic in _PCAP_MAGIC:
+            if self._need(24) is None:
+                raise CaptureError(f"{name}: the pcap header is cut short")
+            endian, self._unit = _PCAP_MAGIC[self._magic]
+            self._rec = struct.Struct(endian + "IIII")
+            self.linktype = struct.unpack_from(endian + "I", self._buf, self._at + 20)[0] & 0xFFFF
+            self._at += 24
+
+    # -- buffer ------------------------------------------------------------------------------
+    def _need(self, n: int) -> int | None:
+        """Make ``n`` octets available at ``self._at``; None at the end of the stream."""
+        while len(self._buf) - self._at < n:
+            if self._eof:
+                return None
+            self._before_wait()
+            chunk = self._read(max(CHUNK, n))
+            if not chunk:
+                self._eof = True
+                continue
+            self._buf = self._buf[self._at:] + chunk
+            self._base += self._at
+            self._at = 0
+        return self._at
+
+    def _cut(self) -> None:
+        """The stream ended inside a record."""
+        if len(self._buf) > self._at:
+            self.cut_short = self._count + 1
+
+    # -- records -----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[int, float, int, bytes]]:
+        records = self._pcap() if self._magic in _PCAP_MAGIC else self._pcapng()
+        for record in records:
+            self._count += 1
+            yield (self._count, *record)
+
+    @property
+    def position(self) -> int:
+        """Octets of the capture consumed so far."""
+        return self._base + self._at
+
+    def _pcap(self) -> Iterator[tuple[float, int, bytes]]:
+        rec, unit, linktype = self._rec, self._unit, self.linktype
+        while True:
+            at = self._need(16)
+            if at is None:
+                self._cut()
+                return
+            sec, frac, caplen, _wirelen = rec.unpack_from(self._buf, at)
+            if caplen > MAX_RECORD:
+                self.problem = f"record {self._count + 1} claims {caplen} octets: the file is corrupt"
+                return
+            at = self._need(16 + caplen)
+            if at is None:
+                self._cut()
+                return
+            self._at = at + 16 + caplen
+            yield sec + frac * unit, linktype, self._buf[at + 16:at + 16 + caplen]
+
+    def _pcapng(self) -> Iterator[tuple[float, int, bytes]]:
+        endian = "<"
+        interfaces: list[tuple[int, float, float]] = []     # link type, time unit, offset
+        while True:
+            at = self._need(12)
+            if at is None:
+                self._cut()
+                return
+            buf = self._buf
+            if buf[at:at + 4] == _PCAPNG_SHB:
+                magic = buf[at + 8:at + 12]
+                endian = "<" if magic == b"\x4d\x3c\x2b\x1a" else ">"
+                if struct.unpack_from(endian + "I", magic)[0] != _BYTE_ORDER_MAGIC:
+                    self.problem = f"pcapng section at octet {self._base + at} has no byte-order magic"
+                    return
+                interfaces = []
+            kind, length = struct.unpack_from(endian + "II", buf, at)
+            if length < 12 or length % 4 or length > MAX_RECORD:
+                self.problem = (f"pcapng block at octet {self._base + at} claims {length} "
+                                "octets: the file is corrupt")
+                return
+            at = self._need(length)
+            if at is None:
+                self._cut()
+                return
+            buf = self._buf
+            self._at = at + length
+            body = at + 8
+            if kind == _EPB or kind == _OPB:
+                if kind == _EPB:
+                    iface, high, low, caplen = struct.unpack_from(endian + "IIII", buf, body)
+                else:
+                    iface, _drops, high, low, caplen = struct.unpack_from(endian + "HHIII", buf, body)
+                if iface >= len(interfaces) or 28 + caplen > length:
+                    continue
+                linktype, unit, offset = interfaces[iface]
+                start = body + 20
+                yield ((high << 32 | low) * unit + offset, linktype, buf[start:start + caplen])
+            elif kind == _SPB:
+                if interfaces:
+                    wirelen = struct.unpack_from(endian + "I", buf, body)[0]
+                    caplen = min(wirelen, length - 16)
+                    yield 0.0, interfaces[0][0], buf[body + 4:body + 4 + caplen]
+            elif kind == _IDB:
+                interfaces.append(_interface(buf, body, at + length - 4, endian))
+
+
+def _interface(buf: bytes, at: int, end: int, endian: str) -> tuple[int, float, float]:
+    """Link type, time unit and time offset of an Interface Description Block."""
+    linktype = struct.unpack_from(endian + "H", buf, at)[0]
+    unit, offset = 1e-6, 0.0
+    at += 8
+    while at + 4 <= end:
+        code, size = struct.unpack_from(endian + "HH", buf, at)
+        if code == 0:
+            break
+        value = buf[at + 4:at + 4 + size]
+        if code == _OPT_TSRESOL and size >= 1:
+            unit = 2.0 ** -(value[0] & 0x7F) if value[0] & 0x80 else 10.0 ** -value[0]
+        elif code == _OPT_TSOFFSET and size >= 8:
+            offset = float(struct.unpack_from(endian + "q", value)[0])
+        at += 4 + size + (-size % 4)
+    return linktype, unit, offset

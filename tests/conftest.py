@@ -1,0 +1,24 @@
+"""The suite's own HOME: set before any test module is imported (see ``tests.tshark``)."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from tests.tshark import private_home
+
+_HOME: Path | None = None
+
+
+def pytest_configure(config) -> None:
+    global _HOME
+    _HOME = Path(tempfile.mkdtemp(prefix="kbtp-tests-home-"))
+    env = private_home(_HOME)
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def pytest_unconfigure(config) -> None:
+    if _HOME is not None:
+        shutil.rmtree(_HOME, ignore_errors=True)
