@@ -10,6 +10,7 @@ import click
 
 from ..capture import CaptureError
 from ..rnic import parse_url
+from .errors import CONNECTION_ERRORS, describe, hint, local_trouble, reason
 
 
 class _Failed(click.ClickException):
@@ -41,6 +42,20 @@ class _Progress:
             click.echo("", err=True)
 
 
+def _harness(exc: Exception, url: str, local: str | None, timeout: float) -> _Harness:
+    """The replay's harness error, with the reason and a hint when its own text has none,
+    naming the initiator's own address when that is what failed."""
+    text, cause = str(exc).rstrip(), exc.__cause__ or exc.__context__
+    if cause is None:
+        return _Harness(text)
+    mine = local_trouble(cause, parse_url(url), local)
+    if mine:
+        text = f"{mine}: {reason(cause)}"
+    elif text.endswith(":"):
+        text = f"{text} {reason(cause, timeout)}"
+    return _Harness(text + (f"; {hint(cause)}" if hint(cause) else ""))
+
+
 @click.command()
 @click.argument("capture", type=click.Path(dir_okay=False))
 @click.option("--target", "url", required=True, metavar="URL",
@@ -55,9 +70,10 @@ class _Progress:
 @click.option("--pace", is_flag=True, help="Keep the captured timing between steps.")
 @click.option("--loop", "loops", type=click.IntRange(1), default=1, show_default=True,
               help="Replay the capture N times in a row, each time with new sessions.")
-@click.option("--timeout", type=click.FloatRange(0.1), default=5.0, show_default=True,
-              help="Seconds to wait for each answer and connection.")
-@click.option("--local", default=None, help="RoCEv2: local address to send from.")
+@click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              metavar="SECONDS", help="How long to wait for each answer and connection.")
+@click.option("--local", default=None, metavar="ADDR",
+              help="RoCEv2: local address to send from (ignored over iWARP).")
 @click.option("-v", "--verbose", is_flag=True, help="List matching steps too.")
 def replay(capture, url, as_json, ignore, strict, pace, loops, timeout, local, verbose) -> None:
     """Replay the KBTP sessions of CAPTURE (pcap or pcapng, iWARP or RoCEv2, from any
@@ -79,17 +95,21 @@ def replay(capture, url, as_json, ignore, strict, pace, loops, timeout, local, v
     Exit status: 0 every compared step matched; 1 the target differed or failed to
     answer; 2 usage error or the replay could not run.
 
+    The sample captures (pcaps/) come from a scripted session whose generations, tickets
+    and failures (NO_SPACE, INTERNAL, TICKET_ABANDONED) no fresh target reproduces: they
+    replay to differences by design, and exit 1.
+
     \b
-    Examples:
-      kbtp replay session.pcap --target roce://127.0.0.1
-      kbtp replay softroce.pcapng --target iwarp://10.0.0.5:5420 --json > report.json
-      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation --loop 10
-      kbtp replay session.pcap --target iwarp://127.0.0.1:5420 --pace -v
+    Examples (with kbtp target running on each binding):
+      kbtp initiator roce://127.0.0.1 --pcap session.pcap alloc-store 0x4000 --text hi --seal
+      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation
+      kbtp replay session.pcap --target iwarp://127.0.0.1:5420 --json --ignore generation
+      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation --loop 10 --pace -v
     """
     from ..replay import compare, player, report, sessions
 
     try:
-        parse_url(url)
+        transport = parse_url(url).transport
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--target") from None
     ignored = {n.strip().lower() for item in ignore for n in item.split(",") if n.strip()}
@@ -106,11 +126,12 @@ def replay(capture, url, as_json, ignore, strict, pace, loops, timeout, local, v
     progress = _Progress(sys.stderr.isatty() and not as_json)
     try:
         runs = asyncio.run(player.play(cap, url, loops=loops, pace=pace, timeout=timeout,
-                                       local=local, progress=progress))
+                                       local=local if transport == "roce" else None,
+                                       progress=progress))
     except player.HarnessError as exc:
-        raise _Harness(str(exc)) from None
-    except OSError as exc:
-        raise _Harness(f"{url}: {exc.strerror or exc}") from None
+        raise _harness(exc, url, local, timeout) from None
+    except CONNECTION_ERRORS as exc:
+        raise _Harness(describe(f"cannot replay against {url}", exc, timeout)) from None
     finally:
         progress.end()
     frozen = frozenset(ignored)
