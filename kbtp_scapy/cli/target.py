@@ -9,7 +9,8 @@ from dataclasses import replace
 import click
 
 from ..target import Target, TargetConfig
-from .options import address, feature_names, features, raw_io, raw_io_options
+from ..target.config import ADDR_LE
+from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_options
 
 
 @click.command()
@@ -59,7 +60,7 @@ def target(transport, where, io, iface, raw_addr, blocks, block_size, feature_li
 
     \b
     Examples:
-      kbtp target                                   RoCEv2 on 127.0.0.1:4791
+      kbtp target                                   # RoCEv2 on 127.0.0.1:4791
       kbtp target --transport iwarp --listen 127.0.0.1:5420 --blocks 4096 -S 32768
       kbtp target --addr-le --pcap target.pcap --metrics 9464
     """
@@ -100,8 +101,10 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
         except OSError as exc:
             await t.close()
             raise click.ClickException(f"cannot serve metrics on port {metrics_port}: {exc.strerror}") from None
+    withheld = feature_names(config.features & ~t.features & ~ADDR_LE)
     click.echo(f"kbtp target listening on {bound}: {config.blocks} blocks of {config.block_size} "
-               f"octets, quota {config.quota}, features {feature_names(config.features)}"
+               f"octets, quota {config.quota}, features {feature_names(t.features)}"
+               f"{f' ({withheld} not offered over {BINDINGS[bound.transport]})' if withheld != 'none' else ''}"
                f"{', ADDR_LE' if config.addr_le else ''}"
                f"{f', metrics on http://127.0.0.1:{metrics_port}/metrics' if metrics_port else ''}",
                err=False)
