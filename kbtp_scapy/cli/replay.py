@@ -104,7 +104,7 @@ def replay(capture, url, as_json, ignore, strict, pace, loops, timeout, local, v
       kbtp initiator roce://127.0.0.1 --pcap session.pcap alloc-store 0x4000 --text hi --seal
       kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation
       kbtp replay session.pcap --target iwarp://127.0.0.1:5420 --json --ignore generation
-      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation --loop 10 --pace -v
+      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation --loop 3 --pace -v
     """
     from ..replay import compare, player, report, sessions
 

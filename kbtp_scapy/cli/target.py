@@ -101,6 +101,10 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
         except OSError as exc:
             await t.close()
             raise click.ClickException(f"cannot serve metrics on port {metrics_port}: {exc.strerror}") from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):     # before the line that says we are up
+        loop.add_signal_handler(sig, stop.set)
     withheld = feature_names(config.features & ~t.features & ~ADDR_LE)
     click.echo(f"kbtp target listening on {bound}: {config.blocks} blocks of {config.block_size} "
                f"octets, quota {config.quota}, features {feature_names(t.features)}"
@@ -108,10 +112,6 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
                f"{', ADDR_LE' if config.addr_le else ''}"
                f"{f', metrics on http://127.0.0.1:{metrics_port}/metrics' if metrics_port else ''}",
                err=False)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await asyncio.wait_for(stop.wait(), duration)
     except asyncio.TimeoutError:
