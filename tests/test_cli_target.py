@@ -157,3 +157,17 @@ def test_a_second_session_with_the_same_id_is_told_about_id_file(target):
     code, out, err = asyncio.run(second_while_first_is_up())
     assert code == 1 and json.loads(out)["status"] == "ALREADY_BOUND"
     assert "--id-file" in err.decode() and str(t["tmp"] / "id") in err.decode()
+
+
+def test_replay_json_file_keeps_the_text_on_stdout(target):
+    t = target
+    cap = t["tmp"] / "session.pcap"
+    initiator(t, "--pcap", str(cap), "goodbye", "--release")    # a session that leaves nothing
+    report = t["tmp"] / "report.json"
+    run = [*KBTP, "replay", str(cap), "--target", t["url"], *t["local"], "-q"]
+    text = subprocess.run([*run, "--json-file", str(report)], capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.splitlines()[-1].startswith("MATCH") and text.stderr == ""
+    assert json.loads(report.read_text())["target"] == t["url"]
+    dash = subprocess.run([*run, "--json-file", "-"], capture_output=True, text=True, timeout=60)
+    assert dash.returncode == 0 and json.loads(dash.stdout)["target"] == t["url"]
