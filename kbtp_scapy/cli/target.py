@@ -106,9 +106,9 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
     for sig in (signal.SIGINT, signal.SIGTERM):     # before the line that says we are up
         loop.add_signal_handler(sig, stop.set)
     withheld = feature_names(config.features & ~t.features & ~ADDR_LE)
+    withheld = f" ({withheld} not offered over {BINDINGS[bound.transport]})" if withheld != "none" else ""
     click.echo(f"kbtp target listening on {bound}: {config.blocks} blocks of {config.block_size} "
-               f"octets, quota {config.quota}, features {feature_names(t.features)}"
-               f"{f' ({withheld} not offered over {BINDINGS[bound.transport]})' if withheld != 'none' else ''}"
+               f"octets, quota {config.quota}, features {feature_names(t.features)}{withheld}"
                f"{', ADDR_LE' if config.addr_le else ''}"
                f"{f', metrics on http://127.0.0.1:{metrics_port}/metrics' if metrics_port else ''}",
                err=False)
