@@ -980,7 +980,7 @@ end
 -- (kbtp.ring.ticket, kbtp.ring.slot_offset, expert kbtp.expert.ring), on both bindings.
 --
 -- The RDMA operations that carry KBTP block data and the FetchAdds on the ring counter do
--- not reach the KBTP heuristics, or reach them without their headers (WIRESHARK.md), so a
+-- not reach the KBTP heuristics, or reach them without their headers (docs/WIRESHARK.md), so a
 -- postdissector labels them. It learns what to expect from KBTP messages, through HOOKS
 -- (first pass only):
 --   LOAD: the target RDMA-Writes the block into the buffer of the Data Descriptor;

@@ -2,7 +2,7 @@
 
 One interface (``Recorder``) over the iWARP conversation builder and the RoCEv2 RC
 connection builder, so captures, ``kbtp craft -o`` and the demo describe a session once
-and get it over both transports (NOTES section 3 maps each KBTP use to RDMA messages).
+and get it over both transports (docs/NOTES.md section 3 maps each KBTP use to RDMA messages).
 Addresses are from the documentation ranges (RFC 5737, RFC 3849): these are files, not
 traffic.
 """
@@ -17,7 +17,7 @@ from .transport.roce import RcConnection, RoceEndpoint
 
 INITIATOR_V4, TARGET_V4 = "192.0.2.1", "192.0.2.2"
 INITIATOR_V6, TARGET_V6 = "2001:db8::1", "2001:db8::2"
-IWARP_PORT = 5420  # NOTES decision 9: KBTP has no port; this is the tools' default
+IWARP_PORT = 5420  # docs/NOTES.md decision 9: KBTP has no port; this is the tools' default
 START = 1_700_000_000.0
 TRANSPORTS = ("iwarp", "roce")
 

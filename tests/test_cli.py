@@ -11,6 +11,8 @@ import pytest
 
 from kbtp_scapy import codec, tables as T
 
+from .tshark import needs_tshark
+
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_ALLOC_STORE = ("0112000100000000000000070000000000004001000000000000000000000000"
                     "00000000000000084b56424c4f434b21")
@@ -97,4 +99,90 @@ def test_truncated_capture_is_one_line_not_a_traceback(tmp_path):
 
 def test_help_explains_with_examples():
     for cmd in (("--help",), ("decode", "--help"), ("craft", "--help"), ("demo", "--help")):
-        assert "Example" in kbtp(*cmd).stdout or cmd == ("demo", "--help")
+        assert "Example" in kbtp(*cmd).stdout
+
+
+@pytest.mark.parametrize("group", [(), ("dissector",), ("initiator",)])
+def test_a_bare_group_prints_its_help_on_stdout(group):
+    """As click does: the help on stdout, exit 2 (click 8.2 and later; 0 before)."""
+    proc = kbtp(*group, check=False)
+    assert proc.returncode in (0, 2) and proc.stderr == ""
+    assert proc.stdout.startswith(f"Usage: kbtp{' ' if group else ''}{' '.join(group)}")
+    assert "Commands:" in proc.stdout
+    assert kbtp(*group, "--help").stdout == proc.stdout
+
+
+def test_craft_help_lists_every_name_the_options_take():
+    text = " ".join(kbtp("craft", "--help").stdout.split())
+    names = [v.name for v in T.OPCODES.values + T.STATUS.values]
+    names += [f.name for s in T.FLAG_SETS if s is not T.ENTRY_FLAGS for f in s.flags]
+    for name in names:
+        assert f" {name} 0x" in text or f" {name} " in text, name
+    assert "--status: OK 0, INVALID_HANDLE 1," in text and "RELEASE 0x1" in text
+
+
+def tshark_ends(path: Path) -> tuple[str, str, int]:
+    """(source, destination, opcode) of the one KBTP message in a pcap, as tshark sees it."""
+    lua = kbtp("dissector", "path").stdout.strip()
+    out = subprocess.run(["tshark", "-n", "-r", str(path), "-X", f"lua_script:{lua}",
+                          "-o", "tcp.try_heuristic_first:TRUE", "-Y", "kbtp", "-T", "fields",
+                          "-e", "ip.src", "-e", "ip.dst", "-e", "kbtp.opcode"],
+                         capture_output=True, text=True, timeout=60,
+                         env={"HOME": str(path.parent), "PATH": os.environ["PATH"]}).stdout.split()
+    return out[0], out[1], int(out[2], 0)
+
+
+@needs_tshark
+@pytest.mark.parametrize("transport", ["roce", "iwarp"])
+def test_craft_writes_responses_from_the_target(tmp_path, transport):
+    ends = {}
+    for op, extra in (("LOAD", ()), ("COMPLETION", ()), ("HELLO_ACK", ()),
+                      ("COMPLETION", ("--from-initiator",))):
+        path = tmp_path / f"{op}{len(extra)}.pcap"
+        proc = kbtp("craft", op, "--transport", transport, *extra, "-o", str(path))
+        ends[op, extra] = tshark_ends(path)
+        assert ("target to initiator" in proc.stderr) == (op != "LOAD" and not extra)
+    initiator, target, _ = ends["LOAD", ()]
+    assert ends["COMPLETION", ()] == (target, initiator, T.BY_NAME["COMPLETION"].opcode)
+    assert ends["HELLO_ACK", ()][:2] == (target, initiator)
+    assert ends["COMPLETION", ("--from-initiator",)][:2] == (initiator, target)
+
+
+def test_craft_checks_the_length_of_fixed_octet_fields():
+    short = kbtp("craft", "HELLO", "--hello-initiator-id", "0102", check=False)
+    assert short.returncode == 2 and "2 octets given" in short.stderr and "16 octets" in short.stderr
+    odd = kbtp("craft", "HELLO", "--hello-initiator-id", "0x" + "ab" * 15 + "a", check=False)
+    assert odd.returncode == 2 and "odd number of hex digits" in odd.stderr
+    wire = bytes.fromhex(kbtp("craft", "HELLO", "--hello-initiator-id", "0x" + "ab" * 16).stdout)
+    assert codec.decode(wire)["hello.initiator_id"] == b"\xab" * 16
+
+
+def test_craft_builds_the_lies_it_is_asked_for():
+    """An item given whose flag or feature bit the given word lacks is built, with a note."""
+    proc = kbtp("craft", "LOAD", "--flags", "0", "--cd-stag", "0x99")
+    wire = bytes.fromhex(proc.stdout)
+    dd, cd = T.HEADER_SIZE, T.HEADER_SIZE + T.DATA_DESCRIPTOR.size
+    assert len(wire) == cd + T.COMPLETION_DESCRIPTOR.size
+    assert wire[T.HEADER.offset("flags"):][:2] == b"\0\0" and wire[cd:cd + 4] == bytes.fromhex("00000099")
+    assert "Completion Descriptor" in proc.stderr and "RECORD" in proc.stderr
+    proc = kbtp("craft", "STORE", "--flags", "SEAL", "--inline-data", "4142")
+    wire = bytes.fromhex(proc.stdout)
+    assert wire.endswith(b"AB") and len(wire) == dd + T.DATA_DESCRIPTOR.size + 2
+    assert "Inline Data" in proc.stderr and "INLINE" in proc.stderr
+    proc = kbtp("craft", "HELLO_ACK", "--hello-ack-features", "0", "--hello-ack-pool-stag", "7")
+    body = T.BY_NAME["HELLO_ACK"].body
+    gated = sum(body.item(n).size for n in body.gated(body.item("table").when))
+    assert len(bytes.fromhex(proc.stdout)) == T.HEADER_SIZE + body.offset("table") + gated
+    assert "DIRECT_LOAD" in proc.stderr and "DIRECT_ALLOC" not in proc.stderr
+    honest = kbtp("craft", "LOAD", "--cd-stag", "0x99")          # Flags computed: no lie, no note
+    assert honest.stderr == "" and bytes.fromhex(honest.stdout)[3] & T.flag(T.REQUEST_FLAGS, "RECORD")
+
+
+def test_craft_trailer_and_raw_files(tmp_path):
+    plain = bytes.fromhex(kbtp("craft", "FREE", "--handle", "0x4001").stdout)
+    kbtp("craft", "FREE", "--handle", "0x4001", "--trailer", "de:ad be ef", "-o", str(tmp_path / "f.raw"))
+    assert (tmp_path / "f.raw").read_bytes() == plain + bytes.fromhex("deadbeef")
+    kbtp("craft", "FREE", "--handle", "0x4001", "-o", str(tmp_path / "f.hex"))
+    assert (tmp_path / "f.hex").read_text() == plain.hex() + "\n"
+    kbtp("craft", "FREE", "--handle", "0x4001", "--format", "hex", "-o", str(tmp_path / "f.bin"))
+    assert (tmp_path / "f.bin").read_text().strip() == plain.hex()

@@ -2,7 +2,7 @@
 
 tshark runs with RPC-over-RDMA's heuristics disabled: without the KBTP dissector
 (dissector/, a later issue) they claim KBTP Sends and mark them malformed, as
-../shared/spec/WIRESHARK.md says. Everything else (MPA, DDP, RDMAP, BTH and the
+docs/WIRESHARK.md says. Everything else (MPA, DDP, RDMAP, BTH and the
 extended headers) is tshark's own judgement.
 """
 from __future__ import annotations

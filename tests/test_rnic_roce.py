@@ -28,7 +28,7 @@ from .relay import Relay
 from .tshark import TSHARK, needs_tshark, tshark_frames, tshark_text
 
 ALL = Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
-# rpcordma's heuristic claims short Sends and calls them malformed (WIRESHARK.md)
+# rpcordma's heuristic claims short Sends and calls them malformed (docs/WIRESHARK.md)
 TSHARK_OPTS = ("--disable-protocol", "rpcordma")
 
 

@@ -1,6 +1,6 @@
-"""The specification's four examples are normative test vectors (NOTES section 2).
+"""The specification's four examples are normative test vectors (docs/NOTES.md section 2).
 
-The expected bytes below are typed from kbtp-draft.txt, section "Examples", not
+The expected bytes below are typed from docs/kbtp-draft.txt, section "Examples", not
 produced by the code under test.
 """
 from __future__ import annotations

@@ -83,7 +83,7 @@ def test_every_operation_and_status(target):
         await expect("TOO_LARGE", a.alloc_store(h + 3, bytes(bs + 8), inline=False))
         await expect("TOO_LARGE", a.load(h, length=100))    # buffer smaller than the data
         r = await a.free(h)
-        assert (r.generation, r.data_length) == (2, 0)      # NOTES decision 3
+        assert (r.generation, r.data_length) == (2, 0)      # docs/NOTES.md decision 3
         await expect("NOT_VALID", a.load(h))
         # Quota: a's usage is h+1 plus what the loop binds; the quota-th binding fails.
         results = [await status_of(a.alloc_store(h + 10 + i, b"q")) for i in range(a.target.quota)]

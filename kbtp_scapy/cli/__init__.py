@@ -13,6 +13,10 @@ COMMANDS = {"decode": "decode", "craft": "craft", "demo": "demo", "dissector": "
             "replay": "replay", "conform": "conform", "fuzz": "fuzz"}
 
 
+#: click 8.2 and later raise this for a bare group (help, exit 2); 8.1 prints it and exits 0
+_NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
@@ -31,23 +35,24 @@ def cli() -> None:
 
     \b
     Examples:
-      kbtp demo                           captures of every message, decoded back
-      kbtp decode capture.pcap            one line per KBTP message
-      kbtp decode --json capture.pcapng   JSON Lines keyed by display-filter names
+      kbtp demo                                # every tool against the reference target
+      kbtp decode pcaps/roce_session.pcap      # one line per KBTP message
+      kbtp decode --json pcaps/iwarp_session.pcap   # JSON Lines keyed by display-filter names
       kbtp craft ALLOC_STORE --handle 0x4001 --inline-data 4b56424c4f434b21
       kbtp craft LOAD --handle 7 --dd-length 4096 --transport roce -o load.pcap
-      kbtp dissector install              the Wireshark dissector into your plugin folder
-      kbtp target --transport roce        the reference target on 127.0.0.1:4791
+      kbtp dissector install                   # the Wireshark dissector into your plugin folder
+      kbtp target --transport roce             # the reference target on 127.0.0.1:4791
       kbtp initiator roce://127.0.0.1 alloc-store 0x4000 --text hello --seal
     """
-
-
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; errors are one line on stderr: exit 2 for usage, 1 for bad input."""
     try:
         cli.main(args=argv, prog_name="kbtp", standalone_mode=False)
+    except _NoArgsIsHelp as exc:            # bare ``kbtp``: the help on stdout, click's status
+        click.echo(exc.format_message())
+        return exc.exit_code
     except click.UsageError as exc:
         path = exc.ctx.command_path if exc.ctx else "kbtp"
         click.echo(f"{path}: {exc.format_message()} (see '{path} --help')", err=True)

@@ -38,6 +38,34 @@ class Step:
     detail: str
 
 
+class Progress:
+    """The step under way, one line on stderr rewritten in place; only on a terminal."""
+
+    def __init__(self) -> None:
+        self.enabled, self.shown = sys.stderr.isatty(), 0
+
+    def show(self, text: str) -> None:
+        if self.enabled:
+            self.clear()
+            text = text[:shutil.get_terminal_size().columns - 1]    # a wrapped line stays
+            click.echo(f"\r{text}", err=True, nl=False)
+            self.shown = len(text)
+
+    def clear(self) -> None:
+        if self.shown:
+            click.echo("\r" + " " * self.shown + "\r", err=True, nl=False)
+            self.shown = 0
+
+
+PROGRESS = Progress()
+
+
+def result(label: str, name: str, ok: bool, detail: str) -> None:
+    """A step's result, printed once on stdout when it is known."""
+    PROGRESS.clear()
+    click.echo(f"  {label:<6} {name:<9} {'ok' if ok else 'FAILED'}: {detail}")
+
+
 @dataclass
 class Binding:
     transport: str
@@ -45,7 +73,17 @@ class Binding:
 
     def add(self, name: str, ok: bool, detail: str) -> None:
         self.steps.append(Step(name, ok, detail))
-        click.echo(f"  {'ok  ' if ok else 'FAIL'} {name:<10} {detail}", err=True)
+        result(self.transport, name, ok, detail)
+
+    def running(self, name: str, what: str) -> None:
+        PROGRESS.show(f"  {self.transport:<6} {name:<9} {what} ...")
+
+
+#: what each step does, for the progress line
+STEPS = {"workload": "a session of every operation, captured on both sides",
+         "decode": "decoding the capture with tshark + kbtp.lua and with kbtp decode",
+         "replay": "kbtp replay of the captured session against a fresh target",
+         "fuzz": "kbtp fuzz against a fresh target", "conform": "kbtp conform against a fresh target"}
 
 
 def _free_port(host: str) -> int:
@@ -138,7 +176,9 @@ class _Target:
 
 def _with_target(b: Binding, name: str, run, pcap: Path | None = None) -> None:
     """Run one step against a fresh target, so no step sees what another left behind."""
+    b.running(name, "starting a fresh reference target")
     t = _Target(b.transport, pcap)
+    b.running(name, STEPS[name])
     try:
         if not t.up:
             b.add(name, False, f"the target did not start: {t.stop() or t.banner}")
@@ -184,6 +224,7 @@ def _run_binding(transport: str, outdir: Path, fuzz_cases: int) -> Binding:
     _with_target(b, "workload", workload, outdir / f"{transport}_target.pcap")
     if not session.exists():
         return b
+    b.running("decode", STEPS["decode"])
     ours = collections.Counter(T.OPCODES.describe(f.fields.get("opcode", -1))
                                for f in kbtp_messages(rdma_messages(read_packets(session))))
     theirs = _tshark_messages(session)
@@ -225,25 +266,25 @@ def demo(out: str | None, fuzz_cases: int, transports: tuple[str, ...]) -> None:
     fuzz the target briefly and run the conformance suite; then print one summary.
 
     Everything stays on loopback (127.0.0.1; RoCEv2 on 127.74.0.1 and 127.74.0.2). The
-    captures open in Wireshark.
+    captures open in Wireshark. Each step's result is printed once, when it is known; on a
+    terminal a progress line on stderr shows the step under way.
+
+    \b
+    Examples:
+      kbtp demo                                # both bindings, 200 fuzz cases each
+      kbtp demo --transport roce --fuzz-cases 50 --out demo/
     """
     outdir = Path(out or tempfile.mkdtemp(prefix="kbtp-demo-"))
     outdir.mkdir(parents=True, exist_ok=True)
-    click.echo(f"kbtp demo: everything goes to {outdir}", err=True)
+    click.echo(f"KBTP demo: captures and reports go to {outdir}")
+    PROGRESS.show(f"  {'both':<6} {'crafted':<9} captures of every message and status code ...")
     crafted = _crafted(outdir / "crafted")
-    click.echo(f"  {'ok  ' if crafted.ok else 'FAIL'} {crafted.name:<10} {crafted.detail}", err=True)
-    results = []
-    for transport in transports or ("iwarp", "roce"):
-        click.echo(f"{transport}:", err=True)
-        results.append(_run_binding(transport, outdir, fuzz_cases))
+    result("both", crafted.name, crafted.ok, crafted.detail)
+    results = [_run_binding(transport, outdir, fuzz_cases)
+               for transport in transports or ("iwarp", "roce")]
+    PROGRESS.clear()
     failed = [f"{b.transport} {s.name}" for b in results for s in b.steps if not s.ok]
     failed += [] if crafted.ok else ["crafted captures"]
-    click.echo("")
-    click.echo("KBTP demo summary")
-    click.echo(f"  crafted   {crafted.detail}")
-    for b in results:
-        for s in b.steps:
-            click.echo(f"  {b.transport:<6} {s.name:<9} {'ok' if s.ok else 'FAILED'}: {s.detail}")
     click.echo("\nOpen in Wireshark (tshark -X lua_script:$(kbtp dissector path) -r FILE):")
     for b in results:
         click.echo(f"  {outdir / f'{b.transport}_session.pcap'}   (initiator side; target side: "

@@ -16,11 +16,18 @@ from pathlib import Path
 
 import click
 
+from .. import tables as T
 from ..initiator import Initiator, KbtpError, Result
-from ..rnic.qp import ConnectionLost, RemoteError
-from .options import address, feature_names, features, integer, raw_io, raw_io_options
+from .errors import CONNECTION_ERRORS, hint, line, local_trouble, reason
+from .options import (FEATURE_NAMES, address, feature_names, features, integer, raw_io,
+                      raw_io_options)
 
 DEFAULT_ID_FILE = Path("~/.config/kbtp/initiator_id")
+#: the Feature a command (or --record) needs the HELLO_ACK to grant
+NEEDS = {"direct-load": "DIRECT_LOAD", "direct-alloc": "DIRECT_ALLOC", "--record": "RECORD_COMPLETION"}
+STATUS_DOC = {v.value: v.doc[0].lower() + v.doc[1:] for v in T.STATUS.values}
+#: HELLO_ACK fields shown in hex (handles, STags, offsets), as the tables mark them
+HEX_KEYS = {f.key.split(".", 1)[1] for f in T.flatten(T.BY_NAME["HELLO_ACK"].body) if f.field.hex}
 
 
 def _initiator_id(id_hex: str | None, id_file: str) -> bytes:
@@ -59,40 +66,47 @@ class _UrlFirst(click.Group):
 @click.argument("url")
 @click.option("--id", "id_hex", default=None, metavar="HEX", help="Initiator ID (32 hex digits).")
 @click.option("--id-file", default=str(DEFAULT_ID_FILE), show_default=True,
-              help="File holding the Initiator ID, created (mode 0600) if missing.")
+              help="File holding the Initiator ID, created (mode 0600) if missing; runs at the same "
+                   "time need one each.")
 @click.option("--features", "feature_list", default="all", show_default=True,
               help="Requested Features: DIRECT_LOAD,DIRECT_ALLOC,RECORD_COMPLETION, all or none.")
 @click.option("--credits", type=click.IntRange(1, 0xFFFF), default=32, show_default=True,
               help="Completion Credits (receive buffers posted for completions).")
 @click.option("--no-invalidate", is_flag=True, help="Do not ask for Send with Invalidate.")
-@click.option("--local", default=None, help="RoCEv2: local address to send from.")
+@click.option("--local", default=None, metavar="ADDR", help="RoCEv2: local address to send from.")
 @raw_io_options("initiator")
 @click.option("--mtu", type=click.Choice(["256", "512", "1024", "2048", "4096"]), default=None,
               help="RoCEv2 path MTU, which the CM REQ sets for both ends "
                    "[default: the largest the route's link MTU allows].")
+@click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              metavar="SECONDS", help="How long to wait for the connection and for each answer.")
 @click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write every frame sent and received to this pcap file.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per result.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object per result on stdout, also when the request fails.")
 @click.pass_context
 def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, local, io, iface,
-              raw_addr, device, mtu, pcap, as_json) -> None:
+              raw_addr, device, mtu, timeout, pcap, as_json) -> None:
     """Talk to a KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT): one
     session per run, with the Initiator ID of --id-file so bindings carry over.
 
     \b
-    Examples:
+    Examples (with kbtp target running on each binding):
+      kbtp initiator roce://127.0.0.1 hello
+      head -c 4096 /dev/urandom > kv.bin
       kbtp initiator roce://127.0.0.1 alloc-store 0x4000 --data-file kv.bin --seal
       kbtp initiator roce://127.0.0.1 load 0x4000 -o out.bin
-      kbtp initiator iwarp://127.0.0.1:5420 --json free 0x4000
+      kbtp initiator roce://127.0.0.1 --json direct-load 0x4000
       kbtp initiator roce://127.0.0.1 goodbye --release
-      kbtp initiator roce://10.99.0.2 --io verbs --device rxe0 load 0x4000 -o out.bin
+      kbtp initiator iwarp://127.0.0.1:5420 --json alloc-store 0x4000 --text "KV block"
+      kbtp initiator iwarp://127.0.0.1:5420 free 0x4000
     """
     transport = url.split("://", 1)[0] if "://" in url else ""
     if transport not in ("iwarp", "roce"):
         raise click.BadParameter("must start with roce:// or iwarp://", param_hint="URL")
-    options = {}
+    options = {"connect_timeout": timeout}
     if transport == "roce" and io != "verbs":
-        options = {k: v for k, v in (("local", local), ("mtu", int(mtu) if mtu else None)) if v}
+        options.update((k, v) for k, v in (("local", local), ("mtu", int(mtu) if mtu else None)) if v)
     elif local:
         options["local"] = local
     options.update(raw_io(transport, io, iface, raw_addr, device))
@@ -100,8 +114,13 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
         raise click.UsageError("--pcap records the soft RNIC's frames; with --io verbs the "
                                "device sends them: capture with tcpdump on its interface")
     ctx.obj = dict(url=address(transport, url), initiator_id=_initiator_id(id_hex, id_file),
-                   features=features(feature_list), credits=credits,
+                   id_source=f"--id {id_hex}" if id_hex else id_file,
+                   features=features(feature_list), credits=credits, timeout=timeout,
                    invalidate=not no_invalidate, pcap=pcap, as_json=as_json, options=options)
+
+
+class _Failed(click.ClickException):
+    """A request or the session failed: exit 1, after the JSON record with --json."""
 
 
 def session(func):
@@ -109,33 +128,125 @@ def session(func):
     @click.pass_context
     def run(ctx, **kwargs):
         o = ctx.obj
+        name = ctx.command.name
+        op = name.upper().replace("-", "_")
+        if kwargs.get("record") and o["url"].transport == "iwarp":
+            raise click.UsageError("--record: iWARP targets never grant RECORD_COMPLETION (RDMAP "
+                                   "has no RDMA Write with Immediate); leave --record out")
         try:
-            asyncio.run(_session(o, func, kwargs))
-        except KbtpError as exc:
-            raise click.ClickException(f"{ctx.command.name}: {exc}") from None
-        except (ConnectionLost, RemoteError, OSError, TimeoutError, RuntimeError) as exc:
-            raise click.ClickException(f"{o['url']}: {exc or type(exc).__name__}") from None
+            asyncio.run(_session(o, name, func, kwargs))
+        except _Failed as exc:
+            if o["as_json"]:
+                handle = kwargs.get("handle")
+                click.echo(json.dumps({"op": op, **({"handle": handle} if handle is not None else {}),
+                                       "status": None, **exc.record, "error": exc.message}))
+            raise
     return update_wrapper(run, func)
 
 
-async def _session(o: dict, func, kwargs: dict) -> None:
+async def _session(o: dict, name: str, func, kwargs: dict) -> None:
     sink = None
     if o["pcap"]:
         from ..rnic.pcap import PcapSink     # Scapy's writer: imported only when asked for
         sink = PcapSink(o["pcap"])
+    url, timeout = o["url"], o["timeout"]
     try:
-        ini = await asyncio.wait_for(Initiator.connect(
-            o["url"], initiator_id=o["initiator_id"], features=o["features"], credits=o["credits"],
-            invalidate=o["invalidate"], frame_listeners=[sink] if sink else None, **o["options"]), 10)
+        try:
+            ini = await asyncio.wait_for(Initiator.connect(
+                url, initiator_id=o["initiator_id"], features=o["features"], credits=o["credits"],
+                invalidate=o["invalidate"], frame_listeners=[sink] if sink else None,
+                **o["options"]), timeout)
+        except KbtpError as exc:
+            raise _failure(f"{url}: HELLO refused", exc, **_hello_hint(exc, o)) from None
+        except CONNECTION_ERRORS as exc:
+            raise _failure(_connect_what(exc, o), exc, todo=hint(exc),
+                           why=reason(exc, timeout)) from None
         release = False
         try:
-            release = await func(ini, o, **kwargs)
+            asked = "--record" if kwargs.get("record") else name
+            needs = NEEDS.get(asked)
+            if needs and not ini.target.feature(FEATURE_NAMES[needs]):
+                raise _failure(asked, why=f"{url} did not grant {needs}",
+                               todo=f"ask for it with --features {needs} (a target that does not "
+                                    "offer it never grants it)")
+            release = await asyncio.wait_for(func(ini, o, **kwargs), timeout)
+        except KbtpError as exc:
+            raise _failure(_what(name, kwargs), exc, **_status_hint(exc, ini, o, kwargs)) from None
+        except CONNECTION_ERRORS as exc:
+            raise _failure(f"{_what(name, kwargs)} at {url}", exc, todo=hint(exc),
+                           why=reason(exc, timeout)) from None
         finally:
             if not ini.qp.closed:
                 await ini.goodbye(release=bool(release))
     finally:
         if sink:
             sink.close()
+
+
+def _failure(what: str, exc: BaseException | None = None, *, context: str = "", todo: str = "",
+             why: str = "") -> _Failed:
+    """The one-line error, and the fields a --json record of it carries."""
+    record: dict = {}
+    if isinstance(exc, KbtpError):
+        meaning = STATUS_DOC.get(exc.status, "a Private Use or unknown status")
+        context = exc.detail or context
+        why = why or f"{exc.name} ({meaning}{': ' + context if context else ''})"
+        record = exc.result.as_dict() if exc.result else {"status": exc.name}
+    failed = _Failed(line(what, why or "refused", todo))
+    failed.record = record
+    return failed
+
+
+def _what(name: str, kwargs: dict) -> str:
+    return f"{name} {kwargs['handle']:#x}" if kwargs.get("handle") is not None else name
+
+
+def _connect_what(exc: BaseException, o: dict) -> str:
+    local = o["options"].get("local") or o["options"].get("addr", "").split("/")[0]
+    return local_trouble(exc, o["url"], local) or f"cannot connect to {o['url']}"
+
+
+def _hello_hint(exc: KbtpError, o: dict) -> dict[str, str]:
+    """Why a HELLO was refused and what to do: its statuses mean other things there."""
+    if exc.name == "ALREADY_BOUND":
+        return {"why": f"ALREADY_BOUND: another session is using the Initiator ID of "
+                       f"{o['id_source']}",
+                "todo": "give runs at the same time an --id-file each (or --id HEX)"}
+    if exc.name == "NO_SPACE":
+        return {"why": "NO_SPACE: the target admits no more initiators",
+                "todo": "end other sessions (goodbye --release) or start the target with more "
+                        "--max-initiators"}
+    return {}
+
+
+def _status_hint(exc: KbtpError, ini: Initiator, o: dict, kwargs: dict) -> dict[str, str]:
+    """What a status means for the request the user gave (context), and what to change."""
+    t, name, r = ini.target, exc.name, exc.result
+    handle = kwargs.get("handle")
+    size = o.get("data_length")
+    hints = {
+        "TOO_LARGE": (f"{size} octets of data, the target's Block Size is {t.block_size}"
+                      if size is not None else f"the target's Block Size is {t.block_size}",
+                      f"store at most {t.block_size} octets per block"),
+        "NOT_SEALED": ("", "store the block with --seal" + (
+            "" if kwargs.get("allow_unsealed") is None else ", or load it with --allow-unsealed")),
+        "SEALED": ("", "a sealed block does not change: free it and alloc-store it again"),
+        "NOT_VALID": ("", f"alloc-store {handle:#x} first" if handle is not None else ""),
+        "ALREADY_BOUND": ("", "overwrite it with store, or free it first"),
+        "INVALID_HANDLE": (f"this initiator's handles are {t.handle_base:#x} to "
+                           f"{t.handle_base + t.handle_count - 1:#x}", ""),
+        "STALE_GENERATION": (f"the entry's Generation is {r.generation if r else '?'}, "
+                             f"not {kwargs.get('generation')}",
+                             f"give --generation {r.generation if r else 0}, or 0 for any"),
+        "NO_SPACE": (f"the quota is {t.quota} blocks, or the target's ring is empty",
+                     "free blocks first"),
+        "TICKET_ABANDONED": (f"the Ticket Timeout is {t.ticket_timeout_ms} ms",
+                             "bind within it"),
+        "MALFORMED": ("", "the target's log may say why"),
+        "INTERNAL": ("", "the target's log may say why"),
+    }
+    context, todo = hints.get(name, ("", ""))
+    return {"context": context, "todo": todo}
 
 
 def emit(o: dict, op: str, handle: int | None, result: Result | None, to_stderr: bool = False,
@@ -154,18 +265,25 @@ def emit(o: dict, op: str, handle: int | None, result: Result | None, to_stderr:
                + "".join(f", {k} {v}" for k, v in extra.items()), err=to_stderr)
 
 
-def _data(data_file: str | None, data_hex: str | None, text: str | None) -> bytes:
+def _data(o: dict, data_file: str | None, data_hex: str | None, text: str | None) -> bytes:
+    """The block's data from the one option that gives it; its size is kept for errors."""
     given = [x for x in (data_file, data_hex, text) if x is not None]
     if len(given) != 1:
         raise click.UsageError("give the data with exactly one of --data-file, --data or --text")
     if data_file is not None:
-        return sys.stdin.buffer.read() if data_file == "-" else Path(data_file).read_bytes()
-    if text is not None:
-        return text.encode()
-    try:
-        return bytes.fromhex(data_hex)
-    except ValueError:
-        raise click.BadParameter("not hex", param_hint="--data") from None
+        try:
+            data = sys.stdin.buffer.read() if data_file == "-" else Path(data_file).read_bytes()
+        except OSError as exc:
+            raise click.BadParameter(f"{data_file}: {reason(exc)}", param_hint="--data-file") from None
+    elif text is not None:
+        data = text.encode()
+    else:
+        try:
+            data = bytes.fromhex(data_hex)
+        except ValueError:
+            raise click.BadParameter("not hex", param_hint="--data") from None
+    o["data_length"] = len(data)
+    return data
 
 
 def data_options(func):
@@ -202,10 +320,11 @@ async def hello(ini: Initiator, o: dict) -> None:
             "handle_base": t.handle_base, "handle_count": t.handle_count,
             "ticket_timeout_ms": t.ticket_timeout_ms, **t.fields}
     if o["as_json"]:
-        click.echo(json.dumps({"op": "hello", **info}))
-    else:
-        for key, value in info.items():
-            click.echo(f"{key:>18}: {hex(value) if key == 'handle_base' else value}")
+        click.echo(json.dumps({"op": "HELLO", **info}))
+        return
+    for key, value in info.items():
+        shown = f"{value:#x}" if key in HEX_KEYS and key != "features" else value
+        click.echo(f"{key:>18}: {shown}")
 
 
 @initiator.command()
@@ -234,7 +353,7 @@ def _store_command(name: str, opcode: str, method: str, doc: str):
     @RECORD
     @session
     async def command(ini, o, handle, data_file, data_hex, text, generation, seal, inline, record):
-        data = _data(data_file, data_hex, text)
+        data = _data(o, data_file, data_hex, text)
         r = await getattr(ini, method)(handle, data, generation=generation, seal=seal,
                                        inline=inline, record=record)
         emit(o, opcode, handle, r)
@@ -273,7 +392,7 @@ async def direct_load(ini, o, handle, output):
 @session
 async def direct_alloc(ini, o, handle, data_file, data_hex, text):
     """DIRECT_ALLOC: FetchAdd on the Head, read the slot, write the block, BIND."""
-    emit(o, "DIRECT_ALLOC", handle, await ini.direct_alloc(handle, _data(data_file, data_hex, text)))
+    emit(o, "DIRECT_ALLOC", handle, await ini.direct_alloc(handle, _data(o, data_file, data_hex, text)))
 
 
 @initiator.command()

@@ -7,6 +7,7 @@ from ..rnic import Address, parse_url
 from ..tables.enums import FEATURES
 
 FEATURE_NAMES = {f.name: f.value for f in FEATURES.flags}
+BINDINGS = {"iwarp": "iWARP", "roce": "RoCEv2"}
 
 
 def address(transport: str, where: str) -> Address:

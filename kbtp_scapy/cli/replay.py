@@ -5,11 +5,13 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 
 import click
 
 from ..capture import CaptureError
 from ..rnic import parse_url
+from .errors import CONNECTION_ERRORS, describe, hint, local_trouble, reason
 
 
 class _Failed(click.ClickException):
@@ -28,17 +30,33 @@ class _Progress:
     """``step N/M`` on stderr, at most every half second, only when stderr is a terminal."""
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled, self.last, self.shown = enabled, 0.0, False
+        self.enabled, self.last, self.shown = enabled, 0.0, 0
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
         if self.enabled and (now - self.last > 0.5 or done == total) and total > 50:
-            self.last, self.shown = now, True
-            click.echo(f"\rreplaying: step {done}/{total}", err=True, nl=False)
+            text = f"replaying: step {done}/{total}"
+            self.last, self.shown = now, len(text)
+            click.echo(f"\r{text}", err=True, nl=False)
 
     def end(self) -> None:
+        """Clear the line, so the report that follows is all that stays on the screen."""
         if self.shown:
-            click.echo("", err=True)
+            click.echo("\r" + " " * self.shown + "\r", err=True, nl=False)
+
+
+def _harness(exc: Exception, url: str, local: str | None, timeout: float) -> _Harness:
+    """The replay's harness error, with the reason and a hint when its own text has none,
+    naming the initiator's own address when that is what failed."""
+    text, cause = str(exc).rstrip(), exc.__cause__ or exc.__context__
+    if cause is None:
+        return _Harness(text)
+    mine = local_trouble(cause, parse_url(url), local)
+    if mine:
+        text = f"{mine}: {reason(cause)}"
+    elif text.endswith(":"):
+        text = f"{text} {reason(cause, timeout)}"
+    return _Harness(text + (f"; {hint(cause)}" if hint(cause) else ""))
 
 
 @click.command()
@@ -46,7 +64,11 @@ class _Progress:
 @click.option("--target", "url", required=True, metavar="URL",
               help="The live target: roce://HOST[:PORT] or iwarp://HOST:PORT (either binding, "
                    "whatever the capture's).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of text.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as one JSON document on stdout instead of text.")
+@click.option("--json-file", metavar="FILE", type=click.Path(dir_okay=False, allow_dash=True),
+              help="Also write the JSON report to FILE; the text stays on stdout ('-': as --json).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress; only the results and the summary.")
 @click.option("--ignore", "ignore", multiple=True, metavar="FIELD",
               help="Do not compare FIELD (status, generation, data_length, block_offset, data, "
                    "ticket, flags); repeat or separate with commas. block_offset is always ignored "
@@ -55,11 +77,13 @@ class _Progress:
 @click.option("--pace", is_flag=True, help="Keep the captured timing between steps.")
 @click.option("--loop", "loops", type=click.IntRange(1), default=1, show_default=True,
               help="Replay the capture N times in a row, each time with new sessions.")
-@click.option("--timeout", type=click.FloatRange(0.1), default=5.0, show_default=True,
-              help="Seconds to wait for each answer and connection.")
-@click.option("--local", default=None, help="RoCEv2: local address to send from.")
+@click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              metavar="SECONDS", help="How long to wait for each answer and connection.")
+@click.option("--local", default=None, metavar="ADDR",
+              help="RoCEv2: local address to send from (ignored over iWARP).")
 @click.option("-v", "--verbose", is_flag=True, help="List matching steps too.")
-def replay(capture, url, as_json, ignore, strict, pace, loops, timeout, local, verbose) -> None:
+def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops, timeout, local,
+           verbose) -> None:
     """Replay the KBTP sessions of CAPTURE (pcap or pcapng, iWARP or RoCEv2, from any
     implementation) against the target at URL and compare every completion, loaded
     block and direct-mode read with the capture.
@@ -79,17 +103,21 @@ def replay(capture, url, as_json, ignore, strict, pace, loops, timeout, local, v
     Exit status: 0 every compared step matched; 1 the target differed or failed to
     answer; 2 usage error or the replay could not run.
 
+    The sample captures (pcaps/) come from a scripted session whose generations, tickets
+    and failures (NO_SPACE, INTERNAL, TICKET_ABANDONED) no fresh target reproduces: they
+    replay to differences by design, and exit 1.
+
     \b
-    Examples:
-      kbtp replay session.pcap --target roce://127.0.0.1
-      kbtp replay softroce.pcapng --target iwarp://10.0.0.5:5420 --json > report.json
-      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation --loop 10
-      kbtp replay session.pcap --target iwarp://127.0.0.1:5420 --pace -v
+    Examples (with kbtp target running on each binding):
+      kbtp initiator roce://127.0.0.1 --pcap session.pcap alloc-store 0x4000 --text hi --seal
+      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation
+      kbtp replay session.pcap --target iwarp://127.0.0.1:5420 --json-file report.json
+      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation --loop 3 --pace -v
     """
     from ..replay import compare, player, report, sessions
 
     try:
-        parse_url(url)
+        transport = parse_url(url).transport
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--target") from None
     ignored = {n.strip().lower() for item in ignore for n in item.split(",") if n.strip()}
@@ -103,21 +131,27 @@ def replay(capture, url, as_json, ignore, strict, pace, loops, timeout, local, v
         cap = sessions.load(capture)
     except CaptureError as exc:
         raise _Harness(str(exc)) from None
-    progress = _Progress(sys.stderr.isatty() and not as_json)
+    if json_file == "-":
+        as_json, json_file = True, None
+    progress = _Progress(sys.stderr.isatty() and not as_json and not quiet)
     try:
         runs = asyncio.run(player.play(cap, url, loops=loops, pace=pace, timeout=timeout,
-                                       local=local, progress=progress))
+                                       local=local if transport == "roce" else None,
+                                       progress=progress))
     except player.HarnessError as exc:
-        raise _Harness(str(exc)) from None
-    except OSError as exc:
-        raise _Harness(f"{url}: {exc.strerror or exc}") from None
+        raise _harness(exc, url, local, timeout) from None
+    except CONNECTION_ERRORS as exc:
+        raise _Harness(describe(f"cannot replay against {url}", exc, timeout)) from None
     finally:
         progress.end()
     frozen = frozenset(ignored)
     verdicts = [[compare.judge(p, frozen) for p in run.results] for run in runs]
     kept = set().union(*(run.mapping.kept for run in runs))
+    document = json.dumps(report.as_json(cap, url, verdicts, sorted(ignored), kept), indent=1)
+    if json_file:
+        Path(json_file).write_text(document + "\n")
     if as_json:
-        click.echo(json.dumps(report.as_json(cap, url, verdicts, sorted(ignored), kept), indent=1))
+        click.echo(document)
     else:
         for line in report.text(cap, url, verdicts, verbose):
             click.echo(line)

@@ -9,7 +9,8 @@ from dataclasses import replace
 import click
 
 from ..target import Target, TargetConfig
-from .options import address, feature_names, features, raw_io, raw_io_options
+from ..target.config import ADDR_LE
+from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_options
 
 
 @click.command()
@@ -59,10 +60,9 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
 
     \b
     Examples:
-      kbtp target                                   RoCEv2 on 127.0.0.1:4791
+      kbtp target                                   # RoCEv2 on 127.0.0.1:4791
       kbtp target --transport iwarp --listen 127.0.0.1:5420 --blocks 4096 -S 32768
       kbtp target --addr-le --pcap target.pcap --metrics 9464
-      kbtp target --io verbs --device rxe0 --listen 10.99.0.1    on a real RDMA device
     """
     addr = address(transport, where)
     options = raw_io(transport, io, iface, raw_addr, device)
@@ -96,7 +96,7 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
         t.frame_listeners.append(sink)
     try:
         bound = await t.start(addr, **options)
-    except (OSError, RuntimeError) as exc:
+    except OSError as exc:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         raise click.ClickException(f"cannot listen on {addr}: {why}") from None
     if metrics_port:
@@ -105,15 +105,17 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
         except OSError as exc:
             await t.close()
             raise click.ClickException(f"cannot serve metrics on port {metrics_port}: {exc.strerror}") from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):     # before the line that says we are up
+        loop.add_signal_handler(sig, stop.set)
+    withheld = feature_names(config.features & ~t.features & ~ADDR_LE)
+    withheld = f" ({withheld} not offered over {BINDINGS[bound.transport]})" if withheld != "none" else ""
     click.echo(f"kbtp target listening on {bound}: {config.blocks} blocks of {config.block_size} "
-               f"octets, quota {config.quota}, features {feature_names(config.features)}"
+               f"octets, quota {config.quota}, features {feature_names(t.features)}{withheld}"
                f"{', ADDR_LE' if config.addr_le else ''}"
                f"{f', metrics on http://127.0.0.1:{metrics_port}/metrics' if metrics_port else ''}",
                err=False)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await asyncio.wait_for(stop.wait(), duration)
     except asyncio.TimeoutError:

@@ -32,6 +32,16 @@ RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
 COMPLETION_BUFFER = 256          # HELLO_ACK with every descriptor is 152 octets
 
 
+def _said(exc: BaseException) -> BaseException:
+    """``exc``, or a ConnectionLost that says what happened when ``exc`` says nothing."""
+    if str(exc):
+        return exc
+    lost = ConnectionLost(f"the connection to the target ended ({type(exc).__name__}, the RNIC "
+                          "gave no reason)")
+    lost.__cause__ = exc
+    return lost
+
+
 class Initiator(DirectModes):
     """Use ``await Initiator.connect(url)``; every operation is a coroutine."""
 
@@ -93,7 +103,7 @@ class Initiator(DirectModes):
         if isinstance(msg, ConnectionLost):
             for future, _ in self._pending.values():
                 if not future.done():
-                    future.set_exception(msg)
+                    future.set_exception(_said(msg))
             self._pending.clear()
             return
         self.qp.post_recv(1)
@@ -112,7 +122,7 @@ class Initiator(DirectModes):
         The Send is unsignaled: its failure ends the connection, which fails the wait."""
         async with self._credits:
             if self.qp.error is not None:
-                raise self.qp.error
+                raise _said(self.qp.error)
             rid = next(self._ids)
             future = asyncio.get_running_loop().create_future()
             record_region = None

@@ -21,6 +21,7 @@ class KbtpError(Exception):
 
     def __init__(self, status: int, result: Result | None = None, detail: str = ""):
         self.status, self.name, self.result = status, STATUS.describe(status), result
+        self.detail = detail        # what the initiator saw, when no completion said it
         super().__init__(f"{self.name}{': ' + detail if detail else ''}")
 
 

@@ -5,7 +5,7 @@ Nothing here restates a layout: each class is generated from ``kbtp_scapy.tables
 ``KBTPCompletion``, ...); descriptors are sub-packets; Flags, Features and descriptor
 Length are filled in when left unset and kept when set, so a fuzzer can lie.
 
-Byte order of address fields (NOTES decision 7): big-endian unless the session chose
+Byte order of address fields (docs/NOTES.md decision 7): big-endian unless the session chose
 ADDR_LE. ``conf.contribs["kbtp"]["addr_le"]`` sets the default; ``KBTP(..., addr_le=True)``
 (or on any memory-structure layer) overrides it for one packet and its sub-layers.
 """

@@ -47,8 +47,12 @@ RECV_BIT = 1 << 62          # wr_id of a receive: RECV_BIT | slot
 _IBV_NODE_RNIC = 4
 
 
+class VerbsError(OSError):
+    """The RDMA device or rdma-core cannot do what was asked; the message says what to do."""
+
+
 def _pyverbs():
-    """pyverbs' modules, or a RuntimeError that says how to get them."""
+    """pyverbs' modules, or a VerbsError that says how to get them."""
     try:
         import pyverbs.enums as e
         from pyverbs import cq, device, mr, pd, qp, wr, addr
@@ -58,7 +62,7 @@ def _pyverbs():
             import pyverbs.enums as e
             from pyverbs import cq, device, mr, pd, qp, wr, addr
         except ImportError as exc:
-            raise RuntimeError(f"the verbs backend needs rdma-core's pyverbs ({exc}): "
+            raise VerbsError(f"the verbs backend needs rdma-core's pyverbs ({exc}): "
                                "apt-get install python3-pyverbs rdma-core") from None
     return e, cq, device, mr, pd, qp, wr, addr
 
@@ -88,7 +92,7 @@ def _comp_channel(ctx):
            if link == "anon_inode:[infinibandevent]" and before.get(fd) != link]
     if len(new) != 1:
         channel.close()
-        raise RuntimeError("cannot find the completion channel's file descriptor")
+        raise VerbsError("cannot find the completion channel's file descriptor")
     return channel, new[0]
 
 
@@ -101,7 +105,7 @@ class Device:
         e, _, device, *_ = _pyverbs()
         names = {d.name.decode(): d for d in device.get_device_list()}
         if name not in names:
-            raise RuntimeError(f"no RDMA device {name!r} (have: {', '.join(names) or 'none'})")
+            raise VerbsError(f"no RDMA device {name!r} (have: {', '.join(names) or 'none'})")
         self.name = name
         self.ctx = device.Context(name=name)
         attr = self.ctx.query_device()
@@ -148,7 +152,7 @@ class VerbsMemory(MemoryTable):
         e, _, _, mr, *_ = _pyverbs()
         qp = connection if connection is not None else self.qp
         if not isinstance(qp, VerbsQP):
-            raise RuntimeError("verbs memory is registered on a connection: connect first")
+            raise VerbsError("verbs memory is registered on a connection: connect first")
         if stag is not None:
             raise ValueError("the device chooses STags")
         length = length or len(buffer) - start
@@ -620,12 +624,12 @@ def _channel() -> rdmacm.Channel:
 def _check_device(cm_id: rdmacm.CmId, device: str | None, transport: str, where: str) -> Device:
     name = cm_id.device_name
     if name is None:
-        raise RuntimeError(f"{where} is on no RDMA device")
+        raise VerbsError(f"{where} is on no RDMA device")
     if device is not None and name != device:
-        raise RuntimeError(f"{where} belongs to RDMA device {name}, not {device}")
+        raise VerbsError(f"{where} belongs to RDMA device {name}, not {device}")
     dev = Device.open(name)
     if dev.transport != transport:
-        raise RuntimeError(f"RDMA device {name} is {dev.transport}, not {transport}: "
+        raise VerbsError(f"RDMA device {name} is {dev.transport}, not {transport}: "
                            f"use {dev.transport}://")
     return dev
 

@@ -1,6 +1,6 @@
 """KBTP wire structures: common header, descriptors and the body of every opcode.
 
-Layouts follow NOTES.md section 2; section names cite kbtp-draft.txt.
+Layouts follow docs/NOTES.md section 2; section names cite docs/kbtp-draft.txt.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import Iterator
 
 
 class Order(enum.Enum):
-    """Byte-order class of a field (spec section "Conventions"; NOTES decision 7)."""
+    """Byte-order class of a field (spec section "Conventions"; docs/NOTES.md decision 7)."""
 
     NETWORK = "network"  # always big-endian
     ADDRESS = "address"  # big-endian, little-endian in sessions whose target chose ADDR_LE

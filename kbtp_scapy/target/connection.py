@@ -2,7 +2,7 @@
 
 The target posts one receive buffer per request credit and reposts it once the request
 is answered, so an initiator that sends beyond its credits meets the transport's own
-refusal (RNR NAK on RoCEv2, DDP Terminate on iWARP; NOTES decision 8). Writes and Sends
+refusal (RNR NAK on RoCEv2, DDP Terminate on iWARP; docs/NOTES.md decision 8). Writes and Sends
 are posted unsignaled, without waiting for their acknowledgement: the connection's
 ordering puts a LOAD's data before its COMPLETION, as the binding requires, a failure
 ends the connection, and only an RDMA Read (a store's data) is awaited.
@@ -209,7 +209,7 @@ class Connection:
 
     def _malformed(self, payload: bytes) -> dict[str, Any]:
         """Echo the Request ID and Block Handle of a request that cannot be parsed, as far
-        as the octets reach (NOTES decision 4); what is missing is zero."""
+        as the octets reach (docs/NOTES.md decision 4); what is missing is zero."""
         head = codec.decode_header(payload.ljust(codec.HEADER_SIZE, b"\0"), self.addr_le)
         return {"opcode": head["opcode"], "flags": 0,
                 "request_id": head["request_id"] if len(payload) >= 12 else 0,

@@ -2,7 +2,7 @@
 
 Each check follows the text ("Operations" and "Direct Modes") in its order: the handle's
 range, the lengths, the Generation, then the operation's own steps. A failed check
-returns its status and has no other effect. NOTES decisions 2, 3 and 5 fix what the
+returns its status and has no other effect. docs/NOTES.md decisions 2, 3 and 5 fix what the
 text leaves open; the project's other choices are in the README.
 """
 from __future__ import annotations
@@ -82,7 +82,8 @@ class Executor:
         return conn.qp.read(req["dd.stag"], req["dd.offset"], length)
 
     def _failure(self, status: int, handle: int) -> Outcome:
-        """NOTES decision 2: zero length and offset; the Generation if the handle is readable."""
+        """docs/NOTES.md decision 2: zero length and offset; the Generation if the handle is
+        readable."""
         generation = self.table.read(handle).generation if handle in self.table else 0
         return Outcome(status, generation)
 
@@ -101,7 +102,7 @@ class Executor:
     def _store_length(self, req: dict[str, Any]) -> int:
         length = req["dd.length"]
         if length > self.block_size or (req["flags"] & INLINE and length > self.max_inline):
-            raise Failed("TOO_LARGE")    # NOTES decision 5
+            raise Failed("TOO_LARGE")    # docs/NOTES.md decision 5
         return length
 
     async def _data(self, conn: Connection, req: dict[str, Any], length: int,

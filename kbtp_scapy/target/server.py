@@ -40,12 +40,18 @@ class Target:
         self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
 
-    def offered_features(self, qp: QueuePair) -> int:
-        """RECORD_COMPLETION never over RDMAP (spec "Completion"); ADDR_LE is ours to set."""
+    @property
+    def features(self) -> int:
+        """What a HELLO_ACK of this target may grant: RECORD_COMPLETION never over RDMAP
+        (spec "Completion"); ADDR_LE is ours to set."""
         offered = self.config.features & (DIRECT_LOAD | DIRECT_ALLOC | RECORD_COMPLETION)
-        if qp.transport == "iwarp":
+        if self.transport == "iwarp":
             offered &= ~RECORD_COMPLETION
         return offered & ~self.unavailable
+
+    def offered_features(self, qp: QueuePair) -> int:
+        """What the HELLO_ACK on ``qp`` may grant (``features``; its transport is ours)."""
+        return self.features
 
     async def start(self, url: str | Address, **options) -> Address:
         address = url if isinstance(url, Address) else parse_url(url)

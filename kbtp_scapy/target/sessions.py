@@ -42,7 +42,7 @@ class Initiator:
 
 
 class Refused(Exception):
-    """A HELLO the target answers with a non-zero HELLO_ACK Status (NOTES decision 6)."""
+    """A HELLO the target answers with a non-zero HELLO_ACK Status (docs/NOTES.md decision 6)."""
 
     def __init__(self, status: str, reason: str):
         super().__init__(reason)

@@ -14,7 +14,7 @@ from ..tables.enums import ENTRY_FLAGS, flag
 
 VALID = flag(ENTRY_FLAGS, "VALID")
 SEALED = flag(ENTRY_FLAGS, "SEALED")
-UNBOUND_OFFSET = M.SLOT_CONSUMED   # NOTES decision 1: a never-bound entry's Block Offset
+UNBOUND_OFFSET = M.SLOT_CONSUMED   # docs/NOTES.md decision 1: a never-bound entry's Block Offset
 
 
 @dataclass

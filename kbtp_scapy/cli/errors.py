@@ -1,0 +1,71 @@
+"""Why a connection or an operation failed, in words: never an empty reason.
+
+Exceptions from sockets and the soft RNIC often carry no message (a bare ``TimeoutError``
+from ``asyncio.wait_for``, a ``ConnectionLost()``); the commands say what such an
+exception means and what to try next, as ``kbtp: <what failed>: <why>; <what to do>``.
+"""
+from __future__ import annotations
+
+import errno
+import os
+
+from ..rnic import Address
+from ..rnic.qp import ConnectionLost, RemoteError
+
+#: what a command catches from a connection: the soft RNIC's errors and the OS's
+CONNECTION_ERRORS = (ConnectionLost, RemoteError, OSError, TimeoutError)
+
+
+def reason(exc: BaseException, timeout: float | None = None) -> str:
+    """The exception's own message, or what an exception of its kind means."""
+    if isinstance(exc, OSError) and exc.errno:
+        text = os.strerror(exc.errno)
+        if exc.strerror and exc.strerror != text:
+            text = f"{text} ({exc.strerror})"      # asyncio's "Connect call failed (...)"
+        return text[0].lower() + text[1:]
+    text = str(exc).strip()
+    if text:
+        return text
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g} s" if timeout else "no answer in time"
+    if isinstance(exc, ConnectionLost):
+        return "the connection ended and the RNIC gave no reason"
+    if isinstance(exc, RemoteError):
+        return "the target refused an RDMA operation and gave no reason"
+    return type(exc).__name__
+
+
+def hint(exc: BaseException) -> str:
+    """What to try next after ``exc`` (empty when nothing useful can be said)."""
+    if isinstance(exc, TimeoutError):
+        return "is a KBTP target listening there? (a longer wait: --timeout SECONDS)"
+    if isinstance(exc, ConnectionRefusedError):
+        return "is a KBTP target listening there? (kbtp target --listen HOST[:PORT])"
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return "stop whatever holds that address, or pick another with --local ADDR"
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRNOTAVAIL:
+        return "give an address of this host with --local ADDR"
+    if isinstance(exc, ConnectionLost | RemoteError | ConnectionResetError):
+        return "the target's log may say why"
+    return ""
+
+
+def line(what: str, why: str, todo: str = "") -> str:
+    """``<what failed>: <why>; <what to do>`` (``kbtp: `` is added by the command)."""
+    return f"{what}: {why}" + (f"; {todo}" if todo else "")
+
+
+def describe(what: str, exc: BaseException, timeout: float | None = None) -> str:
+    return line(what, reason(exc, timeout), hint(exc))
+
+
+def local_trouble(exc: BaseException, url: Address, local: str | None) -> str | None:
+    """``cannot send from ADDR (UDP port N)`` when ``exc`` is about the initiator's own
+    RoCEv2 address (taken, or not this host's), else None: that address is what failed."""
+    if url.transport != "roce" or not isinstance(exc, OSError) \
+            or exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+        return None
+    from ..rnic.roce import ROCE_PORT, default_local
+    local = local or default_local(url.host)
+    port = url.port + 1 if local == url.host else ROCE_PORT
+    return f"cannot send from {local} (UDP port {port}) to {url}"

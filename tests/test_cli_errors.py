@@ -1,0 +1,77 @@
+"""Connection failures as `kbtp initiator` and `kbtp replay` report them: one line that names
+the address that failed, a reason that is never empty, and what to do."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .kbtp_harness import fresh_hosts
+from .live_capture import free_port
+
+KBTP = [sys.executable, "-m", "kbtp_scapy"]
+SAMPLE = Path(__file__).resolve().parent.parent / "pcaps" / "roce_session.pcap"
+#: ``kbtp: <what failed>: <why>; <what to do>`` with a non-empty why
+ERROR = re.compile(r"^kbtp: (?P<what>.+?): (?P<why>[^;]*\S[^;]*); (?P<todo>.+)$")
+
+
+def run(*args: str, home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*KBTP, *args], capture_output=True, text=True, timeout=60,
+                          env={"HOME": str(home), "PATH": "/usr/bin:/bin"})
+
+
+def one_error(proc: subprocess.CompletedProcess, code: int) -> re.Match:
+    assert proc.returncode == code, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    match = ERROR.match(proc.stderr.strip())
+    assert match, proc.stderr
+    return match
+
+
+@pytest.fixture
+def silent_iwarp():
+    """A TCP listener that accepts and never says a word: no MPA Reply, no HELLO_ACK."""
+    host = fresh_hosts(1)[0]
+    port = free_port(host)
+    with socket.create_server((host, port)) as server:
+        yield f"iwarp://{host}:{port}"
+
+
+def test_a_target_that_never_answers(tmp_path, silent_iwarp):
+    url = silent_iwarp
+    m = one_error(run("initiator", url, "--timeout", "1", "hello", home=tmp_path), 1)
+    assert m["what"] == f"cannot connect to {url}" and "1 s" in m["why"] and "--timeout" in m["todo"]
+    m = one_error(run("replay", str(SAMPLE), "--target", url, "--timeout", "1", home=tmp_path), 2)
+    assert m["what"] == f"cannot connect to {url}" and "1 s" in m["why"] and "--timeout" in m["todo"]
+
+
+@pytest.mark.parametrize("transport", ["roce", "iwarp"])
+def test_nobody_there(tmp_path, transport):
+    host, local = fresh_hosts(2)
+    url = f"{transport}://{host}:{free_port(host) if transport == 'iwarp' else 4791}"
+    local_args = ["--local", local] if transport == "roce" else []
+    proc = run("initiator", url, *local_args, "--timeout", "1", "--json", "hello", home=tmp_path)
+    m = one_error(proc, 1)
+    assert m["what"] == f"cannot connect to {url}" and "listening" in m["todo"]
+    assert json.loads(proc.stdout) == {"op": "HELLO", "status": None,
+                                       "error": proc.stderr.strip().removeprefix("kbtp: ")}
+    m = one_error(run("replay", str(SAMPLE), "--target", url, *local_args, "--timeout", "1",
+                      home=tmp_path), 2)
+    assert m["what"] == f"cannot connect to {url}"
+
+
+def test_the_initiators_own_address_is_taken(tmp_path):
+    """RoCEv2 sends from LOCAL:4791; when something holds it, that address is what failed."""
+    host, local = fresh_hosts(2)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind((local, 4791))
+        for args, code in ((("initiator", f"roce://{host}", "--local", local, "hello"), 1),
+                           (("replay", str(SAMPLE), "--target", f"roce://{host}", "--local", local), 2)):
+            m = one_error(run(*args, home=tmp_path), code)
+            assert m["what"] == f"cannot send from {local} (UDP port 4791) to roce://{host}:4791"
+            assert m["why"] == "address already in use" and "--local ADDR" in m["todo"]
