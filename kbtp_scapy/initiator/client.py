@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 OP = OPCODES.by_name()
 F = {f.name: f.value for f in REQUEST_FLAGS.flags}
 ADDR_LE = flag(FEATURES, "ADDR_LE")
+DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
 ALL_FEATURES = sum(f.value for f in FEATURES.flags if f.name != "ADDR_LE")
 RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
 COMPLETION_BUFFER = 256          # HELLO_ACK with every descriptor is 152 octets
@@ -66,6 +67,8 @@ class Initiator(DirectModes):
         qp = await connect(url, memory, recv_size=COMPLETION_BUFFER,
                            frame_listeners=list(frame_listeners or ()), **options)
         self = cls(qp, memory, initiator_id or secrets.token_bytes(16), credits, invalidate)
+        if not qp.atomics:           # an RDMA device without FetchAdd cannot take tickets
+            features &= ~DIRECT_ALLOC
         qp.post_recv(credits)
         try:
             await self._hello(features)

@@ -445,11 +445,7 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
             raise ValueError(f"local {local} is not the raw endpoint's address {own}")
         local = own
     local = str(ipaddress.ip_address(local or default_local(host)))
-    try:
-        dev = _device(local, udp_port, io, peer_port)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot use local address {local} UDP port {udp_port} "
-                                 f"({exc.strerror or exc}); pick another with local=") from None
+    dev = _device(local, udp_port, io, peer_port)
     await _started(dev)
     target = (host, peer_port)
     try:

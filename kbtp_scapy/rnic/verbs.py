@@ -44,6 +44,9 @@ SEND_DEPTH = 256
 STAGING = 2 << 20           # registered octets per connection for Sends, Writes and Reads
 RESOURCES = 16              # RDMA Read / atomic depth asked for in both directions
 RECV_BIT = 1 << 62          # wr_id of a receive: RECV_BIT | slot
+#: rxe (6.1) writes the kernel's IB_WC_WITH_INVALIDATE (1 << 2) into user completions, where
+#: libibverbs means IBV_WC_IP_CSUM_OK, which no RC receive carries; siw sets IBV_WC_WITH_INV
+_KERNEL_WC_WITH_INVALIDATE = 1 << 2
 _IBV_NODE_RNIC = 4
 
 
@@ -264,6 +267,7 @@ class VerbsQP(QueuePair):
         self.dev, self.cm_id = dev, cm_id
         self.transport = dev.transport
         self.masked_atomics = dev.transport == "iwarp"
+        self.atomics = dev.atomics and not self.masked_atomics   # verbs: unmasked only
         self._loop = asyncio.get_running_loop()
         self.pd = pd.PD(dev.ctx)
         self.channel, self._fd = _comp_channel(dev.ctx)
@@ -512,7 +516,7 @@ class VerbsQP(QueuePair):
         payload = bytes(self._recv_view[at:at + wc.byte_len])
         self._free_slots.append(slot)
         invalidated = imm = None
-        if wc.wc_flags & e.IBV_WC_WITH_INV:
+        if wc.wc_flags & (e.IBV_WC_WITH_INV | _KERNEL_WC_WITH_INVALIDATE):
             invalidated = wc.imm_data
             if isinstance(self.memory, VerbsMemory):
                 self.memory.invalidated(invalidated)
