@@ -196,6 +196,7 @@ exec chroot /newroot /bin/sh /run/stage2.sh
 STAGE2 = r"""# Stage 2 (in the host's root, read-only): writable places, modules, RDMA devices, agent.
 set -u
 export PATH=@PATH@ HOME=/tmp/home
+ulimit -l unlimited      # RDMA registrations pin memory: what every RDMA host configures
 say() { echo "lab: $*" > /dev/ttyS0; }
 mount -t devpts devpts /dev/pts 2>/dev/null
 for d in /tmp /var/tmp; do mount -t tmpfs tmp "$d" 2>/dev/null; done

@@ -155,7 +155,8 @@ async def table_invariants(world: World) -> list[Finding]:
         if e["entry.flags"] & VALID:
             where[e["entry.block_offset"]] += 1
             off = e["entry.block_offset"]
-            if off % size or off >= blocks * size:
+            rel = off - f["pool.offset"]        # Block Offsets are Tagged Offsets of the Pool STag
+            if rel % size or not 0 <= rel < blocks * size:
                 out.append(Finding("invariant", f"handle 0x{handle:x} bound to 0x{off:x}, not a block of the pool"))
     for off, n in where.items():
         if n > 1:

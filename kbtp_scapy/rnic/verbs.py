@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -44,6 +45,7 @@ SEND_DEPTH = 256
 STAGING = 2 << 20           # registered octets per connection for Sends, Writes and Reads
 RESOURCES = 16              # RDMA Read / atomic depth asked for in both directions
 RECV_BIT = 1 << 62          # wr_id of a receive: RECV_BIT | slot
+_U64 = 2**64 - 1
 #: rxe (6.1) writes the kernel's IB_WC_WITH_INVALIDATE (1 << 2) into user completions, where
 #: libibverbs means IBV_WC_IP_CSUM_OK, which no RC receive carries; siw sets IBV_WC_WITH_INV
 _KERNEL_WC_WITH_INVALIDATE = 1 << 2
@@ -54,6 +56,7 @@ class VerbsError(OSError):
     """The RDMA device or rdma-core cannot do what was asked; the message says what to do."""
 
 
+@functools.cache
 def _pyverbs():
     """pyverbs' modules, or a VerbsError that says how to get them."""
     try:
@@ -172,7 +175,7 @@ class VerbsMemory(MemoryTable):
         window = connection is None and access and qp.dev.memory_windows
         if window:
             flags |= e.IBV_ACCESS_MW_BIND | e.IBV_ACCESS_LOCAL_WRITE
-        region_mr = mr.MR(qp.pd, length, flags, address=addr)
+        region_mr = _register(mr, qp.pd, length, flags, addr)
         mw = None
         key = region_mr.rkey
         if window:
@@ -208,46 +211,54 @@ class VerbsMemory(MemoryTable):
             region.valid = False
 
 
+def _register(mr, pd, length: int, flags: int, addr: int):
+    """An MR, or a VerbsError that says why not (pinned memory is limited per process)."""
+    try:
+        return mr.MR(pd, length, flags, address=addr)
+    except Exception as exc:
+        why = str(exc)
+        if "Errno: 12" in why:
+            why = (f"cannot pin {length} more octets (RLIMIT_MEMLOCK; every connection pins "
+                   "what it registers): raise it, e.g. 'ulimit -l unlimited'")
+        raise VerbsError(f"memory registration failed: {why}") from None
+
+
 class _Staging:
-    """A registered buffer handed out in order and given back in order, as RC retires WRs."""
+    """A registered buffer handed out in order and given back in order, as RC retires WRs
+    (a span given back early is one just taken whose post failed: the newest)."""
 
     def __init__(self, size: int) -> None:
         self.buffer = bytearray(size)
         self.view = memoryview(self.buffer)
         self.address = address_of(self.buffer)
-        self.size, self.head, self.tail, self.used = size, 0, 0, 0
+        self.size = size
+        self.spans: deque[tuple[int, int]] = deque()      # (offset, octets), oldest first
 
     def take(self, n: int) -> int | None:
-        """An offset of ``n`` free octets (8-aligned), or None when full."""
-        n = (n + 7) & ~7 or 8
-        if n > self.size:
-            return None
-        if self.used == 0:
-            self.head = self.tail = 0
-        if self.head >= self.tail:
-            if self.size - self.head >= n:
-                at = self.head
-            elif self.tail > n or (self.used == 0 and self.tail >= n):
-                at = 0
-            else:
-                return None
-        elif self.tail - self.head >= n:
-            at = self.head
+        """An offset of ``n`` free octets (8-aligned), or None while there is no room."""
+        n = max(8, (n + 7) & ~7)
+        if not self.spans:
+            at = 0 if n <= self.size else None
         else:
-            return None
-        skipped = (self.size - self.head) if at == 0 and self.head >= self.tail and self.used else 0
-        self.head = at + n
-        self.used += n + skipped
+            first = self.spans[0][0]
+            last, length = self.spans[-1]
+            head = last + length
+            if last >= first:                     # not wrapped: room after head, then before first
+                at = head if self.size - head >= n else 0 if first >= n else None
+            else:                                 # wrapped: room between head and first
+                at = head if first - head >= n else None
+        if at is not None:
+            self.spans.append((at, n))
         return at
 
     def give(self, at: int, n: int) -> None:
-        n = (n + 7) & ~7 or 8
-        if at < self.tail:            # the span wrapped: what the end held was skipped
-            self.used -= self.size - self.tail
-        self.tail = at + n
-        self.used -= n
-        if self.used <= 0:
-            self.used, self.head, self.tail = 0, 0, 0
+        span = (at, max(8, (n + 7) & ~7))
+        if self.spans and self.spans[0] == span:
+            self.spans.popleft()
+        elif self.spans and self.spans[-1] == span:
+            self.spans.pop()
+        else:
+            self.spans.remove(span)
 
 
 def _wc_status(status: int) -> str:
@@ -262,7 +273,7 @@ class VerbsQP(QueuePair):
 
     def __init__(self, memory: MemoryTable, dev: Device, cm_id: rdmacm.CmId, *,
                  recv_size: int = 4096, posted: int = 0, depth: int = 64) -> None:
-        e, cq, _, mr, pd, qp, *_ = _pyverbs()
+        e, cq, _, mr, pd, qp, w, _ = _pyverbs()
         super().__init__(memory, recv_size=recv_size, posted=0)
         self.dev, self.cm_id = dev, cm_id
         self.transport = dev.transport
@@ -280,13 +291,21 @@ class VerbsQP(QueuePair):
         self.qpn = self.qp.qp_num
         self._recv = bytearray(self._rq * recv_size)
         self._recv_view = memoryview(self._recv)
-        self._recv_mr = mr.MR(self.pd, len(self._recv), e.IBV_ACCESS_LOCAL_WRITE,
-                              address=address_of(self._recv))
+        self._recv_mr = _register(mr, self.pd, len(self._recv), e.IBV_ACCESS_LOCAL_WRITE,
+                                  address_of(self._recv))
         self._free_slots = deque(range(self._rq))
+        # Work requests are built once and reused: each pyverbs object costs a logger lookup,
+        # and post_send/post_recv copy them into the device's queue anyway.
+        self._recv_wrs = [w.RecvWR(RECV_BIT | slot, 1, [w.SGE(
+            self._recv_mr.buf + slot * recv_size, recv_size, self._recv_mr.lkey)])
+            for slot in range(self._rq)]
         self._want_recv = 0                      # asked for, not yet on the RQ
         self._staging = _Staging(STAGING)
-        self._staging_mr = mr.MR(self.pd, STAGING, e.IBV_ACCESS_LOCAL_WRITE,
-                                 address=self._staging.address)
+        self._staging_mr = _register(mr, self.pd, STAGING, e.IBV_ACCESS_LOCAL_WRITE,
+                                     self._staging.address)
+        self._sge = w.SGE(self._staging.address, 0, self._staging_mr.lkey)
+        self._swr = w.SendWR(0, e.IBV_WR_SEND, 1, 0, [self._sge], 0)
+        self._swr.sg_list = self._sge            # the WR now reads the one SGE we update
         self._ids = itertools.count(1)
         self._hw: deque[tuple[int, WorkRequest | None, int, int]] = deque()  # posted WRs
         self._backlog: deque[WorkRequest] = deque()
@@ -369,14 +388,11 @@ class VerbsQP(QueuePair):
     # -- receive queue -------------------------------------------------------------------
 
     def post_recv(self, count: int = 1) -> None:
-        _, _, _, _, _, _, wr, _ = _pyverbs()
         self._want_recv += count
         while self._want_recv and self._free_slots and not self._torn_down:
             slot = self._free_slots.popleft()
-            sge = wr.SGE(self._recv_mr.buf + slot * self.recv_size, self.recv_size,
-                         self._recv_mr.lkey)
             try:
-                self.qp.post_recv(wr.RecvWR(RECV_BIT | slot, 1, [sge]))
+                self.qp.post_recv(self._recv_wrs[slot])
             except Exception as exc:
                 self._free_slots.appendleft(slot)
                 self.lost(ConnectionLost(f"post_recv failed: {exc}"))
@@ -393,10 +409,14 @@ class VerbsQP(QueuePair):
         self._post(wr)
 
     def _post(self, wr: WorkRequest) -> None:
-        e, _, _, _, _, _, w, _ = _pyverbs()
+        e = _pyverbs()[0]
         verb = wr.verb
-        size = wr.length if verb is Verb.READ else 8 if verb in (
-            Verb.FETCH_ADD, Verb.COMPARE_SWAP) else len(wr.payload)
+        atomic = verb is Verb.FETCH_ADD or verb is Verb.COMPARE_SWAP
+        if atomic and (not self.dev.atomics or wr.mask is not None):
+            what = "atomic operations" if not self.dev.atomics else "masked FetchAdd (RFC 7306)"
+            self.complete(wr, error=RemoteError(f"{self.dev.name} has no {what}"))
+            return
+        size = wr.length if verb is Verb.READ else 8 if atomic else len(wr.payload)
         at = self._staging.take(size)
         if at is None:
             if not self._hw:
@@ -404,9 +424,9 @@ class VerbsQP(QueuePair):
                 return
             self._backlog.appendleft(wr)     # wait for completions to give space back
             return
-        if verb in (Verb.SEND, Verb.WRITE) and size:
+        if size and (verb is Verb.SEND or verb is Verb.WRITE):
             self._staging.view[at:at + size] = wr.payload
-        sge = w.SGE(self._staging.address + at, size, self._staging_mr.lkey)
+        self._sge.addr, self._sge.length = self._staging.address + at, size
         self._unsignaled += 1
         signaled = (wr.future is not None or self._unsignaled >= SIGNAL_EVERY
                     or len(self._hw) >= SEND_DEPTH - 4 or self._closing)
@@ -414,39 +434,31 @@ class VerbsQP(QueuePair):
         if wr.solicited:
             flags |= e.IBV_SEND_SOLICITED
         seq = next(self._ids)
+        swr, imm = self._swr, 0
         if verb is Verb.SEND:
+            op = e.IBV_WR_SEND
             if wr.invalidate is not None:
                 op, imm = e.IBV_WR_SEND_WITH_INV, wr.invalidate
-            elif wr.imm is not None:
-                op, imm = e.IBV_WR_SEND_WITH_IMM, socket.htonl(wr.imm)
-            else:
-                op, imm = e.IBV_WR_SEND, 0
-            swr = w.SendWR(seq, op, 1, imm, [sge], flags)
-            if wr.invalidate is not None:
                 # libsiw takes the STag to invalidate from wr.rdma.rkey, not from
                 # invalidate_rkey (rdma-core 44 to this day); rxe reads invalidate_rkey.
                 swr.set_wr_rdma(wr.invalidate, 0)
+            elif wr.imm is not None:
+                op, imm = e.IBV_WR_SEND_WITH_IMM, socket.htonl(wr.imm)
         elif verb is Verb.WRITE:
-            op = e.IBV_WR_RDMA_WRITE if wr.imm is None else e.IBV_WR_RDMA_WRITE_WITH_IMM
-            swr = w.SendWR(seq, op, 1, socket.htonl(wr.imm) if wr.imm is not None else 0,
-                           [sge], flags)
+            op = e.IBV_WR_RDMA_WRITE
+            if wr.imm is not None:
+                op, imm = e.IBV_WR_RDMA_WRITE_WITH_IMM, socket.htonl(wr.imm)
             swr.set_wr_rdma(wr.stag, wr.offset)
         elif verb is Verb.READ:
-            swr = w.SendWR(seq, e.IBV_WR_RDMA_READ, 1, 0, [sge], flags)
+            op = e.IBV_WR_RDMA_READ
             swr.set_wr_rdma(wr.stag, wr.offset)
+        elif verb is Verb.FETCH_ADD:
+            op = e.IBV_WR_ATOMIC_FETCH_AND_ADD
+            swr.set_wr_atomic(wr.stag, wr.offset, wr.add & _U64)
         else:
-            if not self.dev.atomics or wr.mask is not None:
-                self._staging.give(at, size)
-                what = "atomic operations" if not self.dev.atomics else "masked FetchAdd (RFC 7306)"
-                self.complete(wr, error=RemoteError(f"{self.dev.name} has no {what}"))
-                return
-            op = (e.IBV_WR_ATOMIC_FETCH_AND_ADD if verb is Verb.FETCH_ADD
-                  else e.IBV_WR_ATOMIC_CMP_AND_SWP)
-            swr = w.SendWR(seq, op, 1, 0, [sge], flags)
-            if verb is Verb.FETCH_ADD:
-                swr.set_wr_atomic(wr.stag, wr.offset, wr.add & (2**64 - 1))
-            else:
-                swr.set_wr_atomic(wr.stag, wr.offset, wr.compare, wr.add & (2**64 - 1))
+            op = e.IBV_WR_ATOMIC_CMP_AND_SWP
+            swr.set_wr_atomic(wr.stag, wr.offset, wr.compare, wr.add & _U64)
+        swr.wr_id, swr.opcode, swr.imm_data, swr.send_flags = seq, op, imm, flags
         if signaled:
             self._unsignaled = 0
         try:

@@ -38,6 +38,10 @@ RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
 PROBE_TIMEOUT = 10.0     # longer than a RoCEv2 QP's whole retry budget
 
 
+def peer_of(qp: QueuePair) -> str:
+    return str(Address(qp.transport, *qp.remote[:2]))
+
+
 def _consume(future: asyncio.Future) -> None:
     """A failed RDMA Read fails the connection; the request loop sees that, not here."""
     if not future.cancelled():
@@ -64,7 +68,7 @@ class Connection:
 
     async def serve(self) -> None:
         t = self.target
-        peer = str(Address(self.qp.transport, *self.qp.remote[:2]))
+        peer = peer_of(self.qp)
         release = False
         try:
             if not await self._hello():
@@ -121,16 +125,24 @@ class Connection:
             features |= ADDR_LE
         fields: dict[str, Any] = {}
         if features & DIRECT_LOAD:
-            granted, self.windows = grant_direct_load(t.memory, self.qp)
-            fields.update(granted)
+            try:
+                granted, self.windows = grant_direct_load(t.memory, self.qp)
+                fields.update(granted)
+            except OSError as exc:        # the RDMA device cannot register it
+                log.warning("DIRECT_LOAD not granted to %s: %s", peer_of(self.qp), exc)
+                features &= ~DIRECT_LOAD
         part = self.state.partition
+        windows: list[MemoryRegion] = []
         if features & DIRECT_ALLOC and part is not None and not self.state.direct_disabled:
-            granted, windows = grant_partition(t.memory, part, self.qp)
-            fields.update(granted)
-            self.windows += windows
+            try:
+                granted, windows = grant_partition(t.memory, part, self.qp)
+                fields.update(granted)
+                self.windows += windows
+            except OSError as exc:
+                log.warning("DIRECT_ALLOC not granted to %s: %s", peer_of(self.qp), exc)
+                features &= ~DIRECT_ALLOC
         else:
             features &= ~DIRECT_ALLOC
-            windows = []
         if part is not None and self.state.watch is None:
             self.state.watch = TicketWatch(self.state, t.rnic_memory, t.config.ticket_timeout_ms)
         if self.state.watch is not None:
@@ -204,8 +216,11 @@ class Connection:
                     outcome, why = Outcome(S["MALFORMED"]), "not a request opcode"
                 else:
                     outcome = await t.executor.run(self, req, fetch)
-                self._complete(req, outcome, why)
+                # The receive buffer goes back before the completion that hands the credit
+                # back: on a real device the completion leaves at once, and the initiator's
+                # next request can arrive before the next line of ours runs.
                 self.qp.post_recv(1)
+                self._complete(req, outcome, why)
 
     def _malformed(self, payload: bytes) -> dict[str, Any]:
         """Echo the Request ID and Block Handle of a request that cannot be parsed, as far
