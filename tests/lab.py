@@ -23,9 +23,17 @@ from .lab_walk import LAB_TARGET, TARGET_ARGS
 from .netns import enter, move
 from .sandbox import ROOT
 
-_spec = importlib.util.spec_from_file_location("rdma_lab", ROOT / "tools" / "rdma_lab.py")
-rdma_lab = sys.modules["rdma_lab"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(rdma_lab)
+def _tool(name: str):
+    """A maintainers' script of tools/ as a module (tools/ is no package)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+rdma_lab = _tool("rdma_lab")
+lab_captures = _tool("lab_captures")
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,8 @@ PACKAGES = ["qemu-system-x86", "qemu-guest-agent", "linux-image-amd64", "linux-h
 INITRAMFS_MODULES = ["virtio_pci", "9p", "9pnet_virtio"]
 #: Modules loaded once the host's root is mounted (modprobe resolves their dependencies).
 GUEST_MODULES = ["virtio_net", "virtio_console", "crc32_generic", "libcrc32c", "rdma_rxe",
-                 "ib_uverbs", "rdma_ucm", "veth", "sch_netem", "af_packet"]
+                 "ib_uverbs", "rdma_ucm", "veth", "sch_netem", "af_packet", "ifb", "sch_ingress",
+                 "cls_matchall", "act_mirred"]
 
 #: (guest, host side) of the two links; rxe0 is on the first, siw0 on the second: rdma_cm
 #: picks a device by the address's netdev, so two devices on one netdev cannot be told apart.
@@ -77,7 +78,10 @@ GUEST_IP, HOST_IP = "10.99.0.1", "10.99.0.2"
 SIW_GUEST_IP, SIW_HOST_IP = "10.99.1.1", "10.99.1.2"
 #: the guest's inner veth pair (root namespace, namespace "peer") with siw1 and siw2
 SIW_INNER_IP, SIW_PEER_IP = "10.97.0.1", "10.97.0.2"
-TAPS = [("kbtap0", HOST_IP), ("kbtap1", SIW_HOST_IP)]
+#: a second host-side address on the first link: a host initiator of a host target needs
+#: an address of its own (RoCEv2 owns UDP 4791 per address)
+HOST_IP2 = "10.99.0.3"
+TAPS = [("kbtap0", (HOST_IP, HOST_IP2)), ("kbtap1", (SIW_HOST_IP,))]
 #: jumbo frames on the links: rxe's path MTU 4096 (a 1500-octet link gives 1024; set eth0's
 #: MTU to get it), siw's MULPDU from a 9000-octet link's MSS
 MTU = 9000
@@ -491,9 +495,10 @@ class Lab:
         subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
         self._ip("netns", "add", self.netns)
         self._ip("-n", self.netns, "link", "set", "lo", "up")
-        for tap, ip in TAPS:
+        for tap, ips in TAPS:
             self._ip("-n", self.netns, "tuntap", "add", "dev", tap, "mode", "tap")
-            self._ip("-n", self.netns, "addr", "add", f"{ip}/24", "dev", tap)
+            for ip in ips:
+                self._ip("-n", self.netns, "addr", "add", f"{ip}/24", "dev", tap)
             self._ip("-n", self.netns, "link", "set", tap, "mtu", str(MTU), "up")
         stage2 = (STAGE2.replace("@PATH@", GUEST_PATH).replace("@LAB@", self.guest_dir)
                   .replace("@ROOT@", str(ROOT)).replace("@MTU@", str(MTU))

@@ -651,7 +651,7 @@ def _check_device(cm_id: rdmacm.CmId, device: str | None, transport: str, where:
 
 
 def _qp_options(recv_size: int = 4096, posted: int = 0, frame_listeners=(), device: str | None = None,
-                connect_timeout: float = 5.0, io: str = "verbs", **_ignored) -> tuple[dict, str | None, float]:
+                connect_timeout: float = 10.0, io: str = "verbs", **_ignored) -> tuple[dict, str | None, float]:
     return {"recv_size": recv_size, "posted": posted}, device, connect_timeout
 
 
