@@ -155,7 +155,8 @@ def test_ctrl_c_prints_the_summary_then_exits_130(tmp_path):
     t = TargetThread("iwarp", config(), hosts=hosts())
     try:
         p = kbtp("fuzz", "--target", t.url, "--cases", "1000000", "-q", "--out", str(tmp_path / "f"),
-                 "--json-file", str(tmp_path / "s.json"), stderr=subprocess.PIPE, env={**os.environ, "HOME": str(tmp_path)})
+                 "--json-file", str(tmp_path / "s.json"), stderr=subprocess.PIPE,
+                 env={**os.environ, "HOME": str(tmp_path)})
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(t.target.sessions.by_id) < 2:
             time.sleep(0.05)

@@ -117,6 +117,7 @@ class Exchanger:
         stored = stored if stored is not None else found
         owner = w.owner(x.handle)
         goodbye = len(payload) > 1 and payload[1] == OP["GOODBYE"]
+        release = goodbye and len(payload) >= 4 and bool(payload[3] & 1)
         try:
             await ini.qp.send(payload)
         except BaseException:
@@ -126,20 +127,22 @@ class Exchanger:
         closed = asyncio.ensure_future(ini.qp.wait_closed())
         done, _ = await asyncio.wait({getter, closed}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
         closed.cancel()
-        if getter not in done:
-            getter.cancel()
-            learn(owner, x, req, None, allowed=True)
-            if ini.qp.closed or goodbye:
-                self.answers["connection ended"] += 1
-                if goodbye and len(payload) >= 4 and payload[3] & 1:     # RELEASE: the session is gone
-                    raise Rebuild("a mutated GOODBYE with RELEASE ended the session")
-                await w.ensure()
-                return Reply(closed=True, findings=out)
+        if getter in done:
+            c, found = self.judged(s, x, req, payload, getter.result(), loop.time(), stored)
+            if release and req is not None:              # a GOODBYE, answered: the session is gone all the same
+                raise Rebuild("a mutated GOODBYE with RELEASE ended the session")
+            return Reply(c, out + found)
+        getter.cancel()
+        learn(owner, x, req, None, allowed=True)
+        if not ini.qp.closed and not goodbye:
             self.answers["none"] += 1
             return Reply(findings=out + [Finding("no-answer", f"{x.what}: no completion within {self.timeout:g} s, "
                                                  "connection up", evidence=_evidence(payload, None, "none"))])
-        found = self.judged(s, x, req, payload, getter.result(), loop.time(), stored)
-        return Reply(found[0], out + found[1])
+        self.answers["connection ended"] += 1
+        if release:
+            raise Rebuild("a mutated GOODBYE with RELEASE ended the session")
+        await w.ensure()
+        return Reply(closed=True, findings=out)
 
     def judged(self, s: Session, x: Expect, req: dict[str, Any] | None, payload: bytes, msg: Received, at: float,
                stored: bytes | None = None) -> tuple[dict[str, Any] | None, list[Finding]]:

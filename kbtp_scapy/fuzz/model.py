@@ -212,9 +212,10 @@ def expect(req: dict[str, Any], info: TargetInfo, own: Knowledge, lookup: Callab
     e = lookup(h)
     x = Expect(op, h, f"{OPCODES.describe(op)} of 0x{h:x}")
     add = x.checks.append
-    bs, timeout = info.block_size, info.ticket_timeout_ms / 1000
+    timeout = info.ticket_timeout_ms / 1000
     if op not in REQUESTS:
-        add(Check(None, True, f"{OPCODES.describe(op)} is not a request", "ok-unparseable"))
+        goodbye = op == OP["GOODBYE"]          # it ends the session; the text gives it no completion
+        add(Check(None, None if goodbye else True, f"{OPCODES.describe(op)} is not a request", "ok-unparseable"))
         x.record, x.invalidate = None, None
         return x
     outside = False if own.owns(h) else (_outside_table(info, h) if op == LOAD else True)

@@ -17,10 +17,10 @@ from typing import Any, Awaitable
 
 from .. import codec
 from ..initiator import KbtpError
+from ..ring import add_mask, masked_add
 from ..rnic import Access
 from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ConnectionLost, RemoteError
-from ..ring import add_mask, masked_add
 from ..tables import memory as M
 from ..tables.enums import FEATURES, OPCODES, REQUEST_FLAGS, STATUS, flag
 from .cases import Step
