@@ -102,31 +102,47 @@ async def _finding(run: Run, control: Control, case: Case, first: list, out: Pat
     return report.Saved(case, shown, minimized, True, pcap_path=str(pcap) if pcap else None)
 
 
-def _fill(summary: report.Summary, runner: Runner, t0: float) -> None:
-    summary.reconnects = runner.reconnects
-    summary.steps = +runner.families
-    summary.answers = +runner.answers
-    summary.seconds = time.monotonic() - t0
+async def _guarded(run: Run, control: Control, summary: report.Summary, runner: Runner,
+                   body: Callable[[], Awaitable[None]]) -> report.Summary:
+    """``body()``, ended by a harness error or a fault of the fuzzer as a harness error
+    (never a pass); the summary is filled and the sessions released either way."""
+    t0 = time.monotonic()
+    try:
+        await body()
+    except HarnessError as exc:
+        summary.error = str(exc)
+    except Exception as exc:
+        summary.error = f"the fuzzer failed: {type(exc).__name__}: {describe(exc, run.timeout)}"
+    finally:
+        summary.interrupted = control.interrupted
+        summary.reconnects, summary.steps, summary.answers = runner.reconnects, +runner.families, +runner.answers
+        summary.seconds = time.monotonic() - t0
+        try:
+            await asyncio.wait_for(runner.stop(), 2 * run.timeout)
+        except Exception:   # the verdict is already made; a failing GOODBYE changes nothing
+            pass
+    return summary
 
 
 async def campaign(run: Run, control: Control, seed: int, count: int, start: int,
                    time_limit: float | None, out: Path | None, max_findings: int) -> report.Summary:
     transport = parse_url(run.url).transport
     summary = report.Summary(run.url, seed, run.replay_args)
-    t0 = time.monotonic()
     runner = run.runner()
-    try:
+    t0 = time.monotonic()
+
+    async def cases() -> None:
         _, done = await control.run(runner.start())
         for index in range(start, start + count):
             if not done:
-                break
+                return
             if time_limit is not None and time.monotonic() - t0 > time_limit:
                 summary.stopped = f"--time-limit {time_limit:g} s reached"
-                break
+                return
             case = make_case(transport, seed, index)
             res, done = await control.run(runner.run_case(case))
             if not done:
-                break
+                return
             summary.cases += 1
             if res.findings:
                 saved = await _finding(run, control, case, res.findings, out)
@@ -135,21 +151,10 @@ async def campaign(run: Run, control: Control, seed: int, count: int, start: int
                 summary.saved.append(saved)
                 if max_findings and len(summary.saved) >= max_findings:
                     summary.stopped = f"--max-findings {max_findings} reached"
-                    break
+                    return
                 _, done = await control.run(runner.restart())
             control.on_case(index - start + 1, summary)
-    except HarnessError as exc:
-        summary.error = str(exc)
-    except Exception as exc:   # a fuzzer fault must end the run as a harness error, never a pass
-        summary.error = f"the fuzzer failed: {type(exc).__name__}: {describe(exc, run.timeout)}"
-    finally:
-        summary.interrupted = control.interrupted
-        _fill(summary, runner, t0)
-        try:
-            await asyncio.wait_for(runner.stop(), 2 * run.timeout)
-        except Exception:   # the verdict is already made; a failing GOODBYE changes nothing
-            pass
-    return summary
+    return await _guarded(run, control, summary, runner, cases)
 
 
 def load_case(what: str) -> Case:
@@ -166,24 +171,13 @@ def load_case(what: str) -> Case:
 async def replay_case(run: Run, control: Control, case: Case) -> report.Summary:
     """One case on fresh sessions, with no minimization."""
     summary = report.Summary(run.url, case.seed, run.replay_args)
-    t0 = time.monotonic()
-    r = run.runner()
-    try:
-        _, done = await control.run(r.start())
-        res, done = await control.run(r.run_case(case)) if done else (None, False)
+    runner = run.runner()
+
+    async def one() -> None:
+        _, done = await control.run(runner.start())
+        res, done = await control.run(runner.run_case(case)) if done else (None, False)
         if done:
             summary.cases = 1
             if res.findings:
                 summary.saved.append(report.Saved(case, res.findings, case.steps, True))
-    except HarnessError as exc:
-        summary.error = str(exc)
-    except Exception as exc:
-        summary.error = f"the fuzzer failed: {type(exc).__name__}: {describe(exc, run.timeout)}"
-    finally:
-        summary.interrupted = control.interrupted
-        _fill(summary, r, t0)
-        try:
-            await asyncio.wait_for(r.stop(), 2 * run.timeout)
-        except Exception:
-            pass
-    return summary
+    return await _guarded(run, control, summary, runner, one)
