@@ -66,7 +66,7 @@ def _run(coro_factory, control: Control):
 @click.option("--target", "url", metavar="URL", required=True,
               help="The target: iwarp://HOST:PORT or roce://HOST[:PORT] (the transport follows).")
 @click.option("--local", metavar="ADDR", help="RoCEv2: the fuzzer's own address to send from.")
-@raw_io_options("fuzzer")
+@raw_io_options("fuzzer", verbs=False)
 @click.option("--cases", "count", type=click.IntRange(min=1), default=1000, show_default=True,
               help="How many cases to run.")
 @click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True,

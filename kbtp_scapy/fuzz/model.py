@@ -144,7 +144,7 @@ class Expect:
     buffer: int | None = None            # a LOAD's Data Descriptor Length
     new_block: bool = False              # an OK allocation: a pool block bound nowhere else
     bound_blocks: dict[int, int] = field(default_factory=dict)
-    pool: tuple[int, int] | None = None  # (Block Size, F) when the target announced F
+    pool: tuple[int, int, int] | None = None  # (Block Size, F, Pool Tagged Offset) with DIRECT_LOAD
     entry_generation: int | None = None  # what a refusal carries
     seen: str = ""                       # the answer the entry is known from
     asked_record: bool = False
@@ -288,7 +288,7 @@ def _allocation(x: Expect, req: dict[str, Any], info: TargetInfo, own: Knowledge
     low, high = own.usage(now, timeout)
     x.new_block = True
     if "pool.count" in info.fields:
-        x.pool = (info.block_size, info.fields["pool.count"])
+        x.pool = (info.block_size, info.fields["pool.count"], info.fields["pool.offset"])
     use = f"the session uses {low}" + ("" if high == low else f" to {high:g}") + f" of its quota of {q}"
     if own.spoiled:
         add(Check(None, None, "a FetchAdd with wrong operands moved this session's Head", ""))
@@ -393,7 +393,8 @@ def _ok_values(x: Expect, c: dict[str, Any], data: bytes | None) -> list[Finding
                                f"{x.seen or 'an earlier answer'} showed 0x{x.block:x}"))
     if x.new_block:
         other = x.bound_blocks.get(block)
-        if x.pool and (block % x.pool[0] or block >= x.pool[0] * x.pool[1]):
+        # Block Offsets are Tagged Offsets of the Pool STag: from its descriptor's offset
+        if x.pool and ((block - x.pool[2]) % x.pool[0] or not 0 <= block - x.pool[2] < x.pool[0] * x.pool[1]):
             out.append(Finding("block-offset", f"OK for {x.what} with Block Offset 0x{block:x}, not a block "
                                f"of the pool ({x.pool[1]} blocks of {x.pool[0]} octets)"))
         elif other is not None:
