@@ -114,7 +114,6 @@ def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str 
       kbtp fuzz --target roce://127.0.0.1 --local 127.0.0.2 --cases 10000 --seed 7
       kbtp fuzz --target iwarp://127.0.0.1:5420 --time-limit 600 --json-file fuzz.json
       kbtp fuzz --target roce://127.0.0.1 --local 127.0.0.2 --replay roce-7-000123
-      kbtp fuzz --target roce://127.0.0.1 --replay fuzz-findings/roce-7-000123.json
     """
     try:
         transport = parse_url(url).transport

@@ -426,7 +426,12 @@ def default_local(host: str) -> str:
     with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET,
                        socket.SOCK_DGRAM) as probe:
         probe.connect((host, ROCE_PORT))
-        return probe.getsockname()[0]
+        own = probe.getsockname()[0]
+    if own == str(addr):
+        raise OSError(errno.EADDRINUSE, f"{host} is an address of this host, and RoCEv2 puts "
+                                        "both ends on UDP port 4791: send from another "
+                                        "address of the host (local=, --local ADDR)")
+    return own
 
 
 async def connect(host: str, port: int, memory: MemoryTable, *, local: str | None = None,
