@@ -130,7 +130,7 @@ class Initiator(DirectModes):
             future = asyncio.get_running_loop().create_future()
             record_region = None
             if record:
-                record_region = self.memory.register(bytearray(M.COMPLETION_RECORD.size),
+                record_region = self.memory.register(self.memory.buffer(M.COMPLETION_RECORD.size),
                                                      Access.REMOTE_WRITE)
                 regions = [*regions, record_region]
                 values.update({"cd.stag": record_region.stag, "cd.offset": record_region.base,
@@ -159,7 +159,7 @@ class Initiator(DirectModes):
     async def load(self, handle: int, *, generation: int = 0, allow_unsealed: bool = False,
                    length: int | None = None, record: bool = False) -> Result:
         """Block Load into a fresh buffer of ``length`` (default Block Size) octets."""
-        buf = bytearray(self.target.block_size if length is None else length)
+        buf = self.memory.buffer(self.target.block_size if length is None else length)
         region = self.memory.register(buf, Access.REMOTE_WRITE)
         result = await self._call({
             "opcode": OP["LOAD"], "handle": handle, "generation": generation,
@@ -178,7 +178,9 @@ class Initiator(DirectModes):
         if inline:
             values.update({"dd.stag": 0, "dd.offset": 0, "dd.length": len(data), "inline_data": data})
         else:
-            region = self.memory.register(bytearray(data), Access.REMOTE_READ)
+            src = self.memory.buffer(len(data))
+            src[:] = data
+            region = self.memory.register(src, Access.REMOTE_READ)
             regions.append(region)
             values.update({"dd.stag": region.stag, "dd.offset": region.base, "dd.length": len(data)})
         values["flags"] = self._flags(seal=seal, inline=inline, record=record,

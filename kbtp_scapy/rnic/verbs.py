@@ -148,9 +148,20 @@ class VerbsMemory(MemoryTable):
         super().__init__(order)
         self.qp: VerbsQP | None = None     # for regions bound to no connection (initiator)
         self._objects: dict[int, tuple[Any, Any]] = {}   # stag -> (mr, mw or None)
+        self._slab: _Slab | None = None
 
     def default_base(self, buffer: Any, start: int = 0) -> int:
         return address_of(buffer, start)
+
+    def buffer(self, size: int) -> Any:
+        """Where memory windows bind (InfiniBand devices), a piece of memory registered
+        once, so a request's buffer costs a window and its bind, not a registration."""
+        qp = self.qp
+        if qp is None or not qp.dev.memory_windows or size > _Slab.ARENA:
+            return bytearray(size)
+        if self._slab is None:
+            self._slab = _Slab(qp)
+        return self._slab.take(size)
 
     def register(self, buffer: Any, access: Access = Access.LOCAL, *, start: int = 0,
                  length: int = 0, base: int = 0, connection: object | None = None,
@@ -173,15 +184,22 @@ class VerbsMemory(MemoryTable):
         if access & Access.REMOTE_ATOMIC:
             flags |= e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC
         window = connection is None and access and qp.dev.memory_windows
-        if window:
-            flags |= e.IBV_ACCESS_MW_BIND | e.IBV_ACCESS_LOCAL_WRITE
-        region_mr = _register(mr, qp.pd, length, flags, addr)
+        rights = flags
+        arena = self._slab.arena_of(addr, length) if window and self._slab else None
+        if arena is not None:
+            region_mr = None                  # the slab's arena is registered already
+        else:
+            if window:
+                flags |= e.IBV_ACCESS_MW_BIND | e.IBV_ACCESS_LOCAL_WRITE
+            region_mr = arena = _register(mr, qp.pd, length, flags, addr)
         mw = None
-        key = region_mr.rkey
+        key = arena.rkey
         if window:
+            # A fresh window each time: one bound through the send queue cannot be bound
+            # again with pyverbs (rxe checks the rkey the application knows, which only
+            # ibv_bind_mw, a type 1 call, updates).
             mw = mr.MW(qp.pd, e.IBV_MW_TYPE_2)
-            key = qp.bind_window(mw, region_mr, addr, length, flags & ~(
-                e.IBV_ACCESS_MW_BIND | e.IBV_ACCESS_LOCAL_WRITE))
+            key = qp.bind_window(mw, arena, addr, length, rights & ~e.IBV_ACCESS_LOCAL_WRITE)
         region = MemoryRegion(key, buffer, access, start, length, addr, connection)
         self._regions[key] = region
         self._objects[key] = (region_mr, mw)
@@ -195,8 +213,11 @@ class VerbsMemory(MemoryTable):
             mr.close()
 
     def deregister(self, stag: int) -> None:
+        region = self._regions.get(stag)
         super().deregister(stag)
         self._release(stag)
+        if region is not None and self._slab is not None:
+            self._slab.give(region.buffer)
 
     def invalidate(self, stag: int) -> bool:
         """The owner's own invalidation: the device forgets the STag."""
@@ -209,6 +230,58 @@ class VerbsMemory(MemoryTable):
         region = self._regions.get(stag)
         if region is not None:
             region.valid = False
+
+
+class _Slab:
+    """Buffers carved from arenas registered once (with MW_BIND), in power-of-two sizes
+    kept for reuse: what a request's memory window binds to."""
+
+    ARENA = 4 << 20
+
+    def __init__(self, qp: VerbsQP) -> None:
+        self.qp = qp
+        self.arenas: list[tuple[int, int, Any, bytearray]] = []    # (address, end, MR, memory)
+        self.free: dict[int, list[memoryview]] = {}
+        self.size_of: dict[int, int] = {}                        # chunk address -> size class
+        self._cursor = self.ARENA                                # the last arena is full
+
+    def take(self, size: int) -> memoryview:
+        cls = max(64, 1 << (size - 1).bit_length())
+        chunks = self.free.get(cls)
+        chunk = chunks.pop() if chunks else self._carve(cls)
+        return chunk[:size]
+
+    def _carve(self, cls: int) -> memoryview:
+        if self._cursor + cls > self.ARENA:
+            e, _, _, mr, *_ = _pyverbs()
+            memory = bytearray(self.ARENA)
+            addr = address_of(memory)
+            arena_mr = _register(mr, self.qp.pd, self.ARENA, e.IBV_ACCESS_LOCAL_WRITE
+                                 | e.IBV_ACCESS_MW_BIND, addr)
+            self.arenas.append((addr, addr + self.ARENA, arena_mr, memory))
+            self._cursor = 0
+        addr, _, _, memory = self.arenas[-1]
+        chunk = memoryview(memory)[self._cursor:self._cursor + cls]
+        self.size_of[addr + self._cursor] = cls
+        self._cursor += cls
+        return chunk
+
+    def arena_of(self, addr: int, length: int) -> Any:
+        for start, end, arena_mr, _ in self.arenas:
+            if start <= addr and addr + length <= end:
+                return arena_mr
+        return None
+
+    def give(self, buffer: Any) -> None:
+        """A chunk back for the next ``take`` (anything else is not ours: ignored)."""
+        if not isinstance(buffer, memoryview):
+            return
+        addr = address_of(buffer)
+        cls = self.size_of.get(addr)
+        if cls is not None:
+            base = buffer.obj
+            start = addr - address_of(base)
+            self.free.setdefault(cls, []).append(memoryview(base)[start:start + cls])
 
 
 def _register(mr, pd, length: int, flags: int, addr: int):
@@ -540,9 +613,12 @@ class VerbsQP(QueuePair):
         failed = wc.status != e.IBV_WC_SUCCESS
         while self._hw and self._hw[0][0] <= wc.wr_id:
             seq, wr, at, size = self._hw.popleft()
-            if wr is None:
-                continue                          # a memory window bind
             this = seq == wc.wr_id
+            if wr is None:                        # a memory window bind
+                if failed and this:
+                    self.lost(ConnectionLost(f"memory window bind failed: {_wc_status(wc.status)}"))
+                    return
+                continue
             if failed and this:
                 error: BaseException
                 if wc.status == e.IBV_WC_WR_FLUSH_ERR:
@@ -679,8 +755,7 @@ async def connect(transport: str, host: str, port: int, memory: MemoryTable, *,
         return ev
 
     try:
-        cm_id.resolve_addr(local, host, port, ms)
-        await expect(rdmacm.Event.ADDR_RESOLVED)
+        await _resolve(cm_id, local, host, port, timeout, events, where)
         dev = _check_device(cm_id, device, transport, f"the route to {host}")
         cm_id.resolve_route(ms)
         await expect(rdmacm.Event.ROUTE_RESOLVED)
@@ -702,6 +777,29 @@ async def connect(transport: str, host: str, port: int, memory: MemoryTable, *,
     qp.established.set()
     qp.local, qp.remote = cm_id.local, cm_id.remote
     return qp
+
+
+#: the kernel's address resolution timeout per attempt: Linux (6.1) waits for a neighbour
+#: update or this timeout, and an update that comes before the request is queued is missed
+RESOLVE_ATTEMPT_MS = 1000
+
+
+async def _resolve(cm_id: rdmacm.CmId, local: str | None, host: str, port: int, timeout: float,
+                   events: asyncio.Queue, where: str) -> None:
+    """rdma_resolve_addr in attempts of RESOLVE_ATTEMPT_MS until ``timeout``: with a cold ARP
+    cache, the first attempt can miss the neighbour update and sit out its whole timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        cm_id.resolve_addr(local, host, port, RESOLVE_ATTEMPT_MS)
+        try:
+            ev = await asyncio.wait_for(events.get(), max(0.1, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{where}: no answer from the RDMA CM within {timeout:g} s") from None
+        if ev.type == rdmacm.Event.ADDR_RESOLVED:
+            return
+        if ev.type != rdmacm.Event.ADDR_ERROR or loop.time() >= deadline:
+            raise ConnectionError(f"{where}: cannot resolve {host} ({ev})")
 
 
 class VerbsListener:
