@@ -178,6 +178,22 @@ def with_request(change):
     return wrapper
 
 
+def shadowed(owner, name: str, value):
+    """A handler wrapper: while the real handler runs, ``owner(conn)``'s ``name`` is ``value``."""
+    def wrapper(original):
+        async def handler(self, conn, req, fetch=None):
+            obj = owner(conn)
+            if obj is None:
+                return await original(self, conn, req, fetch)
+            setattr(obj, name, value)
+            try:
+                return await original(self, conn, req, fetch)
+            finally:
+                delattr(obj, name)
+        return handler
+    return wrapper
+
+
 def _flags(mask_off=0, mask_on=0):
     def change(conn, req):
         req["flags"] = (req["flags"] & ~mask_off) | mask_on
@@ -251,19 +267,6 @@ def plant_hello_buffer_not_reposted(t, mp):
 
 
 # -- Operations ------------------------------------------------------------------------------
-
-def plant_free_range_unchecked(t, mp):
-    """FREE checks the table's range, not the initiator's own."""
-    def wrapper(original):
-        async def free(self, conn, req, fetch=None):
-            conn.state.owns = lambda handle: True
-            try:
-                return await original(self, conn, req, fetch)
-            finally:
-                del conn.state.owns
-        return free
-    set_handler(t, "FREE", wrapper)
-
 
 def plant_no_generation_check(t, mp):
     ex = t.target.executor
@@ -533,22 +536,6 @@ def plant_bind_length(t, mp):
     set_handler(t, "BIND", with_request(lambda conn, req: req.update({"bind.data_length": 0})))
 
 
-def plant_bind_keeps_slot(t, mp):
-    """BIND binds the entry but does not mark the ticket's slot consumed."""
-    def wrapper(original):
-        async def bind(self, conn, req, fetch=None):
-            part = conn.state.partition
-            if part is None:
-                return await original(self, conn, req, fetch)
-            part.ring.consume = lambda offset: None
-            try:
-                return await original(self, conn, req, fetch)
-            finally:
-                del part.ring.consume
-        return bind
-    set_handler(t, "BIND", wrapper)
-
-
 def plant_deferred_free_overwrites(t, mp):
     """A FREE whose slot is not yet consumed writes it anyway instead of deferring."""
     def free(self, block):
@@ -627,7 +614,7 @@ CORPUS: list[Bug] = [
     Bug("no_own_range_check", "the handle MUST be within ... its own range for stores and frees",
         "ops.handle.own_range", lambda t, mp: mp.setattr(Initiator, "owns", lambda self, h: True)),
     Bug("free_range_unchecked", "(its own range for stores and frees)", "ops.handle.own_range",
-        plant_free_range_unchecked),
+        lambda t, mp: set_handler(t, "FREE", shadowed(lambda conn: conn.state, "owns", lambda h: True))),
     Bug("outside_is_not_valid", "the handle MUST be within a range the initiator is authorized for",
         "ops.handle.outside_table", plant_outside_is_not_valid),
     Bug("no_generation_check", "if the request Generation is non-zero, it MUST equal the entry's",
@@ -771,7 +758,8 @@ CORPUS: list[Bug] = [
     Bug("deferred_free_overwrites", "the target MUST defer the write until the slot is consumed; it "
         "MUST NOT overwrite the slot", "direct.ring.deferred_free", plant_deferred_free_overwrites),
     Bug("bind_keeps_slot", "the slot is marked consumed ... by the target when it processes BIND",
-        "direct.ring.laps", plant_bind_keeps_slot),
+        "direct.ring.laps", lambda t, mp: set_handler(t, "BIND", shadowed(
+            lambda conn: conn.state.partition and conn.state.partition.ring, "consume", lambda offset: None))),
     Bug("slots_never_reused", "Slot Offset ... wrapping at the end of the ring", "direct.ring.laps",
         plant_slots_never_reused),
 ]

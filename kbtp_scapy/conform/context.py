@@ -185,30 +185,31 @@ class Ctx:
     # -- handles -------------------------------------------------------------------------
 
     async def handles(self, ini: Initiator, count: int = 1) -> list[int]:
-        """``count`` handles of ``ini``'s range that no case of this run was given before
-        (once every handle of the range was, those that a LOAD shows unbound)."""
+        """``count`` handles of ``ini``'s range that no case of this run was given before;
+        once every handle of the range was, handles a FREE leaves unbound (OK: it was
+        still bound; NOT_VALID: it was not)."""
         base, size = ini.target.handle_base, ini.target.handle_count
         fresh = list(itertools.islice((h for h in range(base, base + size) if h not in self.run.used),
                                       count))
         if len(fresh) < count:
             for h in range(base, base + size):
-                if h in fresh or await self._bound(ini, h):
+                if h in fresh or not await self._freed(ini, h):
                     continue
                 fresh.append(h)
                 if len(fresh) == count:
                     break
             else:
                 raise SetupFailed(f"choosing {count} handles of the range {base:#x}+{size}",
-                                  f"{count} handles that are not bound", f"only {len(fresh)}")
+                                  f"{count} handles that FREE leaves unbound", f"only {len(fresh)}")
         self.run.used.update(fresh)
         self._given.setdefault(ini.initiator_id, []).extend(fresh)
         return fresh
 
-    async def _bound(self, ini: Initiator, h: int) -> bool:
+    async def _freed(self, ini: Initiator, h: int) -> bool:
         try:
-            return (await self.outcome(ini.load(h, allow_unsealed=True)))[0] != "NOT_VALID"
+            return (await self.outcome(ini.free(h)))[0] in ("OK", "NOT_VALID")
         except Fail as failed:
-            raise SetupFailed(f"LOAD of 0x{h:x} (looking for an unbound handle)", failed.expected,
+            raise SetupFailed(f"FREE of 0x{h:x} (making room for the case)", failed.expected,
                               failed.seen) from None
 
     async def handle(self, ini: Initiator) -> int:
