@@ -88,8 +88,8 @@ def conform(url: str | None, local: str | None, list_only: bool, only: tuple[str
     Examples:
       kbtp conform --target roce://127.0.0.1 --local 127.0.0.2
       kbtp conform --target iwarp://10.0.0.5:5420 --junit conform.xml --pcap-dir failed/
-      kbtp conform --target roce://10.0.0.5 --quick --strict --json > conform.json
-      kbtp conform --target roce://10.0.0.5 --only ops. --only generation. --exclude ops.quota
+      kbtp conform --target iwarp://127.0.0.1:5420 --quick --strict --json > conform.json
+      kbtp conform --target iwarp://10.0.0.5:5420 --only ops. --only generation. --exclude ops.quota
       kbtp conform --list --only direct.
     """
     cases = select(all_cases(), only, exclude)
