@@ -253,6 +253,31 @@ def test_a_connect_under_way_keeps_the_device_its_last_connection_leaves():
     run(body())
 
 
+def test_dreqs_that_cross_end_both_sides_at_once():
+    """Both ends close at the same moment (a refused HELLO does this): each takes the
+    other's DREQ as the end of its own wait for DREP and sends its DREQ once, not again
+    on every CM timeout because the peer had forgotten the connection."""
+    from scapy.layers.l2 import Ether
+
+    from kbtp_scapy.layers.roce import bth_parts
+    from kbtp_scapy.rnic.cm import CmAttr, decode
+
+    async def body():
+        p = await Pair().open(25)
+        sent = {"initiator": [], "target": []}
+        for side, qp in (("initiator", p.iqp), ("target", p.tqp)):
+            def listener(direction, frame, side=side):
+                msg = decode(bth_parts(Ether(frame))[1])
+                if direction == "tx" and msg is not None:
+                    sent[side].append(msg.attr)
+            qp.frame_listeners.append(listener)
+        await asyncio.gather(p.iqp.close(), p.tqp.close())
+        p.listener.close()
+        assert sent["initiator"].count(CmAttr.DREQ) == 1, sent
+        assert sent["target"].count(CmAttr.DREQ) == 1, sent
+    run(body())
+
+
 def test_mixed_operations_through_a_lossy_reordering_relay():
     """Writes go to one area and Reads read another: a Read retried after a loss is
     executed again (IB 9.7.5.2.2), so without a fence it may see Writes posted after it."""

@@ -698,7 +698,10 @@ class RoceQP(QueuePair):
             self._dev.detach(self)
 
     def peer_closed(self) -> None:
-        """The peer sent DREQ (and got DREP)."""
+        """The peer sent DREQ (and got DREP). A DREQ that crosses ours ends our wait for
+        DREP as well (IB 12.9.6: DREQ received in DREQ Sent, DREP and TimeWait)."""
+        if self._drep is not None and not self._drep.done():
+            self._drep.set_result(None)
         self._cm_state = "closed"
         self.lost(ConnectionLost("closed by peer (CM DREQ)"))
         self._dev.detach(self)
