@@ -176,9 +176,10 @@ class Player:
         except KbtpError as exc:
             played.replayed = Outcome(status=exc.status, form="hello_ack")
         except (TimeoutError, OSError, ConnectionLost) as exc:
+            why = str(exc) or f"no answer within {self.timeout:g} s"
             if not self.live:
-                raise HarnessError(f"cannot connect to {self.url}: {exc or 'timed out'}") from None
-            played.error = f"connection failed: {exc or 'timed out'}"
+                raise HarnessError(f"cannot connect to {self.url}: {why}") from None
+            played.error = f"connection failed: {why}"
         else:
             self.live[ses.index] = _Live(ses, ini)
             self.mapping.granted(ses, ini.target.handle_base)
