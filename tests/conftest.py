@@ -6,6 +6,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from tests.tshark import private_home
 
 _HOME: Path | None = None
@@ -22,3 +24,11 @@ def pytest_configure(config) -> None:
 def pytest_unconfigure(config) -> None:
     if _HOME is not None:
         shutil.rmtree(_HOME, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def lab():
+    """The RDMA lab's guest (tests/lab.py), booted once for every module that asks: a
+    fixture imported into each module would be one per module, a guest each."""
+    from tests.lab import session_guest
+    yield from session_guest()

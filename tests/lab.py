@@ -1,6 +1,6 @@
 """The RDMA lab in the suite: one QEMU guest with the kernel's rxe and siw per test session.
 
-``lab`` (a session fixture) boots ``tools/rdma_lab.py``'s guest once; tests skip, with the
+``lab`` (a session fixture, tests/conftest.py) boots ``tools/rdma_lab.py``'s guest once; tests skip, with the
 reason, where it cannot start (no root, no /dev/net/tun). The project's code runs at full
 speed on the host, in the lab's network namespace (``in_lab``, ``HostTarget``), and only
 the peer runs in the guest: ``GuestTarget`` is ``kbtp target --io verbs`` on a device there.
@@ -53,10 +53,10 @@ BINDINGS = {"roce": Binding("roce", "rxe0", rdma_lab.GUEST_IP, rdma_lab.HOST_IP)
             "iwarp": Binding("iwarp", "siw0", rdma_lab.SIW_GUEST_IP, rdma_lab.SIW_HOST_IP)}
 
 
-@pytest.fixture(scope="session")
-def lab() -> Iterator:
-    """The guest; with KBTP_LAB=attach, the one ``tools/rdma_lab.py up`` keeps (for
-    maintainers iterating on lab tests: no boot per run)."""
+def session_guest() -> Iterator:
+    """The guest of the ``lab`` fixture (tests/conftest.py: one for every module); with
+    KBTP_LAB=attach, the one ``tools/rdma_lab.py up`` keeps (for maintainers iterating on
+    lab tests: no boot per run)."""
     why = rdma_lab.unavailable()
     if why:
         pytest.skip(f"the RDMA lab cannot start here: {why}")

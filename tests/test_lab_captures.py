@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .lab import lab, lab_captures  # noqa: F401 (fixture)
+from .lab import lab_captures
 from .test_dissector import PLUGIN
 from .tshark import TSHARK, needs_tshark
 

@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from .lab import BINDINGS, GuestTarget, HostTarget, in_lab, lab  # noqa: F401 (fixture)
+from .lab import BINDINGS, GuestTarget, HostTarget, in_lab
 from .lab_walk import walk
 from .sandbox import ROOT
 

@@ -13,7 +13,7 @@ import pytest
 
 from kbtp_scapy.rnic.pcap import PcapSink
 
-from .lab import BINDINGS, GuestTarget, HostTarget, in_lab, lab, lab_captures, rdma_lab  # noqa: F401
+from .lab import BINDINGS, GuestTarget, HostTarget, in_lab, lab_captures, rdma_lab
 from .test_target_faults import mixed_workload
 
 pytestmark = pytest.mark.lab
