@@ -43,7 +43,6 @@ RECORD = flag(REQUEST_FLAGS, "RECORD")
 INVALIDATE = flag(REQUEST_FLAGS, "INVALIDATE")
 RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
 INLINE = flag(REQUEST_FLAGS, "INLINE")
-PROBE_TIMEOUT = 10.0     # longer than a RoCEv2 QP's whole retry budget
 
 
 class Connection:
@@ -185,7 +184,7 @@ class Connection:
         if state is None or state.qp is None:
             return False
         try:
-            await asyncio.wait_for(state.qp.write(0, 0, b""), PROBE_TIMEOUT)
+            await asyncio.wait_for(state.qp.write(0, 0, b""), self.target.config.probe_timeout_s)
             return False
         except (ConnectionLost, RemoteError):
             pass
