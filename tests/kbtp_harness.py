@@ -48,6 +48,14 @@ class TargetThread:
     def call(self, coro: Awaitable, timeout: float = 30) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def _close_devices(self) -> None:
+        """The RoCEv2 devices of this loop: a connection that just ended holds its device
+        for a moment (DREQ and its retries), and the loop stops before that ends."""
+        from kbtp_scapy.rnic import roce
+        for dev in list(roce._devices.values()):
+            if dev.loop is self.loop:
+                dev.close()
+
     def run(self, func: Callable[[], Any]) -> Any:
         """Run a plain function in the target's loop thread (its state is not thread-safe)."""
         async def wrapper():
@@ -60,6 +68,7 @@ class TargetThread:
 
     def stop(self) -> None:
         self.call(self.target.close())
+        self.run(self._close_devices)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.loop.close()

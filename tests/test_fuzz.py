@@ -1,13 +1,24 @@
 """``kbtp fuzz`` against the reference target on loopback (127.53.x.y, one pair per test).
 
-Ten thousand cases per transport find nothing (the issue's bar); a handle-range check removed from the
-target's STORE and FREE (monkeypatched in the target's thread) is found, saved as pcap +
-JSON, minimized and replayed; a bad URL or an absent target is exit 2; the same seed
-gives the same cases.
+Ten thousand cases per transport find nothing (the issue's bar); the two cases that once
+accused the reference target of a stray completion record replay clean by name; a
+handle-range check removed from the target's STORE and FREE (monkeypatched in the
+target's thread) is found, saved as pcap + JSON, minimized and replayed with the options
+the run needed; --json and --json-file give JSON that parses; Ctrl-C (a real SIGINT to a
+subprocess) prints the summary and exits 130; progress shows on a terminal only; a bad
+URL or an absent target is exit 2 with a reason; the same seed gives the same cases.
+The model-based oracles have their planted bugs in ``test_fuzz_oracles.py``.
 """
 from __future__ import annotations
 
 import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
@@ -26,25 +37,60 @@ def hosts() -> list[str]:
     return [f"127.53.0.{2 * n - 1}", f"127.53.0.{2 * n}"]
 
 
+def config() -> TargetConfig:
+    return TargetConfig(blocks=256, max_initiators=8, ticket_timeout_ms=200)
+
+
 @pytest.fixture(params=["iwarp", "roce"])
 def target(request):
-    t = TargetThread(request.param, TargetConfig(blocks=256, max_initiators=8), hosts=hosts())
+    t = TargetThread(request.param, config(), hosts=hosts())
     yield t
     t.stop()
 
 
+def local(t: TargetThread) -> list[str]:
+    return ["--local", t.initiator_hosts[0]] if t.transport == "roce" else []
+
+
 def fuzz(t: TargetThread, *args: str) -> int:
-    local = ["--local", t.initiator_hosts[0]] if t.transport == "roce" else []
-    return main(["fuzz", "--target", t.url, *local, "-q", *args])
+    return main(["fuzz", "--target", t.url, *local(t), "-q", *args])
+
+
+def kbtp(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kbtp_scapy", *args], stdout=subprocess.PIPE,
+                            text=True, **kw)
 
 
 def test_reference_target_passes(target, tmp_path, capsys):
     summary = tmp_path / "s.json"
     assert fuzz(target, "--cases", "10000", "--seed", "11", "--out", str(tmp_path / "f"),
-                "--json", str(summary)) == 0
+                "--json-file", str(summary)) == 0
     doc = json.loads(summary.read_text())
     assert doc["cases"] == 10000 and doc["findings"] == [] and doc["exit_code"] == 0
+    steps = [s for i in range(10000) for s in make_case(target.transport, 11, i).steps]
+    assert sum(doc["steps"].values()) == len(steps)        # every step counted, none lost
+    assert doc["steps"]["quota"] > 100 and doc["steps"]["abandon"] > 0
+    assert doc["answers"]["send with invalidate"] > 1000
+    assert (doc["answers"].get("record", 0) > 100) == (target.transport == "roce")
     assert "(no findings)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["roce-1-012056", "roce-1-012155"])
+def test_issue_15_false_positives_replay_clean(name, tmp_path, capsys):
+    """A mutation set RECORD on a LOAD (flags 0x003f) whose octets then named one of the
+    fuzzer's own buffers as Completion Descriptor; the target rightly answered with a
+    completion record (RDMA Write with Immediate), which the old oracle called stray."""
+    steps = make_case("roce", 1, parse_name(name)[2]).steps
+    seeds = {"roce-1-012056": 2207781875, "roce-1-012155": 3491485473}
+    assert any(s.get("seed") == seeds[name] and s.get("family") == "bytes" for s in steps)
+    t = TargetThread("roce", config(), hosts=hosts())
+    try:
+        summary = tmp_path / "s.json"
+        assert fuzz(t, "--replay", name, "--json-file", str(summary)) == 0
+    finally:
+        t.stop()
+    doc = json.loads(summary.read_text())
+    assert doc["cases"] == 1 and doc["findings"] == [] and doc["answers"]["record"] >= 1
 
 
 def _skip_range_check(t: TargetThread) -> None:
@@ -59,12 +105,12 @@ def _skip_range_check(t: TargetThread) -> None:
 
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_planted_range_bug_is_found(transport, tmp_path, capsys):
-    t = TargetThread(transport, TargetConfig(blocks=256, max_initiators=8), hosts=hosts())
+    t = TargetThread(transport, config(), hosts=hosts())
     try:
         _skip_range_check(t)
         out = tmp_path / "findings"
         assert fuzz(t, "--cases", "150", "--seed", "3", "--out", str(out), "--minimize-budget", "4",
-                    "--max-findings", "1") == 1
+                    "--max-findings", "1", "--timeout", "7") == 1
         saved = sorted(out.glob("*.json"))
         assert saved
         doc = json.loads(saved[0].read_text())
@@ -73,12 +119,14 @@ def test_planted_range_bug_is_found(transport, tmp_path, capsys):
         assert doc["reproduced_in_isolation"]
         assert len(doc["minimized_steps"]) <= len(doc["steps"])
         assert (out / f"{doc['case']}.pcap").stat().st_size > 24
+        assert doc["replay"] == " ".join(["kbtp", "fuzz", "--target", t.url, *local(t), "--timeout", "7",
+                                          "--replay", doc["case"]])
+        assert capsys.readouterr().out.count("replay: kbtp fuzz") == 1
     finally:
         t.stop()
-    t = TargetThread(transport, TargetConfig(blocks=256, max_initiators=8), hosts=hosts())
+    t = TargetThread(transport, config(), hosts=hosts())
     try:                                   # the bug's damage stays: replay on a fresh target
         _skip_range_check(t)
-        capsys.readouterr()
         assert fuzz(t, "--replay", doc["case"]) == 1
         assert doc["case"] in capsys.readouterr().out
         assert fuzz(t, "--replay", str(saved[0])) == 1
@@ -86,11 +134,104 @@ def test_planted_range_bug_is_found(transport, tmp_path, capsys):
         t.stop()
 
 
+def test_json_alone_on_stdout(tmp_path, capfd):
+    t = TargetThread("iwarp", config(), hosts=hosts())
+    try:
+        for flag in (["--json"], ["--json-file", "-"]):
+            capfd.readouterr()
+            assert fuzz(t, "--cases", "20", "--out", str(tmp_path / "f"), *flag) == 0
+            captured = capfd.readouterr()
+            doc = json.loads(captured.out)
+            assert doc["cases"] == 20 and doc["exit_code"] == 0
+            assert "step family" in captured.err          # the text report goes to stderr
+        path = tmp_path / "s.json"
+        assert fuzz(t, "--cases", "5", "--out", str(tmp_path / "f"), "--json-file", str(path)) == 0
+        assert "step family" in capfd.readouterr().out and json.loads(path.read_text())["cases"] == 5
+    finally:
+        t.stop()
+
+
+def test_ctrl_c_prints_the_summary_then_exits_130(tmp_path):
+    t = TargetThread("iwarp", config(), hosts=hosts())
+    try:
+        p = kbtp("fuzz", "--target", t.url, "--cases", "1000000", "-q", "--out", str(tmp_path / "f"),
+                 "--json-file", str(tmp_path / "s.json"), stderr=subprocess.PIPE,
+                 env={**os.environ, "HOME": str(tmp_path)})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(t.target.sessions.by_id) < 2:
+            time.sleep(0.05)
+        time.sleep(1.0)                                    # some cases run
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        t.stop()
+    assert p.returncode == 130, err
+    assert "stopped: interrupted (Ctrl-C)" in out and "step family" in out
+    assert "interrupted after" in err and "Traceback" not in err
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["interrupted"] and doc["cases"] > 0 and doc["exit_code"] == 130
+
+
+def _on_a_terminal(args: list[str]) -> tuple[int, str, str]:
+    """Run kbtp with stderr on a pseudo-terminal (stdout a pipe): exit status, stdout, stderr."""
+    master, slave = pty.openpty()
+    p = kbtp(*args, stderr=slave)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:
+                return
+            if not data:
+                return
+            chunks.append(data)
+    reader = threading.Thread(target=drain)
+    reader.start()
+    out, _ = p.communicate(timeout=120)
+    reader.join(10)
+    os.close(master)
+    return p.returncode, out, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_on_a_terminal_only(tmp_path):
+    """Cases and minimization show progress on a terminal, one line rewritten in place and
+    cleared before the summary; nothing of it reaches stdout or a pipe."""
+    t = TargetThread("iwarp", config(), hosts=hosts())
+    try:
+        _skip_range_check(t)
+        args = ["fuzz", "--target", t.url, "--cases", "150", "--seed", "3", "--max-findings", "1",
+                "--minimize-budget", "3", "--out", str(tmp_path / "f")]
+        code, out, err = _on_a_terminal(args)
+        assert code == 1
+        assert "\rkbtp fuzz: minimizing iwarp-3-" in err and "\rkbtp fuzz: case " in err
+        assert "minimizing" not in out and "\r" not in out and "step family" in out
+        piped = kbtp(*args, stderr=subprocess.PIPE)
+        _, perr = piped.communicate(timeout=120)
+        assert "minimizing" not in perr and "\r" not in perr
+    finally:
+        t.stop()
+
+
 def test_bad_url_and_unreachable_target_are_exit_2(capsys):
     assert main(["fuzz", "--target", "http://x", "--cases", "1"]) == 2
     assert main(["fuzz", "--target", "iwarp://127.53.9.1:9", "--cases", "1", "-q"]) == 2
-    assert "harness error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "harness error: iwarp://127.53.9.1:9: opening two sessions: " in err and "listening" in err
+    assert main(["fuzz", "--target", "roce://127.53.9.3", "--local", "127.53.9.4", "--cases", "1", "-q",
+                 "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "no answer within 0.5 s" in err and "TimeoutError" not in err and "--local" in err
     assert main(["fuzz", "--target", "iwarp://127.53.9.1:9", "--replay", "nonsense"]) == 2
+    assert main(["fuzz", "--target", "iwarp://127.53.9.1:9", "--replay", "roce-1-000001"]) == 2
+
+
+def test_help_names_the_default_timeout():
+    p = kbtp("fuzz", "--help")
+    out, _ = p.communicate(timeout=30)
+    assert "--timeout SECONDS" in out and "default:" in out and "10.0" in out and "--json-file FILE" in out
 
 
 def test_same_seed_same_cases():

@@ -15,21 +15,7 @@ from .sandbox import Sandbox, serves
 
 #: examples that fail in files other engineers own, reported to the lead: the test expects
 #: them to fail, and fails when one starts to pass (then delete it from here)
-KNOWN = {
-    "kbtp decode pcaps/roce_all_opcodes.pcap": "issue 14, cli/decode.py: no such sample",
-    "kbtp decode --json --addr-le mid_session.pcapng": "issue 14, cli/decode.py: no such file",
-    "kbtp decode --hex 0130000100000000000000000000000000000000000000000":
-        "issue 14, cli/decode.py: an odd number of hex digits",
-    "kbtp dissector generate            rewrite dissector/kbtp.lua and dissector/FIELDS.md":
-        "cli/dissector.py: the description is not a shell comment",
-    "kbtp dissector generate --check    exit 1 if the committed files are stale":
-        "cli/dissector.py: the description is not a shell comment",
-    "kbtp dissector install             copy kbtp.lua into your personal Lua plugin folder":
-        "cli/dissector.py: the description is not a shell comment",
-    "tshark -X lua_script:$(kbtp dissector path) -r capture.pcap": "cli/dissector.py: no such file",
-    "kbtp fuzz --target roce://127.0.0.1 --replay fuzz-findings/roce-7-000123.json":
-        "cli/fuzz.py: names a finding no run saved",
-}
+KNOWN: dict[str, str] = {}
 #: ``kbtp demo`` itself is what tests/test_demo.py runs
 COVERED = {"kbtp demo"}
 #: runs of minutes are fine if they are still fine after this many seconds, then Ctrl-C

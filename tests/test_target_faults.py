@@ -24,11 +24,12 @@ async def mixed_workload(url: str, **options) -> None:
     rng = random.Random(5)
     h = ini.target.handle_base
     stored: dict[int, bytes] = {}
+    direct = "partition.stag" in ini.target.fields     # DIRECT_ALLOC granted (not on siw)
     for _ in range(150):
         handle = h + rng.randrange(24)
         if handle not in stored:
             data = rng.randbytes(rng.choice((8, 1000, 4096)))
-            if rng.random() < 0.3:
+            if rng.random() < 0.3 and direct:
                 r = await ini.direct_alloc(handle, data)
             else:
                 r = await ini.alloc_store(handle, data, seal=True, inline=rng.random() < 0.5)

@@ -11,10 +11,13 @@ over virtio-9p and chroots into it, so the guest runs exactly the host's program
 The guest has two NICs, tap devices in a network namespace of the lab's own on the host:
 ``eth0`` with ``rxe0`` (``10.99.0.1``; host side ``10.99.0.2``) and ``eth1`` with ``siw0``
 (``10.99.1.1``; host side ``10.99.1.2``), one device per netdev because rdma_cm picks the
-device by the address's netdev. Two veth pairs inside the guest (one end in its root
-namespace, the other in its namespace ``peer``) carry ``rxe1``/``rxe2`` (``10.98.0.1``,
-``10.98.0.2``) and ``siw1``/``siw2`` (``10.97.0.1``, ``10.97.0.2``) for device-to-device
-runs inside the guest. Commands run in the guest through the QEMU guest agent
+device by the address's netdev; both links carry 9000-octet frames. A veth pair inside the
+guest (one end in its root namespace, the other in its namespace ``peer``) carries ``siw1``
+and ``siw2`` (``10.97.0.1``, ``10.97.0.2``) for device-to-device runs. Two rxe devices in one
+guest cannot reach each other (rxe 6.1 receives only in the initial network namespace, and
+traffic between two local addresses goes through ``lo``, where no rxe device is); an rxe
+device reaches its own address through rxe's loopback, which is how rxe runs
+device-to-device here. Commands run in the guest through the QEMU guest agent
 (``qemu-ga``) on a virtio-serial port; a directory of the host's, at the same path in the
 guest (read-write), takes logs and captures.
 
@@ -66,16 +69,22 @@ PACKAGES = ["qemu-system-x86", "qemu-guest-agent", "linux-image-amd64", "linux-h
 INITRAMFS_MODULES = ["virtio_pci", "9p", "9pnet_virtio"]
 #: Modules loaded once the host's root is mounted (modprobe resolves their dependencies).
 GUEST_MODULES = ["virtio_net", "virtio_console", "crc32_generic", "libcrc32c", "rdma_rxe",
-                 "ib_uverbs", "rdma_ucm", "veth", "sch_netem", "af_packet"]
+                 "ib_uverbs", "rdma_ucm", "veth", "sch_netem", "af_packet", "ifb", "sch_ingress",
+                 "cls_matchall", "act_mirred"]
 
 #: (guest, host side) of the two links; rxe0 is on the first, siw0 on the second: rdma_cm
 #: picks a device by the address's netdev, so two devices on one netdev cannot be told apart.
 GUEST_IP, HOST_IP = "10.99.0.1", "10.99.0.2"
 SIW_GUEST_IP, SIW_HOST_IP = "10.99.1.1", "10.99.1.2"
-#: the guest's inner veth pairs (root namespace, namespace "peer"): rxe1/rxe2 and siw1/siw2
-INNER_IP, PEER_IP = "10.98.0.1", "10.98.0.2"
+#: the guest's inner veth pair (root namespace, namespace "peer") with siw1 and siw2
 SIW_INNER_IP, SIW_PEER_IP = "10.97.0.1", "10.97.0.2"
-TAPS = [("kbtap0", HOST_IP), ("kbtap1", SIW_HOST_IP)]
+#: a second host-side address on the first link: a host initiator of a host target needs
+#: an address of its own (RoCEv2 owns UDP 4791 per address)
+HOST_IP2 = "10.99.0.3"
+TAPS = [("kbtap0", (HOST_IP, HOST_IP2)), ("kbtap1", (SIW_HOST_IP,))]
+#: jumbo frames on the links: rxe's path MTU 4096 (a 1500-octet link gives 1024; set eth0's
+#: MTU to get it), siw's MULPDU from a 9000-octet link's MSS
+MTU = 9000
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -191,6 +200,7 @@ exec chroot /newroot /bin/sh /run/stage2.sh
 STAGE2 = r"""# Stage 2 (in the host's root, read-only): writable places, modules, RDMA devices, agent.
 set -u
 export PATH=@PATH@ HOME=/tmp/home
+ulimit -l unlimited      # RDMA registrations pin memory: what every RDMA host configures
 say() { echo "lab: $*" > /dev/ttyS0; }
 mount -t devpts devpts /dev/pts 2>/dev/null
 for d in /tmp /var/tmp; do mount -t tmpfs tmp "$d" 2>/dev/null; done
@@ -203,20 +213,19 @@ mkdir -p /run/venv && mount --bind @ROOT@/.venv /run/venv \
 modprobe -a @MODULES@ || say "modprobe failed"
 insmod @SIW@ || say "insmod siw failed"
 ip link set lo up
-ip link set eth0 up && ip addr add @GUEST_IP@/24 dev eth0
-ip link set eth1 up && ip addr add @SIW_GUEST_IP@/24 dev eth1
+ip link set eth0 mtu @MTU@ up && ip addr add @GUEST_IP@/24 dev eth0
+ip link set eth1 mtu @MTU@ up && ip addr add @SIW_GUEST_IP@/24 dev eth1
 ip netns add peer && ip -n peer link set lo up
 pair() {  # veth $1 (here, address $2) and $1p (namespace peer, address $3)
   ip link add $1 type veth peer name $1p && ip link set $1p netns peer
   ip link set $1 up && ip addr add $2/24 dev $1
   ip -n peer link set $1p up && ip -n peer addr add $3/24 dev $1p
 }
-pair vrxe @INNER_IP@ @PEER_IP@ && pair vsiw @SIW_INNER_IP@ @SIW_PEER_IP@ || say "veth failed"
+pair vsiw @SIW_INNER_IP@ @SIW_PEER_IP@ || say "veth failed"
 rdma link add rxe0 type rxe netdev eth0 || say "rxe0 failed"
 rdma link add siw0 type siw netdev eth1 || say "siw0 failed"
-rdma link add rxe1 type rxe netdev vrxe && rdma link add siw1 type siw netdev vsiw || say "rxe1/siw1 failed"
-ip netns exec peer sh -c 'rdma link add rxe2 type rxe netdev vrxep && rdma link add siw2 type siw netdev vsiwp' \
-  || say "rxe2/siw2 failed"
+rdma link add siw1 type siw netdev vsiw || say "siw1 failed"
+ip netns exec peer rdma link add siw2 type siw netdev vsiwp || say "siw2 failed"
 port=$(grep -l org.qemu.guest_agent.0 /sys/class/virtio-ports/*/name | head -1 | xargs dirname | xargs basename)
 qemu-ga -m virtio-serial -p /dev/$port -t /run &
 say "ready $(cut -d' ' -f1 /proc/uptime)"
@@ -430,6 +439,7 @@ class Lab:
     shell: bool = False
     netns: str = field(default_factory=lambda: f"kbtplab{os.getpid() % 100000}")
     boot_seconds: float = 0.0
+    attached: bool = False
 
     def __post_init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kbtp-lab-"))
@@ -438,10 +448,18 @@ class Lab:
         self._count = itertools.count()
 
     @classmethod
+    def running(cls) -> Lab | None:
+        """The lab ``tools/rdma_lab.py up`` keeps, if one is up."""
+        if not RUNNING.exists():
+            return None
+        state = json.loads(RUNNING.read_text())
+        return cls.attach(Path(state["agent"]), Path(state["dir"]), state["netns"])
+
+    @classmethod
     def attach(cls, agent: Path, directory: Path, netns: str) -> Lab:
         """The lab another process keeps up (``tools/rdma_lab.py up``)."""
         lab = cls.__new__(cls)
-        lab.dir, lab.netns, lab.qemu = directory, netns, None
+        lab.dir, lab.netns, lab.qemu, lab.attached = directory, netns, None, True
         lab._count = itertools.count(int(time.time()))
         lab.agent = Agent(agent, 10, transient=True)
         return lab
@@ -477,15 +495,15 @@ class Lab:
         subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
         self._ip("netns", "add", self.netns)
         self._ip("-n", self.netns, "link", "set", "lo", "up")
-        for tap, ip in TAPS:
+        for tap, ips in TAPS:
             self._ip("-n", self.netns, "tuntap", "add", "dev", tap, "mode", "tap")
-            self._ip("-n", self.netns, "addr", "add", f"{ip}/24", "dev", tap)
-            self._ip("-n", self.netns, "link", "set", tap, "up")
+            for ip in ips:
+                self._ip("-n", self.netns, "addr", "add", f"{ip}/24", "dev", tap)
+            self._ip("-n", self.netns, "link", "set", tap, "mtu", str(MTU), "up")
         stage2 = (STAGE2.replace("@PATH@", GUEST_PATH).replace("@LAB@", self.guest_dir)
-                  .replace("@ROOT@", str(ROOT))
+                  .replace("@ROOT@", str(ROOT)).replace("@MTU@", str(MTU))
                   .replace("@MODULES@", " ".join(GUEST_MODULES)).replace("@SIW@", str(art.siw))
                   .replace("@GUEST_IP@", GUEST_IP).replace("@SIW_GUEST_IP@", SIW_GUEST_IP)
-                  .replace("@INNER_IP@", INNER_IP).replace("@PEER_IP@", PEER_IP)
                   .replace("@SIW_INNER_IP@", SIW_INNER_IP).replace("@SIW_PEER_IP@", SIW_PEER_IP))
         initramfs = self._initramfs(art.initramfs, stage2)
         cmdline = f"console=ttyS0 quiet panic=-1 kbtp.shell={int(self.shell)}"
@@ -588,7 +606,11 @@ class Lab:
         return [str(ROOT / ".venv/bin/kbtp"), *args]
 
     def close(self) -> None:
-        """Power the guest off (QEMU is killed if it does not go), remove the namespace."""
+        """Power the guest off (QEMU is killed if it does not go), remove the namespace;
+        a lab ``attach`` found is left running for its owner."""
+        if self.attached:
+            self.agent.close()
+            return
         try:
             if self.agent is not None:
                 with contextlib.suppress(Exception):
@@ -668,10 +690,9 @@ def main(argv: list[str] | None = None) -> int:
         if not cmd:
             parser.error(f"{args.command}: give the command after --")
         if args.command == "exec":
-            if not RUNNING.exists():
+            lab = Lab.running()
+            if lab is None:
                 raise LabError("no lab is up: start 'tools/rdma_lab.py up' first")
-            state = json.loads(RUNNING.read_text())
-            lab = Lab.attach(Path(state["agent"]), Path(state["dir"]), state["netns"])
             res = lab.run(cmd, check=False, timeout=3600)
             lab.agent.close()
             sys.stdout.write(res.stdout)

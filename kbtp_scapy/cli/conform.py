@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import click
 
 from ..conform import report
-from ..conform.registry import all_cases, select
-from ..conform.runner import HarnessError, Outcome, run
+from ..conform.registry import FAIL, WARN, ERROR, Case, all_cases, select
+from ..conform.runner import HarnessError, Listener, Outcome, run
+from ..initiator.results import TargetInfo
 
 
 class _Exit(click.ClickException):
@@ -19,36 +21,75 @@ class _Exit(click.ClickException):
         self.exit_code = code
 
 
+class _Console(Listener):
+    """The text report, one case at a time as verdicts come, on stdout (unless the JSON
+    goes there); on a terminal, one progress line on stderr, rewritten in place and
+    cleared before each result is printed."""
+
+    def __init__(self, url: str, text: bool, quiet: bool) -> None:
+        self.url, self.text, self.quiet = url, text, quiet
+        self.progress = not quiet and sys.stderr.isatty()
+        self._shown = False
+
+    def probed(self, info: TargetInfo, total: int) -> None:
+        if self.text:
+            click.echo(report.header(self.url, info))
+
+    def started(self, index: int, total: int, case: Case) -> None:
+        if self.progress:
+            click.echo(f"\r\x1b[K[{index}/{total}] {case.id} ...", err=True, nl=False)
+            self._shown = True
+
+    def finished(self, index: int, total: int, outcome: Outcome) -> None:
+        lines = report.case_lines(outcome, self.quiet) if self.text else []
+        if lines:
+            self.clear()
+            click.echo("\n".join(lines))
+
+    def clear(self) -> None:
+        if self._shown:
+            click.echo("\r\x1b[K", err=True, nl=False)
+            self._shown = False
+
+
 @click.command(context_settings={"max_content_width": 100})
 @click.option("--target", "url", metavar="URL", help="The target: iwarp://HOST:PORT or roce://HOST[:PORT].")
 @click.option("--local", metavar="ADDR", help="Local address of the checker's initiator (RoCEv2).")
 @click.option("--list", "list_only", is_flag=True, help="List the cases and their requirements, run nothing.")
 @click.option("--only", multiple=True, metavar="PREFIX", help="Run only cases whose id starts so (repeatable).")
 @click.option("--exclude", multiple=True, metavar="PREFIX", help="Leave out cases whose id starts so (repeatable).")
-@click.option("--json", "json_file", type=click.Path(dir_okay=False, writable=True),
-              help="Write the results as JSON to FILE ('-' for stdout).")
-@click.option("--junit", "junit_file", type=click.Path(dir_okay=False, writable=True),
-              help="Write the results as JUnit XML to FILE.")
-@click.option("--pcap-dir", type=click.Path(file_okay=False), help="Write a pcap per case that did not pass.")
-@click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+@click.option("--quick", is_flag=True, help="Leave out the slow cases (they are reported as SKIP).")
+@click.option("--strict", is_flag=True, help="A WARN (a SHOULD not met) fails the run too (exit status 1).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout instead of text.")
+@click.option("--json-file", type=click.Path(dir_okay=False, writable=True, allow_dash=True), metavar="FILE",
+              help="Also write the results as JSON to FILE ('-': the same as --json).")
+@click.option("--junit", "junit_file", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
+              help="Write the results as JUnit XML to FILE (a WARN is a failure of type warning).")
+@click.option("--pcap-dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Write a pcap per case that did not pass.")
+@click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="Seconds to wait for any one answer; cases that need longer waits are skipped.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr; print only cases that did not pass.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress; print only cases that did not pass.")
 def conform(url: str | None, local: str | None, list_only: bool, only: tuple[str, ...],
-            exclude: tuple[str, ...], json_file: str | None, junit_file: str | None,
-            pcap_dir: str | None, timeout: float, quiet: bool) -> None:
+            exclude: tuple[str, ...], quick: bool, strict: bool, as_json: bool, json_file: str | None,
+            junit_file: str | None, pcap_dir: str | None, timeout: float, quiet: bool) -> None:
     """Check a KBTP target against the specification, judging only what it sends back.
 
     One case per testable requirement, each PASS, FAIL, WARN (a SHOULD not met), SKIP (a
-    feature the target did not offer) or ERROR (the checker could not judge). Points where
-    the specification is silent are reported as information, never as failures.
+    feature the target did not offer, or a slow case under --quick) or ERROR (the checker
+    could not judge, for example because a set-up step failed). Points where the
+    specification is silent are reported as information, never as failures. Cases do not
+    depend on one another: each uses fresh Initiator IDs and handles no earlier case used.
 
-    Exit status: 0 all good, 1 the target failed a requirement, 2 usage or harness error.
+    Exit status: 0 all good, 1 the target failed a requirement (with --strict, or a
+    SHOULD), 2 usage or harness error, or a case that could not be judged.
 
     \b
     Examples:
       kbtp conform --target roce://127.0.0.1 --local 127.0.0.2
       kbtp conform --target iwarp://10.0.0.5:5420 --junit conform.xml --pcap-dir failed/
-      kbtp conform --target roce://10.0.0.5 --only ops. --only generation. --exclude ops.quota
+      kbtp conform --target iwarp://127.0.0.1:5420 --quick --strict --json > conform.json
+      kbtp conform --target iwarp://10.0.0.5:5420 --only ops. --only generation. --exclude ops.quota
       kbtp conform --list --only direct.
     """
     cases = select(all_cases(), only, exclude)
@@ -59,33 +100,47 @@ def conform(url: str | None, local: str | None, list_only: bool, only: tuple[str
         return
     if not url:
         raise click.UsageError("--target URL is required (or --list)")
-
-    def progress(i: int, n: int, o: Outcome) -> None:
-        if not quiet:
-            click.echo(f"[{i}/{n}] {o.verdict:5} {o.case.id} ({o.duration:.1f} s)", err=True)
-
+    if json_file == "-":
+        as_json, json_file = True, None
+    console = _Console(url, not as_json, quiet)
     try:
-        info, outcomes = asyncio.run(run(url, cases, timeout=timeout, local=local,
+        info, outcomes = asyncio.run(run(url, cases, timeout=timeout, local=local, quick=quick,
                                          pcap_dir=Path(pcap_dir) if pcap_dir else None,
-                                         progress=progress))
+                                         listener=console))
     except HarnessError as exc:
-        _write(json_file, report.as_json(url, None, [], str(exc)))
+        console.clear()
+        doc = report.as_json(url, None, [], str(exc), strict, quick)
+        _emit(as_json, json_file, doc)
         _write(junit_file, report.junit(url, [], str(exc)))
-        raise _Exit(report.EXIT_HARNESS, f"harness error: {exc}") from None
-    click.echo(report.text(url, info, outcomes, quiet))
-    _write(json_file, report.as_json(url, info, outcomes))
+        raise _Exit(report.EXIT_HARNESS, f"conform: {exc}") from None
+    console.clear()
+    if console.text:
+        click.echo(report.footer(outcomes))
+    _emit(as_json, json_file, report.as_json(url, info, outcomes, None, strict, quick))
     _write(junit_file, report.junit(url, outcomes))
-    code = report.exit_code(outcomes)
+    code = report.exit_code(outcomes, strict)
     if code:
-        failed = sum(o.verdict == "FAIL" for o in outcomes)
-        errors = sum(o.verdict == "ERROR" for o in outcomes)
-        raise _Exit(code, f"{failed} case(s) failed, {errors} could not be judged (ERROR)")
+        raise _Exit(code, _summary(outcomes, strict))
+
+
+def _summary(outcomes: list[Outcome], strict: bool) -> str:
+    failed = sum(o.verdict == FAIL for o in outcomes)
+    warned = sum(o.verdict == WARN for o in outcomes)
+    errors = sum(o.verdict == ERROR for o in outcomes)
+    parts = [f"{failed} case(s) failed"] + ([f"{warned} WARN (--strict)"] if strict and warned else [])
+    if errors:
+        parts.append(f"{errors} could not be judged (ERROR)")
+    return (f"conform: {', '.join(parts)}; see each case's expected/seen above "
+            "(--pcap-dir keeps their captures)")
+
+
+def _emit(as_json: bool, json_file: str | None, doc: str) -> None:
+    if as_json:
+        click.echo(doc)
+    _write(json_file, doc)
 
 
 def _write(path: str | None, content: str | bytes) -> None:
     if path is None:
-        return
-    if path == "-" and isinstance(content, str):
-        click.echo(content)
         return
     Path(path).write_bytes(content.encode() if isinstance(content, str) else content)

@@ -217,7 +217,8 @@ def _run_binding(transport: str, outdir: Path, fuzz_cases: int) -> Binding:
                                          f"{_last_line(f.stdout).strip('()') or 'see the output'}")
 
     def conform(url: str) -> None:
-        c = _kbtp("conform", "--target", url, "-q", "--junit", str(outdir / f"{transport}_conform.xml"),
+        c = _kbtp("conform", "--target", url, "-q", "--quick",      # the tour skips the slow case
+                  "--junit", str(outdir / f"{transport}_conform.xml"),
                   "--pcap-dir", str(outdir / f"{transport}_conform_failed"), *local_args)
         b.add("conform", c.returncode == 0, _last_line(c.stdout) or _last_line(c.stderr))
 

@@ -23,10 +23,10 @@ def dissector() -> None:
 
     \b
     Examples:
-      kbtp dissector generate            rewrite dissector/kbtp.lua and dissector/FIELDS.md
-      kbtp dissector generate --check    exit 1 if the committed files are stale
-      kbtp dissector install             copy kbtp.lua into your personal Lua plugin folder
-      kbtp dissector uninstall           remove it from there
+      kbtp dissector generate            # rewrite dissector/kbtp.lua and dissector/FIELDS.md
+      kbtp dissector generate --check    # exit 1 if the committed files are stale
+      kbtp dissector install             # copy kbtp.lua into your personal Lua plugin folder
+      kbtp dissector uninstall           # remove it from there
       tshark -X lua_script:$(kbtp dissector path) -r pcaps/roce_session.pcap
 
     The installed copy and -X lua_script: may be given together: the plugin loads once.

@@ -50,22 +50,24 @@ def feature_names(value: int) -> str:
     return ",".join(n for n, v in FEATURE_NAMES.items() if value & v) or "none"
 
 
-def raw_io_options(owner: str):
-    """``--io`` with ``--iface`` and ``--addr`` (RoCEv2 raw sockets) or ``--device``
-    (verbs: an RDMA device through rdma-core)."""
+def raw_io_options(owner: str, verbs: bool = True):
+    """``--io`` with ``--iface`` and ``--addr`` (RoCEv2 raw sockets) and, with ``verbs``,
+    ``--device`` (an RDMA device through rdma-core)."""
     def decorate(func):
-        func = click.option("--device", default=None, metavar="DEV",
-                            help="--io verbs: the RDMA device (as 'ibv_devices' lists it); "
-                                 "its address must be the one given.")(func)
+        if verbs:
+            func = click.option("--device", default=None, metavar="DEV",
+                                help="--io verbs: the RDMA device (as 'ibv_devices' lists it); "
+                                     "its address must be the one given.")(func)
         func = click.option("--addr", "raw_addr", default=None, metavar="IP[/MAC]",
                             help=f"--io raw: the address the {owner} owns (not configured in the "
                                  "kernel); without MAC a locally administered one from the IP.")(func)
         func = click.option("--iface", default=None, metavar="IF", help="Interface of --io raw.")(func)
-        return click.option("--io", type=click.Choice(["udp", "raw", "verbs"]), default="udp",
-                            show_default=True,
+        return click.option("--io", type=click.Choice(["udp", "raw", "verbs"] if verbs else ["udp", "raw"]),
+                            default="udp", show_default=True,
                             help="I/O: the soft RNIC on kernel sockets (udp: a UDP socket for "
                                  "RoCEv2, TCP for iWARP), RoCEv2 as whole frames on --iface as "
-                                 "--addr (raw), or an RDMA device (verbs, with --device).")(func)
+                                 "--addr (raw)" + (", or an RDMA device (verbs, with --device)."
+                                                   if verbs else "."))(func)
     return decorate
 
 

@@ -1,9 +1,13 @@
 """What a case works with: sessions with the target under test, and ways to judge them.
 
-Every session is the reference initiator's, opened with a fresh random Initiator ID and
-with the run's frame listener, so the frames of a case can be kept for its pcap. At the
-end of a case every Initiator ID it used is released (GOODBYE with RELEASE, reconnecting
-first when its connection is gone), so cases do not use up the target's handle ranges.
+Cases do not depend on one another. Every session is opened with a fresh random
+Initiator ID (and the run's frame listener, so the frames of a case can be kept for its
+pcap), and every handle a case asks for is one no earlier case of the run was given. At
+the end of a case the checker frees every handle it gave the case and ends each of its
+sessions with GOODBYE RELEASE, so a target whose RELEASE is broken fails the case that
+checks RELEASE and not the others. Should such a target, still keeping the old sessions,
+refuse a fresh Initiator ID, the case reconnects with an ID of an earlier case (the
+target then gives that range back, which the checker had cleaned up) and says so.
 """
 from __future__ import annotations
 
@@ -20,10 +24,12 @@ from ..initiator.results import TargetInfo
 from ..rnic import MemoryTable, QueuePair, connect as rdma_connect
 from ..rnic.qp import ConnectionLost, Received, RemoteError
 from ..tables.enums import FEATURES, OPCODES, STATUS
-from .registry import Fail, Skip
+from .hold import ReadHold
+from .registry import Fail, SetupFailed, Skip
 
 OP = OPCODES.by_name()
 FEATURE = {f.name: f.value for f in FEATURES.flags}
+
 
 class FrameBuffer:
     """A frame listener that keeps ``(time, frame)`` of the current case in memory."""
@@ -34,17 +40,40 @@ class FrameBuffer:
     def __call__(self, direction: str, frame: bytes) -> None:
         self.frames.append((time.time(), bytes(frame)))
 
+
+class RunState:
+    """What the cases of one run share: the handles given out and the Initiator IDs whose
+    sessions ended, so that no case inherits what another left behind."""
+
+    def __init__(self) -> None:
+        self.used: set[int] = set()
+        self.retired: list[bytes] = []
+        self.crowded = False      # a fresh Initiator ID was refused: try earlier ones first
+
+
+def describe(exc: BaseException, timeout: float) -> str:
+    """What an exception says happened, never empty (a timeout has no message)."""
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return f"no answer within {timeout:g} s"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (nothing listens there)"
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class Ctx:
     """One case's view of the target: ``url``, the probe's ``info``, ``timeout`` per wait."""
 
     def __init__(self, url: str, transport: str, info: TargetInfo, *, timeout: float,
-                 local: str | None, frames: FrameBuffer) -> None:
+                 local: str | None, frames: FrameBuffer, run: RunState | None = None) -> None:
         self.url, self.transport, self.info, self.timeout = url, transport, info, timeout
         self.frames = frames
+        self.run = run or RunState()
         self._options: dict[str, Any] = {"local": local} if local else {}
         self.sessions: list[Initiator] = []
         self._qps: list[QueuePair] = []
         self._ids: dict[bytes, bool] = {}          # Initiator ID -> released
+        self._given: dict[bytes, list[int]] = {}   # Initiator ID -> handles given to the case
         self._rids = itertools.count(0x7000_0000)  # raw Request IDs, apart from the initiator's
         self.notes: list[str] = []
 
@@ -54,16 +83,57 @@ class Ctx:
                       initiator_id: bytes | None = None, credits: int = 32,
                       invalidate: bool = True) -> Initiator:
         """A new session; ``Skip`` when the target does not grant the ``need`` features."""
-        try:
-            ini = await self._open(initiator_id or self.new_id(), features, credits, invalidate)
-        except KbtpError as refused:
-            raise RuntimeError(f"the target refused a HELLO ({refused.name}); it may admit too "
-                               "few initiators at once for this case") from None
+        ini = None
+        if initiator_id is None and self.run.crowded:   # fresh IDs were refused before
+            ini = await self._reuse(features, need, credits, invalidate)
+        if ini is None:
+            ini = await self._fresh(initiator_id, features, need, credits, invalidate)
         missing = need & ~ini.target.features
         if missing:
             names = [n for n, v in FEATURE.items() if v & missing]
             raise Skip(f"the target did not grant {'/'.join(names)} to this session")
         return ini
+
+    async def _fresh(self, initiator_id: bytes | None, features: int, need: int, credits: int,
+                     invalidate: bool) -> Initiator:
+        ident = initiator_id or self.new_id()
+        try:
+            return await self._open(ident, features, credits, invalidate)
+        except KbtpError as refused:
+            if initiator_id is not None:
+                raise SetupFailed("HELLO", "HELLO_ACK Status OK", refused.name) from None
+            del self._ids[ident]                  # never had a session: nothing to release
+            self.run.crowded = True
+            ini = await self._reuse(features, need, credits, invalidate)
+            if ini is None:
+                raise SetupFailed("HELLO with a fresh Initiator ID", "HELLO_ACK Status OK",
+                                  f"{refused.name}, and no Initiator ID of an earlier case was "
+                                  "accepted either; the target may admit too few initiators at "
+                                  "once") from None
+            return ini
+
+    async def _reuse(self, features: int, need: int, credits: int, invalidate: bool) -> Initiator | None:
+        """A session under the Initiator ID of an earlier case (one granted the ``need``
+        features, if any is), for a target that refuses fresh ones: an ID it still keeps
+        gives back a range the checker cleaned up, one it forgot is as good as fresh."""
+        for ident in list(self.run.retired):
+            try:
+                ini = await self._open(ident, features, credits, invalidate)
+            except KbtpError as refused:
+                if refused.name != "ALREADY_BOUND":   # not kept, and no room for it either
+                    self.run.retired.remove(ident)
+                continue
+            if need & ~ini.target.features and ident != self.run.retired[-1]:
+                self.sessions.remove(ini)
+                self._ids.pop(ident)
+                await _quietly(asyncio.wait_for(ini.goodbye(release=True), self.timeout))
+                continue
+            self.run.retired.remove(ident)
+            self.note("the target refused a HELLO with a fresh Initiator ID (no room); the case "
+                      "reconnected with the Initiator ID of an earlier case, whose session it "
+                      "kept after GOODBYE with RELEASE")
+            return ini
+        return None
 
     async def _open(self, ident: bytes, features: int, credits: int = 32,
                     invalidate: bool = True) -> Initiator:
@@ -112,30 +182,72 @@ class Ctx:
         if release:
             self._ids[ini.initiator_id] = True
 
+    # -- handles -------------------------------------------------------------------------
+
+    async def handles(self, ini: Initiator, count: int = 1) -> list[int]:
+        """``count`` handles of ``ini``'s range that no case of this run was given before;
+        once every handle of the range was, handles a FREE leaves unbound (OK: it was
+        still bound; NOT_VALID: it was not)."""
+        base, size = ini.target.handle_base, ini.target.handle_count
+        fresh = list(itertools.islice((h for h in range(base, base + size) if h not in self.run.used),
+                                      count))
+        if len(fresh) < count:
+            for h in range(base, base + size):
+                if h in fresh or not await self._freed(ini, h):
+                    continue
+                fresh.append(h)
+                if len(fresh) == count:
+                    break
+            else:
+                raise SetupFailed(f"choosing {count} handles of the range {base:#x}+{size}",
+                                  f"{count} handles that FREE leaves unbound", f"only {len(fresh)}")
+        self.run.used.update(fresh)
+        self._given.setdefault(ini.initiator_id, []).extend(fresh)
+        return fresh
+
+    async def _freed(self, ini: Initiator, h: int) -> bool:
+        try:
+            return (await self.outcome(ini.free(h)))[0] in ("OK", "NOT_VALID")
+        except Fail as failed:
+            raise SetupFailed(f"FREE of 0x{h:x} (making room for the case)", failed.expected,
+                              failed.seen) from None
+
+    async def handle(self, ini: Initiator) -> int:
+        return (await self.handles(ini))[0]
+
     async def close(self) -> None:
-        """Release every Initiator ID the case used; errors here never change a verdict."""
+        """Free every handle the case was given and end each of its sessions with GOODBYE
+        RELEASE; errors here never change a verdict."""
         for qp in self._qps:
             await _quietly(asyncio.wait_for(qp.close(), self.timeout))
-        for ini in self.sessions:
-            if not ini.qp.closed:
-                try:
-                    await asyncio.wait_for(ini.goodbye(release=True), self.timeout)
-                    self._ids[ini.initiator_id] = True
-                except (Exception, asyncio.TimeoutError):
-                    await _quietly(ini.close())
+        open_sessions = {ini.initiator_id: ini for ini in self.sessions if not ini.qp.closed}
         for ident, released in self._ids.items():
-            for _ in range(3 if not released else 0):
-                try:
-                    ini = await asyncio.wait_for(Initiator.connect(
-                        self.url, initiator_id=ident, features=0, **self._options), self.timeout)
-                except KbtpError:
-                    await asyncio.sleep(0.3)        # the old connection is still seen as active
-                    continue
-                except (Exception, asyncio.TimeoutError):
-                    break
+            given = self._given.get(ident, [])
+            if released and not given:
+                continue
+            ini = open_sessions.get(ident) or await self._rejoin(ident)
+            if ini is not None:
+                if given:
+                    await _quietly(asyncio.wait_for(asyncio.gather(
+                        *(ini.free(h) for h in given), return_exceptions=True), self.timeout))
                 await _quietly(asyncio.wait_for(ini.goodbye(release=True), self.timeout))
-                break
+            self.run.retired.append(ident)
+        for ini in self.sessions:
+            await _quietly(ini.close())
         self.sessions.clear()
+
+    async def _rejoin(self, ident: bytes) -> Initiator | None:
+        """A session with ``ident`` for cleaning up, waiting while the target still sees
+        the old connection as active."""
+        for _ in range(3):
+            try:
+                return await asyncio.wait_for(Initiator.connect(
+                    self.url, initiator_id=ident, features=0, **self._options), self.timeout)
+            except KbtpError:
+                await asyncio.sleep(0.3)
+            except (Exception, asyncio.TimeoutError):
+                return None
+        return None
 
     # -- waiting and judging -------------------------------------------------------------
 
@@ -146,7 +258,16 @@ class Ctx:
         except asyncio.TimeoutError:
             raise Fail(what, f"nothing within {self.timeout:g} s") from None
         except (ConnectionLost, RemoteError) as exc:
-            raise Fail(what, f"the connection failed ({exc})") from None
+            raise Fail(what, f"the connection failed ({describe(exc, self.timeout)})") from None
+
+    async def setup(self, coro: Awaitable[Result], step: str) -> Result:
+        """A request that only prepares the case: it must complete OK, else ``SetupFailed``."""
+        try:
+            return await self.wait(coro, step)
+        except KbtpError as exc:
+            raise SetupFailed(step, "OK", exc.name) from None
+        except Fail as failed:
+            raise SetupFailed(step, failed.expected, failed.seen) from None
 
     async def outcome(self, coro: Awaitable[Result]) -> tuple[str, Result | None]:
         """The status name of a request and its result (None when not completed OK)."""
@@ -178,6 +299,34 @@ class Ctx:
 
     # -- raw requests --------------------------------------------------------------------
 
+    def hold_reads(self, ini: Initiator) -> ReadHold:
+        """Hold back the answers to the target's RDMA Reads on ``ini``'s connection."""
+        return ReadHold(ini.qp)
+
+    @staticmethod
+    def send(ini: Initiator, messages: list[bytes]) -> None:
+        """Post raw requests, in order, without waiting for anything (a failure to deliver
+        one ends the connection, which is what a case then sees)."""
+        for message in messages:
+            ini.qp.send(message, signaled=False)
+
+    async def collect(self, ini: Initiator, count: int, within: float | None = None) -> list[dict | None]:
+        """Up to ``count`` completions of raw requests arriving within ``within`` seconds
+        (default ``timeout``), decoded (None for what is no COMPLETION)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.timeout if within is None else within)
+        out: list[dict | None] = []
+        while len(out) < count and (remaining := deadline - loop.time()) > 0:
+            try:
+                msg = await asyncio.wait_for(ini.unmatched.get(), remaining)
+            except asyncio.TimeoutError:
+                break
+            try:
+                out.append(None if msg.write_imm else codec.decode(msg.payload, ini.addr_le))
+            except codec.Malformed:
+                out.append(None)
+        return out
+
     def rid(self) -> int:
         return next(self._rids)
 
@@ -206,8 +355,10 @@ class Ctx:
             raise Fail(f"{what}: a COMPLETION", msg.payload.hex() or "an RDMA Write with Immediate")
         return decoded
 
+
 def status_name(value: int) -> str:
     return STATUS.describe(value)
+
 
 async def _quietly(coro: Awaitable) -> None:
     try:

@@ -33,6 +33,15 @@ class Skip(Exception):
     """The target did not offer what the case needs, or it would take too long."""
 
 
+class SetupFailed(Exception):
+    """A step that only prepares the case failed, so the requirement could not be judged:
+    the case is an ERROR naming the step, and the case that checks that step fails."""
+
+    def __init__(self, step: str, expected: str, seen: str) -> None:
+        super().__init__(f"set-up step {step}: expected {expected}; seen {seen}")
+        self.step, self.expected, self.seen = step, expected, seen
+
+
 CaseFn = Callable[["Ctx"], Awaitable[None]]
 
 
@@ -45,6 +54,8 @@ class Case:
     fn: CaseFn = field(repr=False, compare=False)
     features: int = 0            # HELLO_ACK Features bits the case needs
     transport: str | None = None  # "iwarp" or "roce" when only one binding applies
+    slow: str = ""               # why the case takes long (``--quick`` skips it), else ""
+    budget: float | None = None  # seconds the whole case may take (default: CASE_BUDGET timeouts)
 
     @property
     def group(self) -> str:
@@ -66,7 +77,8 @@ UNTESTABLE: list[Untestable] = []
 
 
 def case(id: str, section: str, level: str, requirement: str, *, features: int = 0,
-         transport: str | None = None) -> Callable[[CaseFn], CaseFn]:
+         transport: str | None = None, slow: str = "",
+         budget: float | None = None) -> Callable[[CaseFn], CaseFn]:
     """Register the decorated coroutine as the case ``id``."""
     if level not in LEVELS:
         raise ValueError(f"{id}: unknown level {level}")
@@ -74,7 +86,8 @@ def case(id: str, section: str, level: str, requirement: str, *, features: int =
     def register(fn: CaseFn) -> CaseFn:
         if any(c.id == id for c in CASES):
             raise ValueError(f"duplicate case id {id}")
-        CASES.append(Case(id, section, level, " ".join(requirement.split()), fn, features, transport))
+        CASES.append(Case(id, section, level, " ".join(requirement.split()), fn, features, transport,
+                          slow, budget))
         return fn
     return register
 

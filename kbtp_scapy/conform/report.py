@@ -13,12 +13,14 @@ from .runner import Outcome
 EXIT_OK, EXIT_DIFFERS, EXIT_HARNESS = 0, 1, 2
 
 
-def exit_code(outcomes: Iterable[Outcome]) -> int:
-    """2 when any case could not be judged, else 1 when any failed, else 0."""
+def exit_code(outcomes: Iterable[Outcome], strict: bool = False) -> int:
+    """1 when any case failed (with ``strict``, or WARNed), else 2 when any could not be
+    judged, else 0: a target that fails a requirement is told so even when other cases
+    could not be judged because of it."""
     verdicts = {o.verdict for o in outcomes}
-    if ERROR in verdicts:
-        return EXIT_HARNESS
-    return EXIT_DIFFERS if FAIL in verdicts else EXIT_OK
+    if FAIL in verdicts or strict and WARN in verdicts:
+        return EXIT_DIFFERS
+    return EXIT_HARNESS if ERROR in verdicts else EXIT_OK
 
 
 def listing(cases: list[Case]) -> str:
@@ -48,39 +50,55 @@ def coverage(outcomes: list[Outcome]) -> dict[str, Any]:
                                "reason": u.reason} for u in UNTESTABLE]}
 
 
-def text(url: str, info: TargetInfo, outcomes: list[Outcome], quiet: bool = False) -> str:
-    """Every case, or with ``quiet`` only those that did not pass; the counts cover all."""
-    out = [f"kbtp conform {url}: Features {info.features:#06x}, Block Size {info.block_size}, "
-           f"quota {info.quota}, Ticket Timeout {info.ticket_timeout_ms} ms", ""]
-    for o in outcomes:
-        if quiet and o.verdict == PASS and not o.notes:
-            continue
-        out.append(f"{o.verdict:5}  {o.case.id}{'  (' + o.detail + ')' if o.detail and o.verdict == SKIP else ''}")
-        if o.verdict in (FAIL, WARN, ERROR):
-            out.append(f"       requirement ({o.case.level}, {o.case.section}): \u201c{o.case.requirement}\u201d")
-            if o.expected or o.seen:
-                out.append(f"       expected: {o.expected}")
-                out.append(f"       seen:     {o.seen}")
-            if o.detail:
-                out.append(f"       error:    {o.detail}")
-            if o.pcap:
-                out.append(f"       pcap:     {o.pcap}")
-        for note in o.notes:
-            out.append(f"       info: {note}")
+def header(url: str, info: TargetInfo) -> str:
+    return (f"kbtp conform {url}: Features {info.features:#06x}, Block Size {info.block_size}, "
+            f"quota {info.quota}, Ticket Timeout {info.ticket_timeout_ms} ms\n")
+
+
+def case_lines(o: Outcome, quiet: bool = False) -> list[str]:
+    """The lines of one case: its verdict, and for one that did not pass, why."""
+    if quiet and o.verdict == PASS and not o.notes:
+        return []
+    out = [f"{o.verdict:5}  {o.case.id}{'  (' + o.detail + ')' if o.detail and o.verdict == SKIP else ''}"]
+    if o.verdict in (FAIL, WARN, ERROR):
+        out.append(f"       requirement ({o.case.level}, {o.case.section}): \u201c{o.case.requirement}\u201d")
+        if o.expected or o.seen:
+            out.append(f"       expected: {o.expected}")
+            out.append(f"       seen:     {o.seen}")
+        if o.detail:
+            out.append(f"       error:    {o.detail}")
+        if o.pcap:
+            out.append(f"       pcap:     {o.pcap}")
+    out += [f"       info: {note}" for note in o.notes]
+    return out
+
+
+def footer(outcomes: list[Outcome]) -> str:
     counts = Counter(o.verdict for o in outcomes)
     cov = coverage(outcomes)
-    out += ["", "coverage: " + ", ".join(f"{k} {v['judged']}/{v['cases']}" for k, v in cov["sections"].items())
-            + f"; {cov['judged']} of {cov['cases']} cases judged; {len(cov['not_checkable'])} requirements "
-            "cannot be judged from the wire (see --json)",
-            "result: " + ", ".join(f"{counts[v]} {v}" for v in VERDICTS)]
-    return "\n".join(out)
+    return "\n".join([
+        "", "coverage: " + ", ".join(f"{k} {v['judged']}/{v['cases']}" for k, v in cov["sections"].items())
+        + f"; {cov['judged']} of {cov['cases']} cases judged; {len(cov['not_checkable'])} requirements "
+        "cannot be judged from the wire (see --json)",
+        "result: " + ", ".join(f"{counts[v]} {v}" for v in VERDICTS)])
 
 
-def as_json(url: str, info: TargetInfo | None, outcomes: list[Outcome], error: str | None = None) -> str:
+def text(url: str, info: TargetInfo, outcomes: list[Outcome], quiet: bool = False) -> str:
+    """Every case, or with ``quiet`` only those that did not pass; the counts cover all."""
+    lines = [header(url, info)]
+    for o in outcomes:
+        lines += case_lines(o, quiet)
+    return "\n".join(lines) + "\n" + footer(outcomes)
+
+
+def as_json(url: str, info: TargetInfo | None, outcomes: list[Outcome], error: str | None = None,
+            strict: bool = False, quick: bool = False) -> str:
     doc = {
         "target": url,
         "error": error,
-        "exit_code": EXIT_HARNESS if error else exit_code(outcomes),
+        "exit_code": EXIT_HARNESS if error else exit_code(outcomes, strict),
+        "strict": strict,
+        "quick": quick,
         "target_info": None if info is None else {
             "features": info.features, "request_credits": info.request_credits,
             "block_size": info.block_size, "max_inline": info.max_inline, "quota": info.quota,
@@ -97,8 +115,9 @@ def as_json(url: str, info: TargetInfo | None, outcomes: list[Outcome], error: s
 
 
 def junit(url: str, outcomes: list[Outcome], error: str | None = None) -> bytes:
+    """JUnit XML; a WARN is a failure of type "warning", so that CI shows it."""
     suite = ET.Element("testsuite", name="kbtp-conform", tests=str(len(outcomes)),
-                       failures=str(sum(o.verdict == FAIL for o in outcomes)),
+                       failures=str(sum(o.verdict in (FAIL, WARN) for o in outcomes)),
                        errors=str(sum(o.verdict == ERROR for o in outcomes) + bool(error)),
                        skipped=str(sum(o.verdict == SKIP for o in outcomes)),
                        time=f"{sum(o.duration for o in outcomes):.3f}")
@@ -110,13 +129,15 @@ def junit(url: str, outcomes: list[Outcome], error: str | None = None) -> bytes:
         body = f"{o.case.level}: {o.case.requirement}" + (f"\npcap: {o.pcap}" if o.pcap else "")
         if o.verdict == FAIL:
             ET.SubElement(tc, "failure", message=message, type=o.case.level).text = body
+        elif o.verdict == WARN:
+            ET.SubElement(tc, "failure", message=f"WARN (SHOULD not met): {message}",
+                          type="warning").text = body
         elif o.verdict == ERROR:
-            ET.SubElement(tc, "error", message=message).text = body
+            ET.SubElement(tc, "error", message=f"{o.detail}: {message}" if o.expected else message).text = body
         elif o.verdict == SKIP:
             ET.SubElement(tc, "skipped", message=o.detail)
-        if o.verdict == WARN or o.notes:
-            ET.SubElement(tc, "system-out").text = "\n".join(
-                ([f"WARN (SHOULD not met): {message}"] if o.verdict == WARN else []) + o.notes)
+        if o.notes:
+            ET.SubElement(tc, "system-out").text = "\n".join(o.notes)
     if error:
         tc = ET.SubElement(suite, "testcase", classname="kbtp.harness", name="harness", time="0")
         ET.SubElement(tc, "error", message=error)

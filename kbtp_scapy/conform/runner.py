@@ -1,19 +1,20 @@
 """Running cases against a target: a probe HELLO, then each case with its own sessions.
 
 A case's verdict comes from what it raised: nothing is PASS, ``Fail`` is FAIL (WARN for a
-SHOULD), ``Skip`` is SKIP, anything else is ERROR (the harness could not judge). A lost
-connection or a request failing where the case did not expect it is the target's doing
-(FAIL). The frames of each case are kept in memory and written to a pcap only when the
-case did not pass.
+SHOULD), ``Skip`` is SKIP, ``SetupFailed`` is ERROR naming the step that only prepared
+the case (the case that checks that step is the one that fails), anything else is ERROR
+(the harness could not judge). A lost connection or a request failing where the case did
+not expect it is the target's doing (FAIL). The frames of each case are kept in memory
+and written to a pcap only when the case did not pass.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..initiator import Initiator, KbtpError
 from ..initiator.client import ALL_FEATURES
@@ -22,10 +23,10 @@ from ..rnic import parse_url
 from ..rnic.pcap import PcapSink
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables.enums import FEATURES
-from .context import Ctx, FrameBuffer
-from .registry import ERROR, FAIL, PASS, SHOULD, SKIP, WARN, Case, Fail, Skip
+from .context import Ctx, FrameBuffer, RunState, describe
+from .registry import ERROR, FAIL, PASS, SHOULD, SKIP, WARN, Case, Fail, SetupFailed, Skip
 
-CASE_BUDGET = 8      # a whole case may take this many --timeout periods
+CASE_BUDGET = 8      # a whole case may take this many --timeout periods (unless it says)
 
 
 class HarnessError(Exception):
@@ -44,59 +45,90 @@ class Outcome:
     duration: float = 0.0
 
 
-Progress = Callable[[int, int, Outcome], None]
+class Listener:
+    """What a front end hears of a run; every method may be left as it is."""
+
+    def probed(self, info: TargetInfo, total: int) -> None:
+        """The target answered the probe; ``total`` cases follow."""
+
+    def started(self, index: int, total: int, case: Case) -> None:
+        """Case ``index`` (from 1) of ``total`` begins."""
+
+    def finished(self, index: int, total: int, outcome: Outcome) -> None:
+        """Case ``index`` has its verdict."""
 
 
-async def probe(url: str, local: str | None, timeout: float) -> TargetInfo:
+async def probe(url: str, local: str | None, timeout: float,
+                state: RunState | None = None) -> TargetInfo:
     """HELLO with every feature requested: what the target offers, for SKIP decisions."""
     options = {"local": local} if local else {}
     try:
         ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, **options), timeout)
     except KbtpError as exc:
-        raise HarnessError(f"{url}: the target refused the probe HELLO ({exc.name})") from None
-    except (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError) as exc:
-        raise HarnessError(f"{url}: cannot reach a KBTP target ({type(exc).__name__}: {exc})") from None
+        raise HarnessError(f"{url}: the target refused the probe HELLO ({exc.name}); if it admits "
+                           "few initiators, end other sessions first") from None
+    except (ConnectionLost, RemoteError, asyncio.TimeoutError) as exc:
+        raise HarnessError(f"{url}: cannot reach a KBTP target ({describe(exc, timeout)}); check "
+                           "the address and that the target runs, or raise --timeout") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE and local:
+            raise HarnessError(f"the local address {local}: already in use; pick another with "
+                               "--local") from None
+        raise HarnessError(f"{url}: cannot reach a KBTP target ({describe(exc, timeout)}); check "
+                           "the address and that the target runs") from None
     info = ini.target
     try:
         await asyncio.wait_for(ini.goodbye(release=True), timeout)
     except (ConnectionLost, asyncio.TimeoutError):
         await ini.close()
+    if state is not None:
+        state.retired.append(ini.initiator_id)
     return info
 
 
-def _unmet(case: Case, transport: str, info: TargetInfo) -> str | None:
+def _unmet(case: Case, transport: str, info: TargetInfo, quick: bool) -> str | None:
     if case.transport and case.transport != transport:
         return f"applies to the {case.transport} binding only"
     missing = case.features & ~info.features
     if missing:
         names = "/".join(f.name for f in FEATURES.flags if f.value & missing)
         return f"the target did not offer {names}"
+    if quick and case.slow:
+        return f"slow ({case.slow}); left out by --quick"
     return None
 
 
 async def run_case(case: Case, url: str, transport: str, info: TargetInfo, *, timeout: float,
-                   local: str | None, pcap_dir: Path | None) -> Outcome:
+                   local: str | None, pcap_dir: Path | None, quick: bool = False,
+                   state: RunState | None = None) -> Outcome:
     started = time.monotonic()
-    reason = _unmet(case, transport, info)
+    reason = _unmet(case, transport, info, quick)
     if reason:
         return Outcome(case, SKIP, detail=reason)
     frames = FrameBuffer()
-    ctx = Ctx(url, transport, info, timeout=timeout, local=local, frames=frames)
+    ctx = Ctx(url, transport, info, timeout=timeout, local=local, frames=frames, run=state)
+    budget = case.budget or timeout * CASE_BUDGET
     try:
-        await asyncio.wait_for(case.fn(ctx), timeout * CASE_BUDGET)
+        await asyncio.wait_for(case.fn(ctx), budget)
         out = Outcome(case, PASS)
     except Fail as failed:
         out = Outcome(case, WARN if case.level == SHOULD else FAIL, failed.expected, failed.seen)
     except Skip as skipped:
         out = Outcome(case, SKIP, detail=str(skipped))
+    except SetupFailed as setup:
+        out = Outcome(case, ERROR, setup.expected, setup.seen,
+                      detail=f"set-up step failed ({setup.step}), so the requirement could not be "
+                             "judged; the case that checks that step says more")
     except (ConnectionLost, RemoteError) as exc:
-        out = Outcome(case, FAIL, "the connection kept open", f"{type(exc).__name__}: {exc}")
+        out = Outcome(case, FAIL, "the connection kept open", describe(exc, timeout))
     except KbtpError as exc:
-        out = Outcome(case, FAIL, "the request completed OK", str(exc))
+        out = Outcome(case, FAIL, "the request completed OK", str(exc) or exc.name)
     except asyncio.TimeoutError:
-        out = Outcome(case, ERROR, detail=f"the case did not end within {timeout * CASE_BUDGET:g} s")
+        out = Outcome(case, ERROR, detail=f"the case did not end within {budget:g} s; raise "
+                                          "--timeout for a slow target")
     except Exception as exc:          # the harness could not judge: never a pass
-        out = Outcome(case, ERROR, detail=f"{type(exc).__name__}: {exc}")
+        out = Outcome(case, ERROR, detail=f"the checker failed ({describe(exc, timeout)}); "
+                                          "please report it with the case's pcap")
     try:
         await asyncio.wait_for(ctx.close(), timeout * 2)
     except asyncio.TimeoutError:
@@ -118,17 +150,22 @@ def write_pcap(directory: Path, case_id: str, frames: FrameBuffer) -> str:
 
 
 async def run(url: str, cases: list[Case], *, timeout: float = 10.0, local: str | None = None,
-              pcap_dir: Path | None = None, progress: Progress | None = None) -> tuple[TargetInfo, list[Outcome]]:
+              pcap_dir: Path | None = None, quick: bool = False,
+              listener: Listener | None = None) -> tuple[TargetInfo, list[Outcome]]:
     """Probe the target, then run ``cases`` one after the other."""
     try:
         transport = parse_url(url).transport
     except ValueError as exc:
         raise HarnessError(str(exc)) from None
-    info = await probe(url, local, timeout)
+    listener = listener or Listener()
+    state = RunState()
+    info = await probe(url, local, timeout, state)
+    listener.probed(info, len(cases))
     outcomes = []
     for i, case in enumerate(cases, 1):
-        out = await run_case(case, url, transport, info, timeout=timeout, local=local, pcap_dir=pcap_dir)
+        listener.started(i, len(cases), case)
+        out = await run_case(case, url, transport, info, timeout=timeout, local=local,
+                             pcap_dir=pcap_dir, quick=quick, state=state)
         outcomes.append(out)
-        if progress:
-            progress(i, len(cases), out)
+        listener.finished(i, len(cases), out)
     return info, outcomes

@@ -24,6 +24,7 @@ REQUEST_OPS = ("LOAD", "STORE", "ALLOC_STORE", "FREE", "BIND")
 VALID_OPS = ("alloc_store", "store", "load", "free", "direct_load", "direct_alloc")
 RDMA_KINDS = ("random_stag", "peer_stag", "read_only_write", "out_of_bounds", "head_wrong_add")
 SCRATCH = 8          # own handles the valid operations play with, after the guards
+QUOTA_P, ABANDON_P = 1 / 50, 1 / 1000     # cases that end with a quota fill, an abandoned ticket
 _NAME = re.compile(r"^(iwarp|roce)-(\d+)-(\d+)$")
 
 
@@ -91,7 +92,28 @@ def make_case(transport: str, seed: int, index: int) -> Case:
             steps.append({"kind": "burst", "extra": rng.randrange(1, 9)})
         else:
             steps.append({"kind": "reconnect"})
+    _model_steps(random.Random(f"kbtp-fuzz/{seed}/{index}/model"), steps)
     return Case(case_name(transport, seed, index), seed, index, steps)
+
+
+def _model_steps(rng: random.Random, steps: list[Step]) -> None:
+    """What the model's oracles added, drawn from a second stream so that the steps a case
+    had before keep their values (and saved case names their meaning): valid requests
+    with RECORD, a known Generation, loads without ALLOW_UNSEALED or into a buffer
+    shorter than the block; now and then a case ends by filling the quota or by leaving
+    a ticket unbound past its Ticket Timeout."""
+    for step in steps:
+        if step["kind"] == "valid":
+            step["record"] = rng.random() < 0.15
+            step["known_generation"] = rng.random() < 0.3
+            if step["op"] == "load":
+                step["allow_unsealed"] = rng.random() < 0.6
+                step["buffer"] = rng.choice(["block"] * 6 + ["exact", "short"])
+    r = rng.random()
+    if r < QUOTA_P:
+        steps.append({"kind": "quota", "seed": rng.getrandbits(32)})
+    elif r < QUOTA_P + ABANDON_P:
+        steps.append({"kind": "abandon"})
 
 
 def unknown_opcodes() -> list[int]:

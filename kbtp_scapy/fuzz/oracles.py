@@ -1,46 +1,29 @@
-"""Verdicts from the wire: answers to each request, and the invariants after each case.
+"""Verdicts that need no request of the case: HELLO_ACKs, a fresh HELLO after each case,
+and with DIRECT_LOAD the table and the rings held to the model.
 
-Refusals (any non-OK status, NAK or Terminate ending the connection) are the target's
-right. A finding is what the specification forbids as far as the wire shows it: an OK
-where a check had to fail, an answer to a Request ID never sent or answered twice, no
-answer at all, a stored block that loads back changed, a broken DIRECT_LOAD-visible
-invariant, or a target that stops answering HELLO.
+Every completion is judged by ``model``; this module covers what is read rather than
+answered.
 """
 from __future__ import annotations
 
 import asyncio
 import secrets
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .. import codec
 from ..initiator import KbtpError
-from ..initiator.client import ALL_FEATURES
-from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables import memory as M
-from ..tables.enums import OPCODES, STATUS
-from ..target.table import SEALED, VALID
-from .state import World
+from ..tables.enums import ENTRY_FLAGS, FEATURES, OPCODES, STATUS, flag
+from .findings import Finding
+
+if TYPE_CHECKING:
+    from .state import World
 
 OP = OPCODES.by_name()
-S = STATUS.by_name()
-OWN_RANGE_OPS = {OP["STORE"], OP["ALLOC_STORE"], OP["FREE"], OP["BIND"]}
-LIVENESS_TIMEOUT = 5.0
-
-
-@dataclass
-class Finding:
-    """One thing the target did that the rules forbid; ``kind`` groups findings for
-    minimization (a smaller case must show the same kind)."""
-
-    kind: str
-    detail: str
-    step: int | None = None
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "detail": self.detail, "step": self.step, "evidence": self.evidence}
+VALID, SEALED = flag(ENTRY_FLAGS, "VALID"), flag(ENTRY_FLAGS, "SEALED")
+DIRECT_LOAD, DIRECT_ALLOC = flag(FEATURES, "DIRECT_LOAD"), flag(FEATURES, "DIRECT_ALLOC")
+RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
 
 
 def status_known(status: int) -> bool:
@@ -48,128 +31,128 @@ def status_known(status: int) -> bool:
     return status in {v.value for v in STATUS.values} or lo <= status <= hi
 
 
-def check_completion(world: World, sent: bytes, req: dict[str, Any] | None, c: dict[str, Any],
-                     allowed_blocks: set[int]) -> list[Finding]:
-    """Rules a completion breaks, given the octets sent (``req`` their decoding, or
-    None when they cannot be parsed) and the (ticket, block) pairs the session took."""
-    own, out = world.own, []
-    status, rid = c["status"], c["request_id"]
-    ev = {"sent": sent.hex(), "completion": {k: (v.hex() if isinstance(v, bytes) else v) for k, v in c.items()}}
-    if len(sent) >= 12 and rid != int.from_bytes(sent[4:12], "big"):
-        out.append(Finding("request-id", f"completion for Request ID {rid}, request carried "
-                           f"{int.from_bytes(sent[4:12], 'big')}", evidence=ev))
-    if not status_known(status):
-        out.append(Finding("status-undefined", f"status {status} is neither assigned nor Private Use",
+def check_hello_ack(raw: bytes, transport: str) -> list[Finding]:
+    """The HELLO_ACK's header ("Request ID, Block Handle, Generation, and Status are
+    zero", Status reporting an error) and what the text fixes of a granted body."""
+    if not raw:
+        return []
+    try:
+        ack = codec.decode(raw)
+    except codec.Malformed as bad:
+        return [Finding("hello-ack", f"the answer to HELLO cannot be parsed: {bad}", evidence={"answer": raw.hex()})]
+    ev = {"hello_ack": raw.hex()}
+    if ack["opcode"] != OP["HELLO_ACK"]:
+        return [Finding("hello-ack", f"HELLO was answered by {OPCODES.describe(ack['opcode'])}", evidence=ev)]
+    problems = [f"{name} {ack[key]}" for key, name in (("request_id", "Request ID"), ("handle", "Block Handle"),
+                                                       ("generation", "Generation")) if ack[key]]
+    out = [Finding("hello-ack", "the HELLO_ACK header carries " + ", ".join(problems) + " (zero in HELLO_ACK)",
+                   evidence=ev)] if problems else []
+    if not status_known(ack["status"]):
+        out.append(Finding("hello-ack", f"HELLO_ACK Status {ack['status']} is neither assigned nor Private Use",
                            evidence=ev))
-    if status != S["OK"]:
+    if ack["status"]:
         return out
-    lo, hi = OPCODES.private_use
-    if len(sent) >= 2 and (sent[0] != 1 or (sent[1] not in codec.BY_OPCODE and not lo <= sent[1] <= hi)
-                           or sent[1] in (OP["HELLO"], OP["HELLO_ACK"], OP["COMPLETION"])):
-        out.append(Finding("ok-unparseable", f"OK for version {sent[0]} opcode 0x{sent[1]:02x}", evidence=ev))
-        return out
-    if req is None:
-        if len(sent) < 24:
-            out.append(Finding("ok-unparseable", f"OK for a {len(sent)}-octet request", evidence=ev))
-        return out
-    op, handle = req["opcode"], req["handle"]
-    if op == OP["STORE"] and any(handle in s.guards for s in (own, world.peer)):
-        out.append(Finding("ok-sealed", f"OK for STORE to sealed block 0x{handle:x}", evidence=ev))
-    if op in OWN_RANGE_OPS and not own.owns(handle):
-        out.append(Finding("ok-outside-range", f"OK for {OPCODES.describe(op)} on handle 0x{handle:x} "
-                           f"outside the granted range 0x{own.base:x}+{own.count}", evidence=ev))
-    fields = own.ini.target.fields
-    if op == OP["LOAD"] and "table_base_handle" in fields:
-        first = fields["table_base_handle"]
-        if not first <= handle < first + fields["table.count"]:
-            out.append(Finding("ok-outside-range", f"OK for LOAD of handle 0x{handle:x} outside the "
-                               f"table the target announced", evidence=ev))
-    info = own.ini.target
-    if op in (OP["STORE"], OP["ALLOC_STORE"]) and req.get("dd.length", 0) > info.block_size:
-        out.append(Finding("ok-too-large", f"OK for a store of {req['dd.length']} octets, Block Size "
-                           f"{info.block_size}", evidence=ev))
-    if op == OP["LOAD"] and c["completion.data_length"] > req.get("dd.length", 0):
-        out.append(Finding("ok-too-large", f"LOAD wrote {c['completion.data_length']} octets into a "
-                           f"{req.get('dd.length', 0)}-octet buffer", evidence=ev))
-    if op in (OP["LOAD"], OP["STORE"]) and req["generation"] and c["generation"] != req["generation"]:
-        out.append(Finding("ok-generation", f"OK for generation {req['generation']}, the entry has "
-                           f"{c['generation']}", evidence=ev))
-    if op in (OP["LOAD"], OP["STORE"], OP["ALLOC_STORE"], OP["BIND"]) and c["generation"] == 0:
-        out.append(Finding("ok-generation", "OK with generation 0 for a bound entry", evidence=ev))
-    if op == OP["BIND"] and (req["bind.ticket"], req["bind.block_offset"]) not in allowed_blocks:
-        out.append(Finding("ok-forged-bind", f"BIND of ticket {req['bind.ticket']} block "
-                           f"0x{req['bind.block_offset']:x} that no slot gave this session", evidence=ev))
+    features, f = ack["hello_ack.features"], ack
+    wrong = []
+    if transport == "iwarp" and features & RECORD_COMPLETION:
+        wrong.append("RECORD_COMPLETION granted in the RDMAP binding")
+    if features & DIRECT_ALLOC:
+        n, part = f["hello_ack.ring.count"], f["hello_ack.partition.count"]
+        if f["hello_ack.head.offset"] % 8:
+            wrong.append(f"Head Tagged Offset 0x{f['hello_ack.head.offset']:x} is not a multiple of 8")
+        if n < 1 or n & (n - 1) or n < part:
+            wrong.append(f"ring of {n} slots for a partition of {part} blocks (N = 2^n, not smaller than F)")
+    if features & DIRECT_LOAD and f["hello_ack.allocation_quota"] > f["hello_ack.pool.count"]:
+        wrong.append(f"Allocation Quota {f['hello_ack.allocation_quota']} exceeds the pool's "
+                     f"{f['hello_ack.pool.count']} blocks")
+    if wrong:
+        out.append(Finding("hello-ack", "HELLO_ACK: " + "; ".join(wrong), evidence=ev))
     return out
 
 
 async def liveness(world: World) -> list[Finding]:
-    """A fresh HELLO on a new connection must be answered (any status)."""
+    """A fresh HELLO on a new connection must be answered, and granted a range of its own.
+
+    NO_SPACE (or INTERNAL) is the target's right when it is full, but then the fuzzer
+    cannot judge liveness: that stops the run (``HarnessError``)."""
+    from .state import TRANSPORT_ERRORS, HarnessError, describe
     try:
-        ini = await asyncio.wait_for(world.connect(secrets.token_bytes(16), features=0), LIVENESS_TIMEOUT)
-    except KbtpError:
-        return []
-    except (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError) as exc:
-        return [Finding("liveness", f"no HELLO_ACK to a fresh HELLO ({type(exc).__name__}: {exc})")]
+        ini = await world.connect(secrets.token_bytes(16), features=0)
+    except KbtpError as exc:
+        if exc.name in ("NO_SPACE", "INTERNAL"):
+            raise HarnessError(f"{world.url}: a fresh HELLO after a case: {world.refusal(exc)}") from None
+        return [Finding("hello", f"a HELLO with a fresh Initiator ID was refused with {exc.name}")]
+    except TRANSPORT_ERRORS as exc:
+        return [Finding("liveness", f"no HELLO_ACK to a fresh HELLO: {describe(exc, world.timeout)}")]
+    fresh = world.session(ini)
+    world._disjoint(fresh, world.own, world.peer)
     try:
-        await asyncio.wait_for(ini.goodbye(release=True), LIVENESS_TIMEOUT)
+        await asyncio.wait_for(ini.goodbye(release=True), world.timeout)
     except asyncio.TimeoutError:
         await ini.close()
     return []
 
 
-async def known_loads(world: World) -> list[Finding]:
-    """Every guard block (own and peer) loads back unchanged, with its Generation."""
-    out = []
-    for s in (world.own, world.peer):
-        for handle, g in s.guards.items():
-            try:
-                r = await asyncio.wait_for(world.own.ini.load(handle), LIVENESS_TIMEOUT)
-            except KbtpError as exc:
-                out.append(Finding("data-changed", f"guard 0x{handle:x} no longer loads: {exc.name}"))
-                continue
-            except asyncio.TimeoutError:
-                out.append(Finding("liveness", f"no completion for a LOAD of guard 0x{handle:x}"))
-                continue
-            if r.data != g.data or r.generation != g.generation:
-                out.append(Finding("data-changed", f"guard 0x{handle:x} loads back changed "
-                                   f"(generation {g.generation} -> {r.generation}, "
-                                   f"{len(g.data)} -> {len(r.data)} octets)"))
-    return out
-
-
 async def table_invariants(world: World) -> list[Finding]:
-    """With DIRECT_LOAD: no block bound twice, guards as stored; with DIRECT_ALLOC also no
-    block both free in the ring and bound."""
+    """With DIRECT_LOAD: every entry the model knows reads as known, no block is bound
+    twice or outside the pool; with DIRECT_ALLOC no block is both free in the ring and bound."""
     ini, f = world.own.ini, world.own.ini.target.fields
     if "table.stag" not in f:
         return []
     raw = await ini.qp.read(f["table.stag"], f["table.offset"], f["table.count"] * M.ENTRY_SIZE)
-    size, blocks = ini.target.block_size, f["pool.count"]
+    size, blocks, first = ini.target.block_size, f["pool.count"], f["table_base_handle"]
+
+    def entry(handle: int) -> dict:
+        at = (handle - first) * M.ENTRY_SIZE
+        return codec.decode_struct(M.TABLE_ENTRY, raw[at:at + M.ENTRY_SIZE], ini.addr_le)
     where: Counter[int] = Counter()
     out = []
-    entries = {}
-    for i in range(f["table.count"]):
-        e = codec.decode_struct(M.TABLE_ENTRY, raw[i * M.ENTRY_SIZE:(i + 1) * M.ENTRY_SIZE], ini.addr_le)
-        handle = f["table_base_handle"] + i
-        entries[handle] = e
-        if e["entry.flags"] & VALID:
-            where[e["entry.block_offset"]] += 1
+    known = {h for s in (world.own, world.peer) for h in s.known.entries}
+    for i, low in enumerate(raw[1::M.ENTRY_SIZE]):      # Flags, network order: VALID is in the low octet
+        if low & VALID:
+            handle = first + i
+            e = entry(handle)
             off = e["entry.block_offset"]
-            if off % size or off >= blocks * size:
+            where[off] += 1
+            rel = off - f["pool.offset"]        # Block Offsets are Tagged Offsets of the Pool STag
+            if rel % size or not 0 <= rel < blocks * size:
                 out.append(Finding("invariant", f"handle 0x{handle:x} bound to 0x{off:x}, not a block of the pool"))
+            if handle not in known and world.owner(handle) is not None:
+                out += _as_known(world, handle, e)       # a handle of ours that nothing bound
+    for handle in sorted(known):
+        if 0 <= handle - first < f["table.count"]:
+            out += _as_known(world, handle, entry(handle))
     for off, n in where.items():
         if n > 1:
             out.append(Finding("invariant", f"block 0x{off:x} bound by {n} table entries"))
-    for s in (world.own, world.peer):
-        for handle, g in s.guards.items():
-            e = entries.get(handle)
-            want = (VALID | SEALED, g.generation, len(g.data))
-            if e is not None and (e["entry.flags"] & (VALID | SEALED), e["entry.generation"],
-                                  e["entry.data_length"]) != want:
-                out.append(Finding("invariant", f"table entry of guard 0x{handle:x} is {e}"))
-    if "ring.stag" in f:
+    if "ring.stag" in f and not world.own.known.spoiled:
         out += await _ring(world, where)
     return out
+
+
+def _as_known(world: World, handle: int, e: dict) -> list[Finding]:
+    """The entry against the model: VALID, SEALED, Generation, Data Length, Block Offset."""
+    k = world.lookup(handle)
+    flags, gen = e["entry.flags"], e["entry.generation"]
+    seen = []
+    if k.bound is not None and bool(flags & VALID) != k.bound:
+        seen.append(f"VALID {'clear' if k.bound else 'set'}")
+    if k.generation is not None and gen != k.generation:
+        seen.append(f"Generation {gen}, not {k.generation}")
+    if k.bound and flags & VALID:
+        if k.sealed is not None and bool(flags & SEALED) != k.sealed:
+            seen.append(f"SEALED {'clear' if k.sealed else 'set'}")
+        if k.length is not None and e["entry.data_length"] != k.length:
+            seen.append(f"Data Length {e['entry.data_length']}, not {k.length}")
+        if k.block is not None and e["entry.block_offset"] != k.block:
+            seen.append(f"Block Offset 0x{e['entry.block_offset']:x}, not 0x{k.block:x}")
+    if flags & VALID and gen == 0:
+        seen.append("Generation 0 on a bound entry")
+    if not seen:
+        return []
+    shown = f" (the model's view comes from {k.seen})" if k.seen else ""
+    kind = "block-offset" if all(s.startswith("Block Offset") for s in seen) else "invariant"
+    return [Finding(kind, f"the table entry of 0x{handle:x} reads " + ", ".join(seen) + shown)]
 
 
 async def _ring(world: World, bound: Counter[int]) -> list[Finding]:

@@ -1,9 +1,10 @@
-"""What the fuzzer learned from the wire: sessions, guard blocks, scratch handles, tickets.
+"""The fuzzer's sessions with the target, and what the wire taught it about each.
 
 Two sessions run side by side: ``own`` (the one being fuzzed) and ``peer``, a second
 initiator whose sealed guard blocks sit just past ``own``'s handle range, so a request
-that crosses the range edge has something to damage. Everything here is what HELLO_ACKs
-and completions said; nothing is read from the target's internals.
+that crosses the range edge has something to damage. Each session carries the model of
+its range (``model.Knowledge``); everything in it came from HELLO_ACKs, completions and
+direct-mode reads, nothing from the target's internals.
 """
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ from dataclasses import dataclass, field
 
 from ..initiator import Initiator, KbtpError
 from ..initiator.client import ALL_FEATURES
+from ..initiator.results import TargetInfo
 from ..rnic.qp import ConnectionLost, RemoteError
 from .cases import SCRATCH
+from .findings import Finding
+from .model import UNKNOWN, Entry, Knowledge
+from .oracles import check_hello_ack
 
 GUARDS = 2
-CONNECT_TIMEOUT = 5.0
+TRANSPORT_ERRORS = (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError)
 
 
 class HarnessError(Exception):
@@ -29,23 +34,58 @@ class Lost(Exception):
 
 
 class Rebuild(Exception):
-    """The target gave a resumed session something else (another range): start afresh."""
+    """The sessions no longer fit the model (another range on reconnect, a RELEASE): start afresh."""
 
 
-@dataclass
-class Block:
-    """A handle's content as the wire showed it; ``data`` None when not known."""
+class NoAnswer(Exception):
+    """Something the fuzzer asked on a live connection got no answer in time."""
 
-    data: bytes | None
-    generation: int
-    sealed: bool = True
+
+def describe(exc: BaseException, timeout: float | None = None) -> str:
+    """What went wrong, never empty: a bare timeout says how long was waited."""
+    if isinstance(exc, asyncio.TimeoutError) and not str(exc):
+        return f"no answer within {timeout:g} s" if timeout else "no answer in time"
+    if isinstance(exc, KbtpError):
+        return f"refused with {exc.name}"
+    text = str(exc)
+    if isinstance(exc, ConnectionLost):
+        return f"the connection ended ({text})" if text else "the connection ended"
+    return text or type(exc).__name__
+
+
+class FuzzInitiator(Initiator):
+    """The reference initiator, keeping the HELLO_ACK it was answered with (its header
+    fields are judged too; a refused HELLO's goes with the ``KbtpError``)."""
+
+    hello_ack = b""
+
+    async def _hello(self, features: int) -> None:
+        qp, recv = self.qp, self.qp.recv
+
+        async def keep() -> object:
+            msg = await recv()
+            self.hello_ack = msg.payload
+            return msg
+        qp.recv = keep
+        try:
+            await super()._hello(features)
+        except KbtpError as exc:
+            exc.hello_ack = self.hello_ack
+            raise
+        finally:
+            del qp.recv
 
 
 @dataclass
 class Session:
-    ini: Initiator
+    ini: FuzzInitiator
     initiator_id: bytes
-    guards: dict[int, Block] = field(default_factory=dict)
+    known: Knowledge
+    guards: dict[int, bytes] = field(default_factory=dict)    # handle -> its sealed content
+
+    @property
+    def info(self) -> TargetInfo:
+        return self.ini.target
 
     @property
     def base(self) -> int:
@@ -64,42 +104,74 @@ class Session:
 
 
 class World:
-    """The two sessions and the model of ``own``'s scratch handles and tickets."""
+    """The two sessions; ``findings`` collects what HELLO_ACKs showed until a case takes them."""
 
-    def __init__(self, url: str, options: dict, frame_listeners: list | None = None) -> None:
-        self.url, self.options = url, options
+    def __init__(self, url: str, options: dict, timeout: float, frame_listeners: list | None = None) -> None:
+        self.url, self.options, self.timeout = url, options, timeout
         self.frame_listeners = frame_listeners or []
         self.own: Session | None = None
         self.peer: Session | None = None
-        self.scratch: dict[int, Block | None] = {}   # handle -> known content, None unknown
-        self.bound: dict[int, int] = {}              # Block Offset learned per bound handle
-        self.tickets: dict[int, int] = {}            # taken, slot read, not yet bound: ticket -> block
-        self.next_ticket = 0
+        self.scratch: list[int] = []
+        self.findings: list[Finding] = []
+        self.spoiled = False          # start afresh after this case
         self.reconnects = 0
 
-    async def connect(self, initiator_id: bytes | None = None, features: int = ALL_FEATURES) -> Initiator:
-        ident = initiator_id or secrets.token_bytes(16)
-        return await asyncio.wait_for(Initiator.connect(
-            self.url, initiator_id=ident, features=features,
-            frame_listeners=self.frame_listeners, **self.options), CONNECT_TIMEOUT)
+    @property
+    def transport(self) -> str:
+        return self.url.split("://", 1)[0]
+
+    async def connect(self, initiator_id: bytes | None = None, features: int = ALL_FEATURES) -> FuzzInitiator:
+        """A session; its HELLO_ACK is judged whether it grants or refuses."""
+        try:
+            ini = await asyncio.wait_for(FuzzInitiator.connect(
+                self.url, initiator_id=initiator_id or secrets.token_bytes(16), features=features,
+                frame_listeners=self.frame_listeners, **self.options), self.timeout)
+        except KbtpError as exc:
+            self.findings += check_hello_ack(getattr(exc, "hello_ack", b""), self.transport)
+            raise
+        self.findings += check_hello_ack(ini.hello_ack, self.transport)
+        return ini
+
+    def session(self, ini: FuzzInitiator) -> Session:
+        return Session(ini, ini.initiator_id, Knowledge(ini.target.handle_base, ini.target.handle_count))
 
     async def open(self) -> None:
-        """Both sessions, each with sealed guard blocks of known content."""
+        """Both sessions, each with sealed guard blocks of known content, and ``own``'s
+        scratch handles freed, so that the model starts from what the wire showed."""
+        doing = "opening two sessions"
         try:
             self.own, self.peer = await self._pair()
-            for sess in (self.own, self.peer):
-                await self._guards(sess)
+            self._disjoint(self.own, self.peer)
+            for s in (self.own, self.peer):
+                doing = f"storing the guard blocks of the session at 0x{s.base:x}"
+                await self._guards(s)
+            doing = "freeing the scratch handles"
+            await self._scratch()
         except KbtpError as exc:
-            raise HarnessError(f"{self.url}: the target refused HELLO ({exc.name})") from None
-        except (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError, ValueError) as exc:
-            raise HarnessError(f"{self.url}: cannot reach a KBTP target ({type(exc).__name__}: {exc})") from None
-        self.scratch = {self.own.base + GUARDS + k: None for k in range(SCRATCH)}
-        for h in self.scratch:                       # a known start: nothing bound
-            try:
-                await self.own.ini.free(h)
-                self.scratch[h] = Block(None, 0)
-            except KbtpError:
-                pass
+            raise HarnessError(f"{self.url}: {doing}: {self.refusal(exc)}") from None
+        except (*TRANSPORT_ERRORS, ValueError) as exc:
+            hint = "; is a KBTP target listening there" + (" (and is --local an address of this host)?"
+                                                           if self.transport == "roce" else "?")
+            raise HarnessError(f"{self.url}: {doing}: {describe(exc, self.timeout)}{hint}") from None
+
+    def refusal(self, exc: KbtpError) -> str:
+        """Why a refusal stops the run, and what to do."""
+        if exc.name == "NO_SPACE" and "HELLO" in str(exc):
+            return ("HELLO refused with NO_SPACE: the target has no room for another initiator. The "
+                    "fuzzer needs three sessions at a time and ends each with GOODBYE RELEASE; if "
+                    "nothing else uses the target, its RELEASE does not free sessions. Restart the "
+                    "target or let it admit more initiators (kbtp target --max-initiators)")
+        if "HELLO" in str(exc):
+            return f"HELLO refused with {exc.name} for a fresh Initiator ID"
+        return f"refused with {exc.name}; the fuzzer cannot set up its sessions without it"
+
+    def _disjoint(self, *sessions: Session) -> None:
+        """"Handles of different initiators never overlap"."""
+        for i, a in enumerate(sessions):
+            for b in sessions[i + 1:]:
+                if a.base < b.base + b.count and b.base < a.base + a.count:
+                    self.findings.append(Finding("hello-ack", f"two sessions got overlapping handle ranges "
+                                                 f"0x{a.base:x}+{a.count} and 0x{b.base:x}+{b.count}"))
 
     async def _pair(self, tries: int = 4) -> tuple[Session, Session]:
         """Two sessions whose handle ranges touch, so requests past ``own``'s last handle
@@ -112,8 +184,10 @@ class World:
             except KbtpError:
                 if len(opened) >= 2:
                     break
+                for s in opened:
+                    await s.ini.goodbye(release=True)
                 raise
-            opened.append(Session(ini, ini.initiator_id))
+            opened.append(self.session(ini))
             ranked = sorted(opened, key=lambda x: x.base)
             pair = next(((a, b) for a, b in zip(ranked, ranked[1:]) if a.base + a.count == b.base), None)
         pair = pair or (opened[0], opened[1])
@@ -123,11 +197,24 @@ class World:
         return pair
 
     async def _guards(self, s: Session) -> None:
-        ini = s.ini
         for k in range(GUARDS):
-            data = f"guard {k} of {ini.initiator_id.hex()[:8]} ".encode() * 20
-            r = await ini.alloc_store(s.base + k, data, seal=True)
-            s.guards[s.base + k] = Block(data, r.generation)
+            data = f"guard {k} of {s.initiator_id.hex()[:8]} ".encode() * 20
+            r = await asyncio.wait_for(s.ini.alloc_store(s.base + k, data, seal=True), self.timeout)
+            s.guards[s.base + k] = data
+            s.known.set(s.base + k, Entry(True, r.generation, True, len(data), data, r.block_offset,
+                                          "the OK of the ALLOC_STORE that stored the guard"))
+
+    async def _scratch(self) -> None:
+        own = self.own
+        self.scratch = [own.base + GUARDS + k for k in range(SCRATCH)]
+        for h in self.scratch:
+            try:
+                r = await asyncio.wait_for(own.ini.free(h), self.timeout)
+                own.known.set(h, Entry(False, r.generation, seen=f"the OK of the FREE of 0x{h:x} at set-up"))
+            except KbtpError as exc:
+                gen = exc.result.generation if exc.result is not None else None
+                own.known.set(h, Entry(False, gen, seen=f"the {exc.name} of the FREE of 0x{h:x} at set-up")
+                              if exc.name == "NOT_VALID" else UNKNOWN)
 
     async def resume(self, s: Session) -> None:
         """Reconnect ``s`` with its Initiator ID after the connection ended."""
@@ -138,12 +225,16 @@ class World:
                 self.reconnects += 1
                 return
             except KbtpError as exc:
+                if exc.name == "NO_SPACE":
+                    raise HarnessError(f"{self.url}: reconnecting: {self.refusal(exc)}") from None
                 if exc.name != "ALREADY_BOUND":
-                    raise Lost(f"HELLO refused on reconnect: {exc.name}") from None
-            except (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError) as exc:
-                raise Lost(f"no HELLO_ACK on reconnect ({type(exc).__name__}: {exc})") from None
+                    raise Lost(f"HELLO with the Initiator ID of a session whose connection ended "
+                               f"was refused with {exc.name}") from None
+            except TRANSPORT_ERRORS as exc:
+                raise Lost(f"no HELLO_ACK on reconnect: {describe(exc, self.timeout)}") from None
             await asyncio.sleep(0.02 * (attempt + 1))
-        raise Lost("HELLO answered ALREADY_BOUND for 20 attempts after the connection ended")
+        raise Lost("HELLO with the Initiator ID of a session whose connection ended was answered "
+                   "ALREADY_BOUND for 20 attempts over 4 s")
 
     async def ensure(self) -> None:
         for s in (self.own, self.peer):
@@ -159,14 +250,22 @@ class World:
                 continue
             try:
                 if s.alive:
-                    await asyncio.wait_for(s.ini.goodbye(release=release), 5)
+                    await asyncio.wait_for(s.ini.goodbye(release=release), self.timeout)
                 elif release:
                     await self.resume(s)
-                    await asyncio.wait_for(s.ini.goodbye(release=True), 5)
+                    await asyncio.wait_for(s.ini.goodbye(release=True), self.timeout)
             except (Exception, asyncio.TimeoutError):
                 await s.ini.close()
 
-    def forget(self, handle: int) -> None:
-        """A request with an effect the wire did not show fully: ``handle`` is unknown now."""
-        if handle in self.scratch:
-            self.scratch[handle] = None
+    def lookup(self, handle: int) -> Entry:
+        """A handle's entry as the model knows it, in either session's range."""
+        for s in (self.own, self.peer):
+            if s.owns(handle):
+                return s.known.entry(handle)
+        return UNKNOWN
+
+    def owner(self, handle: int) -> Knowledge | None:
+        return next((s.known for s in (self.own, self.peer) if s.owns(handle)), None)
+
+    def bound_blocks(self) -> dict[int, int]:
+        return {**self.peer.known.blocks(), **self.own.known.blocks()}

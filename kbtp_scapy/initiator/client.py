@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 OP = OPCODES.by_name()
 F = {f.name: f.value for f in REQUEST_FLAGS.flags}
 ADDR_LE = flag(FEATURES, "ADDR_LE")
+DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
 ALL_FEATURES = sum(f.value for f in FEATURES.flags if f.name != "ADDR_LE")
 RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
 COMPLETION_BUFFER = 256          # HELLO_ACK with every descriptor is 152 octets
@@ -66,6 +67,8 @@ class Initiator(DirectModes):
         qp = await connect(url, memory, recv_size=COMPLETION_BUFFER,
                            frame_listeners=list(frame_listeners or ()), **options)
         self = cls(qp, memory, initiator_id or secrets.token_bytes(16), credits, invalidate)
+        if not qp.atomics:           # an RDMA device without FetchAdd cannot take tickets
+            features &= ~DIRECT_ALLOC
         qp.post_recv(credits)
         try:
             await self._hello(features)
@@ -127,7 +130,7 @@ class Initiator(DirectModes):
             future = asyncio.get_running_loop().create_future()
             record_region = None
             if record:
-                record_region = self.memory.register(bytearray(M.COMPLETION_RECORD.size),
+                record_region = self.memory.register(self.memory.buffer(M.COMPLETION_RECORD.size),
                                                      Access.REMOTE_WRITE)
                 regions = [*regions, record_region]
                 values.update({"cd.stag": record_region.stag, "cd.offset": record_region.base,
@@ -156,7 +159,7 @@ class Initiator(DirectModes):
     async def load(self, handle: int, *, generation: int = 0, allow_unsealed: bool = False,
                    length: int | None = None, record: bool = False) -> Result:
         """Block Load into a fresh buffer of ``length`` (default Block Size) octets."""
-        buf = bytearray(self.target.block_size if length is None else length)
+        buf = self.memory.buffer(self.target.block_size if length is None else length)
         region = self.memory.register(buf, Access.REMOTE_WRITE)
         result = await self._call({
             "opcode": OP["LOAD"], "handle": handle, "generation": generation,
@@ -175,7 +178,9 @@ class Initiator(DirectModes):
         if inline:
             values.update({"dd.stag": 0, "dd.offset": 0, "dd.length": len(data), "inline_data": data})
         else:
-            region = self.memory.register(bytearray(data), Access.REMOTE_READ)
+            src = self.memory.buffer(len(data))
+            src[:] = data
+            region = self.memory.register(src, Access.REMOTE_READ)
             regions.append(region)
             values.update({"dd.stag": region.stag, "dd.offset": region.base, "dd.length": len(data)})
         values["flags"] = self._flags(seal=seal, inline=inline, record=record,

@@ -50,6 +50,7 @@ FLUSH_MESSAGES = 8
 RTR_DELAY = 0.05          # the longest wait before the RTR (see IwarpQP._on_reply)
 OVERRUN_GRACE = 1.0       # the longest a Terminate for a Send without buffer waits
 TERMINATE_LINGER = 2.0    # then the stream is reset if TCP could not take it all
+NUDGE_AFTER = 0.1         # silence after the RTR that sends a nudge (see IwarpQP._nudge)
 """Messages queued before the stream is written without waiting for the end of the loop
 iteration: the peer starts on the first while the rest are built, as an RNIC transmits
 as it goes. Waiting for the whole batch saves send calls but makes the two ends take
@@ -118,7 +119,6 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._half_open = half_open
         self._active, self._want_crc, self._want_markers = active, crc, markers
         self._tp: asyncio.Transport | None = None
-        self._requested = 0.0            # when our MPA Request went out
         self._frames: w.TcpFrames | None = None
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._phase = "startup"          # startup -> rtr (responder, peer-to-peer) -> fpdu
@@ -175,7 +175,6 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             # RTR: it needs no receive buffer (a KBTP credit) and no IRD slot or reply.
             self._write_now(w.build_startup(
                 True, self._flags(), 2, self.ird, self.ord, w.IRD_P2P, w.ORD_RTR_WRITE))
-            self._requested = asyncio.get_running_loop().time()
 
     def data_received(self, data: bytes) -> None:
         self.stats["bytes_rx"] += len(data)
@@ -301,22 +300,28 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                 self._terminate(_Fatal(w.LAYER_LLP, w.LLP_MPA, 0x07,
                                        "MPA Reply chose an RTR that was not offered"))
                 return
-            # Linux siw (6.1 at least) sends its MPA Reply before it starts listening for
-            # the RTR, and an RTR that arrives in between is never read: the connection
-            # hangs. Wait a tenth of the time the responder took to reply (at most
-            # RTR_DELAY), which covers that gap on a slow host and costs nothing on a fast one.
-            loop = asyncio.get_running_loop()
-            delay = min(RTR_DELAY, (loop.time() - self._requested) / 10)
-            loop.call_later(delay, self._send_rtr)
-            return
+            self._put_fpdu(w.tagged_head(True, Op.WRITE, 0, 0, 0), b"")   # the RTR
+            self._flush()
+            asyncio.get_running_loop().call_later(NUDGE_AFTER, self._nudge, NUDGE_AFTER,
+                                                  self.stats["bytes_rx"])
         self._ready()
 
-    def _send_rtr(self) -> None:
-        if self._tp is None or self._tp.is_closing() or self.closed:
+    def _nudge(self, delay: float, received: int) -> None:
+        """Linux siw (6.1 at least) sends its MPA Reply before it installs the socket
+        callback that reads the RTR: an RTR, and the first Send after it, that arrive in
+        between are left unread until more data comes, and the connection hangs. When we
+        have sent since the RTR and heard nothing, send a zero-length RDMA Write (which
+        touches no memory) to make siw read what waits; a few times, further apart."""
+        if self.closed or self._tp is None or self._tp.is_closing():
             return
-        self._put_fpdu(w.tagged_head(True, Op.WRITE, 0, 0, 0), b"")   # the RTR
-        self._flush()
-        self._ready()
+        if self.stats["bytes_rx"] != received:
+            return                                   # the responder is reading us
+        if self.stats["fpdus_tx"] > 1:
+            self._put_fpdu(w.tagged_head(True, Op.WRITE, 0, 0, 0), b"")
+            self._flush()
+            self.stats["nudges"] += 1
+        if delay < NUDGE_AFTER * 8:
+            asyncio.get_running_loop().call_later(delay * 2, self._nudge, delay * 2, received)
 
     def _ready(self) -> None:
         self._phase = "fpdu"

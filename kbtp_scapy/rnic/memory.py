@@ -138,6 +138,11 @@ class MemoryTable:
     def get(self, stag: int) -> MemoryRegion | None:
         return self._regions.get(stag)
 
+    def buffer(self, size: int) -> Any:
+        """A fresh writable buffer for a region to register (a verbs device hands out
+        memory it has registered already, so that registering it costs no system call)."""
+        return bytearray(size)
+
     def default_base(self, buffer: Any, start: int = 0) -> int:
         """The Tagged Offset the first octet of ``buffer[start:]`` gets when registered
         without a ``base``: 0 here (zero-based), its virtual address on a verbs device."""

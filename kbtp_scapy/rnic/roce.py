@@ -454,7 +454,12 @@ def default_local(host: str) -> str:
     with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET,
                        socket.SOCK_DGRAM) as probe:
         probe.connect((host, ROCE_PORT))
-        return probe.getsockname()[0]
+        own = probe.getsockname()[0]
+    if own == str(addr):
+        raise OSError(errno.EADDRINUSE, f"{host} is an address of this host, and RoCEv2 puts "
+                                        "both ends on UDP port 4791: send from another "
+                                        "address of the host (local=, --local ADDR)")
+    return own
 
 
 async def connect(host: str, port: int, memory: MemoryTable, *, local: str | None = None,
@@ -473,11 +478,7 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
             raise ValueError(f"local {local} is not the raw endpoint's address {own}")
         local = own
     local = str(ipaddress.ip_address(local or default_local(host)))
-    try:
-        dev = _device(local, udp_port, io, peer_port)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot use local address {local} UDP port {udp_port} "
-                                 f"({exc.strerror or exc}); pick another with local=") from None
+    dev = _device(local, udp_port, io, peer_port)
     await _started(dev)
     target = (host, peer_port)
     try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -44,6 +45,10 @@ SEND_DEPTH = 256
 STAGING = 2 << 20           # registered octets per connection for Sends, Writes and Reads
 RESOURCES = 16              # RDMA Read / atomic depth asked for in both directions
 RECV_BIT = 1 << 62          # wr_id of a receive: RECV_BIT | slot
+_U64 = 2**64 - 1
+#: rxe (6.1) writes the kernel's IB_WC_WITH_INVALIDATE (1 << 2) into user completions, where
+#: libibverbs means IBV_WC_IP_CSUM_OK, which no RC receive carries; siw sets IBV_WC_WITH_INV
+_KERNEL_WC_WITH_INVALIDATE = 1 << 2
 _IBV_NODE_RNIC = 4
 
 
@@ -51,6 +56,7 @@ class VerbsError(OSError):
     """The RDMA device or rdma-core cannot do what was asked; the message says what to do."""
 
 
+@functools.cache
 def _pyverbs():
     """pyverbs' modules, or a VerbsError that says how to get them."""
     try:
@@ -142,9 +148,20 @@ class VerbsMemory(MemoryTable):
         super().__init__(order)
         self.qp: VerbsQP | None = None     # for regions bound to no connection (initiator)
         self._objects: dict[int, tuple[Any, Any]] = {}   # stag -> (mr, mw or None)
+        self._slab: _Slab | None = None
 
     def default_base(self, buffer: Any, start: int = 0) -> int:
         return address_of(buffer, start)
+
+    def buffer(self, size: int) -> Any:
+        """Where memory windows bind (InfiniBand devices), a piece of memory registered
+        once, so a request's buffer costs a window and its bind, not a registration."""
+        qp = self.qp
+        if qp is None or not qp.dev.memory_windows or size > _Slab.ARENA:
+            return bytearray(size)
+        if self._slab is None:
+            self._slab = _Slab(qp)
+        return self._slab.take(size)
 
     def register(self, buffer: Any, access: Access = Access.LOCAL, *, start: int = 0,
                  length: int = 0, base: int = 0, connection: object | None = None,
@@ -167,15 +184,22 @@ class VerbsMemory(MemoryTable):
         if access & Access.REMOTE_ATOMIC:
             flags |= e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC
         window = connection is None and access and qp.dev.memory_windows
-        if window:
-            flags |= e.IBV_ACCESS_MW_BIND | e.IBV_ACCESS_LOCAL_WRITE
-        region_mr = mr.MR(qp.pd, length, flags, address=addr)
+        rights = flags
+        arena = self._slab.arena_of(addr, length) if window and self._slab else None
+        if arena is not None:
+            region_mr = None                  # the slab's arena is registered already
+        else:
+            if window:
+                flags |= e.IBV_ACCESS_MW_BIND | e.IBV_ACCESS_LOCAL_WRITE
+            region_mr = arena = _register(mr, qp.pd, length, flags, addr)
         mw = None
-        key = region_mr.rkey
+        key = arena.rkey
         if window:
+            # A fresh window each time: one bound through the send queue cannot be bound
+            # again with pyverbs (rxe checks the rkey the application knows, which only
+            # ibv_bind_mw, a type 1 call, updates).
             mw = mr.MW(qp.pd, e.IBV_MW_TYPE_2)
-            key = qp.bind_window(mw, region_mr, addr, length, flags & ~(
-                e.IBV_ACCESS_MW_BIND | e.IBV_ACCESS_LOCAL_WRITE))
+            key = qp.bind_window(mw, arena, addr, length, rights & ~e.IBV_ACCESS_LOCAL_WRITE)
         region = MemoryRegion(key, buffer, access, start, length, addr, connection)
         self._regions[key] = region
         self._objects[key] = (region_mr, mw)
@@ -189,8 +213,11 @@ class VerbsMemory(MemoryTable):
             mr.close()
 
     def deregister(self, stag: int) -> None:
+        region = self._regions.get(stag)
         super().deregister(stag)
         self._release(stag)
+        if region is not None and self._slab is not None:
+            self._slab.give(region.buffer)
 
     def invalidate(self, stag: int) -> bool:
         """The owner's own invalidation: the device forgets the STag."""
@@ -205,46 +232,106 @@ class VerbsMemory(MemoryTable):
             region.valid = False
 
 
+class _Slab:
+    """Buffers carved from arenas registered once (with MW_BIND), in power-of-two sizes
+    kept for reuse: what a request's memory window binds to."""
+
+    ARENA = 4 << 20
+
+    def __init__(self, qp: VerbsQP) -> None:
+        self.qp = qp
+        self.arenas: list[tuple[int, int, Any, bytearray]] = []    # (address, end, MR, memory)
+        self.free: dict[int, list[memoryview]] = {}
+        self.size_of: dict[int, int] = {}                        # chunk address -> size class
+        self._cursor = self.ARENA                                # the last arena is full
+
+    def take(self, size: int) -> memoryview:
+        cls = max(64, 1 << (size - 1).bit_length())
+        chunks = self.free.get(cls)
+        chunk = chunks.pop() if chunks else self._carve(cls)
+        return chunk[:size]
+
+    def _carve(self, cls: int) -> memoryview:
+        if self._cursor + cls > self.ARENA:
+            e, _, _, mr, *_ = _pyverbs()
+            memory = bytearray(self.ARENA)
+            addr = address_of(memory)
+            arena_mr = _register(mr, self.qp.pd, self.ARENA, e.IBV_ACCESS_LOCAL_WRITE
+                                 | e.IBV_ACCESS_MW_BIND, addr)
+            self.arenas.append((addr, addr + self.ARENA, arena_mr, memory))
+            self._cursor = 0
+        addr, _, _, memory = self.arenas[-1]
+        chunk = memoryview(memory)[self._cursor:self._cursor + cls]
+        self.size_of[addr + self._cursor] = cls
+        self._cursor += cls
+        return chunk
+
+    def arena_of(self, addr: int, length: int) -> Any:
+        for start, end, arena_mr, _ in self.arenas:
+            if start <= addr and addr + length <= end:
+                return arena_mr
+        return None
+
+    def give(self, buffer: Any) -> None:
+        """A chunk back for the next ``take`` (anything else is not ours: ignored)."""
+        if not isinstance(buffer, memoryview):
+            return
+        addr = address_of(buffer)
+        cls = self.size_of.get(addr)
+        if cls is not None:
+            base = buffer.obj
+            start = addr - address_of(base)
+            self.free.setdefault(cls, []).append(memoryview(base)[start:start + cls])
+
+
+def _register(mr, pd, length: int, flags: int, addr: int):
+    """An MR, or a VerbsError that says why not (pinned memory is limited per process)."""
+    try:
+        return mr.MR(pd, length, flags, address=addr)
+    except Exception as exc:
+        why = str(exc)
+        if "Errno: 12" in why:
+            why = (f"cannot pin {length} more octets (RLIMIT_MEMLOCK; every connection pins "
+                   "what it registers): raise it, e.g. 'ulimit -l unlimited'")
+        raise VerbsError(f"memory registration failed: {why}") from None
+
+
 class _Staging:
-    """A registered buffer handed out in order and given back in order, as RC retires WRs."""
+    """A registered buffer handed out in order and given back in order, as RC retires WRs
+    (a span given back early is one just taken whose post failed: the newest)."""
 
     def __init__(self, size: int) -> None:
         self.buffer = bytearray(size)
         self.view = memoryview(self.buffer)
         self.address = address_of(self.buffer)
-        self.size, self.head, self.tail, self.used = size, 0, 0, 0
+        self.size = size
+        self.spans: deque[tuple[int, int]] = deque()      # (offset, octets), oldest first
 
     def take(self, n: int) -> int | None:
-        """An offset of ``n`` free octets (8-aligned), or None when full."""
-        n = (n + 7) & ~7 or 8
-        if n > self.size:
-            return None
-        if self.used == 0:
-            self.head = self.tail = 0
-        if self.head >= self.tail:
-            if self.size - self.head >= n:
-                at = self.head
-            elif self.tail > n or (self.used == 0 and self.tail >= n):
-                at = 0
-            else:
-                return None
-        elif self.tail - self.head >= n:
-            at = self.head
+        """An offset of ``n`` free octets (8-aligned), or None while there is no room."""
+        n = max(8, (n + 7) & ~7)
+        if not self.spans:
+            at = 0 if n <= self.size else None
         else:
-            return None
-        skipped = (self.size - self.head) if at == 0 and self.head >= self.tail and self.used else 0
-        self.head = at + n
-        self.used += n + skipped
+            first = self.spans[0][0]
+            last, length = self.spans[-1]
+            head = last + length
+            if last >= first:                     # not wrapped: room after head, then before first
+                at = head if self.size - head >= n else 0 if first >= n else None
+            else:                                 # wrapped: room between head and first
+                at = head if first - head >= n else None
+        if at is not None:
+            self.spans.append((at, n))
         return at
 
     def give(self, at: int, n: int) -> None:
-        n = (n + 7) & ~7 or 8
-        if at < self.tail:            # the span wrapped: what the end held was skipped
-            self.used -= self.size - self.tail
-        self.tail = at + n
-        self.used -= n
-        if self.used <= 0:
-            self.used, self.head, self.tail = 0, 0, 0
+        span = (at, max(8, (n + 7) & ~7))
+        if self.spans and self.spans[0] == span:
+            self.spans.popleft()
+        elif self.spans and self.spans[-1] == span:
+            self.spans.pop()
+        else:
+            self.spans.remove(span)
 
 
 def _wc_status(status: int) -> str:
@@ -259,11 +346,12 @@ class VerbsQP(QueuePair):
 
     def __init__(self, memory: MemoryTable, dev: Device, cm_id: rdmacm.CmId, *,
                  recv_size: int = 4096, posted: int = 0, depth: int = 64) -> None:
-        e, cq, _, mr, pd, qp, *_ = _pyverbs()
+        e, cq, _, mr, pd, qp, w, _ = _pyverbs()
         super().__init__(memory, recv_size=recv_size, posted=0)
         self.dev, self.cm_id = dev, cm_id
         self.transport = dev.transport
         self.masked_atomics = dev.transport == "iwarp"
+        self.atomics = dev.atomics and not self.masked_atomics   # verbs: unmasked only
         self._loop = asyncio.get_running_loop()
         self.pd = pd.PD(dev.ctx)
         self.channel, self._fd = _comp_channel(dev.ctx)
@@ -276,13 +364,21 @@ class VerbsQP(QueuePair):
         self.qpn = self.qp.qp_num
         self._recv = bytearray(self._rq * recv_size)
         self._recv_view = memoryview(self._recv)
-        self._recv_mr = mr.MR(self.pd, len(self._recv), e.IBV_ACCESS_LOCAL_WRITE,
-                              address=address_of(self._recv))
+        self._recv_mr = _register(mr, self.pd, len(self._recv), e.IBV_ACCESS_LOCAL_WRITE,
+                                  address_of(self._recv))
         self._free_slots = deque(range(self._rq))
+        # Work requests are built once and reused: each pyverbs object costs a logger lookup,
+        # and post_send/post_recv copy them into the device's queue anyway.
+        self._recv_wrs = [w.RecvWR(RECV_BIT | slot, 1, [w.SGE(
+            self._recv_mr.buf + slot * recv_size, recv_size, self._recv_mr.lkey)])
+            for slot in range(self._rq)]
         self._want_recv = 0                      # asked for, not yet on the RQ
         self._staging = _Staging(STAGING)
-        self._staging_mr = mr.MR(self.pd, STAGING, e.IBV_ACCESS_LOCAL_WRITE,
-                                 address=self._staging.address)
+        self._staging_mr = _register(mr, self.pd, STAGING, e.IBV_ACCESS_LOCAL_WRITE,
+                                     self._staging.address)
+        self._sge = w.SGE(self._staging.address, 0, self._staging_mr.lkey)
+        self._swr = w.SendWR(0, e.IBV_WR_SEND, 1, 0, [self._sge], 0)
+        self._swr.sg_list = self._sge            # the WR now reads the one SGE we update
         self._ids = itertools.count(1)
         self._hw: deque[tuple[int, WorkRequest | None, int, int]] = deque()  # posted WRs
         self._backlog: deque[WorkRequest] = deque()
@@ -365,14 +461,11 @@ class VerbsQP(QueuePair):
     # -- receive queue -------------------------------------------------------------------
 
     def post_recv(self, count: int = 1) -> None:
-        _, _, _, _, _, _, wr, _ = _pyverbs()
         self._want_recv += count
         while self._want_recv and self._free_slots and not self._torn_down:
             slot = self._free_slots.popleft()
-            sge = wr.SGE(self._recv_mr.buf + slot * self.recv_size, self.recv_size,
-                         self._recv_mr.lkey)
             try:
-                self.qp.post_recv(wr.RecvWR(RECV_BIT | slot, 1, [sge]))
+                self.qp.post_recv(self._recv_wrs[slot])
             except Exception as exc:
                 self._free_slots.appendleft(slot)
                 self.lost(ConnectionLost(f"post_recv failed: {exc}"))
@@ -389,10 +482,14 @@ class VerbsQP(QueuePair):
         self._post(wr)
 
     def _post(self, wr: WorkRequest) -> None:
-        e, _, _, _, _, _, w, _ = _pyverbs()
+        e = _pyverbs()[0]
         verb = wr.verb
-        size = wr.length if verb is Verb.READ else 8 if verb in (
-            Verb.FETCH_ADD, Verb.COMPARE_SWAP) else len(wr.payload)
+        atomic = verb is Verb.FETCH_ADD or verb is Verb.COMPARE_SWAP
+        if atomic and (not self.dev.atomics or wr.mask is not None):
+            what = "atomic operations" if not self.dev.atomics else "masked FetchAdd (RFC 7306)"
+            self.complete(wr, error=RemoteError(f"{self.dev.name} has no {what}"))
+            return
+        size = wr.length if verb is Verb.READ else 8 if atomic else len(wr.payload)
         at = self._staging.take(size)
         if at is None:
             if not self._hw:
@@ -400,9 +497,9 @@ class VerbsQP(QueuePair):
                 return
             self._backlog.appendleft(wr)     # wait for completions to give space back
             return
-        if verb in (Verb.SEND, Verb.WRITE) and size:
+        if size and (verb is Verb.SEND or verb is Verb.WRITE):
             self._staging.view[at:at + size] = wr.payload
-        sge = w.SGE(self._staging.address + at, size, self._staging_mr.lkey)
+        self._sge.addr, self._sge.length = self._staging.address + at, size
         self._unsignaled += 1
         signaled = (wr.future is not None or self._unsignaled >= SIGNAL_EVERY
                     or len(self._hw) >= SEND_DEPTH - 4 or self._closing)
@@ -410,39 +507,31 @@ class VerbsQP(QueuePair):
         if wr.solicited:
             flags |= e.IBV_SEND_SOLICITED
         seq = next(self._ids)
+        swr, imm = self._swr, 0
         if verb is Verb.SEND:
+            op = e.IBV_WR_SEND
             if wr.invalidate is not None:
                 op, imm = e.IBV_WR_SEND_WITH_INV, wr.invalidate
-            elif wr.imm is not None:
-                op, imm = e.IBV_WR_SEND_WITH_IMM, socket.htonl(wr.imm)
-            else:
-                op, imm = e.IBV_WR_SEND, 0
-            swr = w.SendWR(seq, op, 1, imm, [sge], flags)
-            if wr.invalidate is not None:
                 # libsiw takes the STag to invalidate from wr.rdma.rkey, not from
                 # invalidate_rkey (rdma-core 44 to this day); rxe reads invalidate_rkey.
                 swr.set_wr_rdma(wr.invalidate, 0)
+            elif wr.imm is not None:
+                op, imm = e.IBV_WR_SEND_WITH_IMM, socket.htonl(wr.imm)
         elif verb is Verb.WRITE:
-            op = e.IBV_WR_RDMA_WRITE if wr.imm is None else e.IBV_WR_RDMA_WRITE_WITH_IMM
-            swr = w.SendWR(seq, op, 1, socket.htonl(wr.imm) if wr.imm is not None else 0,
-                           [sge], flags)
+            op = e.IBV_WR_RDMA_WRITE
+            if wr.imm is not None:
+                op, imm = e.IBV_WR_RDMA_WRITE_WITH_IMM, socket.htonl(wr.imm)
             swr.set_wr_rdma(wr.stag, wr.offset)
         elif verb is Verb.READ:
-            swr = w.SendWR(seq, e.IBV_WR_RDMA_READ, 1, 0, [sge], flags)
+            op = e.IBV_WR_RDMA_READ
             swr.set_wr_rdma(wr.stag, wr.offset)
+        elif verb is Verb.FETCH_ADD:
+            op = e.IBV_WR_ATOMIC_FETCH_AND_ADD
+            swr.set_wr_atomic(wr.stag, wr.offset, wr.add & _U64)
         else:
-            if not self.dev.atomics or wr.mask is not None:
-                self._staging.give(at, size)
-                what = "atomic operations" if not self.dev.atomics else "masked FetchAdd (RFC 7306)"
-                self.complete(wr, error=RemoteError(f"{self.dev.name} has no {what}"))
-                return
-            op = (e.IBV_WR_ATOMIC_FETCH_AND_ADD if verb is Verb.FETCH_ADD
-                  else e.IBV_WR_ATOMIC_CMP_AND_SWP)
-            swr = w.SendWR(seq, op, 1, 0, [sge], flags)
-            if verb is Verb.FETCH_ADD:
-                swr.set_wr_atomic(wr.stag, wr.offset, wr.add & (2**64 - 1))
-            else:
-                swr.set_wr_atomic(wr.stag, wr.offset, wr.compare, wr.add & (2**64 - 1))
+            op = e.IBV_WR_ATOMIC_CMP_AND_SWP
+            swr.set_wr_atomic(wr.stag, wr.offset, wr.compare, wr.add & _U64)
+        swr.wr_id, swr.opcode, swr.imm_data, swr.send_flags = seq, op, imm, flags
         if signaled:
             self._unsignaled = 0
         try:
@@ -512,7 +601,7 @@ class VerbsQP(QueuePair):
         payload = bytes(self._recv_view[at:at + wc.byte_len])
         self._free_slots.append(slot)
         invalidated = imm = None
-        if wc.wc_flags & e.IBV_WC_WITH_INV:
+        if wc.wc_flags & (e.IBV_WC_WITH_INV | _KERNEL_WC_WITH_INVALIDATE):
             invalidated = wc.imm_data
             if isinstance(self.memory, VerbsMemory):
                 self.memory.invalidated(invalidated)
@@ -524,9 +613,12 @@ class VerbsQP(QueuePair):
         failed = wc.status != e.IBV_WC_SUCCESS
         while self._hw and self._hw[0][0] <= wc.wr_id:
             seq, wr, at, size = self._hw.popleft()
-            if wr is None:
-                continue                          # a memory window bind
             this = seq == wc.wr_id
+            if wr is None:                        # a memory window bind
+                if failed and this:
+                    self.lost(ConnectionLost(f"memory window bind failed: {_wc_status(wc.status)}"))
+                    return
+                continue
             if failed and this:
                 error: BaseException
                 if wc.status == e.IBV_WC_WR_FLUSH_ERR:
@@ -635,7 +727,7 @@ def _check_device(cm_id: rdmacm.CmId, device: str | None, transport: str, where:
 
 
 def _qp_options(recv_size: int = 4096, posted: int = 0, frame_listeners=(), device: str | None = None,
-                connect_timeout: float = 5.0, io: str = "verbs", **_ignored) -> tuple[dict, str | None, float]:
+                connect_timeout: float = 10.0, io: str = "verbs", **_ignored) -> tuple[dict, str | None, float]:
     return {"recv_size": recv_size, "posted": posted}, device, connect_timeout
 
 
@@ -663,8 +755,7 @@ async def connect(transport: str, host: str, port: int, memory: MemoryTable, *,
         return ev
 
     try:
-        cm_id.resolve_addr(local, host, port, ms)
-        await expect(rdmacm.Event.ADDR_RESOLVED)
+        await _resolve(cm_id, local, host, port, timeout, events, where)
         dev = _check_device(cm_id, device, transport, f"the route to {host}")
         cm_id.resolve_route(ms)
         await expect(rdmacm.Event.ROUTE_RESOLVED)
@@ -686,6 +777,29 @@ async def connect(transport: str, host: str, port: int, memory: MemoryTable, *,
     qp.established.set()
     qp.local, qp.remote = cm_id.local, cm_id.remote
     return qp
+
+
+#: the kernel's address resolution timeout per attempt: Linux (6.1) waits for a neighbour
+#: update or this timeout, and an update that comes before the request is queued is missed
+RESOLVE_ATTEMPT_MS = 1000
+
+
+async def _resolve(cm_id: rdmacm.CmId, local: str | None, host: str, port: int, timeout: float,
+                   events: asyncio.Queue, where: str) -> None:
+    """rdma_resolve_addr in attempts of RESOLVE_ATTEMPT_MS until ``timeout``: with a cold ARP
+    cache, the first attempt can miss the neighbour update and sit out its whole timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        cm_id.resolve_addr(local, host, port, RESOLVE_ATTEMPT_MS)
+        try:
+            ev = await asyncio.wait_for(events.get(), max(0.1, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{where}: no answer from the RDMA CM within {timeout:g} s") from None
+        if ev.type == rdmacm.Event.ADDR_RESOLVED:
+            return
+        if ev.type != rdmacm.Event.ADDR_ERROR or loop.time() >= deadline:
+            raise ConnectionError(f"{where}: cannot resolve {host} ({ev})")
 
 
 class VerbsListener:

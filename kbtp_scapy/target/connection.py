@@ -45,6 +45,11 @@ RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
 INLINE = flag(REQUEST_FLAGS, "INLINE")
 
 
+def peer_of(qp: QueuePair) -> str:
+    """The peer's address as a URL, for logs."""
+    return str(Address(qp.transport, *qp.remote[:2]))
+
+
 class Connection:
     def __init__(self, target: Target, qp: QueuePair) -> None:
         self.target, self.qp = target, qp
@@ -56,7 +61,7 @@ class Connection:
         c = target.config
         self.liveness = Liveness(qp, c.probe_interval_s, c.probe_timeout_s)
         self.backlog = Backlog(c.max_backlog, 2 * c.request_credits)
-        self.peer = str(Address(qp.transport, *qp.remote[:2]))
+        self.peer = peer_of(qp)
 
     @property
     def ring(self) -> FreeRing:
@@ -146,16 +151,24 @@ class Connection:
             features |= ADDR_LE
         fields: dict[str, Any] = {}
         if features & DIRECT_LOAD:
-            granted, self.windows = grant_direct_load(t.memory, self.qp)
-            fields.update(granted)
+            try:
+                granted, self.windows = grant_direct_load(t.memory, self.qp)
+                fields.update(granted)
+            except OSError as exc:        # the RDMA device cannot register it
+                log.warning("DIRECT_LOAD not granted to %s: %s", self.peer, exc)
+                features &= ~DIRECT_LOAD
         part = self.state.partition
+        windows: list[MemoryRegion] = []
         if features & DIRECT_ALLOC and part is not None and not self.state.direct_disabled:
-            granted, windows = grant_partition(t.memory, part, self.qp)
-            fields.update(granted)
-            self.windows += windows
+            try:
+                granted, windows = grant_partition(t.memory, part, self.qp)
+                fields.update(granted)
+                self.windows += windows
+            except OSError as exc:
+                log.warning("DIRECT_ALLOC not granted to %s: %s", self.peer, exc)
+                features &= ~DIRECT_ALLOC
         else:
             features &= ~DIRECT_ALLOC
-            windows = []
         if part is not None and self.state.watch is None:
             self.state.watch = TicketWatch(self.state, t.rnic_memory, t.config.ticket_timeout_ms)
         if self.state.watch is not None:
@@ -237,8 +250,11 @@ class Connection:
                     outcome, why = Outcome(S["MALFORMED"]), "not a request opcode"
                 else:
                     outcome = await t.executor.run(self, req, fetch)
-                self._complete(req, outcome, why)
+                # The receive buffer goes back before the completion that hands the credit
+                # back: on a real device the completion leaves at once, and the initiator's
+                # next request can arrive before the next line of ours runs.
                 self.qp.post_recv(1)
+                self._complete(req, outcome, why)
 
     def _malformed(self, payload: bytes, fields: dict[str, Any]) -> dict[str, Any]:
         """Echo the Request ID and Block Handle of a request that cannot be parsed, as far

@@ -26,8 +26,8 @@ from .sessions import Initiator
 def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[dict[str, Any], list[MemoryRegion]]:
     """HELLO_ACK fields and windows for DIRECT_LOAD: table and pool, read-only."""
     rnic: MemoryTable = memory.memory
-    table = rnic.register(memory.table_buffer, Access.REMOTE_READ, connection=qp)
-    pool = rnic.register(memory.pool, Access.REMOTE_READ, base=memory.pool_base, connection=qp)
+    table, pool = _register(rnic, qp, (memory.table_buffer, Access.REMOTE_READ, {}),
+                            (memory.pool, Access.REMOTE_READ, {"base": memory.pool_base}))
     fields = {
         "hello_ack.table.stag": table.stag, "hello_ack.table.offset": table.base,
         "hello_ack.table.count": memory.table.count,
@@ -41,11 +41,12 @@ def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[dict[str, An
 def grant_partition(memory: TargetMemory, part: Partition, qp: QueuePair) -> tuple[dict[str, Any], list[MemoryRegion]]:
     """HELLO_ACK fields and windows for DIRECT_ALLOC: the partition (write), its ring's
     slots (read) and its Head (atomic)."""
-    rnic: MemoryTable = memory.memory
-    window = rnic.register(memory.pool, Access.REMOTE_WRITE, start=part.first - memory.pool_base,
-                           length=part.blocks * memory.block_size, base=part.first, connection=qp)
-    ring = rnic.register(part.slots, Access.REMOTE_READ, connection=qp)
-    head = rnic.register(part.heads.obj, Access.REMOTE_ATOMIC, length=8, connection=qp)
+    window, ring, head = _register(
+        memory.memory, qp,
+        (memory.pool, Access.REMOTE_WRITE, {"start": part.first - memory.pool_base,
+                                            "length": part.blocks * memory.block_size,
+                                            "base": part.first}),
+        (part.slots, Access.REMOTE_READ, {}), (part.heads.obj, Access.REMOTE_ATOMIC, {"length": 8}))
     fields = {
         "hello_ack.partition.stag": window.stag, "hello_ack.partition.offset": window.base,
         "hello_ack.partition.count": part.blocks,
@@ -54,6 +55,19 @@ def grant_partition(memory: TargetMemory, part: Partition, qp: QueuePair) -> tup
         "hello_ack.head.stag": head.stag, "hello_ack.head.offset": head.base, "hello_ack.head.count": 1,
     }
     return fields, [window, ring, head]
+
+
+def _register(rnic: MemoryTable, qp: QueuePair, *specs) -> list[MemoryRegion]:
+    """Windows bound to ``qp``, all or none: an RDMA device may refuse one (OSError)."""
+    done: list[MemoryRegion] = []
+    try:
+        for buffer, access, where in specs:
+            done.append(rnic.register(buffer, access, connection=qp, **where))
+    except OSError:
+        for region in done:
+            rnic.deregister(region.stag)
+        raise
+    return done
 
 
 class TicketWatch:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Iterator
 
 from ..rnic import Address, Listener, QueuePair, listen, memory_table, parse_url
@@ -30,10 +31,7 @@ class Target:
         self.config = config
         self.transport = transport
         self.rnic_memory = memory_table(io, config.memory_order)
-        # iWARP has RFC 7306 masked FetchAdd; InfiniBand's Fetch and Add is unmasked.
-        self.memory = TargetMemory(config, self.rnic_memory, masked=transport == "iwarp")
-        self.executor = Executor(self.memory, config.clear_freed, config.max_inline)
-        self.sessions = Sessions(config, self.memory.partitions, self._release)
+        self._build()
         self.half_open = HalfOpen(config.max_half_open, config.max_half_open_per_source)
         self.metrics = Metrics(self)
         self.frame_listeners: list[FrameListener] = []
@@ -41,6 +39,14 @@ class Target:
         self.unavailable = 0          # features the RDMA device cannot support
         self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
+
+    def _build(self) -> None:
+        """Memory, operations and sessions for ``config``."""
+        c = self.config
+        # iWARP has RFC 7306 masked FetchAdd; InfiniBand's Fetch and Add is unmasked.
+        self.memory = TargetMemory(c, self.rnic_memory, masked=self.transport == "iwarp")
+        self.executor = Executor(self.memory, c.clear_freed, c.max_inline)
+        self.sessions = Sessions(c, self.memory.partitions, self._release)
 
     @property
     def features(self) -> int:
@@ -69,6 +75,11 @@ class Target:
             if self.config.features & flag(FEATURES, name):
                 log.info("not offering %s: %s", name, why)
                 self.unavailable |= flag(FEATURES, name)
+        if self.unavailable & DIRECT_ALLOC and self.config.direct_partitions:
+            # No session can have a partition: their blocks go back to the shared ring
+            # (nothing was served yet, so the memory is built again).
+            self.config = replace(self.config, direct_partitions=0)
+            self._build()
         self._watcher = asyncio.create_task(self._watch_tickets())
         return self.listener.address
 

@@ -6,7 +6,8 @@ import os
 from ...initiator import Initiator, Result
 from ...rnic import Access
 from ...rnic.memory import MemoryRegion
-from ...tables.enums import FEATURES, OPCODES, REQUEST_FLAGS, STATUS, flag
+from ...tables.enums import ENTRY_FLAGS, FEATURES, OPCODES, REQUEST_FLAGS, STATUS, flag
+from ...tables.memory import ENTRY_SIZE
 from ..context import Ctx
 
 OP = OPCODES.by_name()
@@ -15,6 +16,8 @@ F = {f.name: f.value for f in REQUEST_FLAGS.flags}
 DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
 DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
 RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
+VALID = flag(ENTRY_FLAGS, "VALID")
+SEALED = flag(ENTRY_FLAGS, "SEALED")
 SENTINEL = 0xA5
 
 
@@ -34,8 +37,8 @@ def next_generation(g: int) -> int:
 async def bind(ctx: Ctx, ini: Initiator, handle: int, payload: bytes, *, seal: bool = True,
                inline: bool | None = None) -> Result:
     """ALLOC_STORE that must succeed (it is set-up, not the requirement under test)."""
-    return await ctx.ok(ini.alloc_store(handle, payload, seal=seal, inline=inline),
-                        f"ALLOC_STORE to 0x{handle:x} (set-up)")
+    return await ctx.setup(ini.alloc_store(handle, payload, seal=seal, inline=inline),
+                           f"ALLOC_STORE to 0x{handle:x}")
 
 
 def buffer(ini: Initiator, length: int) -> MemoryRegion:
@@ -70,3 +73,14 @@ async def holds(ctx: Ctx, ini: Initiator, handle: int, payload: bytes, what: str
         ctx.check(got.generation == generation, f"Generation {generation} {what}",
                   f"Generation {got.generation}")
     return got
+
+
+def entry_at(ini: Initiator, handle: int) -> tuple[int, int]:
+    """(Table STag, Tagged Offset) of ``handle``'s entry, from the DIRECT_LOAD grant."""
+    f = ini.target.fields
+    return f["table.stag"], f["table.offset"] + (handle - f["table_base_handle"]) * ENTRY_SIZE
+
+
+async def entry_of(ini: Initiator, handle: int) -> dict:
+    """The table entry of ``handle`` as an RDMA Read through the Table STag shows it."""
+    return await ini._entry(*entry_at(ini, handle))

@@ -1,11 +1,12 @@
 """Completion: Request ID echo, request order, INVALIDATE, data before COMPLETION, records."""
 from __future__ import annotations
 
-from ...rnic import Access
-from ...tables import memory as M
 from ... import codec
 from ...initiator.client import ALL_FEATURES
+from ...rnic import Access
+from ...tables import memory as M
 from ..context import Ctx, status_name
+from ..hold import SETTLE
 from ..registry import MUST, MUST_NOT, RULE, case
 from .common import F, OP, RECORD_COMPLETION, S, bind, buffer, data, load_request
 
@@ -16,11 +17,11 @@ SECTION = "Completion"
       echoed in the completion.""")
 async def request_id(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h, h2 = await ctx.handles(a, 2)
     rid = 0xFEDC_BA98_7654_3210
     for what, values in (
             ("an ALLOC_STORE", {"opcode": OP["ALLOC_STORE"], "handle": h, "inline_data": b"echo"}),
-            ("a failing LOAD", {"opcode": OP["LOAD"], "handle": h + 1, "dd.stag": 1, "dd.length": 8})):
+            ("a failing LOAD", {"opcode": OP["LOAD"], "handle": h2, "dd.stag": 1, "dd.length": 8})):
         c = await ctx.answer(a, codec.encode({**values, "request_id": rid}, a.addr_le), what)
         ctx.check(c["request_id"] == rid, f"{what}: Request ID {rid:#x} echoed", hex(c["request_id"]))
         ctx.check(c["version"] == 1, "Version 1 in the COMPLETION", c["version"])
@@ -29,8 +30,11 @@ async def request_id(ctx: Ctx) -> None:
 
 @case("completion.order", "Operations", RULE, "A target processes the requests of one connection in order.")
 async def order(ctx: Ctx) -> None:
+    """Seven pipelined requests on one handle, each depending on the one before; then a
+    non-inline ALLOC_STORE whose data the checker holds back, and a LOAD behind it: the
+    LOAD must not complete, nor be executed, before the store has its data."""
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h, held = await ctx.handles(a, 2)
     if min(a.target.request_credits, a.completion_credits) < 7:
         ctx.skip("fewer than 7 Request Credits: cannot pipeline the sequence")
     one, two, three = data(40), data(30), data(20)
@@ -46,24 +50,58 @@ async def order(ctx: Ctx) -> None:
     ]
     messages = [load_request(ctx, a, h, step, F["ALLOW_UNSEALED"]) if not isinstance(step, dict)
                 else ctx.encode(a, step) for step, _ in steps]
-    rids = [codec.decode(m, a.addr_le)["request_id"] for m in messages]
-    for message in messages[:-1]:
-        await ctx.wait(a.qp.send(message), "the pipelined requests sent")
-    got = await ctx.raw(a, messages[-1], expect=len(messages))
-    ctx.check(len(got) == len(messages), f"{len(messages)} COMPLETIONs", len(got))
-    seen = [c["request_id"] if c else None for c, _ in got]
-    ctx.check(seen == rids, "COMPLETIONs in request order", [hex(r) if r else r for r in seen])
-    statuses = [status_name(c["status"]) for c, _ in got]
-    ctx.check(statuses == [want for _, want in steps], f"statuses {[w for _, w in steps]}", statuses)
+    await _in_order(ctx, a, messages, [want for _, want in steps])
     ctx.check(bytes(regions[0].view[:len(two)]) == two and bytes(regions[2].view[:len(three)]) == three,
               "each LOAD saw the stores before it", "other data")
+
+    payload = data(min(a.target.block_size, 512))
+    source = a.memory.register(bytearray(payload), Access.REMOTE_READ)
+    loaded = buffer(a, len(payload))
+    messages = [ctx.encode(a, {"opcode": OP["ALLOC_STORE"], "handle": held, "dd.stag": source.stag,
+                               "dd.offset": 0, "dd.length": len(payload)}),
+                load_request(ctx, a, held, loaded, F["ALLOW_UNSEALED"])]
+    hold = ctx.hold_reads(a)
+    hold.hold()
+    try:
+        ctx.send(a, messages)
+        if not await hold.wait_requested(ctx.timeout):
+            ctx.check(False, "an RDMA Read of the data of a non-inline ALLOC_STORE",
+                      f"none within {ctx.timeout:g} s")
+        early = await ctx.collect(a, len(messages), SETTLE)
+    finally:
+        hold.release()
+    ctx.check(not early, "no COMPLETION while the ALLOC_STORE waits for its data (the checker holds "
+              "its RDMA Read Response back), since the LOAD after it may not overtake it",
+              f"{len(early)} came first: " + ", ".join(_describe(c) for c in early))
+    await _in_order(ctx, a, [], ["OK", "OK"], rids=[codec.decode(m, a.addr_le)["request_id"] for m in messages])
+    ctx.check(bytes(loaded.view) == payload, "the LOAD behind the held ALLOC_STORE saw its data",
+              "other data")
+
+
+def _describe(c: dict | None) -> str:
+    return "something that is no COMPLETION" if c is None else \
+        f"Request ID {c['request_id']:#x} {status_name(c['status'])}"
+
+
+async def _in_order(ctx: Ctx, a, messages: list[bytes], statuses: list[str],
+                    rids: list[int] | None = None) -> None:
+    """Send ``messages`` pipelined (or only collect, when empty): their COMPLETIONs must come
+    back in request order with ``statuses``."""
+    rids = rids or [codec.decode(m, a.addr_le)["request_id"] for m in messages]
+    ctx.send(a, messages)
+    got = await ctx.collect(a, len(rids))
+    ctx.check(len(got) == len(rids), f"{len(rids)} COMPLETIONs", len(got))
+    seen = [c["request_id"] if c else None for c in got]
+    ctx.check(seen == rids, "COMPLETIONs in request order", [hex(r) if r else r for r in seen])
+    got_statuses = [status_name(c["status"]) for c in got]
+    ctx.check(got_statuses == statuses, f"statuses {statuses}", got_statuses)
 
 
 @case("completion.invalidate", "Common Header", RULE, """0x0008 INVALIDATE: the target completes
       with Send with Invalidate , invalidating the STag of the initiator's Data Descriptor.""")
 async def invalidate(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h, h2 = await ctx.handles(a, 2)
     payload = data(100)
     await bind(ctx, a, h, payload)
     region = buffer(a, 128)
@@ -74,9 +112,9 @@ async def invalidate(ctx: Ctx) -> None:
               "a plain Send" if got[0][1].invalidated is None else f"STag {got[0][1].invalidated:#x}")
     ctx.check(bytes(region.view[:100]) == payload, "the loaded data", "other octets")
     src = a.memory.register(bytearray(payload), Access.REMOTE_READ)
-    store = ctx.encode(a, {"opcode": OP["STORE"], "handle": h + 1, "flags": F["INVALIDATE"],
+    store = ctx.encode(a, {"opcode": OP["STORE"], "handle": h2, "flags": F["INVALIDATE"],
                            "dd.stag": src.stag, "dd.offset": 0, "dd.length": len(payload)})
-    await bind(ctx, a, h + 1, b"first", seal=False)
+    await bind(ctx, a, h2, b"first", seal=False)
     got = await ctx.raw(a, store)
     ctx.check(bool(got) and got[0][1].invalidated == src.stag,
               "the STORE's COMPLETION as a Send with Invalidate of its source STag",
@@ -87,7 +125,7 @@ async def invalidate(ctx: Ctx) -> None:
       data is in the initiator's buffer.""")
 async def load_data(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h = await ctx.handle(a)
     payload = data(a.target.block_size)
     await bind(ctx, a, h, payload, inline=False)
     got = await ctx.ok(a.load(h), "LOAD of a whole block")
@@ -109,7 +147,7 @@ async def record_rdmap(ctx: Ctx) -> None:
       transport="roce", features=RECORD_COMPLETION)
 async def record_write_imm(ctx: Ctx) -> None:
     a = await ctx.connect(need=RECORD_COMPLETION)
-    h = a.target.handle_base
+    h = await ctx.handle(a)
     payload = data(50)
     r = await bind(ctx, a, h, payload)
     region = buffer(a, 64)

@@ -6,23 +6,24 @@ from typing import Awaitable
 
 from ...initiator import Initiator, KbtpError
 from ...rnic.qp import ConnectionLost, RemoteError
-from ...tables.enums import ENTRY_FLAGS, flag
-from ...tables.memory import ENTRY_SIZE
+from ... import codec
+from ...tables.memory import RING_SLOT, SLOT_CONSUMED, SLOT_SIZE
 from ..context import Ctx
-from ..registry import MUST, RULE, case, untestable
-from .common import DIRECT_ALLOC, DIRECT_LOAD, bind, data, holds, unbound
+from ..hold import SETTLE
+from ..registry import MUST, MUST_NOT, RULE, case, untestable
+from .common import DIRECT_ALLOC, DIRECT_LOAD, VALID, bind, data, entry_of, holds, unbound
 
 SECTION = "Direct Modes"
 PARTITION = """a Partition descriptor follows, naming the part of the pool reserved for this
     initiator (Count = its quota) through an STag that grants write access, is specific to this
     connection (for example a memory window bound to it), and covers nothing else"""
 REFUSED, ALLOWED = "refused", "allowed"
-VALID = flag(ENTRY_FLAGS, "VALID")
 
 
 async def remote_access(ctx: Ctx, ini: Initiator, access: Awaitable) -> str:
     """Whether a one-sided access is refused: it fails, or the next request on the
-    connection fails (a refused Write is reported after the fact, by Terminate or NAK)."""
+    connection fails (a refused Write is reported after the fact, by Terminate or NAK).
+    The LOAD that follows binds nothing, so any handle of the range serves."""
     try:
         await asyncio.wait_for(access, ctx.timeout)
         await asyncio.wait_for(ini.load(ini.target.handle_base, allow_unsealed=True), ctx.timeout)
@@ -46,7 +47,7 @@ def granted(ini: Initiator, key: str) -> tuple[int, int, int]:
       show the same Generation with VALID and SEALED set)""", features=DIRECT_LOAD)
 async def direct_load(ctx: Ctx) -> None:
     a = await ctx.connect(need=DIRECT_LOAD)
-    h, payload = a.target.handle_base, data(500)
+    h, payload = await ctx.handle(a), data(500)
     r = await bind(ctx, a, h, payload)
     status, got = await ctx.outcome(a.direct_load(h))
     ctx.check(status == "OK", "DIRECT_LOAD of a sealed handle: a VALID and SEALED entry", status)
@@ -60,7 +61,7 @@ async def direct_load(ctx: Ctx) -> None:
       read access only""", features=DIRECT_LOAD)
 async def read_only(ctx: Ctx) -> None:
     a = await ctx.connect(need=DIRECT_LOAD)
-    h, payload = a.target.handle_base, data(64)
+    h, payload = await ctx.handle(a), data(64)
     r = await bind(ctx, a, h, payload)
     pool = granted(a, "pool")[0]
     seen = await remote_access(ctx, a, a.qp.write(pool, r.block_offset, b"overwritten"))
@@ -82,10 +83,9 @@ async def atomics(ctx: Ctx) -> None:
     (t1, o1), (t2, o2) = tickets
     ctx.check(t2 == (t1 + 1) & 0xFFFFFFFF, f"consecutive tickets {t1}, {t1 + 1}", (t1, t2))
     ctx.check((o1, o2) == (16 * (t1 % n), 16 * (t2 % n)), "Slot Offsets 16 * (ticket mod N)", (o1, o2))
-    h = a.target.handle_base
-    for k, (ticket, offset) in enumerate(tickets):
+    for h, (ticket, offset) in zip(await ctx.handles(a, 2), tickets):
         block = await _slot(ctx, a, ticket, offset)
-        await ctx.ok(a.bind(h + k, ticket, 0, block), f"BIND of ticket {ticket}")
+        await ctx.ok(a.bind(h, ticket, 0, block), f"BIND of ticket {ticket}")
 
 
 async def _slot(ctx: Ctx, a: Initiator, ticket: int, offset: int) -> int:
@@ -102,7 +102,7 @@ async def _slot(ctx: Ctx, a: Initiator, ticket: int, offset: int) -> int:
       table entry, and completes.""", features=DIRECT_ALLOC)
 async def direct_alloc(ctx: Ctx) -> None:
     a = await ctx.connect(need=DIRECT_ALLOC)
-    h, payload = a.target.handle_base, data(700)
+    h, payload = await ctx.handle(a), data(700)
     r = await ctx.ok(a.direct_alloc(h, payload), "DIRECT_ALLOC and BIND")
     ctx.check(r.data_length == len(payload), f"BIND completion with Data Length {len(payload)}", r.data_length)
     got = await holds(ctx, a, h, payload, "after BIND", r.generation)
@@ -114,7 +114,7 @@ async def direct_alloc(ctx: Ctx) -> None:
       within its quota""", features=DIRECT_ALLOC)
 async def bind_verify(ctx: Ctx) -> None:
     a = await ctx.connect(need=DIRECT_ALLOC)
-    h, size = a.target.handle_base, a.target.block_size
+    h, size = await ctx.handle(a), a.target.block_size
     ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
     block = await _slot(ctx, a, ticket, offset)
     for what, t, b in (("another Block Offset", ticket, block + size),
@@ -147,9 +147,10 @@ async def abandoned(ctx: Ctx) -> None:
     if a.qp.closed:
         ctx.note("the target terminated the connection to reclaim the ticket")
         a = await ctx.reconnect(a)
-    await ctx.expect(a.bind(a.target.handle_base, ticket, 0, block), "TICKET_ABANDONED",
+    h = await ctx.handle(a)
+    await ctx.expect(a.bind(h, ticket, 0, block), "TICKET_ABANDONED",
                      "BIND of a ticket left unbound beyond the Ticket Timeout")
-    await unbound(ctx, a, a.target.handle_base, "after the refused BIND")
+    await unbound(ctx, a, h, "after the refused BIND")
 
 
 @case("direct.ticket.partition_revoked", "Allocation Quotas", MUST, """Before reclaiming its block,
@@ -200,42 +201,180 @@ async def partition_connection(ctx: Ctx) -> None:
 
 untestable(SECTION, MUST, "A target MUST offer them only to initiators it trusts for all blocks "
            "reachable through the exposed STags.", "trust is the target's configuration")
-untestable("Free-Block Ring", MUST, """If it is not yet consumed, because the allocation that owns it
-           has taken its ticket but not yet read it, the target MUST defer the write until the slot
-           is consumed; it MUST NOT overwrite the slot.""",
-           "needs a race inside the target; the shared ring is not visible to initiators")
 
 
 @case("direct.load.data_before_valid", "Block Unmapped Store", RULE, """The entry is written after
       the data, so any initiator that observes VALID in the entry also observes the data.""",
       features=DIRECT_LOAD)
 async def data_before_valid(ctx: Ctx) -> None:
-    """Watch the entries through the Table STag while unmapped stores run: the first read
-    that shows VALID must be followed by a block read that shows the stored data."""
+    """Unmapped stores whose data the target must RDMA-read, watched through the Table
+    STag. While the checker holds its Read Response back, the target cannot have the data,
+    so the entry must not show VALID, however long the checker looks; after the release,
+    the first read that shows VALID must be followed by a block read with the data."""
     a = await ctx.connect(need=DIRECT_LOAD)
     watcher = await ctx.connect(need=DIRECT_LOAD)
-    table, base, _ = granted(watcher, "table")
     pool = granted(watcher, "pool")[0]
-    first = watcher.target.fields["table_base_handle"]
+    hold = ctx.hold_reads(a)
     seen: list[str] = []
-    for i in range(4):
-        h = a.target.handle_base + i
+    for h in await ctx.handles(a, 2):
         payload = data(a.target.block_size)
+        hold.hold()
         store = asyncio.ensure_future(a.alloc_store(h, payload, seal=True, inline=False))
-        at = base + (h - first) * ENTRY_SIZE
-        deadline = asyncio.get_running_loop().time() + ctx.timeout
-        while asyncio.get_running_loop().time() < deadline:
-            entry = await watcher._entry(table, at)
-            if entry["entry.flags"] & VALID:      # the data must be there already
-                block = await watcher.qp.read(pool, entry["entry.block_offset"],
-                                              entry["entry.data_length"])
-                if block != payload:
-                    seen.append(f"0x{h:x}: VALID with {sum(x != y for x, y in zip(block, payload))} "
-                                f"octets of {len(payload)} not yet stored")
-                break
-            if store.done():                      # completed before we saw VALID: read once more
-                if not (await watcher._entry(table, at))["entry.flags"] & VALID:
-                    seen.append(f"0x{h:x}: completed OK but the entry is not VALID")
+        try:
+            if not await hold.wait_requested(ctx.timeout):
+                ctx.check(False, "an RDMA Read of the data of a non-inline ALLOC_STORE",
+                          f"none within {ctx.timeout:g} s")
+            for _ in range(2):
+                entry = await ctx.wait(entry_of(watcher, h), "an RDMA Read of the entry")
+                if entry["entry.flags"] & VALID:
+                    block = await ctx.wait(watcher.qp.read(pool, entry["entry.block_offset"],
+                                                           entry["entry.data_length"]), "a block read")
+                    seen.append(f"0x{h:x}: VALID while its data was still being read (the checker "
+                                f"held the RDMA Read Response), the block showing "
+                                f"{sum(x != y for x, y in zip(block, payload))} of {len(payload)} "
+                                "octets other than the data")
                     break
-        await ctx.ok(asyncio.wait_for(store, ctx.timeout), f"ALLOC_STORE to 0x{h:x} (set-up)")
+                await asyncio.sleep(SETTLE / 2)
+        finally:
+            hold.release()
+        seen += await _watch_entry(ctx, watcher, h, payload, store)
+        await ctx.setup(asyncio.wait_for(store, ctx.timeout), f"ALLOC_STORE to 0x{h:x}")
     ctx.check(not seen, "every entry seen VALID already holds its data", "; ".join(seen))
+
+
+async def _watch_entry(ctx: Ctx, watcher: Initiator, h: int, payload: bytes,
+                       store: asyncio.Future) -> list[str]:
+    """Read the entry until it shows VALID, then the block: it must hold ``payload``."""
+    pool = granted(watcher, "pool")[0]
+    deadline = asyncio.get_running_loop().time() + ctx.timeout
+    while asyncio.get_running_loop().time() < deadline:
+        entry = await ctx.wait(entry_of(watcher, h), "an RDMA Read of the entry")
+        if entry["entry.flags"] & VALID:           # the data must be there already
+            block = await ctx.wait(watcher.qp.read(pool, entry["entry.block_offset"],
+                                                   entry["entry.data_length"]), "a block read")
+            if block != payload:
+                return [f"0x{h:x}: VALID with {sum(x != y for x, y in zip(block, payload))} octets "
+                        f"of {len(payload)} not yet stored"]
+            return []
+        if store.done():                           # completed before we saw VALID: once more
+            if not (await ctx.wait(entry_of(watcher, h), "an RDMA Read of the entry"))["entry.flags"] & VALID:
+                return [f"0x{h:x}: completed OK but the entry is not VALID"]
+            return []
+    return []
+
+
+# -- the free-block ring ----------------------------------------------------------------------
+
+RING_LIMIT = 4096     # slots: a ring larger than this is not read whole
+
+
+async def read_ring(ctx: Ctx, a: Initiator) -> list[tuple[int, int]]:
+    """Every slot of the session's ring, through the Ring STag: (Sequence, Block Offset)."""
+    stag, offset, n = granted(a, "ring")
+    raw = await ctx.wait(a.qp.read(stag, offset, n * SLOT_SIZE), "an RDMA Read of the ring")
+    return [_slot_fields(a, raw[i * SLOT_SIZE:(i + 1) * SLOT_SIZE]) for i in range(n)]
+
+
+async def read_slot(ctx: Ctx, a: Initiator, ticket: int) -> tuple[int, int]:
+    stag, offset, n = granted(a, "ring")
+    raw = await ctx.wait(a.qp.read(stag, offset + SLOT_SIZE * (ticket % n), SLOT_SIZE),
+                         f"an RDMA Read of the slot of ticket {ticket}")
+    return _slot_fields(a, raw)
+
+
+def _slot_fields(a: Initiator, raw: bytes) -> tuple[int, int]:
+    d = codec.decode_struct(RING_SLOT, raw, a.addr_le)
+    return d["slot.sequence"], d["slot.block_offset"]
+
+
+def _ring_session_checks(ctx: Ctx, a: Initiator) -> tuple[int, int]:
+    """(N, quota) of the session's ring, skipping rings too large to read whole."""
+    n, q = granted(a, "ring")[2], a.target.quota
+    if n > RING_LIMIT:
+        ctx.skip(f"a ring of {n} slots is too large to go round in a case")
+    ctx.check(n >= q and n & (n - 1) == 0, f"a Ring Count N that is a power of two not smaller "
+              f"than the quota {q}", n)
+    return n, q
+
+
+def _in_partition(a: Initiator, block: int) -> bool:
+    _, start, count = granted(a, "partition")
+    size = a.target.block_size
+    return start <= block < start + count * size and (block - start) % size == 0
+
+
+RING = """Each counter holds ... the Slot Offset, the byte offset of the current slot (16 times the
+    slot number) ... wrapping at the end of the ring. Initialization: for s < F the target writes
+    slot s = {Sequence s, Block Offset of the s-th free block}; for F <= s < N it writes {Sequence
+    s - N (modulo 2^32), all ones}. ... the slot is marked consumed by setting its Block Offset to
+    all ones ... by the target when it processes BIND for direct allocations."""
+
+
+@case("direct.ring.laps", "Free-Block Ring", RULE, RING, features=DIRECT_ALLOC)
+async def ring_laps(ctx: Ctx) -> None:
+    """N+2 direct allocations and frees, once round the session's ring and on: every slot
+    holds the Sequence of its own slot number at the start; every ticket finds its block,
+    one of the partition, in slot ticket mod N (the offset FetchAdd returned, on iWARP);
+    BIND leaves the slot consumed; the FREE puts the block back where a later lap finds it."""
+    a = await ctx.connect(need=DIRECT_ALLOC)
+    n, _ = _ring_session_checks(ctx, a)
+    slots = await read_ring(ctx, a)
+    wrong = [f"slot {i}: Sequence {seq}" for i, (seq, _) in enumerate(slots) if seq % n != i]
+    ctx.check(not wrong, "every slot's Sequence equal to its slot number modulo N", "; ".join(wrong[:4]))
+    listed = [block for _, block in slots if block != SLOT_CONSUMED]
+    ctx.check(len(set(listed)) == len(listed) and all(_in_partition(a, b) for b in listed),
+              "the filled slots list distinct blocks of the partition", [hex(b) for b in listed])
+    h = await ctx.handle(a)
+    payload = data(64)
+    for cycle in range(1, n + 3):
+        ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
+        ctx.check(offset == SLOT_SIZE * (ticket % n), f"Slot Offset {SLOT_SIZE} * (ticket mod {n}) "
+                  f"for ticket {ticket} (cycle {cycle})", offset)
+        block = await _slot(ctx, a, ticket, offset)
+        ctx.check(_in_partition(a, block), f"the block of ticket {ticket} one of the partition",
+                  hex(block))
+        await ctx.wait(a.qp.write(granted(a, "partition")[0], block, payload), "the data written")
+        await ctx.ok(a.bind(h, ticket, len(payload), block), f"BIND of ticket {ticket} (cycle {cycle})")
+        sequence, left = await read_slot(ctx, a, ticket)
+        ctx.check(left == SLOT_CONSUMED, f"the slot of ticket {ticket} consumed after its BIND",
+                  f"Sequence {sequence}, Block Offset {left:#x}")
+        await ctx.ok(a.free(h), f"FREE (cycle {cycle})")
+
+
+@case("direct.ring.deferred_free", "Free-Block Ring", MUST_NOT, """If it [the slot at o] is not yet
+      consumed, because the allocation that owns it has taken its ticket but not yet read it,
+      the target MUST defer the write until the slot is consumed; it MUST NOT overwrite the
+      slot.""", features=DIRECT_ALLOC)
+async def deferred_free(ctx: Ctx) -> None:
+    """Take ticket t and leave it unbound; allocate and free until a FREE's ticket is t + N,
+    whose slot is t's, still unconsumed: the slot must keep t's block, BIND of t with that
+    block must succeed, and only then may the freed block appear there, as ticket t + N's."""
+    a = await ctx.connect(need=DIRECT_ALLOC)
+    n, q = _ring_session_checks(ctx, a)
+    if q < 2:
+        ctx.skip("a quota of one block leaves none to free while a ticket waits")
+    hold_ticket, cycle = await ctx.handles(a, 2)
+    started = asyncio.get_running_loop().time()
+    ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
+    block = await _slot(ctx, a, ticket, offset)
+    ahead = [rel for seq, b in await read_ring(ctx, a)
+             if b != SLOT_CONSUMED and (rel := (seq - ticket) & 0xFFFFFFFF) < n]
+    tail = ticket + max(ahead) + 1           # the ticket the next FREE takes
+    if tail - ticket < 2:
+        ctx.skip("the ring holds no block besides the waiting ticket's")
+    for _ in range(ticket + n - tail):       # until the next FREE is the one that reaches t's slot
+        await ctx.ok(a.direct_alloc(cycle, b"cycle"), "DIRECT_ALLOC (moving Tail on)")
+        await ctx.ok(a.free(cycle), "FREE (moving Tail on)")
+    freed = await ctx.ok(a.direct_alloc(cycle, b"freed"), "DIRECT_ALLOC")
+    await ctx.ok(a.free(cycle), f"FREE whose ticket {ticket + n} reaches the slot of ticket {ticket}")
+    seen = await read_slot(ctx, a, ticket)
+    if asyncio.get_running_loop().time() - started > a.target.ticket_timeout_ms / 1000 * 0.8:
+        ctx.skip("the steps took nearly the Ticket Timeout: ticket t may be abandoned meanwhile")
+    ctx.check(seen == (ticket & 0xFFFFFFFF, block), f"the slot of ticket {ticket}, not yet consumed, "
+              f"still {{Sequence {ticket}, Block Offset {block:#x}}}: the FREE deferred",
+              f"Sequence {seen[0]}, Block Offset {seen[1]:#x}")
+    await ctx.ok(a.bind(hold_ticket, ticket, 0, block), f"BIND of ticket {ticket} with the block its slot showed")
+    seen = await read_slot(ctx, a, ticket)
+    want = ((ticket + n) & 0xFFFFFFFF, freed.block_offset)
+    ctx.check(seen == want, f"once BIND consumed it, the deferred FREE written: Sequence {want[0]}, "
+              f"Block Offset {want[1]:#x}", f"Sequence {seen[0]}, Block Offset {seen[1]:#x}")

@@ -1,26 +1,64 @@
 """Generation rules: never zero once bound, one step per bind and per unbind."""
 from __future__ import annotations
 
-from ..context import Ctx
+from ... import codec
+from ...rnic import Access
+from ..context import Ctx, status_name
 from ..registry import RULE, case
-from .common import bind, data, next_generation
+from .common import OP, bind, data, next_generation
 
 SECTION = "Block Table"
+CYCLES = 65536       # bind/free cycles at most: two Generation steps each, so a wrap twice over
+WRAPPED = 0xFFFF
 
 
-@case("generation.never_zero", SECTION, RULE, "Generation never takes the value zero.")
+@case("generation.never_zero", SECTION, RULE, """Generation never takes the value zero. (Block
+      Unmapped Store: the next Generation (incremented by one, skipping zero))""",
+      slow="up to 65,536 bind/free cycles of one handle, until its Generation wraps",
+      budget=900)
 async def never_zero(ctx: Ctx) -> None:
+    """Bind and free one handle, pipelined, until its Generation has gone past 65535 (at
+    most 32,768 cycles when each bind and each free steps it): no completion may show 0,
+    and the step from 65535 must be to 1."""
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
-    seen = []
-    for _ in range(3):
-        r = await bind(ctx, a, h, data(8))
-        seen += [("ALLOC_STORE", r.generation),
-                 ("LOAD", (await ctx.ok(a.load(h), "LOAD")).generation),
-                 ("FREE", (await ctx.ok(a.free(h), "FREE")).generation)]
-    zero = [op for op, g in seen if g == 0]
-    ctx.check(not zero, "no completion of a bound or freed entry with Generation 0",
-              f"Generation 0 in {', '.join(zero)} (sequence {[g for _, g in seen]})")
+    h = await ctx.handle(a)
+    pairs = max(1, min(a.target.request_credits, a.completion_credits) // 4)  # half the credits
+    if a.target.max_inline:
+        store = {"inline_data": b"g"}
+    else:
+        source = a.memory.register(bytearray(b"g"), Access.REMOTE_READ)
+        store = {"dd.stag": source.stag, "dd.offset": 0, "dd.length": 1}
+    last, first, cycles, wrapped = None, None, 0, False
+    while cycles < CYCLES and not wrapped:
+        ops = {}
+        messages = []
+        for _ in range(pairs):
+            for op, values in (("ALLOC_STORE", store), ("FREE", {})):
+                rid = ctx.rid()
+                ops[rid] = (op, cycles)
+                messages.append(codec.encode({"opcode": OP[op], "request_id": rid, "handle": h, **values},
+                                             a.addr_le))
+            cycles += 1
+        ctx.send(a, messages)
+        got = await ctx.collect(a, len(messages))
+        ctx.check(len(got) == len(messages) and None not in got,
+                  f"{len(messages)} COMPLETIONs of pipelined ALLOC_STOREs and FREEs of 0x{h:x}",
+                  f"{sum(c is not None for c in got)}")
+        for c in sorted(got, key=lambda c: c["request_id"]):
+            op, cycle = ops.get(c["request_id"], ("?", cycles))
+            ctx.check(c["status"] == 0, f"{op} of cycle {cycle + 1} completed OK", status_name(c["status"]))
+            g = c["generation"]
+            ctx.check(g != 0, "no completion of a bound or freed entry with Generation 0",
+                      f"Generation 0 in the {op} completion of cycle {cycle + 1} (after {last})")
+            if last is not None and g < last:
+                ctx.check(last == WRAPPED and g == 1, "Generation 1 after 65535 (skipping zero)",
+                          f"{last} then {g} ({op} of cycle {cycle + 1})")
+                wrapped = True
+            first = g if first is None else first
+            last = g
+    if not wrapped:
+        ctx.note(f"the Generation did not wrap within {cycles} bind/free cycles "
+                 f"(from {first} to {last})")
 
 
 @case("generation.next", "Block Unmapped Store", RULE, """It writes the table entry with the Block
@@ -28,7 +66,7 @@ async def never_zero(ctx: Ctx) -> None:
       (incremented by one, skipping zero). (Block Free: increments the Generation (skipping zero))""")
 async def increments(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h = await ctx.handle(a)
     g1 = (await bind(ctx, a, h, data(8))).generation
     freed = (await ctx.ok(a.free(h), "FREE")).generation
     ctx.check(freed == next_generation(g1), f"FREE completion with the entry's current Generation "

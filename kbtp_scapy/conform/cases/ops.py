@@ -7,8 +7,8 @@ from typing import Callable
 from ...initiator import Initiator
 from ..context import Ctx, status_name
 from ..registry import MUST, MUST_NOT, RULE, case
-from .common import (F, OP, S, bind, buffer, data, holds, load_request, other_generation,
-                     unbound, untouched)
+from .common import (DIRECT_ALLOC, DIRECT_LOAD, F, OP, S, SEALED, VALID, bind, buffer, data,
+                     entry_of, holds, load_request, other_generation, unbound, untouched)
 
 SECTION = "Operations"
 VALIDATE = """It validates every request before touching memory: the handle MUST be within a range
@@ -19,11 +19,10 @@ VALIDATE = """It validates every request before touching memory: the handle MUST
 UNPARSEABLE = """Version is 1. Opcodes are listed in (); MALFORMED: Request cannot be parsed"""
 
 
-async def _not_executed(ctx: Ctx, raw: Callable[[Initiator, int], bytes], handle_offset: int,
-                        what: str) -> None:
+async def _not_executed(ctx: Ctx, raw: Callable[[Initiator, int], bytes], what: str) -> None:
     """A request the target must not execute: any answer is not OK, the handle stays unbound."""
     a = await ctx.connect(features=0)
-    h = a.target.handle_base + handle_offset
+    h = await ctx.handle(a)
     got = await ctx.raw(a, raw(a, h))
     if got and got[0][0] is not None:
         c = got[0][0]
@@ -45,24 +44,24 @@ def _alloc_inline(ctx: Ctx, a: Initiator, h: int) -> bytes:
 
 @case("ops.header.version", "Common Header", RULE, UNPARSEABLE)
 async def version(ctx: Ctx) -> None:
-    await _not_executed(ctx, lambda a, h: bytes([2]) + _alloc_inline(ctx, a, h)[1:], 0,
+    await _not_executed(ctx, lambda a, h: bytes([2]) + _alloc_inline(ctx, a, h)[1:],
                         "an ALLOC_STORE with Version 2")
 
 
 @case("ops.header.opcode", "Common Header", RULE, UNPARSEABLE)
 async def opcode(ctx: Ctx) -> None:
     await _not_executed(ctx, lambda a, h: (lambda m: m[:1] + b"\x7e" + m[2:])(_alloc_inline(ctx, a, h)),
-                        0, "an ALLOC_STORE body under the unassigned opcode 0x7E")
+                        "an ALLOC_STORE body under the unassigned opcode 0x7E")
     await _not_executed(ctx, lambda a, h: ctx.encode(a, {"opcode": OP["COMPLETION"], "handle": h}),
-                        1, "a COMPLETION sent as a request")
+                        "a COMPLETION sent as a request")
 
 
 @case("ops.header.length", "Common Header", RULE, UNPARSEABLE)
 async def length(ctx: Ctx) -> None:
     await _not_executed(ctx, lambda a, h: ctx.encode(a, {
         "opcode": OP["ALLOC_STORE"], "handle": h, "flags": F["INLINE"], "dd.length": 12,
-        "inline_data": b"SHORT"}), 0, "an inline ALLOC_STORE with fewer octets than its Length")
-    await _not_executed(ctx, lambda a, h: _alloc_inline(ctx, a, h)[:30], 1,
+        "inline_data": b"SHORT"}), "an inline ALLOC_STORE with fewer octets than its Length")
+    await _not_executed(ctx, lambda a, h: _alloc_inline(ctx, a, h)[:30],
                         "an ALLOC_STORE truncated to 30 octets")
 
 
@@ -71,15 +70,15 @@ async def own_range(ctx: Ctx) -> None:
     """Isolation: a second initiator cannot store to, allocate in, or free the first's range."""
     a = await ctx.connect(features=0)
     b = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h, other = await ctx.handles(a, 2)
     payload = data(100)
     r = await bind(ctx, a, h, payload, seal=False)
     await ctx.expect(b.store(h, b"intruder"), "INVALID_HANDLE", "STORE to another initiator's handle")
     await ctx.expect(b.free(h), "INVALID_HANDLE", "FREE of another initiator's handle")
-    await ctx.expect(b.alloc_store(h + 1, b"intruder"), "INVALID_HANDLE",
+    await ctx.expect(b.alloc_store(other, b"intruder"), "INVALID_HANDLE",
                      "ALLOC_STORE in another initiator's range")
     await holds(ctx, a, h, payload, "after the other initiator's attempts", r.generation)
-    await unbound(ctx, a, h + 1, "after the other initiator's ALLOC_STORE")
+    await unbound(ctx, a, other, "after the other initiator's ALLOC_STORE")
 
 
 @case("ops.handle.outside_table", SECTION, MUST, VALIDATE)
@@ -94,7 +93,7 @@ async def outside(ctx: Ctx) -> None:
 @case("ops.generation.stale", SECTION, MUST, VALIDATE)
 async def stale(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h, payload = a.target.handle_base, data(64)
+    h, payload = await ctx.handle(a), data(64)
     r = await bind(ctx, a, h, payload, seal=False)
     wrong = other_generation(r.generation)
     await ctx.expect(a.load(h, generation=wrong, allow_unsealed=True), "STALE_GENERATION",
@@ -111,7 +110,7 @@ async def stale(ctx: Ctx) -> None:
       ALLOW_UNSEALED is set.""")
 async def load_not_valid(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h = await ctx.handle(a)
     region = buffer(a, 64)
     c = await ctx.answer(a, load_request(ctx, a, h, region, F["ALLOW_UNSEALED"]), "LOAD of an unbound handle")
     ctx.check(c["status"] == S["NOT_VALID"], "LOAD of an unbound handle: NOT_VALID", status_name(c["status"]))
@@ -122,7 +121,7 @@ async def load_not_valid(ctx: Ctx) -> None:
       ALLOW_UNSEALED is set.""")
 async def load_not_sealed(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h, payload = a.target.handle_base, data(64)
+    h, payload = await ctx.handle(a), data(64)
     await bind(ctx, a, h, payload, seal=False)
     region = buffer(a, 64)
     c = await ctx.answer(a, load_request(ctx, a, h, region), "LOAD of an unsealed block")
@@ -135,7 +134,7 @@ async def load_not_sealed(ctx: Ctx) -> None:
       Length.""")
 async def load_too_large(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h = await ctx.handle(a)
     await bind(ctx, a, h, data(100))
     region = buffer(a, 60)
     c = await ctx.answer(a, load_request(ctx, a, h, region), "LOAD into a 60-octet buffer of 100 octets")
@@ -146,22 +145,22 @@ async def load_too_large(ctx: Ctx) -> None:
 @case("ops.store.too_large", SECTION, MUST_NOT, VALIDATE)
 async def store_too_large(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h, size = a.target.handle_base, a.target.block_size
+    (h, h2), size = await ctx.handles(a, 2), a.target.block_size
     await ctx.expect(a.alloc_store(h, bytes(size + 8), inline=False), "TOO_LARGE",
                      f"ALLOC_STORE of {size + 8} octets (Block Size {size})")
     await unbound(ctx, a, h, "after the refused ALLOC_STORE")
     payload = data(32)
-    await bind(ctx, a, h + 1, payload, seal=False)
-    await ctx.expect(a.store(h + 1, bytes(size + 8), inline=False), "TOO_LARGE",
+    await bind(ctx, a, h2, payload, seal=False)
+    await ctx.expect(a.store(h2, bytes(size + 8), inline=False), "TOO_LARGE",
                      f"STORE of {size + 8} octets")
-    await holds(ctx, a, h + 1, payload, "after the refused STORE")
+    await holds(ctx, a, h2, payload, "after the refused STORE")
 
 
 @case("ops.store.not_valid", "Block Mapped Store", MUST, """The target reads the table entry, which
       MUST be VALID and not SEALED and MUST belong to the initiator's handle range.""")
 async def store_not_valid(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h = await ctx.handle(a)
     await ctx.expect(a.store(h, b"nowhere"), "NOT_VALID", "STORE to an unbound handle")
     await unbound(ctx, a, h, "after the refused STORE")
 
@@ -170,7 +169,7 @@ async def store_not_valid(ctx: Ctx) -> None:
       MUST be VALID and not SEALED and MUST belong to the initiator's handle range.""")
 async def store_sealed(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h, payload = a.target.handle_base, data(64)
+    h, payload = await ctx.handle(a), data(64)
     r = await bind(ctx, a, h, payload, seal=True)
     await ctx.expect(a.store(h, b"changed"), "SEALED", "STORE to a sealed block")
     await holds(ctx, a, h, payload, "after the refused STORE", r.generation)
@@ -180,7 +179,7 @@ async def store_sealed(ctx: Ctx) -> None:
       set, sets SEALED.""")
 async def seal_flag(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h = await ctx.handle(a)
     await bind(ctx, a, h, data(300), seal=False)
     new = data(40)
     r = await ctx.ok(a.store(h, new, seal=True), "STORE with SEAL")
@@ -193,10 +192,10 @@ async def seal_flag(ctx: Ctx) -> None:
       or by RDMA Read from the Data Descriptor, and writes it into the block.""")
 async def store_data(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h, size, inline = a.target.handle_base, a.target.block_size, a.target.max_inline
+    (h, h2), size, inline = await ctx.handles(a, 2), a.target.block_size, a.target.max_inline
     writes = [(h, data(min(size, 3000)), False, "ALLOC_STORE"), (h, data(min(size, 1000)), False, "STORE")]
     if inline:
-        writes += [(h + 1, data(min(inline, 100)), True, "ALLOC_STORE"), (h + 1, data(min(inline, 50)), True, "STORE")]
+        writes += [(h2, data(min(inline, 100)), True, "ALLOC_STORE"), (h2, data(min(inline, 50)), True, "STORE")]
     for handle, payload, as_inline, op in writes:
         call = a.alloc_store if op == "ALLOC_STORE" else a.store
         await ctx.ok(call(handle, payload, inline=as_inline), f"{op}{' inline' if as_inline else ''}")
@@ -206,12 +205,17 @@ async def store_data(ctx: Ctx) -> None:
 @case("ops.unmapped_store.already_bound", "Block Unmapped Store", MUST_NOT, """The handle MUST be in
       the initiator's range and its entry MUST NOT be VALID.""")
 async def already_bound(ctx: Ctx) -> None:
+    """Both kinds of bound entry: sealed, and unsealed (which a STORE may still change)."""
     a = await ctx.connect(features=0)
-    h, payload = a.target.handle_base, data(64)
-    r = await bind(ctx, a, h, payload)
-    await ctx.expect(a.alloc_store(h, b"second"), "ALREADY_BOUND", "ALLOC_STORE to a bound handle")
-    got = await holds(ctx, a, h, payload, "after the refused ALLOC_STORE", r.generation)
-    ctx.check(got.block_offset == r.block_offset, f"Block Offset {r.block_offset:#x}", hex(got.block_offset))
+    for h, seal in zip(await ctx.handles(a, 2), (True, False)):
+        what = "sealed" if seal else "unsealed"
+        payload = data(64)
+        r = await bind(ctx, a, h, payload, seal=seal)
+        await ctx.expect(a.alloc_store(h, b"second"), "ALREADY_BOUND",
+                         f"ALLOC_STORE to a handle bound to a {what} block")
+        got = await holds(ctx, a, h, payload, f"({what}) after the refused ALLOC_STORE", r.generation)
+        ctx.check(got.block_offset == r.block_offset, f"Block Offset {r.block_offset:#x} ({what})",
+                  hex(got.block_offset))
 
 
 @case("ops.unmapped_store.completion", "Block Unmapped Store", RULE, """It completes the request with
@@ -219,7 +223,7 @@ async def already_bound(ctx: Ctx) -> None:
       Offset, Data Length, and Generation of the entry.)""")
 async def completion_values(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h, payload = a.target.handle_base, data(77)
+    h, payload = await ctx.handle(a), data(77)
     r = await bind(ctx, a, h, payload)
     got = await ctx.ok(a.load(h), "LOAD after ALLOC_STORE")
     seen = (hex(got.block_offset), got.generation, got.data_length)
@@ -231,7 +235,7 @@ async def completion_values(ctx: Ctx) -> None:
 @case("ops.free.not_valid", "Block Free", MUST, "The handle MUST be in the initiator's range and VALID.")
 async def free_not_valid(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h = await ctx.handle(a)
     await ctx.expect(a.free(h), "NOT_VALID", "FREE of an unbound handle")
     await bind(ctx, a, h, b"once")
     await ctx.ok(a.free(h), "FREE of a bound handle")
@@ -241,63 +245,113 @@ async def free_not_valid(ctx: Ctx) -> None:
 @case("ops.free.unbinds", "Block Free", RULE, """The target clears VALID and SEALED and increments
       the Generation (skipping zero) in the table entry. It returns the block to the ring""")
 async def free_unbinds(ctx: Ctx) -> None:
-    a = await ctx.connect(features=0)
-    h = a.target.handle_base
-    await bind(ctx, a, h, data(10))
-    await ctx.ok(a.free(h), "FREE")
+    """Unbound to every request after FREE; with DIRECT_LOAD also in the entry itself."""
+    a = await ctx.connect(features=DIRECT_LOAD)
+    h = await ctx.handle(a)
+    await bind(ctx, a, h, data(10), seal=True)
+    freed = await ctx.ok(a.free(h), "FREE")
     await unbound(ctx, a, h, "after FREE")
+    if a.target.features & DIRECT_LOAD:
+        entry = await ctx.wait(entry_of(a, h), "an RDMA Read of the freed entry")
+        ctx.check(not entry["entry.flags"] & (VALID | SEALED), "the freed entry without VALID and SEALED",
+                  f"Flags {entry['entry.flags']:#06x}")
+        ctx.check(entry["entry.generation"] == freed.generation,
+                  f"the freed entry's Generation {freed.generation}, as the FREE completion said",
+                  entry["entry.generation"])
     await bind(ctx, a, h, data(10))
 
 
 @case("ops.no_side_effect", SECTION, RULE, VALIDATE)
 async def no_side_effect(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
+    h, h1, h2 = await ctx.handles(a, 3)
     sealed, unsealed = data(200), data(150)
     rs = await bind(ctx, a, h, sealed, seal=True)
-    ru = await bind(ctx, a, h + 1, unsealed, seal=False)
+    ru = await bind(ctx, a, h1, unsealed, seal=False)
     size = a.target.block_size
     failing = [
         (a.store(h, data(200)), "SEALED", "STORE to the sealed block"),
         (a.store(h, data(200), inline=False), "SEALED", "STORE (RDMA Read) to the sealed block"),
-        (a.store(h + 1, data(150), generation=other_generation(ru.generation)), "STALE_GENERATION",
+        (a.store(h1, data(150), generation=other_generation(ru.generation)), "STALE_GENERATION",
          "STORE with a wrong Generation"),
-        (a.store(h + 1, bytes(size + 8), inline=False), "TOO_LARGE", "STORE larger than Block Size"),
+        (a.store(h1, bytes(size + 8), inline=False), "TOO_LARGE", "STORE larger than Block Size"),
         (a.alloc_store(h, data(20)), "ALREADY_BOUND", "ALLOC_STORE to a bound handle"),
-        (a.alloc_store(h + 2, bytes(size + 8), inline=False), "TOO_LARGE", "ALLOC_STORE larger than Block Size"),
+        (a.alloc_store(h2, bytes(size + 8), inline=False), "TOO_LARGE", "ALLOC_STORE larger than Block Size"),
         (a.free(h, generation=other_generation(rs.generation)), "STALE_GENERATION", "FREE with a wrong Generation"),
     ]
     for coro, status, what in failing:
         await ctx.expect(coro, status, what)
     await holds(ctx, a, h, sealed, "after the failed requests", rs.generation)
-    await holds(ctx, a, h + 1, unsealed, "after the failed requests", ru.generation)
-    await unbound(ctx, a, h + 2, "after the failed ALLOC_STORE")
+    await holds(ctx, a, h1, unsealed, "after the failed requests", ru.generation)
+    await unbound(ctx, a, h2, "after the failed ALLOC_STORE")
 
 
-@case("ops.quota.no_space", "Allocation Quotas", RULE, """If a target observes an allocation by an
-      initiator that exceeds its quota, it completes the request with NO_SPACE and MAY terminate
-      the session. (the target releases one unit of usage when a FREE completes)""")
-async def quota(ctx: Ctx) -> None:
-    a = await ctx.connect(features=0, credits=32)
-    q, count, h = a.target.quota, a.target.handle_count, a.target.handle_base
-    if q >= count:
-        ctx.skip(f"the quota ({q}) is not smaller than the handle range ({count})")
+QUOTA = """If a target observes an allocation by an initiator that exceeds its quota, it completes
+    the request with NO_SPACE and MAY terminate the session. (the target releases one unit of
+    usage when a FREE completes)"""
+
+
+async def _fill_quota(ctx: Ctx, a: Initiator, handles: list[int], what: str) -> None:
+    """ALLOC_STORE to every handle of ``handles`` (pipelined): each must complete OK."""
+    results = await ctx.wait(asyncio.gather(*(ctx.outcome(a.alloc_store(h, b"q", seal=True))
+                                              for h in handles)), f"{len(handles)} ALLOC_STOREs")
+    refused = [status for status, _ in results if status != "OK"]
+    ctx.check(not refused, f"{len(handles)} ALLOC_STOREs within the quota of {a.target.quota} "
+              f"{what} completed OK", f"{len(refused)} refused, first {refused[0] if refused else ''}")
+
+
+def _quota_of(ctx: Ctx, a: Initiator, extra: int) -> int:
+    q, count = a.target.quota, a.target.handle_count
+    if q + extra > count:
+        ctx.skip(f"the quota ({q}) leaves too few handles of the range ({count}) for the case")
     if q > 4096:
         ctx.skip(f"a quota of {q} blocks would take too long to fill")
-    results = await ctx.wait(asyncio.gather(*(ctx.outcome(a.alloc_store(h + i, b"q", seal=True))
-                                              for i in range(q))), f"{q} ALLOC_STOREs")
-    refused = [i for i, (status, _) in enumerate(results) if status != "OK"]
-    ctx.check(not refused, f"{q} ALLOC_STOREs within the quota of {q} completed OK",
-              f"{len(refused)} refused, first {results[refused[0]][0] if refused else ''}")
+    return q
+
+
+@case("ops.quota.no_space", "Allocation Quotas", RULE, QUOTA)
+async def quota(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0, credits=32)
+    q = _quota_of(ctx, a, 1)
+    hs = await ctx.handles(a, q + 1)
+    await _fill_quota(ctx, a, hs[:q], "")
     try:
-        status, _ = await ctx.outcome(a.alloc_store(h + q, b"one too many"))
+        status, _ = await ctx.outcome(a.alloc_store(hs[q], b"one too many"))
     except Exception as exc:   # the text allows terminating the session
         if not a.qp.closed:
             raise
         ctx.note(f"the target terminated the session on the allocation beyond the quota ({exc})")
         return
     ctx.check(status == "NO_SPACE", "the allocation beyond the quota: NO_SPACE", status)
-    await ctx.ok(a.free(h), "FREE within the full quota")
-    await ctx.ok(a.alloc_store(h + q, b"fits again"), "ALLOC_STORE after a FREE released one unit")
+    await ctx.ok(a.free(hs[0]), "FREE within the full quota")
+    await ctx.ok(a.alloc_store(hs[q], b"fits again"), "ALLOC_STORE after a FREE released one unit")
+
+
+@case("ops.no_side_effect.quota", SECTION, RULE, VALIDATE)
+async def no_side_effect_quota(ctx: Ctx) -> None:
+    """Failed ALLOC_STOREs of every kind use no quota and no ticket: afterwards a whole
+    quota of ALLOC_STOREs still succeeds. Once in a default-mode session (shared ring),
+    once with DIRECT_ALLOC when offered, where the session's own ring has exactly a quota
+    of blocks, so a ticket taken and dropped leaves the last allocation without one."""
+    for features in (0, DIRECT_ALLOC) if ctx.info.features & DIRECT_ALLOC else (0,):
+        a = await ctx.connect(features=features)
+        ring = "its own ring" if a.target.features & DIRECT_ALLOC else "the shared ring"
+        q = _quota_of(ctx, a, 1)
+        hs = await ctx.handles(a, q + 1)
+        size, outside = a.target.block_size, 0xFFFF_FFFF_FFFF_FF00
+        r = await bind(ctx, a, hs[0], b"bound")
+        failing = [
+            (a.alloc_store(hs[1], bytes(size + 8), inline=False), "TOO_LARGE", "ALLOC_STORE larger than Block Size"),
+            (a.alloc_store(hs[1], bytes(size + 8), inline=False), "TOO_LARGE", "ALLOC_STORE larger than Block Size"),
+            (a.alloc_store(hs[0], b"again"), "ALREADY_BOUND", "ALLOC_STORE to a bound handle"),
+            (a.alloc_store(outside, b"x"), "INVALID_HANDLE", "ALLOC_STORE outside every range"),
+            (a.free(hs[1]), "NOT_VALID", "FREE of an unbound handle"),
+            (a.alloc_store(hs[0], b"again", generation=other_generation(r.generation)), "STALE_GENERATION",
+             "ALLOC_STORE with a wrong Generation"),
+        ]
+        for coro, status, what in failing:
+            got, _ = await ctx.outcome(coro)
+            ctx.check(got != "OK", f"{what}: refused", "completed OK")
+        await _fill_quota(ctx, a, hs[1:q], f"after {len(failing)} failed requests ({ring})")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ...initiator.client import ALL_FEATURES
 from ..context import Ctx
 from ..registry import MUST, RULE, SHOULD, case, untestable
-from .common import DIRECT_ALLOC, DIRECT_LOAD, data
+from .common import DIRECT_ALLOC, DIRECT_LOAD, bind, data
 from .direct import REFUSED, remote_access
 
 SECTION = "Security Considerations"
@@ -41,9 +41,9 @@ async def no_stag(ctx: Ctx) -> None:
       the blocks may be allocated to initiators of a different trust domain.""", features=DIRECT_LOAD)
 async def clear_freed(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    secret = data(64)
-    r = await ctx.ok(a.alloc_store(a.target.handle_base, secret, seal=True), "ALLOC_STORE (set-up)")
-    await ctx.ok(a.free(a.target.handle_base), "FREE")
+    h, secret = await ctx.handle(a), data(64)
+    r = await bind(ctx, a, h, secret)
+    await ctx.ok(a.free(h), "FREE")
     c = await ctx.connect(need=DIRECT_LOAD)
     pool = c.target.fields["pool.stag"]
     seen = await ctx.wait(c.qp.read(pool, r.block_offset, len(secret)), "an RDMA Read of the freed block")

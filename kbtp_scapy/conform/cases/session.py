@@ -4,11 +4,12 @@ from __future__ import annotations
 import asyncio
 
 from ... import codec
-from ...rnic.qp import ConnectionLost
+from ...rnic import Access
 from ...tables.enums import GOODBYE_FLAGS, flag
-from ..context import Ctx
+from ..context import Ctx, status_name
+from ..hold import SETTLE
 from ..registry import MUST, RULE, case, untestable
-from .common import OP, bind, data, holds
+from .common import OP, bind, buffer, data, holds, load_request
 
 SECTION = "Session Establishment"
 RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
@@ -28,22 +29,27 @@ async def hello_ack_header(ctx: Ctx) -> None:
         ctx.check(False, "a well-formed HELLO_ACK", f"{exc}: {msg.payload.hex()}")
     ctx.check(ack["opcode"] == OP["HELLO_ACK"], "opcode HELLO_ACK (0x02)", hex(ack["opcode"]))
     ctx.check(ack["version"] == 1, "Version 1", ack["version"])
-    header = {k: ack[k] for k in ("request_id", "handle", "generation", "status")}
-    ctx.check(not any(header.values()), "Request ID, Block Handle, Generation and Status zero", header)
-    await ctx.wait(qp.send(codec.encode({"opcode": OP["GOODBYE"], "flags": RELEASE})), "GOODBYE sent")
+    if ack["status"]:                # "Status reports an error in HELLO_ACK": a refusal is allowed
+        ctx.note(f"the HELLO was refused ({status_name(ack['status'])}), so only Request ID, Block "
+                 "Handle and Generation were checked")
+    header = {k: ack[k] for k in ("request_id", "handle", "generation")}
+    ctx.check(not any(header.values()), "Request ID, Block Handle and Generation zero", header)
+    if not ack["status"]:
+        ctx.check(not ack["status"], "Status zero", ack["status"])
+        await ctx.wait(qp.send(codec.encode({"opcode": OP["GOODBYE"], "flags": RELEASE})), "GOODBYE sent")
 
 
 @case("session.initiator_id.active_rejected", SECTION, MUST, """a target MUST reject a HELLO whose
       Initiator ID belongs to a session that is still active.""")
 async def active_rejected(ctx: Ctx) -> None:
     first = await ctx.connect(features=0)
+    h = await ctx.handle(first)
     status, second = await ctx.hello_status(first.initiator_id)
     ctx.check(second is None, "the second HELLO refused (non-zero HELLO_ACK Status)",
               "HELLO_ACK Status OK: a second session with the same Initiator ID")
     if status != "ALREADY_BOUND":
         ctx.note(f"refused with {status}; the reference target uses ALREADY_BOUND (NOTES decision 6)")
-    await ctx.expect(first.load(first.target.handle_base), "NOT_VALID",
-                     "the first session still served after the refused HELLO")
+    await ctx.expect(first.load(h), "NOT_VALID", "the first session still served after the refused HELLO")
 
 
 RETENTION = """GOODBYE ends the session. With flag 0x0001 RELEASE, the target frees all handles
@@ -55,7 +61,7 @@ RETENTION = """GOODBYE ends the session. With flag 0x0001 RELEASE, the target fr
 
 async def _retained(ctx: Ctx, graceful: bool) -> None:
     a = await ctx.connect(features=0)
-    h, payload = a.target.handle_base, data(200)
+    h, payload = await ctx.handle(a), data(200)
     r = await bind(ctx, a, h, payload)
     if graceful:
         await ctx.goodbye(a, release=False)
@@ -63,8 +69,8 @@ async def _retained(ctx: Ctx, graceful: bool) -> None:
         await a.close()                  # the connection ends without GOODBYE
     b = await ctx.reconnect(a)
     seen = (hex(b.target.handle_base), b.target.handle_count)
-    ctx.check((b.target.handle_base, b.target.handle_count) == (h, a.target.handle_count),
-              f"the same handle range ({hex(h)}, {a.target.handle_count})", seen)
+    ctx.check((b.target.handle_base, b.target.handle_count) == (a.target.handle_base, a.target.handle_count),
+              f"the same handle range ({a.target.handle_base:#x}, {a.target.handle_count})", seen)
     await holds(ctx, b, h, payload, "after reconnecting", r.generation)
 
 
@@ -82,17 +88,17 @@ async def retained_after_loss(ctx: Ctx) -> None:
       handles bound by the initiator.""")
 async def release(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
-    h = a.target.handle_base
-    for k in range(3):
-        await bind(ctx, a, h + k, data(16))
+    hs = await ctx.handles(a, 3)
+    for h in hs:
+        await bind(ctx, a, h, data(16))
     await ctx.goodbye(a, release=True)
     b = await ctx.reconnect(a)
-    for k in range(3):
-        got, _ = await ctx.outcome(b.load(h + k, allow_unsealed=True))
-        ctx.check(got != "OK", f"0x{h + k:x} no longer bound after GOODBYE with RELEASE",
+    for h in hs:
+        got, _ = await ctx.outcome(b.load(h, allow_unsealed=True))
+        ctx.check(got != "OK", f"0x{h:x} no longer bound after GOODBYE with RELEASE",
                   "LOAD completed OK: the handle is still bound")
-    if b.target.handle_base <= h < b.target.handle_base + b.target.handle_count:
-        await ctx.ok(b.alloc_store(h, b"again"), "ALLOC_STORE to a released handle")
+    if b.target.handle_base <= hs[0] < b.target.handle_base + b.target.handle_count:
+        await ctx.ok(b.alloc_store(hs[0], b"again"), "ALLOC_STORE to a released handle")
 
 
 @case("session.hello_ack.disjoint_ranges", SECTION, RULE, """Handles of different initiators never
@@ -104,24 +110,46 @@ async def disjoint_ranges(ctx: Ctx) -> None:
     rb = range(b.target.handle_base, b.target.handle_base + b.target.handle_count)
     ctx.check(ra.stop <= rb.start or rb.stop <= ra.start, "two disjoint handle ranges",
               f"[{ra.start:#x}, {ra.stop:#x}) and [{rb.start:#x}, {rb.stop:#x})")
-    await bind(ctx, a, ra.start, b"a")
-    await bind(ctx, b, rb.start, b"b")
+    await bind(ctx, a, await ctx.handle(a), b"a")
+    await bind(ctx, b, await ctx.handle(b), b"b")
 
 
 @case("session.credits.request", SECTION, RULE, """A target pre-posts, for each request credit, a
       receive buffer (Request Credits of HELLO_ACK: requests an initiator may have outstanding)""")
 async def request_credits(ctx: Ctx) -> None:
-    credits = min(ctx.info.request_credits, 256)
-    a = await ctx.connect(features=0, credits=credits)
-    h = a.target.handle_base
+    """Every credit in use at once: the first request, an ALLOC_STORE, waits for data the
+    checker does not send yet, so no buffer can come back before the last request arrives;
+    a missing buffer shows as an RNR NAK (RoCEv2, which the RNIC would retry silently) or
+    a Terminate (iWARP)."""
+    a = await ctx.connect(features=0, credits=min(ctx.info.request_credits, 256))
+    credits = min(a.target.request_credits, a.completion_credits)
+    h, loaded = await ctx.handles(a, 2)
+    payload = data(min(a.target.block_size, 256))
+    await bind(ctx, a, loaded, payload)
+    source = a.memory.register(bytearray(payload), Access.REMOTE_READ)
+    first = ctx.encode(a, {"opcode": OP["ALLOC_STORE"], "handle": h, "dd.stag": source.stag,
+                           "dd.offset": 0, "dd.length": len(payload)})
+    loads = [load_request(ctx, a, loaded, buffer(a, len(payload))) for _ in range(credits - 1)]
+    hold = ctx.hold_reads(a)
+    naks = a.qp.stats.get("rnr_naks", 0)
+    hold.hold()
     try:
-        results = await asyncio.wait_for(asyncio.gather(
-            *(ctx.outcome(a.load(h, allow_unsealed=True)) for _ in range(credits))), ctx.timeout)
-    except (ConnectionLost, asyncio.TimeoutError) as exc:
-        ctx.check(False, f"{credits} pipelined requests (the Request Credits) all completed",
-                  f"{type(exc).__name__} {exc}")
-    statuses = {status for status, _ in results}
-    ctx.check(statuses == {"NOT_VALID"}, f"{credits} completions NOT_VALID", statuses)
+        ctx.send(a, [first])
+        if not await hold.wait_requested(ctx.timeout):
+            ctx.check(False, "an RDMA Read of the data of a non-inline ALLOC_STORE",
+                      f"none within {ctx.timeout:g} s")
+        ctx.send(a, loads)
+        await asyncio.sleep(SETTLE)
+        refused = a.qp.stats.get("rnr_naks", 0) - naks
+    finally:
+        hold.release()
+    ctx.check(not a.qp.closed, f"{credits} requests (the Request Credits) outstanding at once, each "
+              "in a receive buffer", "the connection terminated (no receive buffer for a request)")
+    ctx.check(not refused, f"{credits} requests (the Request Credits) outstanding at once, each in a "
+              "receive buffer", f"{refused} RNR NAK(s): a request found no receive buffer")
+    got = await ctx.collect(a, credits)
+    statuses = [status_name(c["status"]) if c else "no COMPLETION" for c in got]
+    ctx.check(statuses == ["OK"] * credits, f"{credits} completions OK", statuses)
 
 
 untestable(SECTION, MUST, """the Initiator ID MUST be generated with at least 128 bits of entropy

@@ -1,0 +1,183 @@
+"""A run of many cases (or one replayed), its findings minimized and saved, stoppable by Ctrl-C.
+
+``Control`` carries what the command line wants to hear while the run goes (progress of
+cases and of minimization) and lets it stop the run: after ``interrupt()`` the case in
+progress is abandoned, a finding being minimized is saved as it was found, the sessions
+end with GOODBYE RELEASE and the summary says how far the run got.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from ..rnic import parse_url
+from ..rnic.pcap import PcapSink
+from . import report
+from .cases import Case, make_case, parse_name
+from .runner import Runner, minimize
+from .state import HarnessError, describe
+
+
+@dataclass
+class Run:
+    """What every session of a run needs, and what its replay command must repeat."""
+
+    url: str
+    options: dict            # Initiator.connect options: local address, raw I/O
+    timeout: float
+    replay_args: list[str]   # the command-line options that give ``options`` and ``timeout``
+    budget: int = 24
+
+    def runner(self, frame_listeners: list | None = None) -> Runner:
+        return Runner(self.url, self.options, self.timeout, frame_listeners)
+
+
+class Control:
+    """Progress callbacks and Ctrl-C for a run."""
+
+    def __init__(self, on_case: Callable[[int, report.Summary], None] | None = None,
+                 on_minimize: Callable[[str, int, int, int], None] | None = None) -> None:
+        self.on_case = on_case or (lambda done, summary: None)
+        self.on_minimize = on_minimize or (lambda case, tries, budget, steps: None)
+        self.interrupted = False
+        self._event: asyncio.Event | None = None
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+        if self._event is not None:
+            self._event.set()
+
+    async def run(self, aw: Awaitable) -> tuple[Any, bool]:
+        """``(result, True)``, or ``(None, False)`` when interrupted first (``aw`` cancelled)."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        task = asyncio.ensure_future(aw)
+        if self.interrupted:
+            task.cancel()
+        waiter = asyncio.ensure_future(self._event.wait())
+        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task in done and not task.cancelled():
+            return task.result(), True
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        return None, False
+
+
+async def _finding(run: Run, control: Control, case: Case, first: list, out: Path | None) -> report.Saved:
+    """Minimize on fresh sessions, replay the result once more with a capture, save it."""
+    kinds = {f.kind for f in first}
+
+    def tried(tries: int, steps: int) -> None:
+        control.on_minimize(case.name, tries, run.budget, steps)
+
+    minimized, done = await control.run(minimize(run.runner, case, kinds, run.budget, tried))
+    if not done:
+        return report.Saved(case, first, case.steps, False)
+    pcap = out / f"{case.name}.pcap" if out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    sink = PcapSink(pcap) if pcap else None
+    r = run.runner([sink] if sink else None)
+    shown = []
+    try:
+        await r.start()
+        res, done = await control.run(r.run_case(case, minimized))
+        shown = [f for f in res.findings if f.kind in kinds] if done else []
+    except HarnessError:
+        pass
+    finally:
+        await r.stop()
+        if sink:
+            sink.close()
+    if not shown:
+        return report.Saved(case, first, case.steps, False, pcap_path=str(pcap) if pcap else None)
+    return report.Saved(case, shown, minimized, True, pcap_path=str(pcap) if pcap else None)
+
+
+async def _guarded(run: Run, control: Control, summary: report.Summary, runner: Runner,
+                   body: Callable[[], Awaitable[None]]) -> report.Summary:
+    """``body()``, ended by a harness error or a fault of the fuzzer as a harness error
+    (never a pass); the summary is filled and the sessions released either way."""
+    t0 = time.monotonic()
+    try:
+        await body()
+    except HarnessError as exc:
+        summary.error = str(exc)
+    except Exception as exc:
+        summary.error = f"the fuzzer failed: {type(exc).__name__}: {describe(exc, run.timeout)}"
+    finally:
+        summary.interrupted = control.interrupted
+        summary.reconnects, summary.steps, summary.answers = runner.reconnects, +runner.families, +runner.answers
+        summary.seconds = time.monotonic() - t0
+        try:
+            await asyncio.wait_for(runner.stop(), 2 * run.timeout)
+        except Exception:   # the verdict is already made; a failing GOODBYE changes nothing
+            pass
+    return summary
+
+
+async def campaign(run: Run, control: Control, seed: int, count: int, start: int,
+                   time_limit: float | None, out: Path | None, max_findings: int) -> report.Summary:
+    transport = parse_url(run.url).transport
+    summary = report.Summary(run.url, seed, run.replay_args)
+    runner = run.runner()
+    t0 = time.monotonic()
+
+    async def cases() -> None:
+        _, done = await control.run(runner.start())
+        for index in range(start, start + count):
+            if not done:
+                return
+            if time_limit is not None and time.monotonic() - t0 > time_limit:
+                summary.stopped = f"--time-limit {time_limit:g} s reached"
+                return
+            case = make_case(transport, seed, index)
+            res, done = await control.run(runner.run_case(case))
+            if not done:
+                return
+            summary.cases += 1
+            if res.findings:
+                saved = await _finding(run, control, case, res.findings, out)
+                if out:
+                    report.save(out, summary, saved)
+                summary.saved.append(saved)
+                if max_findings and len(summary.saved) >= max_findings:
+                    summary.stopped = f"--max-findings {max_findings} reached"
+                    return
+                _, done = await control.run(runner.restart())
+            control.on_case(index - start + 1, summary)
+    return await _guarded(run, control, summary, runner, cases)
+
+
+def load_case(what: str) -> Case:
+    """A case by name (regenerated) or from a saved finding's JSON (its minimized steps)."""
+    path = Path(what)
+    if path.suffix == ".json" and path.exists():
+        doc = json.loads(path.read_text())
+        _, seed, index = parse_name(doc["case"])
+        return Case(doc["case"], seed, index, doc["minimized_steps"] or doc["steps"])
+    transport, seed, index = parse_name(what)
+    return make_case(transport, seed, index)
+
+
+async def replay_case(run: Run, control: Control, case: Case) -> report.Summary:
+    """One case on fresh sessions, with no minimization."""
+    summary = report.Summary(run.url, case.seed, run.replay_args)
+    runner = run.runner()
+
+    async def one() -> None:
+        _, done = await control.run(runner.start())
+        res, done = await control.run(runner.run_case(case)) if done else (None, False)
+        if done:
+            summary.cases = 1
+            if res.findings:
+                summary.saved.append(report.Saved(case, res.findings, case.steps, True))
+    return await _guarded(run, control, summary, runner, one)
