@@ -19,7 +19,7 @@ import urllib.request
 from contextlib import nullcontext
 
 from kbtp_scapy import codec
-from kbtp_scapy.initiator import Initiator
+from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic import cm
 from kbtp_scapy.rnic import iwarp_wire as w
 from kbtp_scapy.rnic import roce_wire as rw
@@ -288,3 +288,51 @@ async def read_fpdus(reader: asyncio.StreamReader, timeout: float,
     except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
         pass
     return out
+
+
+# -- vanished peers and their successors ---------------------------------------------
+
+PEER = """
+import asyncio, sys
+from kbtp_scapy.initiator import Initiator
+async def main():
+    ini = await Initiator.connect(sys.argv[1], initiator_id=bytes.fromhex(sys.argv[2]),
+                                  features=0, **({"local": sys.argv[4]} if sys.argv[4:] else {}))
+    if sys.argv[3] == "bind":
+        await ini.alloc_store(ini.target.handle_base, b"left behind", seal=True)
+    print("ready", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def start_peer(url: str, ident: bytes, bind: bool, *extra: str, netns: str | None = None):
+    """An initiator in a process of its own (to be killed), once it has had its HELLO_ACK
+    (and stored a sealed block if ``bind``); ``extra``: its local address."""
+    cmd = [sys.executable, "-c", PEER, url, ident.hex(), "bind" if bind else "idle", *extra]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", line + proc.stderr.read()
+    return proc
+
+
+#: slack for a busy 2-core machine on top of a computed bound
+SLACK = 3.0
+
+
+async def admitted_after(url: str, start: float, ident: bytes | None = None, **options) -> tuple:
+    """HELLO again and again until one is answered OK: (seconds after ``start``, refusals
+    seen, the Initiator)."""
+    refusals = 0
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            ini = await Initiator.connect(url, initiator_id=ident, features=0, **options)
+            return loop.time() - start, refusals, ini
+        except KbtpError as exc:
+            assert exc.name in ("NO_SPACE", "ALREADY_BOUND"), exc
+            refusals += 1
+            assert loop.time() - start < 30, f"still refused ({exc.name}) after 30 s"
+            await asyncio.sleep(0.2)

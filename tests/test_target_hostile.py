@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -25,8 +23,9 @@ from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.audit import audit
 from kbtp_scapy.transport.iwarp_defs import Op
 
-from .hostile import (OP, CmFlooder, RssWatch, Steady, TargetProc, fpdu_send, hello,
-                      keep_sending, mpa_peer, read_fpdus, under_attack)
+from .hostile import (OP, SLACK, CmFlooder, RssWatch, Steady, TargetProc, admitted_after,
+                      fpdu_send, hello, keep_sending, mpa_peer, read_fpdus, start_peer,
+                      under_attack)
 from .kbtp_harness import TargetThread, fresh_hosts
 from .netns import Link, enter, ip
 from .relay import Relay
@@ -45,51 +44,7 @@ def load_request(rid: int, handle: int, stag: int = 0, length: int = 4096) -> by
                          "dd.stag": stag, "dd.offset": 0, "dd.length": length})
 
 
-async def admitted_after(url: str, start: float, ident: bytes | None = None, **options) -> tuple:
-    """HELLO again and again until one is answered OK: (seconds after ``start``, refusals
-    seen, the Initiator)."""
-    refusals = 0
-    loop = asyncio.get_running_loop()
-    while True:
-        try:
-            ini = await Initiator.connect(url, initiator_id=ident, features=0, **options)
-            return loop.time() - start, refusals, ini
-        except KbtpError as exc:
-            assert exc.name in ("NO_SPACE", "ALREADY_BOUND"), exc
-            refusals += 1
-            assert loop.time() - start < 30, f"still refused ({exc.name}) after 30 s"
-            await asyncio.sleep(0.2)
-
-
 # -- 1: vanished peers are noticed without traffic from them ---------------------------
-
-PEER = """
-import asyncio, sys
-from kbtp_scapy.initiator import Initiator
-async def main():
-    ini = await Initiator.connect(sys.argv[1], initiator_id=bytes.fromhex(sys.argv[2]),
-                                  features=0, **({"local": sys.argv[4]} if sys.argv[4:] else {}))
-    if sys.argv[3] == "bind":
-        await ini.alloc_store(ini.target.handle_base, b"left behind", seal=True)
-    print("ready", flush=True)
-    await asyncio.sleep(3600)
-asyncio.run(main())
-"""
-
-
-def start_peer(url: str, ident: bytes, bind: bool, *extra: str, netns: str | None = None):
-    cmd = [sys.executable, "-c", PEER, url, ident.hex(), "bind" if bind else "idle", *extra]
-    if netns:
-        cmd = ["ip", "netns", "exec", netns, *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.strip() == "ready", line + proc.stderr.read()
-    return proc
-
-
-#: slack for a busy 2-core machine on top of a computed bound
-SLACK = 3.0
-
 
 def test_roce_peers_killed_after_hello_release_their_slots_within_the_liveness_bound():
     """Two RoCEv2 peers SIGKILLed after HELLO (one holding a block): with probes every

@@ -3,10 +3,11 @@
 The target posts one receive buffer per request credit and reposts it once the request
 is answered, so an initiator that sends beyond its credits meets the transport's own
 refusal (RNR NAK on RoCEv2, DDP Terminate on iWARP; docs/NOTES.md decision 8). It grants
-no more Request Credits than the HELLO's Completion Credits. LOAD data is written
-unsignaled, the answer behind it signaled: the connection's ordering puts the data first,
-as the binding requires, and the answer's completion tells the backlog (``backlog.py``)
-that the peer has both. Only an RDMA Read (a store's data) is awaited.
+no more Request Credits than the HELLO's Completion Credits. LOAD data and most answers
+are posted unsignaled: the connection's ordering puts the data first, as the binding
+requires, a failure ends the connection, and the completion of every few answers tells
+the backlog (``backlog.py``) what the peer has taken. Only an RDMA Read (a store's data)
+is awaited.
 
 Until its HELLO is answered a connection holds a half-open slot (``rnic/admission.py``)
 and has ``hello_timeout_s`` to send it; afterwards an idle connection is probed
@@ -178,7 +179,7 @@ class Connection:
         c = t.config
         # never more requests in flight than the initiator can take COMPLETIONs for
         self.credits = min(c.request_credits, hello["hello.completion_credits"])
-        self.backlog.max_messages = 2 * max(self.credits, 1)
+        self.backlog.limit_messages(2 * max(self.credits, 1))
         await self._hello_ack(0, {
             "hello_ack.features": features, "hello_ack.request_credits": self.credits,
             "hello_ack.block_size": c.block_size, "hello_ack.max_inline": c.max_inline,
@@ -277,7 +278,7 @@ class Connection:
         t = self.target
         timeout = t.config.backlog_timeout_s
         try:
-            await self.backlog.drain(timeout)
+            await self.backlog.drain(self.qp, timeout)
         except asyncio.TimeoutError:
             why = (f"{self.backlog.octets} octets in {self.backlog.messages} answers not taken "
                    f"by the peer within {timeout:g} s")
@@ -296,6 +297,7 @@ class Connection:
 
     def _complete(self, req: dict[str, Any], outcome: Outcome, why: str = "") -> None:
         t = self.target
+        signaled = self.backlog.signal_next
         t.metrics.operation(req["opcode"], outcome.status)
         if why:
             log.debug("request %d: MALFORMED (%s)", req["request_id"], why)
@@ -305,9 +307,9 @@ class Connection:
                 "record.request_id": req["request_id"], "record.status": outcome.status,
                 "record.generation": outcome.generation, "record.data_length": outcome.data_length,
                 "record.block_offset": outcome.block_offset}, self.addr_le)
-            self.backlog.track(self.qp.write(req["cd.stag"], req["cd.offset"], record,
-                                             imm=req["request_id"] & 0xFFFFFFFF),
-                               len(record) + self._data_octets(req, outcome))
+            self.backlog.posted(len(record) + self._data_octets(req, outcome), self.qp.write(
+                req["cd.stag"], req["cd.offset"], record, imm=req["request_id"] & 0xFFFFFFFF,
+                signaled=signaled))
             return
         completion = codec.encode({
             "opcode": OP["COMPLETION"], "request_id": req["request_id"], "handle": req["handle"],
@@ -315,8 +317,8 @@ class Connection:
             "completion.data_length": outcome.data_length, "completion.reserved": 0,
             "completion.block_offset": outcome.block_offset}, self.addr_le)
         stag = req.get("dd.stag", 0) if flags & INVALIDATE else 0
-        self.backlog.track(self.qp.send(completion, invalidate=stag or None),
-                           len(completion) + self._data_octets(req, outcome))
+        self.backlog.posted(len(completion) + self._data_octets(req, outcome),
+                            self.qp.send(completion, invalidate=stag or None, signaled=signaled))
 
     @staticmethod
     def _data_octets(req: dict[str, Any], outcome: Outcome) -> int:
