@@ -68,14 +68,18 @@ class TargetProc:
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics by its name and labels, as Prometheus writes them."""
         with self._ns():
-            text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                          timeout=5).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+            return samples(urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                                  timeout=5).read().decode())
+
+
+def samples(text: str) -> dict[str, float]:
+    """Prometheus text exposition: every sample by its name and labels."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
 
     def stop(self) -> str:
         """Ctrl-C; its log (stderr)."""

@@ -19,7 +19,7 @@ from kbtp_scapy import codec, rnic
 from kbtp_scapy.initiator import Initiator
 from kbtp_scapy.rnic import MemoryTable
 
-from .hostile import OP, SLACK, admitted_after, hello, keep_sending, start_peer
+from .hostile import OP, SLACK, admitted_after, hello, keep_sending, samples, start_peer
 from .lab import BINDINGS, GuestTarget, in_lab, lab, rdma_lab  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.lab
@@ -34,12 +34,7 @@ def metrics(lab) -> dict[str, float]:
     """The guest target's Prometheus samples (its --metrics is on the guest's loopback)."""
     done = lab.run(lab.python("-c", "import urllib.request, sys; sys.stdout.write(urllib.request"
                               f".urlopen('http://127.0.0.1:{METRICS}/metrics').read().decode())"))
-    samples = {}
-    for line in done.stdout.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+    return samples(done.stdout)
 
 
 @pytest.mark.parametrize("transport", ["roce", "iwarp"], ids=["rxe", "siw"])
