@@ -499,7 +499,9 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         super().post_recv(count)
         self._posted_high = max(self._posted_high, self.posted)
         if self._overrun is not None and self.posted >= self._posted_high:
-            self._terminate(self._overrun)      # behind the answers queued before it
+            # behind the answers queued before it, and the one its program posts next:
+            # a buffer goes back before the answer that returns its credit
+            asyncio.get_running_loop().call_soon(self._terminate, self._overrun)
 
     def _rx_write(self, stag: int, to: int, data: memoryview, last: bool) -> None:
         """RFC 5040 s5.1: validate the Write at its first segment, then place each one
