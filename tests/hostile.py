@@ -33,6 +33,16 @@ OP = OPCODES.by_name()
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
 
 
+def samples(text: str) -> dict[str, float]:
+    """Prometheus text exposition: every sample by its name and labels."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 class TargetProc:
     """``kbtp target`` as a user starts it, with ``--metrics``; ``netns`` runs it there."""
 
@@ -70,16 +80,6 @@ class TargetProc:
         with self._ns():
             return samples(urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
                                                   timeout=5).read().decode())
-
-
-def samples(text: str) -> dict[str, float]:
-    """Prometheus text exposition: every sample by its name and labels."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
     def stop(self) -> str:
         """Ctrl-C; its log (stderr)."""
