@@ -509,7 +509,9 @@ def target_argv(transport: str, size: int, o: Opts, name: str) -> list[str]:
     if o.profile_dir:
         prefix += ["-m", "cProfile", "-o", os.path.join(o.profile_dir, f"{name}.prof")]
     return prefix + ["-m", "kbtp_scapy", "target", "--transport", transport,
-                     "--listen", f"{TARGET_HOST}:0", "--blocks", str(blocks),
+                     # a RoCEv2 listener names an rdma_cm port (4791 when omitted), never 0
+                     "--listen", TARGET_HOST if transport == "roce" else f"{TARGET_HOST}:0",
+                     "--blocks", str(blocks),
                      "--block-size", str(size), "--features", "none",
                      "--credits", str(max(32, o.window))]
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 from dataclasses import replace
@@ -11,6 +12,46 @@ import click
 from ..target import Target, TargetConfig
 from ..target.config import ADDR_LE
 from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_options
+
+#: What a peer can make the target hold, bounded: (option, TargetConfig field, help).
+#: Seconds are floats, counts and octets integers; defaults are TargetConfig's.
+LIMITS = (
+    ("--probe-interval", "probe_interval_s", "Seconds without traffic from a session's peer "
+     "before a liveness probe (a zero-length RDMA Write; iWARP: also TCP keepalive)."),
+    ("--probe-timeout", "probe_timeout_s", "Seconds a probe may go unanswered before the "
+     "connection ends and its session goes to retention (iWARP: TCP_USER_TIMEOUT too)."),
+    ("--max-backlog", "max_backlog", "Octets sent on a connection and not yet taken by its "
+     "peer (or 2 x Request Credits answers) before the target stops serving it."),
+    ("--backlog-timeout", "backlog_timeout_s", "Seconds a connection may stay over "
+     "--max-backlog before it is terminated."),
+    ("--max-half-open", "max_half_open", "Connections in set-up or without a session (no "
+     "HELLO answered yet) at once; more are refused."),
+    ("--max-half-open-per-source", "max_half_open_per_source",
+     "The same, per source address."),
+    ("--cm-timeout", "cm_timeout_s", "RoCEv2: seconds without RTU before the REP is sent "
+     "again."),
+    ("--cm-retries", "cm_retries", "RoCEv2: times a REP is sent again before the set-up "
+     "fails (a repeated REQ gets its REP on top)."),
+    ("--mpa-timeout", "mpa_timeout_s", "iWARP: seconds from the TCP handshake to the end "
+     "of the MPA set-up (RTR included)."),
+    ("--hello-timeout", "hello_timeout_s", "Seconds a connection may stay without a session: "
+     "its HELLO must have come by then."),
+)
+
+
+def limit_options(func):
+    """The LIMITS as options; the command gets them by TargetConfig field name."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TargetConfig)}
+    for option, field, text in reversed(LIMITS):
+        default = defaults[field]
+        if isinstance(default, float):
+            kind, metavar = click.FloatRange(0, min_open=True), "SECONDS"
+        else:
+            kind = click.IntRange(0 if field == "cm_retries" else 1)
+            metavar = "OCTETS" if field == "max_backlog" else "N"
+        func = click.option(option, field, type=kind, default=default, show_default=True,
+                            metavar=metavar, help=text)(func)
+    return func
 
 
 @click.command()
@@ -41,8 +82,10 @@ from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_
               help="Max Inline octets (capped at the Block Size).")
 @click.option("--ticket-timeout", type=click.IntRange(1), default=2000, show_default=True,
               help="Ticket Timeout in milliseconds (DIRECT_ALLOC).")
-@click.option("--retention", type=float, default=300.0, show_default=True,
-              help="Seconds a departed initiator's bindings are kept for its reconnect.")
+@click.option("--retention", type=click.FloatRange(0), default=300.0, show_default=True,
+              help="Seconds a departed initiator's bindings are kept for its reconnect (one "
+                   "that holds none only until a new initiator needs its room).")
+@limit_options
 @click.option("--no-clear", is_flag=True,
               help="Do not clear freed blocks (all initiators share one trust domain).")
 @click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -54,15 +97,19 @@ from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_
 @click.option("--verbose", "-v", is_flag=True, help="Log each malformed request too.")
 def target(transport, where, io, iface, raw_addr, device, blocks, block_size, feature_list, addr_le,
            max_initiators, quota, handles, direct_partitions, credits, max_inline, ticket_timeout, retention, no_clear,
-           pcap, metrics_port, duration, verbose) -> None:
+           pcap, metrics_port, duration, verbose, **limits) -> None:
     """Run the reference KBTP target: a pool of BLOCKS blocks in registered memory,
     served over a software RDMA NIC until interrupted (Ctrl-C), then print its counters.
+
+    Every resource a peer can make it hold is bounded in count and in time (the
+    --probe-*, --max-*, *-timeout and --cm-retries options; README, "Limits").
 
     \b
     Examples:
       kbtp target                                   # RoCEv2 on 127.0.0.1:4791
       kbtp target --transport iwarp --listen 127.0.0.1:5420 --blocks 4096 -S 32768
       kbtp target --addr-le --pcap target.pcap --metrics 9464
+      kbtp target --probe-interval 2 --max-backlog 1048576 --hello-timeout 2 --max-half-open 16
     """
     addr = address(transport, where)
     options = raw_io(transport, io, iface, raw_addr, device)
@@ -77,7 +124,7 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
                               handles_per_initiator=handles, direct_partitions=direct_partitions,
                               request_credits=credits, max_inline=max_inline,
                               ticket_timeout_ms=ticket_timeout, retention_s=retention,
-                              clear_freed=not no_clear)
+                              clear_freed=not no_clear, **limits)
         config.validate()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

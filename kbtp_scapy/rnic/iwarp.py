@@ -39,6 +39,7 @@ from kbtp_scapy.transport.mpa_markers import (
 
 from . import Address
 from . import iwarp_wire as w
+from .admission import HalfOpen
 from .memory import AccessError, Fault, MemoryTable
 from .qp import ConnectionLost, QueuePair, ReceiveError, RemoteError, Verb, WorkRequest
 
@@ -46,6 +47,9 @@ _U64 = (1 << 64) - 1
 _SEND_OPS = {(False, False): Op.SEND, (True, False): Op.SEND_INV,
              (False, True): Op.SEND_SE, (True, True): Op.SEND_SE_INV}
 FLUSH_MESSAGES = 8
+RTR_DELAY = 0.05          # the longest wait before the RTR (see IwarpQP._on_reply)
+OVERRUN_GRACE = 1.0       # the longest a Terminate for a Send without buffer waits
+TERMINATE_LINGER = 2.0    # then the stream is reset if TCP could not take it all
 NUDGE_AFTER = 0.1         # silence after the RTR that sends a nudge (see IwarpQP._nudge)
 """Messages queued before the stream is written without waiting for the end of the loop
 iteration: the peer starts on the first while the rest are built, as an RNIC transmits
@@ -83,6 +87,10 @@ class _Fatal(Exception):
         self.rdmap_header = rdmap_header
 
 
+class _Overrun(_Fatal):
+    """A Send that found no receive buffer: fatal, after the answers to the ones before."""
+
+
 @dataclass
 class _Read:
     """An outstanding RDMA Read: where its Read Response lands (RFC 5040 s4.4)."""
@@ -102,10 +110,13 @@ class IwarpQP(QueuePair, asyncio.Protocol):
     def __init__(self, memory: MemoryTable, *, active: bool, recv_size: int = 4096,
                  posted: int = 0, crc: bool = True, markers: bool = False,
                  mss: int | None = None, ird: int = 16, ord: int = 16,
-                 frame_listeners: Iterable = ()) -> None:
+                 frame_listeners: Iterable = (), keepalive: float = 0.0,
+                 user_timeout: float = 0.0, half_open: HalfOpen | None = None) -> None:
         super().__init__(memory, recv_size=recv_size, posted=posted)
         self.frame_listeners.extend(frame_listeners)
         self.mss, self.ird, self.ord = mss, ird, ord
+        self._keepalive, self._user_timeout = keepalive, user_timeout
+        self._half_open = half_open
         self._active, self._want_crc, self._want_markers = active, crc, markers
         self._tp: asyncio.Transport | None = None
         self._frames: w.TcpFrames | None = None
@@ -119,6 +130,11 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._rx_units: list[bytes] = []  # FPDUs received and not yet shown to listeners
         self._flushing = False
         self._tx_messages = 0             # messages in _txbuf
+        self._unwritten: list[WorkRequest] = []   # Sends and Writes still in _txbuf
+        self._written: list[WorkRequest] = []     # handed over while TCP is backed up
+        self._paused = False              # the transport's buffer is above its high mark
+        self._posted_high = posted        # the most receive buffers ever posted at once
+        self._overrun: _Fatal | None = None       # a Send found no buffer (see _overrun_at)
         self._gone = asyncio.Event()
         # negotiated at startup
         self.crc = crc
@@ -142,6 +158,12 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._tp = transport    # type: ignore[assignment]
         self.local = transport.get_extra_info("sockname")[:2]
         self.remote = transport.get_extra_info("peername")[:2]
+        if not self._active and self._half_open is not None:
+            self.admission = self._half_open.enter(self.remote[0])
+            if self.admission is None:       # too many set-ups: reset, nothing kept
+                self._tp.abort()
+                return
+        _liveness(transport, self._keepalive, self._user_timeout)
         if self.mss is None:
             self.mss = _emss(transport)
         self._frames = w.TcpFrames(self.local, self.remote, self.mss)
@@ -181,6 +203,25 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                                 "TCP connection closed by the peer")
         self._not_ready(reason)
         self.lost(reason)
+
+    def pause_writing(self) -> None:
+        """TCP is backed up (the transport holds more than its high-water mark): what
+        is handed over from now on completes only once it drains (``resume_writing``),
+        so a peer that does not read holds back our completions, not our memory."""
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._complete_written()
+
+    def _complete_written(self) -> None:
+        done, self._written = self._written, []
+        for wr in done:
+            self.complete(wr)
+
+    def lost(self, error: BaseException) -> None:
+        self._unwritten, self._written = [], []
+        super().lost(error)
 
     def _not_ready(self, error: ConnectionLost) -> None:
         """Fail a set-up still in progress (read at once: nobody may be waiting for it)."""
@@ -334,7 +375,10 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                 if self.crc and not w.crc_ok(wire):   # the CRC covers markers (RFC 5044 s4.4)
                     self.stats["crc_errors"] += 1
                     raise _Fatal(w.LAYER_LLP, w.LLP_MPA, 0x02, "MPA CRC error")
-                self._segment(fpdu, ulen)
+                try:
+                    self._segment(fpdu, ulen)
+                except _Overrun as exc:
+                    self._overrun_at(exc)
         finally:
             view.release()
             del buf[:off]
@@ -365,6 +409,8 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                     raise _Fatal(*_UNEXPECTED_OPCODE, f"tagged opcode {opcode}")
                 return
             _, _, _, inv, qn, msn, mo = w.UNTAGGED.unpack_from(fpdu)
+            if qn == 0 and self._overrun is not None:
+                return          # Sends after one that found no buffer: never delivered
             data = memoryview(fpdu)[2 + DDP_UNTAGGED_LEN:2 + ulen]
             if opcode not in OPCODE_QUEUE and opcode not in _SEND_OPS.values():
                 raise _Fatal(*_UNEXPECTED_OPCODE, f"untagged opcode {opcode}")
@@ -408,7 +454,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
     def _rx_send(self, opcode: int, inv: int, mo: int, data: memoryview, last: bool) -> None:
         if mo == 0:
             if not self.posted:
-                raise _Fatal(w.LAYER_DDP, w.DDP_UNTAGGED, 0x02, ReceiveError.NO_BUFFER)
+                raise _Overrun(w.LAYER_DDP, w.DDP_UNTAGGED, 0x02, ReceiveError.NO_BUFFER)
             self._send_rx = bytearray()
         elif self._send_rx is None or mo != len(self._send_rx):
             raise _Fatal(w.LAYER_DDP, w.DDP_UNTAGGED, 0x04, f"MO {mo} out of sequence")
@@ -435,6 +481,27 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             raise _Fatal(w.LAYER_DDP, w.DDP_UNTAGGED, _RECEIVE_ERRORS[exc.reason],
                          exc.reason) from None
         self.stats["messages_rx"] += 1
+
+    def _overrun_at(self, exc: _Fatal) -> None:
+        """A Send found no receive buffer (RFC 5041 s7: DDP untagged buffer error). The
+        Sends before it were delivered; the Terminate waits until the program on top has
+        answered them (it has reposted as many buffers as it ever had) or OVERRUN_GRACE
+        has passed, so the requests that had a credit get their answers in front of it.
+        Meanwhile every later Send is dropped, and everything else is served as usual
+        (a Read Response that an answer waits for, for example)."""
+        self._overrun = exc
+        if self.posted >= self._posted_high:
+            self._terminate(exc)
+        else:
+            asyncio.get_running_loop().call_later(OVERRUN_GRACE, self._terminate, exc)
+
+    def post_recv(self, count: int = 1) -> None:
+        super().post_recv(count)
+        self._posted_high = max(self._posted_high, self.posted)
+        if self._overrun is not None and self.posted >= self._posted_high:
+            # behind the answers queued before it, and the one its program posts next:
+            # a buffer goes back before the answer that returns its credit
+            asyncio.get_running_loop().call_soon(self._terminate, self._overrun)
 
     def _rx_write(self, stag: int, to: int, data: memoryview, last: bool) -> None:
         """RFC 5040 s5.1: validate the Write at its first segment, then place each one
@@ -561,11 +628,11 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         verb = wr.verb
         if verb is Verb.SEND:
             op = _SEND_OPS[wr.invalidate is not None, wr.solicited]
+            self._unwritten.append(wr)    # TCP is reliable: handing it over completes it
             self._send_untagged(op, wr.payload, wr.invalidate or 0)
-            self.complete(wr)         # TCP is reliable: handing it over completes it
         elif verb is Verb.WRITE:
+            self._unwritten.append(wr)
             self._send_tagged(Op.WRITE, wr.stag, wr.offset, wr.payload)
-            self.complete(wr)
         elif verb is Verb.READ:
             self._sink_stag = (self._sink_stag + 0x100) & 0xFFFFFFFF or 0x100
             self._reads.append(_Read(wr, self._sink_stag, self._msn_tx[1],
@@ -632,7 +699,8 @@ class IwarpQP(QueuePair, asyncio.Protocol):
 
     def _terminate(self, exc: _Fatal) -> None:
         """RFC 5040 s5.4: report the error with a Terminate, then end the stream."""
-        if self._phase == "closed":
+        self._overrun = None
+        if self._phase == "closed" or self.error is not None:
             return
         ddp, length = getattr(exc, "ddp", (b"", 0))
         self._send_untagged(Op.TERMINATE, w.terminate_body(
@@ -642,6 +710,9 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         error = ConnectionLost(f"sent Terminate: {exc}")
         self._not_ready(error)
         self._close_transport(error)
+        if self._tp is not None and self._tp.get_write_buffer_size():
+            # a peer that does not read would keep the stream, and what it holds, for ever
+            asyncio.get_running_loop().call_later(TERMINATE_LINGER, self._tp.abort)
 
     # -- the TCP byte stream -------------------------------------------------------------
 
@@ -656,12 +727,18 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
+        """Hand what is queued to TCP; the Sends and Writes in it complete unless TCP is
+        backed up (``pause_writing``)."""
         self._flushing = False
         self._tx_messages = 0
         if self._txbuf and self._tp is not None and not self._tp.is_closing():
             data, self._txbuf = self._txbuf, bytearray()
             units, self._tx_units = self._tx_units, []
             self._write_now(data, units)
+            self._written += self._unwritten
+            self._unwritten = []
+            if not self._paused:
+                self._complete_written()
 
     def _write_now(self, data: bytes | bytearray, units: list[bytes] | None = None) -> None:
         self.stats["bytes_tx"] += len(data)
@@ -698,6 +775,16 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             self._tp.close()
         self.lost(error)
 
+    def abort(self, reason: str) -> None:
+        """RDMAP Terminate (catastrophic error, localized to this stream), then the end of
+        the stream; what TCP could not deliver yet is discarded (a reset)."""
+        self._flush()
+        backed_up = self._tp is not None and self._tp.get_write_buffer_size() > 0
+        self._terminate(_Fatal(w.LAYER_RDMAP, w.RDMAP_OPERATION, 0x07, reason))
+        if backed_up and self._tp is not None:
+            self._tp.abort()
+        self.lost(ConnectionLost(reason))
+
     async def _shutdown(self) -> None:
         """Orderly close: what is queued goes out, then FIN (RFC 5044 s7.3 leaves the
         ending of a stream to the LLP)."""
@@ -716,6 +803,7 @@ class IwarpListener:
         self._server = server
         self.address = address
         self.tasks: set[asyncio.Task] = set()
+        self.half_open: HalfOpen | None = None
 
     def close(self) -> None:
         self._server.close()
@@ -734,16 +822,45 @@ def _emss(transport: asyncio.BaseTransport) -> int:
         return DEFAULT_MSS
 
 
+def _liveness(transport: asyncio.BaseTransport, keepalive: float, user_timeout: float) -> None:
+    """TCP keepalive after ``keepalive`` idle seconds (three probes ``user_timeout`` / 3
+    apart) and TCP_USER_TIMEOUT (RFC 5482): data unacknowledged for ``user_timeout``
+    seconds ends the connection, so a peer that vanished without FIN or RST is noticed
+    whether or not we were sending. 0 leaves the kernel's defaults."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        if keepalive > 0:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, round(keepalive)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL,
+                            max(1, round((user_timeout or keepalive) / 3)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        if user_timeout > 0:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, round(user_timeout * 1000))
+    except OSError:
+        pass
+
+
 def _options(recv_size: int = 4096, posted: int = 0, crc: bool = True, markers: bool = False,
              mss: int | None = None, ird: int = 16, ord: int = 16,
-             frame_listeners: Iterable = (), connect_timeout: float = 10.0) -> tuple[dict, float]:
+             frame_listeners: Iterable = (), connect_timeout: float = 10.0,
+             mpa_timeout: float = 10.0, keepalive: float = 0.0, user_timeout: float = 0.0,
+             half_open: HalfOpen | None = None) -> tuple[dict, float, float]:
+    """QP options, the connect timeout, and a listener's MPA deadline: a connection whose
+    MPA set-up (RTR included) is not done ``mpa_timeout`` seconds after its TCP handshake
+    is closed. ``keepalive`` and ``user_timeout``: see ``_liveness``; ``half_open``: the
+    listener's cap on connections in set-up (``rnic/admission.py``)."""
     return ({"recv_size": recv_size, "posted": posted, "crc": crc, "markers": markers, "mss": mss,
-             "ird": ird, "ord": ord, "frame_listeners": tuple(frame_listeners)}, connect_timeout)
+             "ird": ird, "ord": ord, "frame_listeners": tuple(frame_listeners),
+             "keepalive": keepalive, "user_timeout": user_timeout, "half_open": half_open},
+            connect_timeout, mpa_timeout)
 
 
 async def connect(host: str, port: int, memory: MemoryTable, **options) -> IwarpQP:
     """TCP connect, MPA Request/Reply and RTR; returns a ready queue pair."""
-    qp_options, timeout = _options(**options)
+    qp_options, timeout, _ = _options(**options)
     loop = asyncio.get_running_loop()
     qp: IwarpQP | None = None
 
@@ -766,7 +883,8 @@ async def connect(host: str, port: int, memory: MemoryTable, **options) -> Iwarp
 async def listen(host: str, port: int, memory: MemoryTable,
                  on_connect: Callable[[IwarpQP], Awaitable[None]], **options) -> IwarpListener:
     """Listen on ``host:port`` (port 0 picks one: see ``.address``)."""
-    qp_options, timeout = _options(**options)
+    qp_options, _, mpa_timeout = _options(**options)
+    half_open = qp_options["half_open"]
     loop = asyncio.get_running_loop()
     listener: IwarpListener
 
@@ -776,15 +894,21 @@ async def listen(host: str, port: int, memory: MemoryTable,
             listener.tasks.add(task)
             task.add_done_callback(listener.tasks.discard)
 
+    def late(qp: IwarpQP) -> None:
+        if not qp.ready.done():
+            if half_open is not None:
+                half_open.refused["mpa_timeout"] += 1
+            qp._abort_setup(f"MPA set-up not done within {mpa_timeout:g} s")
+
     def factory() -> IwarpQP:
         qp = IwarpQP(memory, active=False, **qp_options)
         qp.ready.add_done_callback(lambda ready: accepted(qp, ready))
-        handle = loop.call_later(timeout, lambda: qp.ready.done() or
-                                 qp._abort_setup("no MPA Request in time"))
+        handle = loop.call_later(mpa_timeout, late, qp)
         qp.ready.add_done_callback(lambda _: handle.cancel())
         return qp
 
     server = await loop.create_server(factory, host, port)
     bound = server.sockets[0].getsockname()
     listener = IwarpListener(server, Address("iwarp", bound[0], bound[1]))
+    listener.half_open = half_open
     return listener

@@ -20,6 +20,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .admission import Ticket
 from .memory import Access, MemoryTable
 
 
@@ -111,6 +112,7 @@ class QueuePair:
         self._outstanding: deque[WorkRequest] = deque()
         self._closed = asyncio.Event()
         self.error: BaseException | None = None
+        self.admission: Ticket | None = None    # the slot of a half-open connection
 
     # -- requester side ------------------------------------------------------------------
 
@@ -270,8 +272,16 @@ class QueuePair:
                 wr.future.set_exception(self.error)
                 wr.future.exception()     # consumed: nobody may be awaiting a Write's future
         self._outstanding.clear()
+        if self.admission is not None:
+            self.admission.leave()
         self._deliver(self.error)
         self._closed.set()
+
+    def abort(self, reason: str) -> None:
+        """End the connection at once for a local reason, as the binding prescribes for a
+        local error (RoCEv2: the error state, which tells the peer by DREQ; iWARP: an
+        RDMAP Terminate, then the end of the stream), dropping what is still queued."""
+        self.lost(ConnectionLost(reason))
 
     @property
     def closed(self) -> bool:

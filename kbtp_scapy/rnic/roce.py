@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from . import Address, cm
 from . import roce_wire as w
+from .admission import HalfOpen
 from .memory import MemoryTable
 from .qp import ConnectionLost
 from .roce_io import RoceIO, UdpIO
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 ROCE_PORT = 4791
 RESOURCES = 16            # responder resources / initiator depth announced in REQ and REP
+PATHS = 1024              # paths cached per device (each QP keeps its own as well)
 
 
 class Device:
@@ -103,6 +105,8 @@ class Device:
         """(to ``addr``, from ``addr``)."""
         pair = self._paths.get(addr)
         if pair is None:
+            if len(self._paths) >= PATHS:     # MADs from any number of (spoofed) sources
+                self._paths.clear()
             pair = self._paths[addr] = (self.io.tx_path(addr), w.Path(addr, self.address))
         return pair
 
@@ -303,12 +307,14 @@ class RoceListener:
     """Accepts RC connections for one rdma_cm service ID (the port) on a device."""
 
     def __init__(self, device: Device, port: int, memory: MemoryTable, on_connect: Callable,
-                 qp_options: dict, timeout: float) -> None:
+                 qp_options: dict, setup: dict) -> None:
         self._dev = device
         self._memory = memory
         self._on_connect = on_connect
         self._options = qp_options
-        self._timeout = timeout
+        self._cm_timeout = setup["cm_timeout"]
+        self._cm_retries = setup["cm_retries"]
+        self.half_open: HalfOpen | None = setup["half_open"]
         self.frame_listeners = list(qp_options.get("frame_listeners", ()))
         self.address = Address("roce", device.address[0], port)
         self.service_id = cm.rdma_cm_service_id(port)
@@ -318,8 +324,17 @@ class RoceListener:
 
     def accept(self, dev: Device, req: cm.CmMessage, addr: tuple[str, int],
                frame: bytes) -> None:
-        """Create the QP a REQ asks for and answer REP until RTU (IB 12.9.5)."""
+        """Create the QP a REQ asks for and answer REP until RTU (IB 12.9.5), if the
+        half-open caps leave room; otherwise drop the REQ unanswered (counted): its source
+        is not authenticated, so an answer would make the target a reflector, and a real
+        peer's CM sends its REQ again."""
+        ticket = None
+        if self.half_open is not None:
+            ticket = self.half_open.enter(addr[0])
+            if ticket is None:
+                return
         qp = RoceQP(self._memory, dev, **{**self._options, "mtu": req.path_mtu})
+        qp.admission = ticket
         qp.frame("rx", frame)
         qp.setup(addr, req.local_qpn, req.starting_psn, req.path_mtu)
         dev.bind(qp, addr)
@@ -340,17 +355,22 @@ class RoceListener:
         resend.add_done_callback(self._resends.discard)
 
     async def _until_rtu(self, dev: Device, qp: RoceQP, rep: bytes, key: tuple) -> None:
-        """REP again until RTU (or the first packet) comes; give up at the timeout."""
-        interval = CM_INTERVAL
-        deadline = dev.loop.time() + self._timeout
-        while not qp.established and dev.loop.time() < deadline and not dev.closed:
-            await asyncio.sleep(interval)
-            if not qp.established and not dev.closed:
+        """REP again after each CM timeout without RTU (or a first packet), at most
+        ``cm_retries`` times (IB 12.9.5: a REP per repeated REQ comes on top, answered by
+        Device._req); then the set-up has failed. So a REQ that never gets its RTU costs
+        1 + cm_retries REPs, however many REQs arrive."""
+        for attempt in range(self._cm_retries + 1):
+            await asyncio.sleep(self._cm_timeout)
+            if qp.established or qp.error is not None or dev.closed:
+                break
+            if attempt < self._cm_retries:
                 dev.send_datagram(rep, qp.remote, qp.frame_listeners)
-        if not qp.established:
+        if not qp.established and qp.error is None:
+            if self.half_open is not None:
+                self.half_open.refused["cm_timeout"] += 1
             qp.lost(ConnectionLost("no RTU from the peer"))
         # answer repeated REQs with the same REP a while longer
-        dev.loop.call_later(self._timeout, dev.accepting.pop, key, None)
+        dev.loop.call_later(self._cm_timeout, dev.accepting.pop, key, None)
 
     def _established(self, qp: RoceQP) -> None:
         if self._closed.is_set():
@@ -382,18 +402,25 @@ def _options(recv_size: int = 4096, posted: int = 0, mtu: int = 0, ack_timeout: 
              frame_listeners: Iterable = (), connect_timeout: float = 5.0, io: str = "udp",
              iface: str | None = None, addr: str | None = None, udp_checksum: bool = False,
              traffic_class: int = 0, udp_port: int = ROCE_PORT,
-             peer_udp_port: int = ROCE_PORT) -> tuple[dict, float, dict, tuple[int, int]]:
-    """QP options, the connection timeout and the I/O backend's options.
+             peer_udp_port: int = ROCE_PORT, cm_timeout: float = 1.0, cm_retries: int = 2,
+             half_open: HalfOpen | None = None
+             ) -> tuple[dict, float, dict, tuple[int, int], dict]:
+    """QP options, the connection timeout, the I/O backend's options, the ports and the
+    listener's set-up limits.
 
     ``io="raw"`` sends whole frames on interface ``iface`` as ``addr`` ("IP" or "IP/MAC"),
     with UDP checksums when ``udp_checksum`` and IP TOS / Traffic Class ``traffic_class``
     (ECN bits included); see ``roce_raw.RawIO``. ``udp_port`` is the device's own UDP
     port and ``peer_udp_port`` the one every packet goes to: both 4791 but in tests that
-    put two devices on one address (IPv6 loopback)."""
+    put two devices on one address (IPv6 loopback). A listener resends REP every
+    ``cm_timeout`` seconds, ``cm_retries`` times, and takes a slot of ``half_open`` for
+    each connection in set-up (``rnic/admission.py``)."""
     if mtu and mtu not in MTUS:
         raise ValueError(f"mtu must be one of {MTUS}")
     if not 0 <= rnr_retry <= 7 or not 0 <= retry_count <= 7 or not 0 <= rnr_timer <= 31:
         raise ValueError("retry_count and rnr_retry are 3-bit, rnr_timer a 5-bit code")
+    if cm_timeout <= 0 or cm_retries < 0:
+        raise ValueError("cm_timeout must be positive and cm_retries at least 0")
     if io == "raw":
         if not iface or not addr:
             raise ValueError("io='raw' needs iface and addr")
@@ -411,7 +438,8 @@ def _options(recv_size: int = 4096, posted: int = 0, mtu: int = 0, ack_timeout: 
     return ({"recv_size": recv_size, "posted": posted, "mtu": mtu, "ack_timeout": ack_timeout,
              "retry_count": retry_count, "rnr_retry": rnr_retry, "rnr_timer": rnr_timer,
              "window": window, "frame_listeners": tuple(frame_listeners)}, connect_timeout,
-            io_options, (udp_port, peer_udp_port))
+            io_options, (udp_port, peer_udp_port),
+            {"cm_timeout": cm_timeout, "cm_retries": cm_retries, "half_open": half_open})
 
 
 def default_local(host: str) -> str:
@@ -441,7 +469,7 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
     ``host`` (``peer_udp_port``); with ``io="raw"`` the local address is ``addr``'s IP.
     Raises ``ConnectionRefusedError`` on REJ and ``TimeoutError`` when no REP comes (or,
     raw, no ARP or NDP answer) within ``connect_timeout``."""
-    qp_options, timeout, io, (udp_port, peer_port) = _options(**options)
+    qp_options, timeout, io, (udp_port, peer_port), _ = _options(**options)
     host = str(ipaddress.ip_address(host))
     if io:
         from .roce_raw import parse_addr
@@ -504,14 +532,14 @@ async def listen(host: str, port: int, memory: MemoryTable,
                  on_connect: Callable[[RoceQP], Awaitable[None]], **options) -> RoceListener:
     """Accept connections for rdma_cm port ``port`` at ``host`` (UDP 4791, or
     ``udp_port``); with ``io="raw"``, ``host`` is ``addr``'s IP."""
-    qp_options, timeout, io, (udp_port, peer_port) = _options(**options)
+    qp_options, _, io, (udp_port, peer_port), setup = _options(**options)
     if ipaddress.ip_address(host).is_unspecified:
         raise ValueError("listen on a specific address: the ICRC covers it (annex A17)")
     if not 0 < port < 65536:
         raise ValueError("the rdma_cm port must be 1 to 65535")
     dev = _device(host, udp_port, io, peer_port)
     await _started(dev)        # the use _device took is the listener's
-    listener = RoceListener(dev, port, memory, on_connect, qp_options, timeout)
+    listener = RoceListener(dev, port, memory, on_connect, qp_options, setup)
     if listener.service_id in dev.services:
         dev.release()
         raise OSError(errno.EADDRINUSE, f"roce://{host}:{port} already has a listener")

@@ -690,6 +690,12 @@ class RoceQP(QueuePair):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        # what was queued is flushed (IB 10.8.3.3): give its memory back now, not when
+        # the device lets go of the QP
+        self._sq.clear()
+        self._cursor = 0
+        self._npsn = self._spsn = self._una
+        self._chunks, self._atomics = [], {}
         if self._cm_state == "open":
             self._cm_state = "closing"
             self._dev.send_dreq(self)

@@ -19,6 +19,10 @@ class TargetConfig:
     handles. ``direct_partitions`` of ``quota`` blocks each are set aside at the end
     of the pool for DIRECT_ALLOC sessions; the rest feeds the shared ring, so the sum
     of the quotas of the admitted sessions never exceeds F (spec "Allocation Quotas").
+
+    The limits below bound what one peer can make the target hold, in count and in time
+    (README, "Limits"): liveness probes, the backlog of undelivered data per connection,
+    connections in set-up, and the deadline of each set-up phase.
     """
 
     blocks: int = 1024
@@ -36,6 +40,16 @@ class TargetConfig:
     retention_s: float = 300.0
     clear_freed: bool = True         # clear blocks on free: initiators are separate trust domains
     memory_order: str = "little"     # the target's memory byte order (ring counters)
+    probe_interval_s: float = 10.0   # silence before a liveness probe (and TCP keepalive)
+    probe_timeout_s: float = 10.0    # a probe's answer deadline (and TCP_USER_TIMEOUT)
+    max_backlog: int = 4 << 20       # undelivered octets per connection before it is throttled
+    backlog_timeout_s: float = 10.0  # throttled longer than this: the connection is terminated
+    max_half_open: int = 128         # connections in set-up or without a session, per listener
+    max_half_open_per_source: int = 16   # the same, per source address
+    cm_timeout_s: float = 1.0        # RoCEv2: REP resent after this long without RTU
+    cm_retries: int = 2              # RoCEv2: REP resends per REQ
+    mpa_timeout_s: float = 5.0       # iWARP: MPA set-up deadline after the TCP handshake
+    hello_timeout_s: float = 5.0     # a connection without a session is closed after this
 
     def __post_init__(self) -> None:
         if not self.quota and self.max_initiators > 0:
@@ -63,6 +77,19 @@ class TargetConfig:
             raise ValueError("handle ranges do not fit in 64 bits")
         if not 1 <= self.request_credits <= 0xFFFF:
             raise ValueError("--credits must be 1 to 65535")
+        for name, value in self.limits().items():
+            zero_ok = name in ("cm_retries", "retention")
+            if value < 0 or value == 0 and not zero_ok:
+                raise ValueError(f"--{name.replace('_', '-')} must be "
+                                 f"{'at least 0' if zero_ok else 'positive'}")
+
+    def limits(self) -> dict[str, float]:
+        """Every bound on what a peer can make the target hold, by option name (without
+        the ``_s`` of seconds): shown by ``kbtp target --help`` and in the metrics."""
+        names = ("probe_interval_s", "probe_timeout_s", "max_backlog", "backlog_timeout_s",
+                 "max_half_open", "max_half_open_per_source", "cm_timeout_s", "cm_retries",
+                 "mpa_timeout_s", "hello_timeout_s", "retention_s")
+        return {name.removesuffix("_s"): getattr(self, name) for name in names}
 
     @property
     def shared_blocks(self) -> int:

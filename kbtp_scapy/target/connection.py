@@ -2,10 +2,16 @@
 
 The target posts one receive buffer per request credit and reposts it once the request
 is answered, so an initiator that sends beyond its credits meets the transport's own
-refusal (RNR NAK on RoCEv2, DDP Terminate on iWARP; docs/NOTES.md decision 8). Writes and Sends
-are posted unsignaled, without waiting for their acknowledgement: the connection's
-ordering puts a LOAD's data before its COMPLETION, as the binding requires, a failure
-ends the connection, and only an RDMA Read (a store's data) is awaited.
+refusal (RNR NAK on RoCEv2, DDP Terminate on iWARP; docs/NOTES.md decision 8). It grants
+no more Request Credits than the HELLO's Completion Credits. LOAD data and most answers
+are posted unsignaled: the connection's ordering puts the data first, as the binding
+requires, a failure ends the connection, and the completion of every few answers tells
+the backlog (``backlog.py``) what the peer has taken. Only an RDMA Read (a store's data)
+is awaited.
+
+Until its HELLO is answered a connection holds a half-open slot (``rnic/admission.py``)
+and has ``hello_timeout_s`` to send it; afterwards an idle connection is probed
+(``liveness.py``).
 """
 from __future__ import annotations
 
@@ -20,8 +26,10 @@ from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ConnectionLost, QueuePair, RemoteError
 from ..tables import memory as M
 from ..tables.enums import GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
+from .backlog import Backlog
 from .config import ADDR_LE, DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION
 from .direct import TicketWatch, grant_direct_load, grant_partition
+from .liveness import Liveness
 from .operations import Executor, Outcome
 from .ring import FreeRing
 from .sessions import Initiator, Refused
@@ -35,17 +43,12 @@ S = STATUS.by_name()
 RECORD = flag(REQUEST_FLAGS, "RECORD")
 INVALIDATE = flag(REQUEST_FLAGS, "INVALIDATE")
 RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
-PROBE_TIMEOUT = 10.0     # longer than a RoCEv2 QP's whole retry budget
+INLINE = flag(REQUEST_FLAGS, "INLINE")
 
 
 def peer_of(qp: QueuePair) -> str:
+    """The peer's address as a URL, for logs."""
     return str(Address(qp.transport, *qp.remote[:2]))
-
-
-def _consume(future: asyncio.Future) -> None:
-    """A failed RDMA Read fails the connection; the request loop sees that, not here."""
-    if not future.cancelled():
-        future.exception()
 
 
 class Connection:
@@ -54,32 +57,39 @@ class Connection:
         self.state: Initiator | None = None
         self.features = 0
         self.addr_le = False
+        self.credits = 0
         self.windows: list[MemoryRegion] = []
+        c = target.config
+        self.liveness = Liveness(qp, c.probe_interval_s, c.probe_timeout_s)
+        self.backlog = Backlog(c.max_backlog, 2 * c.request_credits)
+        self.peer = peer_of(qp)
 
     @property
     def ring(self) -> FreeRing:
         part = self.state.partition
         return part.ring if part is not None else self.target.memory.shared_ring
 
-    @staticmethod
-    def discard(future: asyncio.Future) -> None:
-        """An RDMA Read whose data is no longer needed (its request failed a check)."""
-        future.add_done_callback(_consume)
-
     async def serve(self) -> None:
         t = self.target
-        peer = peer_of(self.qp)
         release = False
+        watch = None
         try:
+            if not self._admitted():
+                return
             if not await self._hello():
                 return
-            log.info("session %s from %s: handles 0x%x+%d quota %d features 0x%x",
-                     self.state.initiator_id.hex()[:8], peer, self.state.handle_base,
-                     self.state.handle_count, self.state.quota, self.features)
+            ticket, self.qp.admission = self.qp.admission, None    # a session now
+            ticket.leave()
+            log.info("session %s from %s: handles 0x%x+%d quota %d features 0x%x credits %d",
+                     self.state.initiator_id.hex()[:8], self.peer, self.state.handle_base,
+                     self.state.handle_count, self.state.quota, self.features, self.credits)
+            watch = asyncio.create_task(self._watch())
             release = await self._requests()
         except (ConnectionLost, RemoteError) as exc:
-            log.info("connection from %s lost: %s", peer, exc)
+            log.info("connection from %s lost: %s", self.peer, exc)
         finally:
+            if watch is not None:
+                watch.cancel()
             for window in self.windows:
                 t.rnic_memory.deregister(window.stag)
             if self.state is not None:
@@ -91,9 +101,26 @@ class Connection:
 
     # -- session set-up ------------------------------------------------------------------
 
+    def _admitted(self) -> bool:
+        """A half-open slot: the transport took one at set-up; a device's (verbs) QP
+        takes it here."""
+        if self.qp.admission is None:
+            self.qp.admission = self.target.half_open.enter(self.qp.remote[0])
+            if self.qp.admission is None:
+                log.info("connection from %s refused: too many connections without a "
+                         "session", self.peer)
+                return False
+        return True
+
     async def _hello(self) -> bool:
         t = self.target
-        msg = await self.qp.recv()
+        try:
+            msg = await asyncio.wait_for(self.qp.recv(), t.config.hello_timeout_s)
+        except asyncio.TimeoutError:
+            t.half_open.refused["hello_timeout"] += 1
+            log.info("connection from %s closed: no HELLO within %g s", self.peer,
+                     t.config.hello_timeout_s)
+            return False
         self.qp.post_recv(1)
         try:
             hello = codec.decode(msg.payload)
@@ -129,7 +156,7 @@ class Connection:
                 granted, self.windows = grant_direct_load(t.memory, self.qp)
                 fields.update(granted)
             except OSError as exc:        # the RDMA device cannot register it
-                log.warning("DIRECT_LOAD not granted to %s: %s", peer_of(self.qp), exc)
+                log.warning("DIRECT_LOAD not granted to %s: %s", self.peer, exc)
                 features &= ~DIRECT_LOAD
         part = self.state.partition
         windows: list[MemoryRegion] = []
@@ -139,7 +166,7 @@ class Connection:
                 fields.update(granted)
                 self.windows += windows
             except OSError as exc:
-                log.warning("DIRECT_ALLOC not granted to %s: %s", peer_of(self.qp), exc)
+                log.warning("DIRECT_ALLOC not granted to %s: %s", self.peer, exc)
                 features &= ~DIRECT_ALLOC
         else:
             features &= ~DIRECT_ALLOC
@@ -150,8 +177,11 @@ class Connection:
         self.features, self.addr_le = features, bool(features & ADDR_LE)
         self.state.features = features
         c = t.config
+        # never more requests in flight than the initiator can take COMPLETIONs for
+        self.credits = min(c.request_credits, hello["hello.completion_credits"])
+        self.backlog.limit_messages(2 * max(self.credits, 1))
         await self._hello_ack(0, {
-            "hello_ack.features": features, "hello_ack.request_credits": c.request_credits,
+            "hello_ack.features": features, "hello_ack.request_credits": self.credits,
             "hello_ack.block_size": c.block_size, "hello_ack.max_inline": c.max_inline,
             "hello_ack.allocation_quota": self.state.quota,
             "hello_ack.handle_base": self.state.handle_base,
@@ -168,7 +198,7 @@ class Connection:
         if state is None or state.qp is None:
             return False
         try:
-            await asyncio.wait_for(state.qp.write(0, 0, b""), PROBE_TIMEOUT)
+            await asyncio.wait_for(state.qp.write(0, 0, b""), self.target.config.probe_timeout_s)
             return False
         except (ConnectionLost, RemoteError):
             pass
@@ -197,17 +227,22 @@ class Connection:
         batch: deque[tuple[dict[str, Any], asyncio.Future | None, str]] = deque()
         while True:
             msg = await self.qp.recv()
+            self.liveness.heard = True
             while msg is not None:
                 try:
                     req, why = codec.decode(msg.payload, self.addr_le), ""
                 except codec.Malformed as bad:
-                    req, why = self._malformed(msg.payload), str(bad)
+                    req, why = self._malformed(msg.payload, bad.fields), str(bad)
                 batch.append((req, None if why else t.executor.prefetch(self, req), why))
                 msg = self.qp.recv_nowait()
             while batch:
                 req, fetch, why = batch.popleft()
                 opcode = req["opcode"]
-                if why:
+                if self.backlog.over:
+                    await self._throttle()
+                if why and req["flags"] & INLINE:       # decision 5 before decision 4
+                    outcome, why = t.executor.failure(S["TOO_LARGE"], req["handle"]), ""
+                elif why:
                     outcome = Outcome(S["MALFORMED"])
                 elif opcode == OP["GOODBYE"]:
                     t.metrics.operation(opcode, 0)
@@ -222,16 +257,47 @@ class Connection:
                 self.qp.post_recv(1)
                 self._complete(req, outcome, why)
 
-    def _malformed(self, payload: bytes) -> dict[str, Any]:
+    def _malformed(self, payload: bytes, fields: dict[str, Any]) -> dict[str, Any]:
         """Echo the Request ID and Block Handle of a request that cannot be parsed, as far
-        as the octets reach (docs/NOTES.md decision 4); what is missing is zero."""
+        as the octets reach (docs/NOTES.md decision 4); what is missing is zero. The
+        flags stay when INLINE declares a Length over Max Inline or the Block Size, which
+        ``_requests`` answers with TOO_LARGE whatever follows (decision 5)."""
         head = codec.decode_header(payload.ljust(codec.HEADER_SIZE, b"\0"), self.addr_le)
-        return {"opcode": head["opcode"], "flags": 0,
-                "request_id": head["request_id"] if len(payload) >= 12 else 0,
-                "handle": head["handle"] if len(payload) >= 20 else 0}
+        out = {"opcode": head["opcode"], "flags": 0,
+               "request_id": head["request_id"] if len(payload) >= 12 else 0,
+               "handle": head["handle"] if len(payload) >= 20 else 0}
+        limit = min(self.target.config.max_inline, self.target.config.block_size)
+        if (out["opcode"] in (OP["STORE"], OP["ALLOC_STORE"]) and fields.get("flags", 0) & INLINE
+                and fields.get("dd.length", 0) > limit):
+            out["flags"] = fields["flags"]
+        return out
+
+    async def _throttle(self) -> None:
+        """Serve nothing more until the peer has taken half of the backlog's bounds;
+        terminate the connection when it does not within ``backlog_timeout_s``."""
+        t = self.target
+        timeout = t.config.backlog_timeout_s
+        try:
+            await self.backlog.drain(self.qp, timeout)
+        except asyncio.TimeoutError:
+            why = (f"{self.backlog.octets} octets in {self.backlog.messages} answers not taken "
+                   f"by the peer within {timeout:g} s")
+            t.metrics.terminated["backlog"] += 1
+            log.info("connection from %s terminated: %s", self.peer, why)
+            self.qp.abort(why)
+            raise ConnectionLost(why) from None
+
+    async def _watch(self) -> None:
+        """Probe the connection while it is silent; end it when the peer is dead."""
+        metrics = self.target.metrics
+        why = await self.liveness.watch(metrics.probe)
+        metrics.terminated["liveness"] += 1
+        log.info("connection from %s terminated: %s", self.peer, why)
+        self.qp.abort(why)
 
     def _complete(self, req: dict[str, Any], outcome: Outcome, why: str = "") -> None:
         t = self.target
+        signaled = self.backlog.signal_next
         t.metrics.operation(req["opcode"], outcome.status)
         if why:
             log.debug("request %d: MALFORMED (%s)", req["request_id"], why)
@@ -241,8 +307,9 @@ class Connection:
                 "record.request_id": req["request_id"], "record.status": outcome.status,
                 "record.generation": outcome.generation, "record.data_length": outcome.data_length,
                 "record.block_offset": outcome.block_offset}, self.addr_le)
-            self.qp.write(req["cd.stag"], req["cd.offset"], record,
-                          imm=req["request_id"] & 0xFFFFFFFF, signaled=False)
+            self.backlog.posted(len(record) + self._data_octets(req, outcome), self.qp.write(
+                req["cd.stag"], req["cd.offset"], record, imm=req["request_id"] & 0xFFFFFFFF,
+                signaled=signaled))
             return
         completion = codec.encode({
             "opcode": OP["COMPLETION"], "request_id": req["request_id"], "handle": req["handle"],
@@ -250,4 +317,10 @@ class Connection:
             "completion.data_length": outcome.data_length, "completion.reserved": 0,
             "completion.block_offset": outcome.block_offset}, self.addr_le)
         stag = req.get("dd.stag", 0) if flags & INVALIDATE else 0
-        self.qp.send(completion, invalidate=stag or None, signaled=False)
+        self.backlog.posted(len(completion) + self._data_octets(req, outcome),
+                            self.qp.send(completion, invalidate=stag or None, signaled=signaled))
+
+    @staticmethod
+    def _data_octets(req: dict[str, Any], outcome: Outcome) -> int:
+        """The LOAD data written in front of an answer."""
+        return outcome.data_length if req["opcode"] == OP["LOAD"] and not outcome.status else 0

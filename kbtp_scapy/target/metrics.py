@@ -1,8 +1,10 @@
 """The target's counters (the text's SHOULD in "Operational Considerations").
 
-Counters per operation and status, ring occupancy, and quota use per initiator. They
-are served in the Prometheus text format by prometheus-client on request, and printed as
-a table when ``kbtp target`` exits.
+Counters per operation and status, ring occupancy, quota use per initiator, and what the
+limits did: connections refused and why, connections terminated and why, liveness
+probes, sessions retained, dropped for a newcomer and expired, with every limit's value.
+They are served in the Prometheus text format by prometheus-client on request, and
+printed as a table when ``kbtp target`` exits.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ class Metrics:
         self.target = target
         self.operations: Counter[tuple[int, int]] = Counter()   # (opcode, status): count
         self.hellos: Counter[str] = Counter()
+        self.terminated: Counter[str] = Counter()   # connections the target ended, by why
+        self.probes = 0
 
     def operation(self, opcode: int, status: int) -> None:
         """Counted by number on the data path; named when shown."""
@@ -34,6 +38,37 @@ class Metrics:
 
     def hello(self, status: str) -> None:
         self.hellos[status] += 1
+
+    def probe(self) -> None:
+        self.probes += 1
+
+    def _limits(self) -> Iterator:
+        t, s = self.target, self.target.sessions
+        refused = CounterMetricFamily("kbtp_connections_refused",
+                                      "Connections refused or closed before their session, by why",
+                                      labels=["reason"])
+        for reason, n in sorted(t.half_open.refused.items()):
+            refused.add_metric([reason], n)
+        yield refused
+        ended = CounterMetricFamily("kbtp_connections_terminated",
+                                    "Session connections the target ended, by why", labels=["reason"])
+        for reason, n in sorted(self.terminated.items()):
+            ended.add_metric([reason], n)
+        yield ended
+        yield CounterMetricFamily("kbtp_liveness_probes", "Zero-length RDMA Writes sent to silent "
+                                  "connections", value=self.probes)
+        sessions = CounterMetricFamily("kbtp_sessions", "Sessions moved to retention, dropped "
+                                       "from it for a new initiator, expired", labels=["event"])
+        for event, n in (("retained", s.retained), ("evicted", s.evicted), ("expired", s.expired)):
+            sessions.add_metric([event], n)
+        yield sessions
+        yield GaugeMetricFamily("kbtp_connections_half_open", "Connections in set-up or without "
+                                "a session", value=t.half_open.count)
+        limits = GaugeMetricFamily("kbtp_limit", "The target's limits (seconds, octets, counts)",
+                                   labels=["limit"])
+        for name, value in t.config.limits().items():
+            limits.add_metric([name], value)
+        yield limits
 
     # -- Prometheus ----------------------------------------------------------------------
 
@@ -68,6 +103,7 @@ class Metrics:
             quota.add_metric(label, state.quota)
             active.add_metric(label, int(state.active))
         yield from (usage, quota, active)
+        yield from self._limits()
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Serve ``/metrics`` over HTTP from a background thread."""
@@ -82,6 +118,13 @@ class Metrics:
             lines.append(f"{opcode:<12} {status:<17} {n:>10}")
         for status, n in sorted(self.hellos.items()):
             lines.append(f"{'HELLO':<12} {status:<17} {n:>10}")
+        for reason, n in sorted(self.target.half_open.refused.items()):
+            lines.append(f"connections refused ({reason}): {n}")
+        for reason, n in sorted(self.terminated.items()):
+            lines.append(f"connections terminated ({reason}): {n}")
+        s = self.target.sessions
+        lines.append(f"liveness probes: {self.probes}; sessions retained {s.retained}, "
+                     f"evicted {s.evicted}, expired {s.expired}")
         for name, ring in self.target.rings():
             lines.append(f"ring {name}: {ring.occupancy()} free blocks, {ring.deferred} deferred frees")
         for state in self.target.sessions.by_id.values():

@@ -46,6 +46,18 @@ class Failed(Exception):
 Pause = Callable[[int], Awaitable[None]]
 
 
+async def _settled(fetch: asyncio.Future) -> None:
+    """Wait for an RDMA Read whose data a failed request no longer needs. Its answer may
+    revoke the buffer the Read reads (Send with Invalidate, or the initiator deregisters
+    it on completion); a retransmission of the Read arriving after that would meet an
+    invalid STag and fail the whole connection. So the answer waits for the Read, as a
+    fenced work request waits for the Reads before it (IBV_SEND_FENCE). A failed Read
+    fails the connection, which the request loop sees."""
+    await asyncio.wait([fetch])
+    if not fetch.cancelled():
+        fetch.exception()
+
+
 class Executor:
     """The operations on one target's memory; connections call ``run``."""
 
@@ -66,8 +78,8 @@ class Executor:
             return await handler(self, conn, req, fetch)
         except Failed as failure:
             if fetch is not None:
-                conn.discard(fetch)
-            return self._failure(failure.status, req["handle"])
+                await _settled(fetch)
+            return self.failure(failure.status, req["handle"])
 
     def prefetch(self, conn: Connection, req: dict[str, Any]) -> asyncio.Future | None:
         """Start the RDMA Read of a store's data as the request arrives, when the checks
@@ -81,7 +93,7 @@ class Executor:
             return None
         return conn.qp.read(req["dd.stag"], req["dd.offset"], length)
 
-    def _failure(self, status: int, handle: int) -> Outcome:
+    def failure(self, status: int, handle: int) -> Outcome:
         """docs/NOTES.md decision 2: zero length and offset; the Generation if the handle is
         readable."""
         generation = self.table.read(handle).generation if handle in self.table else 0

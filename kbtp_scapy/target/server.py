@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Iterator
 
 from ..rnic import Address, Listener, QueuePair, listen, memory_table, parse_url
+from ..rnic.admission import HalfOpen
 from ..rnic.qp import FrameListener
 from ..tables.enums import FEATURES, flag
 from .config import DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION, TargetConfig
@@ -31,6 +32,7 @@ class Target:
         self.transport = transport
         self.rnic_memory = memory_table(io, config.memory_order)
         self._build()
+        self.half_open = HalfOpen(config.max_half_open, config.max_half_open_per_source)
         self.metrics = Metrics(self)
         self.frame_listeners: list[FrameListener] = []
         self.listener: Listener | None = None
@@ -63,10 +65,12 @@ class Target:
         address = url if isinstance(url, Address) else parse_url(url)
         if address.transport != self.transport:
             raise ValueError(f"this target was built for {self.transport}, not {address.transport}")
+        limits = {} if options.get("io") == "verbs" else self._setup_limits()
         self.listener = await listen(address, self.rnic_memory, self._serve,
                                      recv_size=self._recv_size(),
                                      posted=self.config.request_credits,
-                                     frame_listeners=self.frame_listeners, **options)
+                                     frame_listeners=self.frame_listeners,
+                                     **{**limits, **options})
         for name, why in getattr(self.listener, "lacks", {}).items():
             if self.config.features & flag(FEATURES, name):
                 log.info("not offering %s: %s", name, why)
@@ -78,6 +82,18 @@ class Target:
             self._build()
         self._watcher = asyncio.create_task(self._watch_tickets())
         return self.listener.address
+
+    def _setup_limits(self) -> dict:
+        """The soft RNIC's share of the limits: its half-open cap, set-up deadlines and,
+        on iWARP, TCP keepalive and user timeout at the liveness probe's times. (On a
+        verbs device the kernel's CM and TCP have their own; the target's half-open cap,
+        HELLO deadline, probes and backlog hold on every backend.)"""
+        c = self.config
+        if self.transport == "iwarp":
+            return {"half_open": self.half_open, "mpa_timeout": c.mpa_timeout_s,
+                    "keepalive": c.probe_interval_s, "user_timeout": c.probe_timeout_s}
+        return {"half_open": self.half_open, "cm_timeout": c.cm_timeout_s,
+                "cm_retries": c.cm_retries}
 
     def _recv_size(self) -> int:
         """Largest request: header, two descriptors and Max Inline octets."""

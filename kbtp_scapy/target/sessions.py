@@ -3,7 +3,9 @@
 An initiator is known by its Initiator ID. Its range, quota, bindings and DIRECT_ALLOC
 partition outlive its connection for the retention time (GOODBYE without RELEASE, or a
 lost connection), so a reconnect with the same ID finds them intact; a HELLO whose ID
-belongs to a session that is still active is refused.
+belongs to a session that is still active is refused. A retained session that holds
+nothing (no binding, no ticket) keeps its slot only until a new initiator needs it: it is
+dropped then, oldest first, so throw-away IDs cannot lock others out for the retention.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class Initiator:
     watch: Any = None              # direct.TicketWatch of the partition's ring
     qp: Any = None                 # the connection of the active session
     expiry: asyncio.TimerHandle | None = None
+    retained_at: float = 0.0       # loop time it was last retained
 
     def owns(self, handle: int) -> bool:
         return self.handle_base <= handle < self.handle_base + self.handle_count
@@ -59,6 +62,7 @@ class Sessions:
         self._free_ranges = list(range(config.max_initiators))
         self._partitions = partitions
         self._release = release
+        self.retained = self.evicted = self.expired = 0   # counters, for the metrics
 
     def admit(self, initiator_id: bytes, want_partition: bool) -> tuple[Initiator, bool]:
         """The initiator's state and whether it was restored from retention."""
@@ -71,13 +75,24 @@ class Sessions:
                 known.expiry = None
             known.active = True
             return known, True
-        shared_sessions = sum(1 for i in self.by_id.values() if i.partition is None)
-        partition = None
-        if want_partition:
-            partition = next((p for p in self._partitions if p.owner is None), None)
-        shared_room = (shared_sessions + 1) * self.config.quota <= self.config.shared_blocks
-        if partition is None and not shared_room or not self._free_ranges:
-            raise Refused("NO_SPACE", "no quota or handle range is left for another initiator")
+        while True:
+            partition = None
+            if want_partition:
+                partition = next((p for p in self._partitions if p.owner is None), None)
+            shared_sessions = sum(1 for i in self.by_id.values() if i.partition is None)
+            shared_room = (shared_sessions + 1) * self.config.quota <= self.config.shared_blocks
+            room = bool(self._free_ranges) and (partition is not None or shared_room)
+            if room and (partition is not None or not want_partition):
+                break
+            # no room: any idle session makes some; room but no partition: only one with
+            # a partition gives one
+            idle = self._idle(with_partition=room)
+            if idle is None:
+                if room:
+                    break          # DIRECT_ALLOC without a partition: on the shared ring
+                raise Refused("NO_SPACE", "no quota or handle range is left for another initiator")
+            self.evicted += 1
+            self.forget(idle)
         index = self._free_ranges.pop(0)
         c = self.config
         state = Initiator(initiator_id, index, c.base_handle + index * c.handles_per_initiator,
@@ -87,6 +102,13 @@ class Sessions:
         self.by_id[initiator_id] = state
         return state, False
 
+    def _idle(self, with_partition: bool) -> Initiator | None:
+        """The retained session that holds nothing and was retained first (one with a
+        partition when ``with_partition``), if any."""
+        idle = [s for s in self.by_id.values() if not s.active and s.usage == 0
+                and (s.partition is not None or not with_partition)]
+        return min(idle, key=lambda s: s.retained_at, default=None)
+
     def detach(self, state: Initiator, release: bool) -> None:
         """The session ended: release now (GOODBYE RELEASE), else keep for the retention time."""
         state.active, state.qp = False, None
@@ -94,7 +116,14 @@ class Sessions:
             self.forget(state)
             return
         loop = asyncio.get_running_loop()
-        state.expiry = loop.call_later(self.config.retention_s, self.forget, state)
+        self.retained += 1
+        state.retained_at = loop.time()
+        state.expiry = loop.call_later(self.config.retention_s, self._expire, state)
+
+    def _expire(self, state: Initiator) -> None:
+        if self.by_id.get(state.initiator_id) is state:
+            self.expired += 1
+        self.forget(state)
 
     def forget(self, state: Initiator) -> None:
         """Free every binding of the initiator and give back its range and partition."""
