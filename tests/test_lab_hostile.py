@@ -22,11 +22,6 @@ from kbtp_scapy.rnic import MemoryTable
 from .hostile import OP, SLACK, admitted_after, hello, keep_sending, samples, start_peer
 from .lab import BINDINGS, GuestTarget, in_lab, rdma_lab
 
-try:     # the fixture: here in tests/lab.py; main has moved it to conftest.py (one guest)
-    from .lab import lab  # noqa: F401
-except ImportError:
-    pass
-
 pytestmark = pytest.mark.lab
 METRICS = 9464
 
