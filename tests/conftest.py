@@ -32,3 +32,9 @@ def lab():
     fixture imported into each module would be one per module, a guest each."""
     from tests.lab import session_guest
     yield from session_guest()
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The lab's tests last: its emulated guest keeps a core busy while it is up, and it
+    is up from the first lab test to the end of the session."""
+    items.sort(key=lambda item: item.get_closest_marker("lab") is not None)

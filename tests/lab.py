@@ -86,12 +86,13 @@ def in_lab(lab) -> Iterator[None]:
 class GuestTarget:
     """``kbtp target --io verbs`` on the binding's device in the guest, LAB_TARGET's geometry."""
 
-    def __init__(self, lab, binding: Binding, *extra: str, port: int | None = None) -> None:
+    def __init__(self, lab, binding: Binding, *extra: str, port: int | None = None,
+                 verbose: bool = True) -> None:
         self.lab, self.binding = lab, binding
         listen = binding.guest + (f":{port}" if port else "")
         self.proc = lab.spawn(lab.kbtp("target", "--transport", binding.transport, "--io", "verbs",
                                        "--device", binding.device, "--listen", listen,
-                                       *TARGET_ARGS, *extra, "-v"), name=f"target-{binding.device}")
+                                       *TARGET_ARGS, *extra, *["-v"] * verbose), name=f"target-{binding.device}")
         self.url = binding.url(binding.guest, port or _default(binding))
         self.proc.wait_for(f"listening on {self.url}", 120)
 
