@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -57,12 +58,14 @@ class TargetProc:
                "--metrics", str(self.metrics_port), "--duration", "300", *args]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        # its log goes to a file: a pipe nobody reads during a long run fills, and the
+        # target would stop in the middle of a log line
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline()
         if "listening on" not in line:
             self.proc.kill()
-            raise AssertionError(line + self.proc.stderr.read())
+            raise AssertionError(line + self._log())
 
     def _ns(self):
         return enter(self.netns) if self.netns else nullcontext()
@@ -86,11 +89,16 @@ class TargetProc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
         try:
-            _, err = self.proc.communicate(timeout=20)
+            self.proc.communicate(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return err
+            self.proc.communicate()
+        return self._log()
+
+    def _log(self) -> str:
+        self.proc.wait(20)
+        self.log.seek(0)
+        return self.log.read()
 
 
 class RssWatch:
