@@ -43,19 +43,7 @@ async def kbtp_load(url: str, device: str, op: str, size: int, seconds: float,
     info = ini.target
     base, rounds = info.handle_base, max(1, min(256, info.quota, info.handle_count))
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
-    between = None
-    if op == "LOAD":
-        await bt.windowed(lambda i: ini.alloc_store(base + i, data, seal=True), range(rounds), window)
-
-        async def one(i: int) -> None:
-            if (await ini.load(base + i % rounds)).data_length != size:
-                raise RuntimeError("LOAD returned a short block")
-    else:
-        async def one(i: int) -> None:
-            await ini.alloc_store(base + i % rounds, data)
-
-        async def between(first: int, end: int) -> None:
-            await bt.windowed(lambda i: ini.free(base + i % rounds), range(first, end), window)
+    one, between = await bt.workload(ini, op, base, rounds, data, window)
     meter = bt.Meter(lambda: {})
     await bt.drive(one, window, min(1.0, seconds), rounds, meter, between)       # warm-up
     ops, secs = await bt.drive(one, window, seconds, rounds, meter, between)

@@ -227,6 +227,29 @@ class Opts:
     profile_dir: str | None
 
 
+async def workload(ini: Any, op: str, base: int, rounds: int, data: bytes, window: int
+                   ) -> tuple[Callable[[int], Awaitable[None]],
+                              Callable[[int, int], Awaitable[None]] | None]:
+    """The timed request ``one(i)`` of ``op`` and what runs untimed between rounds: for
+    LOAD, blocks stored first (at most 256); for ALLOC_STORE, the FREEs of a round."""
+    size = len(data)
+    if op == "LOAD":
+        filled = min(rounds, 256)
+        await windowed(lambda i: ini.alloc_store(base + i, data, seal=True), range(filled), window)
+
+        async def load(i: int) -> None:
+            if (await ini.load(base + i % filled)).data_length != size:
+                raise RuntimeError("LOAD returned a short block")
+        return load, None
+
+    async def store(i: int) -> None:
+        await ini.alloc_store(base + i % rounds, data)
+
+    async def free_round(first: int, end: int) -> None:
+        await windowed(lambda i: ini.free(base + i % rounds), range(first, end), window)
+    return store, free_round
+
+
 async def bench_kbtp(url: str, pid: int, transport: str, op: str, size: int,
                      o: Opts) -> dict[str, Any]:
     """The initiator side of one case: warm-up (with a frame listener), then the timed run."""
@@ -248,22 +271,7 @@ async def bench_kbtp(url: str, pid: int, transport: str, op: str, size: int,
                 writes["send_calls"] += 1
                 write(octets)
             tcp.write = counted
-        between: Callable[[int, int], Awaitable[None]] | None = None
-        if op == "LOAD":
-            filled = min(rounds, 256)
-            await windowed(lambda i: ini.alloc_store(base + i, data, seal=True), range(filled),
-                           o.window)
-
-            async def one(i: int) -> None:
-                if (await ini.load(base + i % filled)).data_length != size:
-                    raise RuntimeError("LOAD returned a short block")
-        else:
-            async def one(i: int) -> None:
-                await ini.alloc_store(base + i % rounds, data)
-
-            async def free_round(first: int, end: int) -> None:
-                await windowed(lambda i: ini.free(base + i % rounds), range(first, end), o.window)
-            between = free_round
+        one, between = await workload(ini, op, base, rounds, data, o.window)
 
         frames: Counter[tuple[str, int]] = Counter()
 
