@@ -187,6 +187,18 @@ def looks_like_kbtp(data: bytes) -> bool:
     return data[_OPCODE_AT] in BY_OPCODE or data[_OPCODE_AT] in _PRIVATE_OPCODES
 
 
+_RID_AT = HEADER.offset("request_id")
+_RID_END = _RID_AT + HEADER.item("request_id").size
+
+
+def request_id_of(buf: bytes, addr_le: bool = False) -> int | None:
+    """The Request ID of whatever octets ``buf`` holds (a mutated or cut request), None when
+    they do not reach its end: what an answer must echo."""
+    if len(buf) < _RID_END:
+        return None
+    return decode_header(bytes(buf[:_RID_END]).ljust(HEADER_SIZE, b"\0"), addr_le)["request_id"]
+
+
 def decode_header(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
     """The common header alone, whatever follows it (``buf`` has at least 24 octets)."""
     return _unpack(_HEADER_LAYOUT, buf, _addr_le(buf[_OPCODE_AT], addr_le))

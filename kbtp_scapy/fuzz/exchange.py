@@ -159,9 +159,10 @@ class Exchanger:
         self.answers[how] += 1
         ev = _evidence(payload, c, how)
         out = []
-        if len(payload) >= 12 and c["request_id"] != int.from_bytes(payload[4:12], "big"):
+        sent_id = codec.request_id_of(payload, s.ini.addr_le)
+        if sent_id is not None and c["request_id"] != sent_id:
             out.append(Finding("request-id", f"{x.what}: the answer carries Request ID {c['request_id']}, the "
-                               f"request {int.from_bytes(payload[4:12], 'big')}"))
+                               f"request {sent_id}"))
         if not status_known(c["status"]):
             out.append(Finding("status-undefined", f"status {c['status']} is neither assigned nor Private Use"))
         loaded = None

@@ -389,10 +389,11 @@ class Steps(Exchanger):
         sent = {}
         try:
             for _ in range(count):
-                payload = codec.encode({"opcode": OP["LOAD"], "request_id": self.rid(), "handle": h, "flags": 0,
+                rid = self.rid()
+                payload = codec.encode({"opcode": OP["LOAD"], "request_id": rid, "handle": h, "flags": 0,
                                         "dd.stag": region.stag, "dd.offset": 0,
                                         "dd.length": ini.target.block_size}, ini.addr_le)
-                sent[int.from_bytes(payload[4:12], "big")] = (payload, *self.expectation(s, payload)[:2])
+                sent[rid] = (payload, *self.expectation(s, payload)[:2])
                 ini.qp.send(payload)
             deadline = loop.time() + self.timeout + 1
             seen: set[int] = set()
