@@ -2,22 +2,23 @@
 
 Two ways in, one way out. ``kbtp decode`` reads captures with the streaming decoder
 (``kbtp_scapy.decode``: octets to RDMA messages, no Scapy); ``read_packets`` and
-``rdma_messages`` are the Scapy path (``transport.iwarp`` / ``transport.roce`` over
+``rdma_messages`` are the Scapy path (``builders.iwarp`` / ``builders.roce`` over
 Scapy packets) that replay and the tests use. Either gives ``RdmaMessage`` objects, and
 ``kbtp_messages`` decodes the Sends that carry KBTP with the codec, following each
 session's ADDR_LE choice from its HELLO_ACK; ``to_json`` gives the JSON object of one.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from . import codec, tables as T
 from .codec import looks_like_kbtp
 from .decode.pcapfile import CaptureError
-from .transport.message import RdmaMessage
+from .wire.message import RdmaMessage
 
 if TYPE_CHECKING:
     from scapy.packet import Packet
@@ -54,7 +55,7 @@ def read_packets(path: str | Path) -> list[Packet]:
     from scapy.error import Scapy_Exception
     from scapy.utils import PcapReader
 
-    from .transport import iwarp, roce  # noqa: F401 - the layers the packets dissect into
+    from .builders import iwarp, roce  # noqa: F401 - the layers the packets dissect into
     try:
         with PcapReader(str(path)) as reader:
             return list(reader)
@@ -67,7 +68,7 @@ def read_packets(path: str | Path) -> list[Packet]:
 def rdma_messages(packets: list[Packet]) -> list[RdmaMessage]:
     """RDMA messages of both bindings in Scapy packets, in the order their last frame
     was captured."""
-    from .transport import iwarp, roce
+    from .builders import iwarp, roce
     found = list(iwarp.iter_rdma_messages(packets)) + list(roce.iter_rdma_messages(packets))
     return sorted(found, key=lambda m: m.frames[-1] if m.frames else 0)
 
@@ -103,7 +104,7 @@ def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) 
                     msg.payload, le)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _bits(opcode: int | None, key: str) -> tuple[tuple[str, int], ...]:
     """``(kbtp.flags.inline, mask)`` pairs of a flags word of this opcode."""
     index = T.wire_fields()
@@ -113,7 +114,7 @@ def _bits(opcode: int | None, key: str) -> tuple[tuple[str, int], ...]:
                  T.flag_bits(key, index[key][0], T.BY_OPCODE.get(opcode)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _json_key(key: str) -> str:
     return f"kbtp.{key}"
 

@@ -8,13 +8,24 @@ This is what the reference target's data path uses.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from itertools import product
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from .tables import (BY_OPCODE, HEADER, HEADER_SIZE, OPCODES, VERSION, Condition, FlatField, Order,
-                     Struct, flatten)
+from .tables import (
+    BY_OPCODE,
+    HEADER,
+    HEADER_SIZE,
+    OPCODES,
+    VERSION,
+    Condition,
+    FlatField,
+    Order,
+    Struct,
+    flatten,
+)
 
 _INT_CODES = {1: "B", 2: "H", 4: "I", 8: "Q"}
 _VERSION_AT, _OPCODE_AT = HEADER.offset("version"), HEADER.offset("opcode")
@@ -130,7 +141,7 @@ def _opcode_info(opcode: int) -> _Opcode:
 _OPCODES = {op: _opcode_info(op) for op in BY_OPCODE}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _message_layout(opcode: int, present: tuple[bool, ...]) -> _Layout:
     on = {c for c, p in zip(_OPCODES[opcode].conditions, present) if p}
     fields = [f for f in list(flatten(HEADER)) + list(flatten(BY_OPCODE[opcode].body))
@@ -240,7 +251,7 @@ def auto_flags(opcode: int, values: Mapping[str, Any], source: str) -> int:
                if cond.source == source and any(k in values for k in keys))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _gated_keys(opcode: int) -> tuple[tuple[Condition, tuple[str, ...]], ...]:
     """Each condition of the body with the keys of the leaf fields it gates."""
     flat = list(flatten(BY_OPCODE[opcode].body))

@@ -1,6 +1,6 @@
 """Sample sessions: every opcode and every status code, with the RDMA traffic each causes.
 
-The session is written once against ``framing.Recorder`` and recorded over both
+The session is written once against ``builders.recorder.Recorder`` and recorded over both
 bindings; ``tools/make_pcaps.py`` writes the committed ``pcaps/`` from it, and
 ``kbtp demo`` decodes it back. Messages are built with the codec from the tables.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import codec, ring, tables as T
-from .framing import TRANSPORTS, recorder
+from .builders.recorder import TRANSPORTS, recorder
 
 BLOCK = 32 * 1024
 POOL_STAG, TABLE_STAG, RING_STAG, HEAD_STAG, PARTITION_STAG = 0x100, 0x200, 0x300, 0x400, 0x500

@@ -22,10 +22,9 @@ from contextlib import nullcontext
 from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic import cm
-from kbtp_scapy.rnic import iwarp_wire as w
-from kbtp_scapy.rnic import roce_wire as rw
 from kbtp_scapy.tables.enums import OPCODES
-from kbtp_scapy.transport.iwarp_defs import DDP_UNTAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
+from kbtp_scapy.wire import iwarp as w, roce as rw
+from kbtp_scapy.wire.iwarp_defs import DDP_UNTAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
 
 from .live_capture import free_port
 from .netns import enter
@@ -297,7 +296,7 @@ async def read_fpdus(reader: asyncio.StreamReader, timeout: float,
                 reader.readexactly(ulen + FPDU_OVERHEAD - 2 + fpdu_pad_len(ulen)), 5)
             fpdu = length + rest
             out.append((fpdu[3] & 0x0F, fpdu[2 + DDP_UNTAGGED_LEN:2 + ulen]))
-    except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
         pass
     return out
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from kbtp_scapy.rnic import Address
 from kbtp_scapy.target import Target, TargetConfig
+from kbtp_scapy.wire.address import Address
 
 _hosts = itertools.count(1)
 

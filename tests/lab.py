@@ -23,6 +23,7 @@ from .lab_walk import LAB_TARGET, TARGET_ARGS
 from .netns import enter, move
 from .sandbox import ROOT
 
+
 def _tool(name: str):
     """A maintainers' script of tools/ as a module (tools/ is no package)."""
     if name not in sys.modules:

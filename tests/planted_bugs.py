@@ -10,22 +10,20 @@ checker against each, to measure what fraction of them it catches.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from kbtp_scapy import codec
 from kbtp_scapy.rnic import Access
-from kbtp_scapy.target import TargetConfig
-from kbtp_scapy.target import connection as conn_mod
-from kbtp_scapy.target import direct as direct_mod
-from kbtp_scapy.target import table as table_mod
+from kbtp_scapy.tables.enums import OPCODES, REQUEST_FLAGS
+from kbtp_scapy.target import TargetConfig, connection as conn_mod, direct as direct_mod, table as table_mod
 from kbtp_scapy.target.connection import Connection
 from kbtp_scapy.target.operations import Executor, Failed, Outcome
 from kbtp_scapy.target.ring import FreeRing
 from kbtp_scapy.target.server import Target
 from kbtp_scapy.target.sessions import Initiator, Sessions
 from kbtp_scapy.target.table import SEALED, UNBOUND_OFFSET, BlockTable, Entry
-from kbtp_scapy.tables.enums import OPCODES, REQUEST_FLAGS
 
 from .kbtp_harness import TargetThread
 

@@ -3,10 +3,11 @@
 Clients send to the relay's address as if it were the target; each client gets its own
 back socket towards the target on an address of its own next to the relay's (the relay's
 last octet plus one, two, ...), on the same UDP port: RoCEv2 answers the peer's address at
-port 4791 whatever port it sent from, so the target tells the clients apart by address. Every datagram may be dropped (``loss``), held back
-by ``delay`` seconds so that later ones overtake it (``reorder``), or dropped by a ``drop``
-predicate that tests use to lose one chosen packet, or rewritten by ``corrupt``. A seed makes a run repeatable, as far
-as the event loop's timing allows.
+port 4791 whatever port it sent from, so the target tells the clients apart by address.
+Every datagram may be dropped (``loss``), held back by ``delay`` seconds so that later ones
+overtake it (``reorder``), or dropped by a ``drop`` predicate that tests use to lose one
+chosen packet, or rewritten by ``corrupt``. A seed makes a run repeatable, as far as the
+event loop's timing allows.
 
 The RoCEv2 ICRC covers the IP addresses and UDP ports, which the relay changes, so it
 rewrites the ICRC of every datagram it forwards, as a RoCE-aware NAT would have to.
@@ -19,7 +20,7 @@ import random
 import socket
 from collections.abc import Callable
 
-from kbtp_scapy.rnic import roce_wire
+from kbtp_scapy.wire import roce as roce_wire
 
 _IP_MTU_DISCOVER, _IP_PMTUDISC_DO = 10, 2             # Linux: always set DF
 

@@ -38,7 +38,7 @@ def silent_iwarp():
     """A TCP listener that accepts and never says a word: no MPA Reply, no HELLO_ACK."""
     host = fresh_hosts(1)[0]
     port = free_port(host)
-    with socket.create_server((host, port)) as server:
+    with socket.create_server((host, port)):
         yield f"iwarp://{host}:{port}"
 
 

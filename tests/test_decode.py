@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from kbtp_scapy import codec, tables as T
+from kbtp_scapy.builders.iwarp import IwarpConversation
+from kbtp_scapy.builders.roce import RcConnection, RoceEndpoint
 from kbtp_scapy.capture import kbtp_messages, rdma_messages, read_packets, to_json
 from kbtp_scapy.decode import Reader, Stats, rdma_messages as stream_messages
-from kbtp_scapy.transport.iwarp import IwarpConversation
-from kbtp_scapy.transport.roce import RcConnection, RoceEndpoint
 from tests.test_dissector import EXTRA, fields as tshark_fields
 from tests.tshark import needs_tshark
 
@@ -302,7 +302,7 @@ def _pcapng(path: Path, blocks: list[tuple[int, bytes]]) -> Path:
         body += bytes(-len(body) % 4)
         return struct.pack("<II", kind, 12 + len(body)) + body + struct.pack("<I", 12 + len(body))
     out = block(0x0A0D0D0A, struct.pack("<IHHq", 0x1A2B3C4D, 1, 0, -1))
-    for iface, (linktype, _) in enumerate(blocks):
+    for linktype, _ in blocks:
         out += block(1, struct.pack("<HHI", linktype, 0, 65535))
     for iface, (_, data) in enumerate(blocks):
         out += block(6, struct.pack("<IIIII", iface, 0, 1000 + iface, len(data), len(data)) + data)

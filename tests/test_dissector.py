@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kbtp_scapy import codec, tables as T
+from kbtp_scapy.builders.recorder import recorder, write_pcap
 from kbtp_scapy.capture import kbtp_messages, rdma_messages, read_packets, to_json
-from kbtp_scapy.framing import recorder, write_pcap
 from tests.tshark import TSHARK, needs_tshark
 
 pytestmark = needs_tshark

@@ -5,8 +5,8 @@ HOME."""
 from __future__ import annotations
 
 import json
-import pwd
 import os
+import pwd
 import subprocess
 import sys
 from collections import Counter
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kbtp_scapy import codec
-from kbtp_scapy.framing import write_pcap
+from kbtp_scapy.builders.recorder import write_pcap
 from tests.test_decode import OP, multi_connection, streamed
 from tests.test_dissector import LUA, PLUGIN
 from tests.tshark import TSHARK, folders, needs_tshark, private_home

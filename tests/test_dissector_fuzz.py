@@ -54,12 +54,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kbtp_scapy import codec, ring, tables as T
+from kbtp_scapy.builders.iwarp import IwarpConversation, segment_message
+from kbtp_scapy.builders.roce import RcConnection, RoceEndpoint
 from kbtp_scapy.layers import kbtp as K
-from kbtp_scapy.layers.iwarp import MPA_REP_KEY, MPA_REQ_KEY, Op, crc32c
-from kbtp_scapy.layers.iwarp import RDMAPAtomicRequest, RDMAPAtomicResponse, RDMAPReadRequest
+from kbtp_scapy.layers.iwarp import (
+    MPA_REP_KEY,
+    MPA_REQ_KEY,
+    Op,
+    RDMAPAtomicRequest,
+    RDMAPAtomicResponse,
+    RDMAPReadRequest,
+    crc32c,
+)
 from kbtp_scapy.layers.roce import HEADERS
-from kbtp_scapy.transport.iwarp import IwarpConversation, segment_message
-from kbtp_scapy.transport.roce import RcConnection, RoceEndpoint
 from tests.tshark import TSHARK, needs_tshark
 
 pytestmark = [needs_tshark, pytest.mark.fuzz]

@@ -21,9 +21,9 @@ from scapy.contrib.roce import BTH
 from scapy.layers.inet import TCP
 
 from kbtp_scapy import codec, tables as T
-from kbtp_scapy.framing import recorder
+from kbtp_scapy.builders.iwarp import segment_message
+from kbtp_scapy.builders.recorder import recorder
 from kbtp_scapy.layers.iwarp import Op
-from kbtp_scapy.transport.iwarp import segment_message
 from tests.tshark import TSHARK, needs_tshark, tshark_frames
 
 pytestmark = needs_tshark

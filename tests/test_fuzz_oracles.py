@@ -10,7 +10,7 @@ binding; here the cases each test runs are also run once against a clean target)
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 

@@ -5,8 +5,7 @@ import struct
 
 import google_crc32c
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from scapy.packet import Raw
 
 from kbtp_scapy.layers.iwarp import (

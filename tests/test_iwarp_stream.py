@@ -5,14 +5,21 @@ import random
 import struct
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from scapy.layers.inet import IP, TCP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 from scapy.utils import rdpcap
 
+from kbtp_scapy.builders.iwarp import (
+    MULPDU,
+    IwarpConversation,
+    iter_rdma_messages,
+    mulpdu,
+    reassemble,
+    segment_message,
+)
 from kbtp_scapy.layers.iwarp import (
     DDP,
     MPA,
@@ -29,15 +36,7 @@ from kbtp_scapy.layers.iwarp import (
     RDMAPTerminate,
     crc32c,
 )
-from kbtp_scapy.transport.iwarp import (
-    MULPDU,
-    IwarpConversation,
-    iter_rdma_messages,
-    mulpdu,
-    reassemble,
-    segment_message,
-)
-from kbtp_scapy.transport.mpa_markers import insert_markers, marker, strip_markers
+from kbtp_scapy.wire.mpa_markers import insert_markers, marker, strip_markers
 
 A, B = ("10.1.0.1", 49200), ("10.1.0.2", 7471)
 

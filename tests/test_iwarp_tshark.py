@@ -18,6 +18,11 @@ from scapy.layers.inet import TCP
 from scapy.packet import Raw
 from scapy.utils import wrpcap
 
+from kbtp_scapy.builders.iwarp import (
+    IwarpConversation,
+    iter_rdma_messages,
+    segment_message,
+)
 from kbtp_scapy.layers.iwarp import (
     DDP,
     MPA,
@@ -30,8 +35,7 @@ from kbtp_scapy.layers.iwarp import (
     RDMAPReadRequest,
     RDMAPTerminate,
 )
-from kbtp_scapy.transport.iwarp import IwarpConversation, iter_rdma_messages, segment_message
-from kbtp_scapy.transport.mpa_markers import strip_markers
+from kbtp_scapy.wire.mpa_markers import strip_markers
 from tests.tshark import needs_tshark, tshark_frames, tshark_text
 
 pytestmark = needs_tshark

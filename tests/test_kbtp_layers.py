@@ -8,9 +8,18 @@ from scapy.config import conf
 from scapy.packet import Raw, fuzz
 
 from kbtp_scapy import codec, tables as T
-from kbtp_scapy.layers.kbtp import (BODY_CLASSES, KBTP, KBTPCompletion, KBTPCompletionDescriptor,
-                                    KBTPDataDescriptor, KBTPHelloAck, KBTPLoad,
-                                    KBTPStore, KBTPTableEntry, looks_like_kbtp)
+from kbtp_scapy.layers.kbtp import (
+    BODY_CLASSES,
+    KBTP,
+    KBTPCompletion,
+    KBTPCompletionDescriptor,
+    KBTPDataDescriptor,
+    KBTPHelloAck,
+    KBTPLoad,
+    KBTPStore,
+    KBTPTableEntry,
+    looks_like_kbtp,
+)
 
 
 def test_show_names_flags_enumerations_and_private_use():

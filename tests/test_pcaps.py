@@ -77,7 +77,8 @@ def test_every_opcode_and_status_decodes_and_matches_scapy(pcap):
         if not fnd.error:
             assert packet_fields(KBTP(payload, addr_le=addr_le)) == fnd.fields
     # The handles the session used come out right only if ADDR_LE was followed.
-    assert {f.fields["handle"] for f in found if f.fields["opcode"] == T.BY_NAME["ALLOC_STORE"].opcode} >= {0x4001, 0x4002}
+    alloc_store = T.BY_NAME["ALLOC_STORE"].opcode
+    assert {f.fields["handle"] for f in found if f.fields["opcode"] == alloc_store} >= {0x4001, 0x4002}
 
 
 @needs_tshark

@@ -19,11 +19,21 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 from scapy.utils import PcapWriter, rdpcap
 
+from kbtp_scapy.builders.roce import RcConnection, RoceEndpoint
 from kbtp_scapy.layers.roce import DETH, OPCODES, bth_parts, icrc_ok
-from kbtp_scapy.rnic.cm import (GSI_QKEY, GSI_QPN, MAD_SIZE, CmAttr, CmMessage, decode, encode,
-                                parse_rdma_cm_private_data, rdma_cm_flow_label,
-                                rdma_cm_private_data, rdma_cm_service_id)
-from kbtp_scapy.transport.roce import RcConnection, RoceEndpoint
+from kbtp_scapy.rnic.cm import (
+    GSI_QKEY,
+    GSI_QPN,
+    MAD_SIZE,
+    CmAttr,
+    CmMessage,
+    decode,
+    encode,
+    parse_rdma_cm_private_data,
+    rdma_cm_flow_label,
+    rdma_cm_private_data,
+    rdma_cm_service_id,
+)
 from tests.tshark import needs_tshark, tshark_frames
 
 DATA = Path(__file__).parent / "data" / "captures"

@@ -20,6 +20,7 @@ import pytest
 from scapy.layers.l2 import Ether
 from scapy.utils import rdpcap
 
+from kbtp_scapy.builders.iwarp import iter_rdma_messages
 from kbtp_scapy.layers.iwarp import MPA, MPA_REP_KEY, RDMAPTerminate
 from kbtp_scapy.ring import masked_add
 from kbtp_scapy.rnic import (
@@ -31,9 +32,8 @@ from kbtp_scapy.rnic import (
     connect,
     listen,
 )
-from kbtp_scapy.rnic import iwarp_wire as w
 from kbtp_scapy.rnic.pcap import PcapSink
-from kbtp_scapy.transport.iwarp import iter_rdma_messages
+from kbtp_scapy.wire import iwarp as w
 from tests.tshark import TSHARK, needs_tshark, tshark_frames, tshark_text
 
 TIMEOUT = 5

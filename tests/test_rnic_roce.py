@@ -18,11 +18,11 @@ import pytest
 from scapy.utils import rdpcap
 
 from kbtp_scapy import rnic
+from kbtp_scapy.builders.roce import iter_rdma_messages
 from kbtp_scapy.layers.roce import icrc_ok
 from kbtp_scapy.rnic import Access, ConnectionLost, MemoryTable, RemoteError
-from kbtp_scapy.rnic import roce_wire as w
 from kbtp_scapy.rnic.pcap import PcapSink
-from kbtp_scapy.transport.roce import iter_rdma_messages
+from kbtp_scapy.wire import roce as w
 
 from .relay import Relay
 from .tshark import TSHARK, needs_tshark, tshark_frames, tshark_text

@@ -19,16 +19,18 @@ import pytest
 
 from kbtp_scapy.initiator import Initiator
 from kbtp_scapy.rnic import roce
-from kbtp_scapy.rnic import roce_wire as w
 from kbtp_scapy.rnic.pcap import PcapSink
 from kbtp_scapy.rnic.roce_raw import bpf_program, parse_addr
 from kbtp_scapy.target import Target, TargetConfig
 from kbtp_scapy.target.audit import audit
+from kbtp_scapy.wire import roce as w
 
-from . import test_target_ops as ops
-from . import test_target_sessions as sessions
-from . import test_target_faults as faults
-from . import test_target_storm as storm_test
+from . import (
+    test_target_faults as faults,
+    test_target_ops as ops,
+    test_target_sessions as sessions,
+    test_target_storm as storm_test,
+)
 from .kbtp_harness import TargetThread
 from .netns import Link, enter, move
 from .relay import Relay

@@ -10,9 +10,19 @@ from scapy.compat import raw
 from scapy.contrib.roce import AETH, BTH, GRH
 from scapy.utils import rdpcap
 
-from kbtp_scapy.layers.roce import (HEADERS, DETH, IETH, RETH, AtomicAckETH, AtomicETH, BTHPad,
-                                    ImmDt, bth_parts, icrc_ok)
-from kbtp_scapy.transport.roce import iter_rdma_messages
+from kbtp_scapy.builders.roce import iter_rdma_messages
+from kbtp_scapy.layers.roce import (
+    DETH,
+    HEADERS,
+    IETH,
+    RETH,
+    AtomicAckETH,
+    AtomicETH,
+    BTHPad,
+    ImmDt,
+    bth_parts,
+    icrc_ok,
+)
 from tests.tshark import needs_tshark, tshark_frames
 
 CAPTURES = sorted((Path(__file__).parent / "data" / "captures").glob("*.pcap"))

@@ -4,8 +4,7 @@ and garbage that must never raise."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from scapy.compat import raw
 from scapy.contrib.roce import AETH, BTH
 from scapy.layers.inet import IP, UDP
@@ -13,11 +12,29 @@ from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
 
-from kbtp_scapy.layers.roce import (HEADERS, MESSAGE_START, OPCODES, DETH, IETH, RETH,
-                                    AtomicAckETH, AtomicETH, BTHPad, ImmDt, add_pad, bth_parts,
-                                    icrc_ok)
-from kbtp_scapy.transport.roce import (PATH_MTUS, RcConnection, RoceEndpoint,
-                                       iter_rdma_messages, reassemble, segment_message)
+from kbtp_scapy.builders.roce import (
+    PATH_MTUS,
+    RcConnection,
+    RoceEndpoint,
+    iter_rdma_messages,
+    reassemble,
+    segment_message,
+)
+from kbtp_scapy.layers.roce import (
+    DETH,
+    HEADERS,
+    IETH,
+    MESSAGE_START,
+    OPCODES,
+    RETH,
+    AtomicAckETH,
+    AtomicETH,
+    BTHPad,
+    ImmDt,
+    add_pad,
+    bth_parts,
+    icrc_ok,
+)
 
 HEADER_VALUES = {
     RETH: dict(va=0x1122334455667788, rkey=0xDEADBEEF, dlen=19),

@@ -10,8 +10,8 @@ from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Ether
 from scapy.utils import wrpcap
 
+from kbtp_scapy.builders.roce import RcConnection, RoceEndpoint, segment_message
 from kbtp_scapy.layers.roce import HEADERS, OPCODES, BTHPad, bth_parts
-from kbtp_scapy.transport.roce import RcConnection, RoceEndpoint, segment_message
 from tests.test_roce_captures import assert_matches_tshark
 from tests.test_roce_layers import NO_PAYLOAD, TEXT, cases, frame
 from tests.tshark import needs_tshark, tshark_frames

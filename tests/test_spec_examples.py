@@ -8,8 +8,13 @@ from __future__ import annotations
 import pytest
 
 from kbtp_scapy import codec, ring
-from kbtp_scapy.layers.kbtp import (KBTP, KBTPAllocStore, KBTPCompletion, KBTPRingSlot,
-                                    packet_fields)
+from kbtp_scapy.layers.kbtp import (
+    KBTP,
+    KBTPAllocStore,
+    KBTPCompletion,
+    KBTPRingSlot,
+    packet_fields,
+)
 from kbtp_scapy.tables import RING_SLOT, SLOT_CONSUMED
 
 ALLOC_STORE = bytes.fromhex(

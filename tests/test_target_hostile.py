@@ -16,16 +16,29 @@ import pytest
 from kbtp_scapy import codec, rnic
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic import MemoryTable
-from kbtp_scapy.rnic import roce_wire as rw
 from kbtp_scapy.rnic.memory import Access
 from kbtp_scapy.tables.enums import REQUEST_FLAGS, STATUS, flag
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.audit import audit
-from kbtp_scapy.transport.iwarp_defs import Op
+from kbtp_scapy.wire import roce as rw
+from kbtp_scapy.wire.iwarp_defs import Op
 
-from .hostile import (OP, SLACK, CmFlooder, RssWatch, Steady, TargetProc, admitted_after,
-                      fpdu_send, hello, keep_sending, mpa_peer, read_fpdus, start_peer,
-                      under_attack)
+from .hostile import (
+    OP,
+    SLACK,
+    CmFlooder,
+    RssWatch,
+    Steady,
+    TargetProc,
+    admitted_after,
+    fpdu_send,
+    hello,
+    keep_sending,
+    mpa_peer,
+    read_fpdus,
+    start_peer,
+    under_attack,
+)
 from .kbtp_harness import TargetThread, fresh_hosts
 from .netns import Link, enter, ip
 from .relay import Relay
@@ -271,7 +284,7 @@ def test_iwarp_stalled_connections_are_closed_by_their_deadlines():
             try:
                 while await asyncio.wait_for(reader.read(65536), 10):
                     pass
-            except (ConnectionError, asyncio.TimeoutError):
+            except (TimeoutError, ConnectionError):
                 pass
             return asyncio.get_running_loop().time() - start
 

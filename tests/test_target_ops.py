@@ -13,9 +13,9 @@ import pytest
 
 from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
+from kbtp_scapy.rnic import Access
 from kbtp_scapy.rnic.qp import ConnectionLost, RemoteError
 from kbtp_scapy.tables import memory as M
-from kbtp_scapy.rnic import Access
 from kbtp_scapy.tables.enums import OPCODES, REQUEST_FLAGS, STATUS
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.audit import audit

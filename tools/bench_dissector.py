@@ -59,10 +59,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kbtp_scapy import codec, tables as T
+from kbtp_scapy.builders.iwarp import IwarpConversation
+from kbtp_scapy.builders.roce import RcConnection, RoceEndpoint
 from kbtp_scapy.layers.iwarp import MPA, Op, crc32c
 from kbtp_scapy.layers.roce import icrc_ok
-from kbtp_scapy.transport.iwarp import IwarpConversation
-from kbtp_scapy.transport.roce import RcConnection, RoceEndpoint
 
 README = ROOT / "README.md"
 LUA = ROOT / "dissector" / "kbtp.lua"

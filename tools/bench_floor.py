@@ -5,7 +5,7 @@
 script measures the least work a Python KBTP LOAD over iWARP can do, so the gap can be
 split into what the reference target adds and what Python itself costs. Its "floor"
 target and initiator do only the wire work every LOAD needs, with the project's own
-pieces: MPA framing and CRC32c (``rnic.iwarp_wire``), the request and the COMPLETION
+pieces: MPA framing and CRC32c (``wire.iwarp``), the request and the COMPLETION
 through the codec, one entry read from a ``BlockTable`` in registered-memory format, the
 block sent as RDMA Write FPDUs no longer than the MULPDU, and writes batched as the soft
 RNIC batches them (``FLUSH_MESSAGES``, through the baseline's ``TcpPeer``). It leaves
@@ -33,11 +33,11 @@ from typing import Any
 import bench_target as bt
 
 from kbtp_scapy import codec
-from kbtp_scapy.rnic import iwarp_wire as w
 from kbtp_scapy.tables import memory as M
 from kbtp_scapy.tables.enums import OPCODES
 from kbtp_scapy.target.table import BlockTable
-from kbtp_scapy.transport.iwarp_defs import (
+from kbtp_scapy.wire import iwarp as w
+from kbtp_scapy.wire.iwarp_defs import (
     DDP_TAGGED_LEN,
     DDP_UNTAGGED_LEN,
     FPDU_OVERHEAD,

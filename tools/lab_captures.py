@@ -66,7 +66,7 @@ async def session(url: str, *, roce: bool, **options) -> None:
 
 def capture(lab, transport: str, out: Path) -> Path:
     """One session of ``transport`` captured into ``out`` (a file of the host's)."""
-    from tests.netns import enter                 # the lab's host side is a namespace
+    from tests.netns import enter  # the lab's host side is a namespace
     pcap = lab.dir / f"{transport}.pcap"
     if transport == "roce":
         iface, listen, device, ns = "eth0", rdma_lab.GUEST_IP, "rxe0", []

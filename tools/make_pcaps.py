@@ -25,11 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kbtp_scapy.builders.recorder import INITIATOR_V4, INITIATOR_V6  # noqa: E402
 from kbtp_scapy.decode.frames import ROCE, TCP, address, locate  # noqa: E402
 from kbtp_scapy.decode.pcapfile import Reader  # noqa: E402
-from kbtp_scapy.framing import INITIATOR_V4, INITIATOR_V6  # noqa: E402
-from kbtp_scapy.rnic.roce_wire import ACKNOWLEDGE  # noqa: E402
 from kbtp_scapy.samples import write_samples  # noqa: E402
+from kbtp_scapy.wire.roce import ACKNOWLEDGE  # noqa: E402
 
 PCAPS = ROOT / "pcaps"
 START = 1_709_283_600.0            # 2024-03-01 09:00:00 UTC

@@ -343,7 +343,7 @@ class Agent:
                 continue
             try:
                 chunk = self.sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 raise TimeoutError("guest agent") from None
             if not chunk:
                 raise LabError("the guest agent closed its socket (the guest is gone?)")

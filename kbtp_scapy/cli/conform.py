@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..conform import report
-from ..conform.registry import FAIL, WARN, ERROR, Case, all_cases, select
+from ..conform.registry import ERROR, FAIL, WARN, Case, all_cases, select
 from ..conform.runner import HarnessError, Listener, Outcome, run
 from ..initiator.results import TargetInfo
 

@@ -192,7 +192,7 @@ def craft(opcode: str, inline_data_file, trailer: str | None, addr_le: bool, fmt
     if fmt == "pcap":
         if not output:
             raise click.UsageError("--format pcap needs -o FILE")
-        from ..framing import write_pcap
+        from ..builders.recorder import write_pcap
         by_target = op in RESPONSES if from_target is None else from_target
         write_pcap(output, transport, [("response" if by_target else "request", wire)])
         click.echo(f"wrote {output}: 1 KBTP message over {transport}, "

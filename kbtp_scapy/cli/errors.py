@@ -9,8 +9,8 @@ from __future__ import annotations
 import errno
 import os
 
-from ..rnic import Address
 from ..rnic.qp import ConnectionLost, RemoteError
+from ..wire.address import ROCE_PORT, Address
 
 #: what a command catches from a connection: the soft RNIC's errors and the OS's
 CONNECTION_ERRORS = (ConnectionLost, RemoteError, OSError, TimeoutError)
@@ -65,7 +65,7 @@ def local_trouble(exc: BaseException, url: Address, local: str | None) -> str | 
     if url.transport != "roce" or not isinstance(exc, OSError) \
             or exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
         return None
-    from ..rnic.roce import ROCE_PORT, default_local
+    from ..rnic.roce import default_local
     local = local or default_local(url.host)
     port = url.port + 1 if local == url.host else ROCE_PORT
     return f"cannot send from {local} (UDP port {port}) to {url}"

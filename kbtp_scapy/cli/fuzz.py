@@ -13,7 +13,7 @@ import click
 from ..fuzz import report
 from ..fuzz.campaign import Control, Run, campaign, load_case, replay_case
 from ..fuzz.cases import parse_name
-from ..rnic import parse_url
+from ..wire.address import parse_url
 from .options import raw_io, raw_io_options
 
 

@@ -19,8 +19,15 @@ import click
 from .. import tables as T
 from ..initiator import Initiator, KbtpError, Result
 from .errors import CONNECTION_ERRORS, hint, line, local_trouble, reason
-from .options import (FEATURE_NAMES, address, feature_names, features, integer, raw_io,
-                      raw_io_options)
+from .options import (
+    FEATURE_NAMES,
+    address,
+    feature_names,
+    features,
+    integer,
+    raw_io,
+    raw_io_options,
+)
 
 DEFAULT_ID_FILE = Path("~/.config/kbtp/initiator_id")
 #: the Feature a command (or --record) needs the HELLO_ACK to grant
@@ -147,7 +154,7 @@ def session(func):
 async def _session(o: dict, name: str, func, kwargs: dict) -> None:
     sink = None
     if o["pcap"]:
-        from ..rnic.pcap import PcapSink     # Scapy's writer: imported only when asked for
+        from ..rnic.pcap import PcapSink  # Scapy's writer: imported only when asked for
         sink = PcapSink(o["pcap"])
     url, timeout = o["url"], o["timeout"]
     try:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import click
 
-from ..rnic import Address, parse_url
 from ..tables.enums import FEATURES
+from ..wire.address import Address, parse_url
 
 FEATURE_NAMES = {f.name: f.value for f in FEATURES.flags}
 BINDINGS = {"iwarp": "iWARP", "roce": "RoCEv2"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..capture import CaptureError
-from ..rnic import parse_url
+from ..wire.address import parse_url
 from .errors import CONNECTION_ERRORS, describe, hint, local_trouble, reason
 
 

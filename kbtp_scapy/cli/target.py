@@ -137,7 +137,7 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
     t = Target(config, addr.transport, options.get("io"))
     sink = None
     if pcap:
-        from ..rnic.pcap import PcapSink     # Scapy's writer: imported only when asked for
+        from ..rnic.pcap import PcapSink  # Scapy's writer: imported only when asked for
         sink = PcapSink(pcap)
     if sink:
         t.frame_listeners.append(sink)
@@ -165,7 +165,7 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
                err=False)
     try:
         await asyncio.wait_for(stop.wait(), duration)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     await t.close()
     if sink:

@@ -15,7 +15,8 @@ import asyncio
 import itertools
 import secrets
 import time
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 from .. import codec
 from ..initiator import Initiator, KbtpError, Result
@@ -245,7 +246,7 @@ class Ctx:
                     self.url, initiator_id=ident, features=0, **self._options), self.timeout)
             except KbtpError:
                 await asyncio.sleep(0.3)
-            except (Exception, asyncio.TimeoutError):
+            except (TimeoutError, Exception):
                 return None
         return None
 
@@ -255,7 +256,7 @@ class Ctx:
         """Await ``coro``; no answer in time, or a lost connection, is the target's failure."""
         try:
             return await asyncio.wait_for(coro, self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Fail(what, f"nothing within {self.timeout:g} s") from None
         except (ConnectionLost, RemoteError) as exc:
             raise Fail(what, f"the connection failed ({describe(exc, self.timeout)})") from None
@@ -319,7 +320,7 @@ class Ctx:
         while len(out) < count and (remaining := deadline - loop.time()) > 0:
             try:
                 msg = await asyncio.wait_for(ini.unmatched.get(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             try:
                 out.append(None if msg.write_imm else codec.decode(msg.payload, ini.addr_le))
@@ -363,5 +364,5 @@ def status_name(value: int) -> str:
 async def _quietly(coro: Awaitable) -> None:
     try:
         await coro
-    except (Exception, asyncio.TimeoutError):
+    except (TimeoutError, Exception):
         pass

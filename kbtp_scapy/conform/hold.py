@@ -17,10 +17,11 @@ the repeats are held too, and the extra responses are stale to it).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..rnic.qp import QueuePair
-from ..transport.iwarp_defs import Op
+from ..wire.iwarp_defs import Op
 
 #: Seconds a case holds a Read to let what must not happen meanwhile show. The target
 #: under test answers a request in well under a millisecond on loopback and a few on a
@@ -62,7 +63,7 @@ class ReadHold:
         try:
             await asyncio.wait_for(self.requested.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     @property

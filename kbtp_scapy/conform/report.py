@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..initiator.results import TargetInfo
 from .registry import ERROR, FAIL, PASS, SKIP, UNTESTABLE, VERDICTS, WARN, Case

@@ -19,12 +19,23 @@ from pathlib import Path
 from ..initiator import Initiator, KbtpError
 from ..initiator.client import ALL_FEATURES
 from ..initiator.results import TargetInfo
-from ..rnic import parse_url
 from ..rnic.pcap import PcapSink
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables.enums import FEATURES
+from ..wire.address import parse_url
 from .context import Ctx, FrameBuffer, RunState, describe
-from .registry import ERROR, FAIL, PASS, SHOULD, SKIP, WARN, Case, Fail, SetupFailed, Skip
+from .registry import (
+    ERROR,
+    FAIL,
+    PASS,
+    SHOULD,
+    SKIP,
+    WARN,
+    Case,
+    Fail,
+    SetupFailed,
+    Skip,
+)
 
 CASE_BUDGET = 8      # a whole case may take this many --timeout periods (unless it says)
 
@@ -67,7 +78,7 @@ async def probe(url: str, local: str | None, timeout: float,
     except KbtpError as exc:
         raise HarnessError(f"{url}: the target refused the probe HELLO ({exc.name}); if it admits "
                            "few initiators, end other sessions first") from None
-    except (ConnectionLost, RemoteError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, ConnectionLost, RemoteError) as exc:
         raise HarnessError(f"{url}: cannot reach a KBTP target ({describe(exc, timeout)}); check "
                            "the address and that the target runs, or raise --timeout") from None
     except OSError as exc:
@@ -79,7 +90,7 @@ async def probe(url: str, local: str | None, timeout: float,
     info = ini.target
     try:
         await asyncio.wait_for(ini.goodbye(release=True), timeout)
-    except (ConnectionLost, asyncio.TimeoutError):
+    except (TimeoutError, ConnectionLost):
         await ini.close()
     if state is not None:
         state.retired.append(ini.initiator_id)
@@ -123,7 +134,7 @@ async def run_case(case: Case, url: str, transport: str, info: TargetInfo, *, ti
         out = Outcome(case, FAIL, "the connection kept open", describe(exc, timeout))
     except KbtpError as exc:
         out = Outcome(case, FAIL, "the request completed OK", str(exc) or exc.name)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         out = Outcome(case, ERROR, detail=f"the case did not end within {budget:g} s; raise "
                                           "--timeout for a slow target")
     except Exception as exc:          # the harness could not judge: never a pass
@@ -131,7 +142,7 @@ async def run_case(case: Case, url: str, transport: str, info: TargetInfo, *, ti
                                           "please report it with the case's pcap")
     try:
         await asyncio.wait_for(ctx.close(), timeout * 2)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     out.notes, out.duration = ctx.notes, time.monotonic() - started
     if out.verdict in (FAIL, WARN, ERROR) and pcap_dir is not None:

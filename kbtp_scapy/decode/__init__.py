@@ -10,10 +10,10 @@ way to inspect single packets.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
-from ..transport.message import RdmaMessage
+from ..wire.message import RdmaMessage
 from .frames import ROCE, SUPPORTED, TCP, locate
 from .iwarp import IwarpStreams
 from .pcapfile import CaptureError, Reader

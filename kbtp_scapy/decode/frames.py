@@ -11,7 +11,8 @@ from __future__ import annotations
 import socket
 from functools import lru_cache
 
-ROCE_PORT = 4791
+from ..wire.address import ROCE_PORT
+
 ROCE, TCP, CUT = 1, 2, 3        # first item of what locate() returns
 
 #: Link types this module reads (pcap LINKTYPE_ values).

@@ -20,7 +20,7 @@ habits: MPA revision 1 or 2, markers and CRC either way, any ports and sequence 
 untagged ones other than Sends are skipped after their DDP header, and a Send that fits
 one FPDU (the usual KBTP message) becomes a message without further bookkeeping.
 ``sends_only=False`` yields every RDMAP message with its header values, for
-``transport.iwarp.iter_rdma_messages``.
+``builders.iwarp.iter_rdma_messages``.
 """
 from __future__ import annotations
 
@@ -28,14 +28,32 @@ import struct
 from dataclasses import dataclass, field
 
 from ..codec import looks_like_kbtp
-from ..rnic.iwarp_wire import (ATOMIC_REQUEST, ATOMIC_RESPONSE, FLAG_C, FLAG_M, FLAG_R,
-                               READ_REQUEST, crc_ok, fpdu_wire_length, parse_startup,
-                               startup_length)
-from ..transport.iwarp_defs import (DDP_TAGGED_LEN, DDP_UNTAGGED_LEN, INVALIDATE_OPCODES,
-                                    MARKER_INTERVAL, MPA_REP_KEY, MPA_REQ_KEY, RDMAP_OPCODES,
-                                    SEND_OPCODES, SOLICITED_OPCODES, Op)
-from ..transport.message import RdmaMessage
-from ..transport.mpa_markers import strip_markers
+from ..wire.iwarp import (
+    ATOMIC_REQUEST,
+    ATOMIC_RESPONSE,
+    FLAG_C,
+    FLAG_M,
+    FLAG_R,
+    READ_REQUEST,
+    crc_ok,
+    fpdu_wire_length,
+    parse_startup,
+    startup_length,
+)
+from ..wire.iwarp_defs import (
+    DDP_TAGGED_LEN,
+    DDP_UNTAGGED_LEN,
+    INVALIDATE_OPCODES,
+    MARKER_INTERVAL,
+    MPA_REP_KEY,
+    MPA_REQ_KEY,
+    RDMAP_OPCODES,
+    SEND_OPCODES,
+    SOLICITED_OPCODES,
+    Op,
+)
+from ..wire.message import RdmaMessage
+from ..wire.mpa_markers import strip_markers
 from .frames import address
 
 MAX_OUT_OF_ORDER = 4 << 20      # octets held after a hole, per direction

@@ -10,7 +10,8 @@ record, whatever the size of the capture, and a pipe is read as data arrives
 from __future__ import annotations
 
 import struct
-from typing import BinaryIO, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
 
 CHUNK = 1 << 20
 MAX_RECORD = 1 << 26            # no link type has frames this large: the file is corrupt

@@ -2,7 +2,7 @@
 
 A Send is FIRST, MIDDLE..., LAST (or ONLY) packets on one direction and destination QP
 with consecutive PSNs (IBA vol. 1, 9.2 and 9.7.1); a packet that breaks the sequence ends
-the message so far as incomplete, as ``transport.roce.iter_rdma_messages`` does from the
+the message so far as incomplete, as ``builders.roce.iter_rdma_messages`` does from the
 Scapy layers. Only the RC, UC and UD Send opcodes are looked at: RDMA Writes, Read
 Responses, ACKs and everything else cost one dictionary lookup. A Send whose first octets
 are not a KBTP header is followed (so its continuation packets are not mistaken for a new
@@ -13,8 +13,8 @@ peer chose.
 from __future__ import annotations
 
 from ..codec import looks_like_kbtp
-from ..rnic import roce_wire as W
-from ..transport.message import RdmaMessage
+from ..wire import roce as W
+from ..wire.message import RdmaMessage
 from .frames import address
 
 MAX_MESSAGE = 16 << 20          # octets kept of one Send; the rest is cut (and reported)

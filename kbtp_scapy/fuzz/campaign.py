@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-from ..rnic import parse_url
 from ..rnic.pcap import PcapSink
+from ..wire.address import parse_url
 from . import report
 from .cases import Case, make_case, parse_name
 from .runner import Runner, minimize

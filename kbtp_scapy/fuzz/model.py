@@ -24,8 +24,9 @@ throughout, never the reference target's: an oracle must not share the code it j
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 from ..initiator.results import TargetInfo
 from ..tables.enums import FEATURES, OPCODES, REQUEST_FLAGS, STATUS, flag

@@ -8,8 +8,9 @@ to send with a one-line description of what it did.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from scapy.packet import fuzz
 

@@ -88,7 +88,7 @@ async def liveness(world: World) -> list[Finding]:
     world._disjoint(fresh, world.own, world.peer)
     try:
         await asyncio.wait_for(ini.goodbye(release=True), world.timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         await ini.close()
     return []
 

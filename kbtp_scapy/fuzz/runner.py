@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from ..rnic import parse_url
 from ..rnic.qp import ConnectionLost, RemoteError
+from ..wire.address import parse_url
 from .cases import Case, Step
 from .findings import Finding
 from .oracles import liveness, table_invariants

@@ -254,7 +254,7 @@ class World:
                 elif release:
                     await self.resume(s)
                     await asyncio.wait_for(s.ini.goodbye(release=True), self.timeout)
-            except (Exception, asyncio.TimeoutError):
+            except (TimeoutError, Exception):
                 await s.ini.close()
 
     def lookup(self, handle: int) -> Entry:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable
 from dataclasses import replace
-from typing import Any, Awaitable
+from typing import Any
 
 from .. import codec
 from ..initiator import KbtpError
@@ -46,7 +47,7 @@ class Steps(Exchanger):
         """``aw``, or ``NoAnswer`` after the timeout."""
         try:
             return await asyncio.wait_for(aw, self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise NoAnswer(f"{what}: no answer within {self.timeout:g} s, connection up") from None
 
     # -- well-formed requests ----------------------------------------------------------
@@ -400,7 +401,7 @@ class Steps(Exchanger):
             while len(seen) < count and not ini.qp.closed and loop.time() < deadline:
                 try:
                     msg = await asyncio.wait_for(ini.unmatched.get(), 0.05)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
                 try:
                     rid = codec.decode(msg.payload, ini.addr_le)["request_id"]

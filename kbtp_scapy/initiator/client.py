@@ -22,7 +22,7 @@ from .direct import DirectModes
 from .results import KbtpError, Result, TargetInfo, Waiting, match_completion
 
 if TYPE_CHECKING:
-    from scapy.packet import Packet     # raw() takes one; Scapy stays off the data path
+    from scapy.packet import Packet  # raw() takes one; Scapy stays off the data path
 
 OP = OPCODES.by_name()
 F = {f.name: f.value for f in REQUEST_FLAGS.flags}
@@ -216,7 +216,7 @@ class Initiator(DirectModes):
             await self.qp.send(codec.encode({"opcode": OP["GOODBYE"],
                                              "flags": RELEASE if release else 0}, self.addr_le))
             await asyncio.wait_for(self.qp.wait_closed(), 5)
-        except (ConnectionLost, asyncio.TimeoutError):
+        except (TimeoutError, ConnectionLost):
             pass
         await self.close()
 
@@ -232,7 +232,7 @@ class Initiator(DirectModes):
         while len(got) < expect and (remaining := deadline - loop.time()) > 0:
             try:
                 got.append(await asyncio.wait_for(self.unmatched.get(), remaining))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
         return got
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-from .. import codec
-from .. import ring as counters
-from ..tables import RING_COUNTER
-from ..tables import memory as M
+from .. import codec, ring as counters
+from ..tables import RING_COUNTER, memory as M
 from ..tables.enums import ENTRY_FLAGS, STATUS, flag
 from .results import KbtpError, Result
 

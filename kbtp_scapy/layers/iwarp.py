@@ -8,7 +8,7 @@ Wireshark shows them, because the RDMAP control field lives in DDP's RsvdULP bit
 ``MPA(data)`` dissects one FPDU down to the RDMAP body; the startup frames are found by
 their key, so ``MPA(data)`` also returns an ``MPARequest`` or ``MPAReply``.  Markers
 (RFC 5044 s4.3) depend on the stream position, so they are handled by
-``kbtp_scapy.transport.mpa_markers``, not here.
+``kbtp_scapy.wire.mpa_markers``, not here.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from scapy.fields import (
 )
 from scapy.packet import Packet, Raw
 
-from ..transport.iwarp_defs import (  # noqa: F401  (re-exported: the layers' vocabulary)
+from ..wire.iwarp_defs import (  # noqa: F401  (re-exported: the layers' vocabulary)
     ATOMIC_OPCODES,
     DDP_TAGGED_LEN,
     DDP_UNTAGGED_LEN,

@@ -13,13 +13,29 @@ from __future__ import annotations
 
 import re
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from scapy.config import conf
-from scapy.fields import (ByteEnumField, ByteField, ConditionalField, Field, FlagsField, IntField,
-                          LongField, MultipleTypeField, PacketField, ShortEnumField, ShortField,
-                          StrField, XByteField, XIntField, XLongField, XShortField,
-                          XStrFixedLenField)
+from scapy.fields import (
+    ByteEnumField,
+    ByteField,
+    ConditionalField,
+    Field,
+    FlagsField,
+    IntField,
+    LongField,
+    MultipleTypeField,
+    PacketField,
+    ShortEnumField,
+    ShortField,
+    StrField,
+    XByteField,
+    XIntField,
+    XLongField,
+    XShortField,
+    XStrFixedLenField,
+)
 from scapy.packet import Packet, Raw, bind_layers
 
 from .. import tables as T

@@ -19,7 +19,14 @@ import zlib
 from scapy.compat import raw
 from scapy.config import conf
 from scapy.contrib.roce import AETH, BTH, GRH
-from scapy.fields import IntField, StrField, X3BytesField, XByteField, XIntField, XLongField
+from scapy.fields import (
+    IntField,
+    StrField,
+    X3BytesField,
+    XByteField,
+    XIntField,
+    XLongField,
+)
 from scapy.layers.inet import IP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Ether
@@ -136,7 +143,10 @@ def _next_layer(lower: Packet | None, payload: bytes) -> type[Packet]:
         return headers[depth]
     # QP0 and QP1 carry management datagrams, never KBTP.
     if bth.opcode in MESSAGE_START and bth.dqpn > 1:
-        from kbtp_scapy.layers.kbtp import KBTP, looks_like_kbtp  # lazy: kbtp may import us
+        from kbtp_scapy.layers.kbtp import (  # lazy: kbtp may import us
+            KBTP,
+            looks_like_kbtp,
+        )
         if looks_like_kbtp(payload):
             return KBTP
     return conf.raw_layer

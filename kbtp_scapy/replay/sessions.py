@@ -17,10 +17,9 @@ from typing import Any
 from .. import codec
 from ..capture import rdma_messages, read_packets
 from ..layers.kbtp import looks_like_kbtp
-from ..tables import RING_COUNTER
-from ..tables import memory as M
+from ..tables import RING_COUNTER, memory as M
 from ..tables.enums import FEATURES, OPCODES, flag
-from ..transport.message import RdmaMessage
+from ..wire.message import RdmaMessage
 
 OP = OPCODES.by_name()
 ADDR_LE = flag(FEATURES, "ADDR_LE")

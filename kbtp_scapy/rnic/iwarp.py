@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from kbtp_scapy.transport.iwarp_defs import (
+from kbtp_scapy.wire.iwarp_defs import (
     DDP_TAGGED_LEN,
     DDP_UNTAGGED_LEN,
     DEFAULT_MSS,
@@ -30,15 +30,15 @@ from kbtp_scapy.transport.iwarp_defs import (
     fpdu_pad_len,
     mulpdu,
 )
-from kbtp_scapy.transport.mpa_markers import (
+from kbtp_scapy.wire.mpa_markers import (
     MARKER_INTERVAL,
     MARKER_LEN,
     insert_markers,
     strip_markers,
 )
 
-from . import Address
-from . import iwarp_wire as w
+from ..wire import iwarp as w
+from ..wire.address import Address
 from .admission import HalfOpen
 from .memory import AccessError, Fault, MemoryTable
 from .qp import ConnectionLost, QueuePair, ReceiveError, RemoteError, Verb, WorkRequest

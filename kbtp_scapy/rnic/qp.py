@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .admission import Ticket
 from .memory import Access, MemoryTable
-
 
 _REMOTE_WRITE = int(Access.REMOTE_WRITE)
 

@@ -21,7 +21,7 @@ import ipaddress
 import os
 import socket
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 RDMA_PS_TCP = 0x0106
 RDMA_MAX_RESP_RES = RDMA_MAX_INIT_DEPTH = 0xFF

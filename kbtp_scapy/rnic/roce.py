@@ -19,18 +19,18 @@ import secrets
 import socket
 from collections.abc import Awaitable, Callable, Iterable
 
-from . import Address, cm
-from . import roce_wire as w
+from ..wire import roce as w
+from ..wire.address import ROCE_PORT, Address
+from ..wire.roce import MASK24
+from . import cm
 from .admission import HalfOpen
 from .memory import MemoryTable
 from .qp import ConnectionLost
 from .roce_io import RoceIO, UdpIO
 from .roce_qp import CM_INTERVAL, MTUS, RoceQP
-from .roce_wire import MASK24
 
 log = logging.getLogger(__name__)
 
-ROCE_PORT = 4791
 RESOURCES = 16            # responder resources / initiator depth announced in REQ and REP
 PATHS = 1024              # paths cached per device (each QP keeps its own as well)
 

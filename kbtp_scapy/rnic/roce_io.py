@@ -4,7 +4,7 @@ A backend moves RoCEv2 datagrams (BTH to ICRC) between a ``Device`` and the netw
 
 - ``UdpIO`` (the default): a kernel UDP socket; the host's IP stack owns the address and
   writes the IP and UDP headers, so both ends compute the ICRC over the header Linux
-  writes (``roce_wire.Path``);
+  writes (``wire.roce.Path``);
 - ``RawIO`` (``roce_raw.py``): whole Ethernet frames on an AF_PACKET socket; the endpoint
   owns its IP and MAC addresses and writes every header itself.
 
@@ -18,7 +18,7 @@ import socket
 from collections.abc import Iterator
 from typing import Protocol
 
-from . import roce_wire as w
+from ..wire import roce as w
 from .roce_qp import MTUS
 
 log = logging.getLogger(__name__)

@@ -24,10 +24,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from . import roce_wire as w
+from ..wire import roce as w
+from ..wire.roce import MASK24, psn_diff
 from .memory import AccessError, Fault, MemoryTable
 from .qp import ConnectionLost, QueuePair, ReceiveError, RemoteError, Verb, WorkRequest
-from .roce_wire import MASK24, psn_diff
 
 if TYPE_CHECKING:
     from .roce import Device

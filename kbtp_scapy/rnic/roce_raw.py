@@ -10,7 +10,7 @@ Choices where the specifications leave them open:
 
 - IPv4 datagrams have DF set and Identification 0 (RFC 6864 4.1: an atomic datagram's ID
   carries no meaning), TTL / Hop Limit 64, the TOS / Traffic Class the caller gives (ECN
-  bits included); so the ICRC ``roce_wire.seal`` computes is the one over the real
+  bits included); so the ICRC ``wire.roce.seal`` computes is the one over the real
   headers. Received frames are checked over the headers they came with (annex A17.4.5);
 - UDP checksum 0 (annex A17.4.3 allows it for IPv4 and IPv6) or computed
   (``udp_checksum``); a received non-zero checksum is verified;
@@ -33,8 +33,8 @@ import struct
 import zlib
 from collections.abc import Iterator
 
-from . import ROCE_PORT
-from . import roce_wire as w
+from ..wire import roce as w
+from ..wire.address import ROCE_PORT
 from .roce_io import Received, gid_of, ib_mtu
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ _ALL_NODES = ipaddress.IPv6Address("ff02::1").packed
 
 def parse_addr(text: str) -> tuple[str, bytes]:
     """``IP`` or ``IP/MAC`` -> (IP, MAC); without a MAC, the locally administered one
-    ``roce_wire.mac`` derives from the IP. ValueError if either is bad."""
+    ``wire.roce.mac`` derives from the IP. ValueError if either is bad."""
     ip_text, _, mac_text = text.partition("/")
     try:
         ip = ipaddress.ip_address(ip_text)

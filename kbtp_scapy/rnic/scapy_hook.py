@@ -6,7 +6,7 @@ tests, not in benchmarks.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from scapy.layers.inet import TCP
 from scapy.layers.l2 import Ether

@@ -32,9 +32,11 @@ import os
 import socket
 import sys
 from collections import deque
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from . import Address, rdmacm
+from ..wire.address import Address
+from . import rdmacm
 from .memory import Access, MemoryRegion, MemoryTable
 from .qp import ConnectionLost, QueuePair, Received, RemoteError, Verb, WorkRequest
 
@@ -61,12 +63,12 @@ def _pyverbs():
     """pyverbs' modules, or a VerbsError that says how to get them."""
     try:
         import pyverbs.enums as e
-        from pyverbs import cq, device, mr, pd, qp, wr, addr
+        from pyverbs import addr, cq, device, mr, pd, qp, wr
     except ImportError:
         sys.path.append("/usr/lib/python3/dist-packages")   # Debian's python3-pyverbs
         try:
             import pyverbs.enums as e
-            from pyverbs import cq, device, mr, pd, qp, wr, addr
+            from pyverbs import addr, cq, device, mr, pd, qp, wr
         except ImportError as exc:
             raise VerbsError(f"the verbs backend needs rdma-core's pyverbs ({exc}): "
                                "apt-get install python3-pyverbs rdma-core") from None
@@ -683,7 +685,7 @@ class VerbsQP(QueuePair):
         if self._hw or self._backlog:
             try:
                 await asyncio.wait_for(self.write(0, 0, b""), 5)
-            except (ConnectionLost, RemoteError, asyncio.TimeoutError):
+            except (TimeoutError, ConnectionLost, RemoteError):
                 pass
         if self.error is None and self.cm_id.disconnect():
             e = _pyverbs()[0]
@@ -695,7 +697,7 @@ class VerbsQP(QueuePair):
             while self.error is None and (left := deadline - self._loop.time()) > 0:
                 try:
                     await self.cm_event(left)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
 
 
@@ -745,7 +747,7 @@ async def connect(transport: str, host: str, port: int, memory: MemoryTable, *,
     async def expect(*wanted: rdmacm.Event) -> rdmacm.CmEvent:
         try:
             ev = await asyncio.wait_for(events.get(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"{where}: no answer from the RDMA CM within {timeout:g} s") from None
         if ev.type == rdmacm.Event.REJECTED:
             raise ConnectionRefusedError(f"{where} rejected the connection (no KBTP target "
@@ -794,7 +796,7 @@ async def _resolve(cm_id: rdmacm.CmId, local: str | None, host: str, port: int, 
         cm_id.resolve_addr(local, host, port, RESOLVE_ATTEMPT_MS)
         try:
             ev = await asyncio.wait_for(events.get(), max(0.1, deadline - loop.time()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"{where}: no answer from the RDMA CM within {timeout:g} s") from None
         if ev.type == rdmacm.Event.ADDR_RESOLVED:
             return
@@ -841,7 +843,7 @@ class VerbsListener:
             cm_id.accept(qp.conn_param(responder, initiator))
             log.debug("accepted %s on %s, QP %d", peer, qp.dev.name, qp.qpn)
             await asyncio.wait_for(qp.established.wait(), self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.info("connection from %s not set up: not established within %g s", peer, self.timeout)
             if qp is not None:
                 qp.lost(ConnectionLost("connection set-up failed"))

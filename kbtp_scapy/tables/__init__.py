@@ -3,15 +3,51 @@
 The Scapy layers (``kbtp_scapy.layers``), the codec (``kbtp_scapy.codec``), the Lua
 dissector and the field reference are all generated from what this package declares.
 """
-from .enums import (ENTRY_FLAGS, ENUMERATIONS, FEATURES, FLAG_SETS, GOODBYE_FLAGS, OPCODES,
-                    REQUEST_FLAGS, STATUS, flag)
-from .memory import (COMPLETION_RECORD, MEMORY_STRUCTS, RING_COUNTER, RING_SLOT, SLOT_CONSUMED,
-                     TABLE_ENTRY)
-from .messages import (BY_NAME, BY_OPCODE, COMPLETION_DESCRIPTOR, DATA_DESCRIPTOR,
-                       DIRECT_DESCRIPTOR, HEADER, HEADER_SIZE, MESSAGES, VERSION, flag_bits,
-                       wire_fields)
-from .model import (Condition, Enumeration, Field, FlagSet, FlatField, Member, Message, Order,
-                    Struct, Value, flatten)
+from .enums import (
+                    ENTRY_FLAGS,
+                    ENUMERATIONS,
+                    FEATURES,
+                    FLAG_SETS,
+                    GOODBYE_FLAGS,
+                    OPCODES,
+                    REQUEST_FLAGS,
+                    STATUS,
+                    flag,
+)
+from .memory import (
+                    COMPLETION_RECORD,
+                    MEMORY_STRUCTS,
+                    RING_COUNTER,
+                    RING_SLOT,
+                    SLOT_CONSUMED,
+                    TABLE_ENTRY,
+)
+from .messages import (
+                    BY_NAME,
+                    BY_OPCODE,
+                    COMPLETION_DESCRIPTOR,
+                    DATA_DESCRIPTOR,
+                    DIRECT_DESCRIPTOR,
+                    HEADER,
+                    HEADER_SIZE,
+                    MESSAGES,
+                    VERSION,
+                    flag_bits,
+                    wire_fields,
+)
+from .model import (
+                    Condition,
+                    Enumeration,
+                    Field,
+                    FlagSet,
+                    FlatField,
+                    Member,
+                    Message,
+                    Order,
+                    Struct,
+                    Value,
+                    flatten,
+)
 
 __all__ = [
     "BY_NAME", "BY_OPCODE", "COMPLETION_DESCRIPTOR", "COMPLETION_RECORD", "Condition",

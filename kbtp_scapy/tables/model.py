@@ -6,8 +6,8 @@ field reference) reads it from instances of these classes, never from its own co
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 
 class Order(enum.Enum):
@@ -140,7 +140,7 @@ class Member:
     """A sub-structure (a descriptor) placed inside another structure."""
 
     name: str
-    struct: "Struct"
+    struct: Struct
     title: str
     when: Condition | None = None
 

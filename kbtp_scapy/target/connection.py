@@ -21,11 +21,11 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
-from ..rnic import Address
 from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ConnectionLost, QueuePair, RemoteError
 from ..tables import memory as M
 from ..tables.enums import GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
+from ..wire.address import Address
 from .backlog import Backlog
 from .config import ADDR_LE, DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION
 from .direct import TicketWatch, grant_direct_load, grant_partition
@@ -116,7 +116,7 @@ class Connection:
         t = self.target
         try:
             msg = await asyncio.wait_for(self.qp.recv(), t.config.hello_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             t.half_open.refused["hello_timeout"] += 1
             log.info("connection from %s closed: no HELLO within %g s", self.peer,
                      t.config.hello_timeout_s)
@@ -202,7 +202,7 @@ class Connection:
             return False
         except (ConnectionLost, RemoteError):
             pass
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 1.0
@@ -279,7 +279,7 @@ class Connection:
         timeout = t.config.backlog_timeout_s
         try:
             await self.backlog.drain(self.qp, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             why = (f"{self.backlog.octets} octets in {self.backlog.messages} answers not taken "
                    f"by the peer within {timeout:g} s")
             t.metrics.terminated["backlog"] += 1

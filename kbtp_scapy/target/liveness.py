@@ -12,7 +12,7 @@ that decides: the soft RNIC arms TCP_USER_TIMEOUT and keepalive with the same ti
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from ..rnic.qp import ConnectionLost, QueuePair, RemoteError
 
@@ -36,7 +36,7 @@ class Liveness:
             on_probe()
             try:
                 await asyncio.wait_for(self.qp.write(0, 0, b""), self.timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return f"no answer to a liveness probe within {self.timeout:g} s"
             except (ConnectionLost, RemoteError) as exc:
                 return f"liveness probe failed: {exc}"

@@ -9,7 +9,8 @@ printed as a table when ``kbtp target`` exits.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

@@ -8,14 +8,15 @@ text leaves open; the project's other choices are in the README.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..tables.enums import OPCODES, REQUEST_FLAGS, STATUS, flag
 from .pool import TargetMemory
 from .ring import FreeRing
 from .sessions import Initiator
-from .table import Entry, SEALED
+from .table import SEALED, Entry
 
 if TYPE_CHECKING:
     from .connection import Connection

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import sys
 from array import array
-from typing import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from .. import codec, ring as counters
 from ..rnic.memory import MemoryTable
-from ..tables import memory as M
-from ..tables import RING_COUNTER
+from ..tables import RING_COUNTER, memory as M
 
 CONSUMED = M.SLOT_CONSUMED
 _U32 = 0xFFFFFFFF
@@ -130,7 +129,7 @@ class FreeRing:
                 raise TimeoutError(f"ring slot for ticket {ticket} never filled")
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         self.consume(offset)
         return ticket, block

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Iterator
 
 from ..rnic import Address, Listener, QueuePair, listen, memory_table, parse_url
 from ..rnic.admission import HalfOpen

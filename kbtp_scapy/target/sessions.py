@@ -10,8 +10,9 @@ dropped then, oldest first, so throw-away IDs cannot lock others out for the ret
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .config import TargetConfig
 from .pool import Partition

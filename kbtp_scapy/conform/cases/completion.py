@@ -8,7 +8,7 @@ from ...tables import memory as M
 from ..context import Ctx, status_name
 from ..hold import SETTLE
 from ..registry import MUST, MUST_NOT, RULE, case
-from .common import F, OP, RECORD_COMPLETION, S, bind, buffer, data, load_request
+from .common import OP, RECORD_COMPLETION, F, S, bind, buffer, data, load_request
 
 SECTION = "Completion"
 

@@ -2,16 +2,25 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable
+from collections.abc import Awaitable
 
+from ... import codec
 from ...initiator import Initiator, KbtpError
 from ...rnic.qp import ConnectionLost, RemoteError
-from ... import codec
 from ...tables.memory import RING_SLOT, SLOT_CONSUMED, SLOT_SIZE
 from ..context import Ctx
 from ..hold import SETTLE
 from ..registry import MUST, MUST_NOT, RULE, case, untestable
-from .common import DIRECT_ALLOC, DIRECT_LOAD, VALID, bind, data, entry_of, holds, unbound
+from .common import (
+    DIRECT_ALLOC,
+    DIRECT_LOAD,
+    VALID,
+    bind,
+    data,
+    entry_of,
+    holds,
+    unbound,
+)
 
 SECTION = "Direct Modes"
 PARTITION = """a Partition descriptor follows, naming the part of the pool reserved for this
@@ -31,7 +40,7 @@ async def remote_access(ctx: Ctx, ini: Initiator, access: Awaitable) -> str:
         return REFUSED
     except KbtpError:
         return ALLOWED
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return f"no answer within {ctx.timeout:g} s"
     return ALLOWED
 

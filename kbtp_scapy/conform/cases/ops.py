@@ -2,13 +2,29 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from ...initiator import Initiator
 from ..context import Ctx, status_name
 from ..registry import MUST, MUST_NOT, RULE, case
-from .common import (DIRECT_ALLOC, DIRECT_LOAD, F, OP, S, SEALED, VALID, bind, buffer, data,
-                     entry_of, holds, load_request, other_generation, unbound, untouched)
+from .common import (
+    DIRECT_ALLOC,
+    DIRECT_LOAD,
+    OP,
+    SEALED,
+    VALID,
+    F,
+    S,
+    bind,
+    buffer,
+    data,
+    entry_of,
+    holds,
+    load_request,
+    other_generation,
+    unbound,
+    untouched,
+)
 
 SECTION = "Operations"
 VALIDATE = """It validates every request before touching memory: the handle MUST be within a range
@@ -349,7 +365,7 @@ async def no_side_effect_quota(ctx: Ctx) -> None:
             (a.alloc_store(hs[0], b"again", generation=other_generation(r.generation)), "STALE_GENERATION",
              "ALLOC_STORE with a wrong Generation"),
         ]
-        for coro, status, what in failing:
+        for coro, _status, what in failing:
             got, _ = await ctx.outcome(coro)
             ctx.check(got != "OK", f"{what}: refused", "completed OK")
         await _fill_quota(ctx, a, hs[1:q], f"after {len(failing)} failed requests ({ring})")

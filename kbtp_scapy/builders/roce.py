@@ -9,9 +9,9 @@ carry the responder's MSN, the count of request messages it has completed.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv6Address
-from typing import Iterable, Iterator
 
 from scapy.compat import raw
 from scapy.contrib.roce import AETH, BTH, GRH
@@ -35,12 +35,12 @@ from kbtp_scapy.layers.roce import (
     bth_parts,
     icrc_ok,
 )
-from kbtp_scapy.transport.message import RdmaMessage
+from kbtp_scapy.wire.address import ROCE_PORT
+from kbtp_scapy.wire.message import RdmaMessage
 
-__all__ = ["ROCE_UDP_PORT", "PATH_MTUS", "segment_message", "reassemble", "RoceEndpoint",
+__all__ = ["PATH_MTUS", "segment_message", "reassemble", "RoceEndpoint",
            "RcConnection", "iter_rdma_messages"]
 
-ROCE_UDP_PORT = 4791
 PATH_MTUS = (256, 512, 1024, 2048, 4096)
 _MASK24 = 0xFFFFFF  # PSNs and MSNs are 24-bit and wrap
 _ACK_SYNDROME = 0x1F  # ACK, credit count 31 ("invalid"), as Linux rxe sends it
@@ -174,10 +174,10 @@ class RcConnection:
         src, dst = self.ends[side], self.ends[self._peer(side)]
         if ":" in src.ip:
             net = (IPv6(src=src.ip, dst=dst.ip, hlim=64)
-                   / UDP(sport=src.udp_sport, dport=ROCE_UDP_PORT))
+                   / UDP(sport=src.udp_sport, dport=ROCE_PORT))
         else:
             net = (IP(src=src.ip, dst=dst.ip, flags="DF", ttl=64)
-                   / UDP(sport=src.udp_sport, dport=ROCE_UDP_PORT, chksum=0))
+                   / UDP(sport=src.udp_sport, dport=ROCE_PORT, chksum=0))
         frame = Ether(raw(Ether(src=src.mac, dst=dst.mac) / net / stack))
         frame.time = self.start + len(self.frames) * self.step
         self.frames.append(frame)
@@ -396,7 +396,7 @@ def _frames(packets: Iterable[Packet]) -> Iterator[_Record]:
             if bth is None:
                 continue
             lower = bth.underlayer
-            if isinstance(lower, UDP) and lower.dport == ROCE_UDP_PORT:
+            if isinstance(lower, UDP) and lower.dport == ROCE_PORT:
                 conn = (lower.underlayer.src, lower.underlayer.dst, bth.dqpn)
             elif isinstance(lower, GRH):
                 conn = (str(IPv6Address(lower.sgid)), str(IPv6Address(lower.dgid)), bth.dqpn)

@@ -8,16 +8,16 @@ traffic.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
-from .layers.iwarp import Op, RDMAPAtomicRequest, RDMAPAtomicResponse, RDMAPReadRequest
-from .transport.iwarp import IwarpConversation
-from .transport.roce import RcConnection, RoceEndpoint
+from ..layers.iwarp import Op, RDMAPAtomicRequest, RDMAPAtomicResponse, RDMAPReadRequest
+from ..wire.address import IWARP_PORT
+from .iwarp import IwarpConversation
+from .roce import RcConnection, RoceEndpoint
 
 INITIATOR_V4, TARGET_V4 = "192.0.2.1", "192.0.2.2"
 INITIATOR_V6, TARGET_V6 = "2001:db8::1", "2001:db8::2"
-IWARP_PORT = 5420  # docs/NOTES.md decision 9: KBTP has no port; this is the tools' default
 START = 1_700_000_000.0
 TRANSPORTS = ("iwarp", "roce")
 

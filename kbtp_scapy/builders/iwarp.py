@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import struct
 from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
 
 from scapy.config import conf
 from scapy.layers.inet import IP, TCP
@@ -25,6 +25,8 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
 from scapy.utils import wrpcap
 
+from kbtp_scapy.decode.frames import TCP as TCP_PAYLOAD, locate
+from kbtp_scapy.decode.iwarp import Assembler, IwarpStreams, parse_ulpdu
 from kbtp_scapy.layers.iwarp import (
     DDP,
     DDP_TAGGED_LEN,
@@ -38,11 +40,9 @@ from kbtp_scapy.layers.iwarp import (
     MPARequest,
     Op,
 )
-from kbtp_scapy.decode.frames import TCP as TCP_PAYLOAD, locate
-from kbtp_scapy.decode.iwarp import Assembler, IwarpStreams, parse_ulpdu
-from kbtp_scapy.transport.iwarp_defs import DEFAULT_MSS, MULPDU, mulpdu  # noqa: F401 (MULPDU re-exported)
-from kbtp_scapy.transport.message import RdmaMessage
-from kbtp_scapy.transport.mpa_markers import insert_markers
+from kbtp_scapy.wire.iwarp_defs import DEFAULT_MSS, MULPDU, mulpdu  # noqa: F401 (MULPDU re-exported)
+from kbtp_scapy.wire.message import RdmaMessage
+from kbtp_scapy.wire.mpa_markers import insert_markers
 
 
 def _opcode(op: int | str) -> Op:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import google_crc32c
 
-from kbtp_scapy.transport.iwarp_defs import (
+from kbtp_scapy.wire.iwarp_defs import (
     DDP_TAGGED_LEN,
     DDP_UNTAGGED_LEN,
     MPA_REP_KEY,
@@ -25,7 +25,7 @@ from kbtp_scapy.transport.iwarp_defs import (
     TERM_LAYERS,
     fpdu_pad_len,
 )
-from kbtp_scapy.transport.mpa_markers import MARKER_INTERVAL, MARKER_LEN
+from kbtp_scapy.wire.mpa_markers import MARKER_INTERVAL, MARKER_LEN
 
 # --- MPA startup frames (RFC 5044 s7.1, RFC 6581 s9) ---------------------------------
 
