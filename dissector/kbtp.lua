@@ -115,6 +115,7 @@ local HEADER_SIZE = 24
 local PRIVATE_OPCODES = { 0xc0, 0xff }
 local OPCODE = { HELLO = 0x01, HELLO_ACK = 0x02, LOAD = 0x10, STORE = 0x11, ALLOC_STORE = 0x12, FREE = 0x13, BIND = 0x14, COMPLETION = 0x20, GOODBYE = 0x30 }
 local STATUS_OK = 0
+local PORT_ROCEV2 = 4791
 local FEATURE = { DIRECT_LOAD = 0x0001, DIRECT_ALLOC = 0x0002, RECORD_COMPLETION = 0x0004, ADDR_LE = 0x0008 }
 local ENTRY_SIZE, SLOT_SIZE = 16, 16
 local RING = { ticket_shift = 32, slot_size = 16, masked_add = UInt64.fromhex("0000000100000010"), unmasked_add = UInt64.fromhex("0000000100000000"), mask_bits = { 63, 31 }, mask_n_offset = 3 }
@@ -1024,7 +1025,6 @@ local Xr = {
 }
 
 local TWO32, U24 = 2 ^ 32, 0x1000000
-local PORT_ROCEV2 = 4791
 local INLINE = FLAGSETS.request_flags.bits[1][1]
 assert(FLAGSETS.request_flags.bits[1][2] == "INLINE")
 

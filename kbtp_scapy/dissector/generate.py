@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import __version__, tables as T
+from ..wire.address import ROCE_PORT
 
 #: Hand-written Lua appended after the generated declarations, in this order.
 RUNTIME_PARTS = tuple(Path(__file__).with_name(n) for n in ("runtime.lua", "rdma.lua", "register.lua"))
@@ -186,6 +187,7 @@ def _constants() -> list[str]:
         f"local PRIVATE_OPCODES = {{ {lo:#x}, {hi:#x} }}",
         f"local OPCODE = {{ {', '.join(f'{m.name} = {m.opcode:#04x}' for m in T.MESSAGES)} }}",
         f"local STATUS_OK = {T.STATUS.by_name()['OK']}",
+        f"local PORT_ROCEV2 = {ROCE_PORT}",
         f"local FEATURE = {{ {', '.join(f'{k} = {v:#06x}' for k, v in feats.items())} }}",
         f"local ENTRY_SIZE, SLOT_SIZE = {T.TABLE_ENTRY.size}, {T.RING_SLOT.size}",
         f"local RING = {{ ticket_shift = {rc.ticket_shift}, slot_size = {rc.slot_size}, "

@@ -46,7 +46,6 @@ local Xr = {
 }
 
 local TWO32, U24 = 2 ^ 32, 0x1000000
-local PORT_ROCEV2 = 4791
 local INLINE = FLAGSETS.request_flags.bits[1][1]
 assert(FLAGSETS.request_flags.bits[1][2] == "INLINE")
 
