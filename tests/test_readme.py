@@ -84,6 +84,27 @@ def test_the_install_names_the_extras_there_are():
     assert set(checked[1].split(", ")) <= requirements(extras, "test")
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/DECISIONS.md", "docs/PERFORMANCE.md", "docs/ARCHITECTURE.md"])
+def test_links_lead_somewhere(page):
+    """Every relative link of the guide and of the records names a file of the checkout,
+    every #anchor a heading of its page."""
+    path = ROOT / page
+    text = FENCED.sub("", path.read_text())
+    anchors = {_slug(h) for h in re.findall(r"^#+ (.*)$", text, re.M)}
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if link.startswith("#"):
+            assert link[1:] in anchors, link
+        elif "://" not in link:
+            assert (path.parent / link.split("#")[0]).exists(), link
+
+
 RUNNABLE = [b for b in fenced() if b[1] in ("sh", "python")]
 
 
