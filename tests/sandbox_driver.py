@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-KEEP = 4000          # characters of each output kept for the report
+KEEP = 16000         # characters of each output kept (the README test compares shown output)
 
 
 def sh(*args: str) -> None:

@@ -14,10 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_one_iwarp_case_against_its_baseline(tmp_path):
     out = tmp_path / "bench.json"
+    page = tmp_path / "PERFORMANCE.md"
+    page.write_text("before\n<!-- bench_target:begin -->\nold table\n<!-- bench_target:end -->\nafter\n")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_target.py"), "--seconds", "0.5",
          "--warmup", "0.2", "--transports", "iwarp", "--ops", "LOAD", "--sizes", "4096",
-         "--window", "4", "--pool-mib", "16", "--json", str(out), "--readme"],
+         "--window", "4", "--pool-mib", "16", "--json", str(out), "--markdown", "--write-docs", str(page)],
         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr
     [case] = json.loads(out.read_text())["cases"]
@@ -32,6 +34,9 @@ def test_one_iwarp_case_against_its_baseline(tmp_path):
     assert case["startup_s"] > 0
     assert "LOAD" in case["target_output"]       # the target's counters table on exit
     assert "| iwarp | LOAD | 4096 |" in proc.stdout
+    before, table, after = page.read_text().split("<!-- bench_target")
+    assert (before, after) == ("before\n", ":end -->\nafter\n")
+    assert "| iwarp | LOAD | 4096 |" in table and "old table" not in table
 
 
 def test_the_floor_moves_what_the_target_moves_beside_its_baseline(tmp_path):

@@ -127,6 +127,19 @@ def test_requests_and_answers_are_linked(pcap, two_pass):
     assert not unlinked
 
 
+@pytest.mark.parametrize("pcap", PCAPS, ids=lambda p: p.name)
+def test_kbtp_opcode_filters_the_messages_and_kbtp_adds_the_rdma_transfers(pcap):
+    """What FIELDS.md and the README tell users to filter on: ``kbtp.opcode`` matches the
+    frames of the messages the Scapy decode finds, no more; ``kbtp`` adds the RDMA
+    transfers the dissector labels (``kbtp_rdma``)."""
+    rows = [line.split("\t") for line in tshark(pcap, "-T", "fields", "-e", "frame.number", "-e",
+                                                 "kbtp.opcode", "-e", "kbtp_rdma", "-Y", "kbtp").splitlines()]
+    with_opcode = {int(n) for n, opcode, _ in rows if opcode}
+    labelled = {int(n) for n, _, rdma in rows if rdma}
+    assert with_opcode == set(expected(pcap))                     # what -Y kbtp.opcode shows
+    assert labelled and {int(n) for n, *_ in rows} == with_opcode | labelled
+
+
 def _expert(pcap: Path, *args: str) -> list[tuple[int, str, str]]:
     out = tshark(pcap, "-T", "fields", "-E", "occurrence=a", "-E", "aggregator=|",
                  "-e", "frame.number", "-e", "_ws.expert.severity", "-e", "_ws.expert.message",
@@ -192,7 +205,7 @@ def test_multi_packet_send_is_reassembled_and_every_fragment_claimed(tmp_path, t
         assert len(frame) == 1
         assert bytes.fromhex(rows[frame[0]]["kbtp.inline_data"].replace(":", "")) == data
         if transport == "roce":     # 1024-octet path MTU: every packet but the last is a fragment
-            fragments = [n for n, v in rows.items() if "kbtp.opcode" not in v]
+            fragments = [n for n, v in rows.items() if "kbtp.opcode" not in v]   # matched by "kbtp"
             assert len(fragments) == -(-len(store) // 1024) - 1
             if args:                # one-pass: a fragment cannot know yet where its message ends
                 assert all(_number(rows[n]["kbtp.fragment_in"]) == frame[0] for n in fragments)

@@ -1,10 +1,13 @@
 """Every code block of the README runs as written, from the checkout's root, in a sandbox of
 its own (``tests/sandbox.py``): a private network namespace, so the README's addresses and
 ports are the test's, a HOME of its own and ``kbtp`` on PATH as after ``. .venv/bin/activate``.
-A block that talks to a target without starting one gets one on its defaults."""
+A block that talks to a target without starting one gets one on its defaults. A ``text``
+block right after a runnable one is the output its last command prints; the ``console``
+block is the install, which needs the network and is checked against pyproject.toml."""
 from __future__ import annotations
 
 import re
+import tomllib
 
 import pytest
 
@@ -17,9 +20,22 @@ FENCED = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 SET_UP = ["./tools/install.sh && .venv/bin/kbtp demo", "./tools/install.sh && .venv/bin/python -m pytest -q"]
 
 
-def fenced() -> list[tuple[int, str, str]]:
-    """(line number, language, text) of every fenced block."""
-    return [(README.count("\n", 0, m.start()) + 1, m[1], m[2]) for m in FENCED.finditer(README)]
+def _adjacent(first: re.Match, then: re.Match) -> bool:
+    return not README[first.end():then.start()].strip()
+
+
+def fenced() -> list[tuple[int, str, str, list[str]]]:
+    """(line number, language, text, the output shown right after it) of every fenced block,
+    but for those shown outputs."""
+    found = list(FENCED.finditer(README))
+    out = []
+    for i, m in enumerate(found):
+        if m[1] == "text" and i and _adjacent(found[i - 1], m):
+            continue
+        after = found[i + 1] if i + 1 < len(found) else None
+        shown = after[2].splitlines() if after and after[1] == "text" and _adjacent(m, after) else []
+        out.append((README.count("\n", 0, m.start()) + 1, m[1], m[2], shown))
+    return out
 
 
 def commands(text: str) -> list[str]:
@@ -27,20 +43,79 @@ def commands(text: str) -> list[str]:
 
 
 def test_every_block_says_what_it_is():
-    """Runnable blocks are sh or python; the one text block is the layout tree; the only
-    indented blocks are the two set-up commands."""
-    kinds = [lang for _, lang, _ in fenced()]
-    assert set(kinds) == {"sh", "python", "text"} and kinds.count("text") == 1
+    """Runnable blocks are sh or python, each text block is the output of the block before
+    it, one console block installs; the only indented blocks are the two set-up commands."""
+    kinds = [lang for _, lang, _, _ in fenced()]
+    assert set(kinds) <= {"sh", "python", "console"} and kinds.count("console") == 1
+    assert README.count("```text\n") == sum(1 for *_, shown in fenced() if shown) >= 1
     outside = FENCED.sub("", README)
     indented = [line.strip() for line in outside.splitlines() if line.startswith("    ") and line.strip()]
     assert indented == SET_UP
 
 
+def test_ci_runs_the_readme_test_command():
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith("#")]
+    assert ci[-1] == SET_UP[1]
+
+
+def requirements(extras: dict[str, list[str]], extra: str) -> set[str]:
+    """The distributions an extra brings, through the extras of this project it names."""
+    out = set()
+    for dep in extras[extra]:
+        name, inner = re.match(r"([\w.-]+)(?:\[([\w,]+)\])?", dep).groups()
+        if name == "kbtp_scapy":
+            out = out.union(*(requirements(extras, e) for e in inner.split(",")))
+        else:
+            out.add(name)
+    return out
+
+
+def test_the_install_names_the_extras_there_are():
+    """Each extra the install block names exists, every extra is named in the README with
+    what it brings, and [test] brings what tools/install.sh checks the suite can import."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    [install] = [text for _, lang, text, _ in fenced() if lang == "console"]
+    named = {x for group in re.findall(r"pip install '\.\[([\w,]+)\]'", install) for x in group.split(",")}
+    assert named and named <= set(extras)
+    for extra in extras:
+        assert f"`[{extra}]` adds" in README, extra
+    checked = re.search(r"python -c 'import kbtp_scapy\.cli, ([\w, ]+)'", (ROOT / "tools" / "install.sh").read_text())
+    assert set(checked[1].split(", ")) <= requirements(extras, "test")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/DECISIONS.md", "docs/PERFORMANCE.md", "docs/ARCHITECTURE.md"])
+def test_links_lead_somewhere(page):
+    """Every relative link of the guide and of the records names a file of the checkout,
+    every #anchor a heading of its page."""
+    path = ROOT / page
+    text = FENCED.sub("", path.read_text())
+    anchors = {_slug(h) for h in re.findall(r"^#+ (.*)$", text, re.M)}
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if link.startswith("#"):
+            assert link[1:] in anchors, link
+        elif "://" not in link:
+            assert (path.parent / link.split("#")[0]).exists(), link
+
+
 RUNNABLE = [b for b in fenced() if b[1] in ("sh", "python")]
 
 
-@pytest.mark.parametrize("line,lang,text", RUNNABLE, ids=[f"line{b[0]}-{b[1]}" for b in RUNNABLE])
-def test_readme_block_runs(tmp_path, line, lang, text):
+def shows(output: str, shown: list[str]) -> bool:
+    """The shown lines appear in the output in order; ``...`` stands for lines left out."""
+    lines = iter(line.rstrip() for line in output.splitlines())
+    return all(any(line == want.rstrip() for line in lines) for want in shown if want != "...")
+
+
+@pytest.mark.parametrize("line,lang,text,shown", RUNNABLE, ids=[f"line{b[0]}-{b[1]}" for b in RUNNABLE])
+def test_readme_block_runs(tmp_path, line, lang, text, shown):
     box = Sandbox(tmp_path)
     if lang == "python":
         box.write("readme_block.py", text)
@@ -49,3 +124,7 @@ def test_readme_block_runs(tmp_path, line, lang, text):
         steps = box.run(commands(text))
     failed = [s for s in steps if not s.ok]
     assert not failed, f"README line {line}:\n" + "\n\n".join(s.why() for s in failed)
+    if shown:
+        last = [s for s in steps if not s.target][-1]
+        assert shows(last.stdout + last.stderr, shown), \
+            f"README line {line}: output shown after it is not what it prints:\n{last.why()}"

@@ -2,23 +2,20 @@
 """Codec versus Scapy, per message kind, measured side by side in one run.
 
 For each opcode (with its conditional items present) it times codec encode+decode and
-Scapy build+dissect of the same message, and prints the ratio. ``--readme`` rewrites
-the table between the markers in README.md. Absolute times depend on the machine; the
-ratios are what to read.
+Scapy build+dissect of the same message, and prints the ratio. ``--write-docs`` rewrites
+its table in docs/PERFORMANCE.md. Absolute times depend on the machine; the ratios are
+what to read.
 """
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
-from pathlib import Path
+
+import perf_docs
 
 from kbtp_scapy import codec, tables as T
 from kbtp_scapy.layers.kbtp import KBTP, build_packet
-
-README = Path(__file__).resolve().parent.parent / "README.md"
-BEGIN, END = "<!-- bench_codec:begin -->", "<!-- bench_codec:end -->"
 
 
 def _sample(opcode: int) -> dict:
@@ -81,21 +78,17 @@ def table(rows: list[tuple[str, float, float]], addr_le: bool) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
-    ap.add_argument("--readme", action="store_true", help="write the table into README.md")
+    perf_docs.add_write_docs(ap)
     args = ap.parse_args()
+    if args.write_docs:
+        perf_docs.check_section(args.write_docs, "bench_codec")
     out = []
     for addr_le in (False, True):
         rows = run(args.seconds, addr_le)
         out.append(table(rows, addr_le))
         print(out[-1], "\n", flush=True)
-    if args.readme:
-        text = README.read_text()
-        block = f"{BEGIN}\n{chr(10).join(out)}\n{END}"
-        new, count = re.subn(re.escape(BEGIN) + ".*?" + re.escape(END), block, text, flags=re.S)
-        if not count:
-            print("README.md has no bench_codec markers", file=sys.stderr)
-            return 1
-        README.write_text(new)
+    if args.write_docs:
+        perf_docs.write_section(args.write_docs, "bench_codec", "\n".join(out))
     return 0
 
 

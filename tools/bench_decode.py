@@ -15,13 +15,12 @@ memory is counted).
 of both captures repeated, times moved on; every repetition of the iWARP capture is a new
 connection that starts with its SYN), decodes it once and reports the peak resident
 memory. **Target: under 100 MB whatever the file size.** ``--keep-big`` keeps that file.
-``--readme`` writes the table between the bench_decode markers of README.md.
+``--write-docs`` writes the table into its section of docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import struct
 import subprocess
 import sys
@@ -32,11 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_dissector  # noqa: E402 - the captures are that benchmark's
+import perf_docs  # noqa: E402
 
-README = ROOT / "README.md"
 LUA = ROOT / "dissector" / "kbtp.lua"
 KBTP = [sys.executable, "-m", "kbtp_scapy", "decode", "--json", "-q"]
-BEGIN, END = "<!-- bench_decode:begin -->", "<!-- bench_decode:end -->"
 
 
 #: Starts the command with stdout on /dev/null and reports its exit status, CPU and wall
@@ -151,11 +149,13 @@ def main() -> int:
     ap.add_argument("--big", action="store_true", help="also decode a large capture for memory")
     ap.add_argument("--big-size", type=float, default=1.0, help="its size in GB (default 1)")
     ap.add_argument("--keep-big", action="store_true", help="keep the large capture afterwards")
-    ap.add_argument("--readme", action="store_true", help="write the table into README.md")
+    perf_docs.add_write_docs(ap)
     args = ap.parse_args()
-    if args.readme and (args.messages < 100_000 or not args.big):
-        print("--readme wants captures of at least 100,000 messages and --big", file=sys.stderr)
+    if args.write_docs and (args.messages < 100_000 or not args.big):
+        print("--write-docs wants captures of at least 100,000 messages and --big", file=sys.stderr)
         return 1
+    if args.write_docs:
+        perf_docs.check_section(args.write_docs, "bench_decode")
     ops = max(1, -(-(args.messages - 2) // 2))
     caps = bench_dissector.captures(args.capture, ops, False)
     kbtp_caps = {b: caps[(b, "kbtp")] for b in ("roce", "iwarp")}
@@ -173,14 +173,8 @@ def main() -> int:
         big = (octets, cpu, peak, summary)
     out = table(best, 2 * ops + 2, frames, big)
     print(out)
-    if args.readme:
-        text = README.read_text()
-        if BEGIN not in text or END not in text:
-            print(f"README.md has no {BEGIN} ... {END} markers", file=sys.stderr)
-            return 1
-        README.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END),
-                                 lambda _: f"{BEGIN}\n{out}\n{END}", text, flags=re.DOTALL))
-        print(f"wrote the table into {README}", file=sys.stderr)
+    if args.write_docs:
+        perf_docs.write_section(args.write_docs, "bench_decode", out)
     return 0
 
 

@@ -32,8 +32,8 @@ built and printed (to /dev/null):
   KBTP payloads that heuristic only rejects, which costs next to nothing (third column).
 
 Absolute times depend on the machine; the ratios are what to read, from captures of
-100,000 messages or more (tshark starts in about 0.3 s). ``--readme`` writes the table
-between the bench_dissector markers of README.md. ``--profile`` adds runs of doctored
+100,000 messages or more (tshark starts in about 0.3 s). ``--write-docs`` writes the
+table into its section of docs/PERFORMANCE.md. ``--profile`` adds runs of doctored
 copies of the plugin (heuristics that return false at once; no postdissector) and of the
 floor of any Lua KBTP dissector (a heuristic that recognises and claims each message and
 sets the columns; the same adding ten fields), to show where the time goes.
@@ -58,15 +58,15 @@ from scapy.utils import checksum
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import perf_docs
+
 from kbtp_scapy import codec, tables as T
 from kbtp_scapy.builders.iwarp import IwarpConversation
 from kbtp_scapy.builders.roce import RcConnection, RoceEndpoint
 from kbtp_scapy.layers.iwarp import MPA, Op, crc32c
 from kbtp_scapy.layers.roce import icrc_ok
 
-README = ROOT / "README.md"
 LUA = ROOT / "dissector" / "kbtp.lua"
-BEGIN, END = "<!-- bench_dissector:begin -->", "<!-- bench_dissector:end -->"
 INI, TGT = "192.0.2.1", "192.0.2.2"
 START = 1_700_000_000.0
 OP = T.OPCODES.by_name()
@@ -445,18 +445,14 @@ def main() -> int:
     ap.add_argument("--lua", type=Path, default=LUA, help="the plugin to time")
     ap.add_argument("--profile", action="store_true",
                     help="also time doctored copies of the plugin and the floor of any Lua plugin")
-    ap.add_argument("--readme", action="store_true", help="write the table into README.md")
+    perf_docs.add_write_docs(ap)
     args = ap.parse_args()
-    if args.readme and args.messages < 100_000:
-        print("--readme wants captures of at least 100,000 messages (tshark's start-up would "
+    if args.write_docs and args.messages < 100_000:
+        print("--write-docs wants captures of at least 100,000 messages (tshark's start-up would "
               "dominate smaller ones)", file=sys.stderr)
         return 1
-    if args.readme:
-        text = README.read_text()
-        if BEGIN not in text or END not in text:
-            print(f"README.md has no {BEGIN} ... {END} markers: add them where the table goes",
-                  file=sys.stderr)
-            return 1
+    if args.write_docs:
+        perf_docs.check_section(args.write_docs, "bench_dissector")
     ops = max(1, -(-(args.messages - 2) // 2))
     caps = captures(args.capture, ops, args.regenerate)
     frames = {b: _count(caps[(b, "kbtp")]) for b in ("roce", "iwarp")}
@@ -471,12 +467,8 @@ def main() -> int:
             for name, _, _ in [*configs(binding, args.lua), *extra]:
                 print(f"  {binding:5} {name:36} "
                       + " ".join(f"{best[(binding, o, name)]:7.2f}" for o in outputs))
-    if args.readme:
-        text = README.read_text()
-        new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{out}\n{END}",
-                     text, flags=re.DOTALL)
-        README.write_text(new)
-        print(f"wrote the table into {README}", file=sys.stderr)
+    if args.write_docs:
+        perf_docs.write_section(args.write_docs, "bench_dissector", out)
     return 0
 
 

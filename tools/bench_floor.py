@@ -16,7 +16,8 @@ it at anything but itself.
 
 For each block size, in one run: the reference target (``bench_target.run_case``: KBTP
 and its baseline), then the floor, then the baseline again with the floor's own octets
-per operation. Human progress goes to stderr, the table to stdout.
+per operation. Human progress goes to stderr, the table to stdout (``--markdown`` as
+Markdown too; ``--write-docs`` writes that into its section of docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import bench_target as bt
+import perf_docs
 
 from kbtp_scapy import codec
 from kbtp_scapy.tables import memory as M
@@ -256,6 +258,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=16, help="requests in flight")
     p.add_argument("--pool-mib", type=int, default=1024, help="the reference target's pool")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown too")
+    perf_docs.add_write_docs(p)
     p.add_argument("--json", metavar="FILE", help="write every result and counter here")
     p.add_argument("--serve", metavar="SPEC", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -277,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(size, lifetime))
         return 0
     o = bt.Opts(args.seconds, args.window, 1 << 30, args.pool_mib, args.warmup, None)
+    if args.write_docs:
+        perf_docs.check_section(args.write_docs, "bench_floor")
 
     async def run_all() -> list[dict[str, Any]]:
         return [await run_size(size, o) for size in args.sizes]
@@ -284,9 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     table = [HEADER] + rows(results)
     widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
     print("\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in table))
+    markdown = "\n".join("| " + " | ".join(r) + " |" for r in [HEADER, ["---"] * len(HEADER), *table[1:]])
     if args.markdown:
-        print("\n| " + " | ".join(HEADER) + " |\n|" + " --- |" * len(HEADER))
-        print("\n".join("| " + " | ".join(r) + " |" for r in table[1:]))
+        print("\n" + markdown)
+    if args.write_docs:
+        perf_docs.write_section(args.write_docs, "bench_floor", markdown)
     failures = [f"{r['size']} FAILED: {error}" for r in results
                 for error in (r["reference"].get("error"), r.get("error")) if error]
     if failures:

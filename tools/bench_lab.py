@@ -11,7 +11,8 @@ the same bytes with no KBTP, one case after the other in one run:
 - ALLOC_STORE of 32 KiB (the target's RDMA Read) against ``ib_read_bw``.
 
     tools/bench_lab.py                     4 KiB and 32 KiB, 5 s per case (about 3 minutes)
-    tools/bench_lab.py --markdown          the README's table
+    tools/bench_lab.py --markdown          the table as docs/PERFORMANCE.md shows it
+    tools/bench_lab.py --write-docs        ... written into docs/PERFORMANCE.md
     tools/bench_lab.py --sizes 32768 --seconds 10
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_target as bt  # noqa: E402
+import perf_docs  # noqa: E402
 import rdma_lab  # noqa: E402
 
 DEVICE, HOST = "rxe0", rdma_lab.GUEST_IP
@@ -95,11 +97,12 @@ def markdown(cases: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[14:]))
+                                 epilog=__doc__.rstrip().split("\n\n")[-1])
     ap.add_argument("--sizes", default="4096,32768", help="block sizes (comma-separated)")
     ap.add_argument("--seconds", type=float, default=5.0, help="timed seconds per case")
     ap.add_argument("--window", type=int, default=16, help="requests in flight")
-    ap.add_argument("--markdown", action="store_true", help="print the README's table")
+    ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    perf_docs.add_write_docs(ap)
     ap.add_argument("--guest-load", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.guest_load:
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(s) for s in args.sizes.split(",")]
     except ValueError:
         ap.error(f"--sizes: {args.sizes!r} is not a list of numbers")
+    if args.write_docs:
+        perf_docs.check_section(args.write_docs, "bench_lab")
     lab = rdma_lab.Lab.running() or rdma_lab.Lab()
     try:
         if lab.agent is None:
@@ -129,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         lab.close()
     print(markdown(cases) if args.markdown else json.dumps(cases, indent=2))
+    if args.write_docs:
+        perf_docs.write_section(args.write_docs, "bench_lab", markdown(cases))
     return 0
 
 

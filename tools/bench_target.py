@@ -21,8 +21,9 @@ non-blocking sockets and the same batching the soft RNIC uses, so the ratio meas
 what KBTP and the RNIC add, not what the language costs. The baseline has one round
 trip per operation; a store through RDMA Read takes two in KBTP.
 
-Human progress goes to stderr and a table to stdout; ``--json FILE`` keeps everything
-and ``--readme`` prints the Markdown table for the README.
+Human progress goes to stderr and a table to stdout; ``--json FILE`` keeps everything,
+``--markdown`` prints the table as Markdown too and ``--write-docs`` writes that into its
+section of docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+import perf_docs
 
 from kbtp_scapy.initiator import Initiator
 from kbtp_scapy.rnic.iwarp import FLUSH_MESSAGES
@@ -655,7 +658,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-target", metavar="DIR", default=None,
                    help="run each target under cProfile, writing DIR/TRANSPORT-OP-SIZE.prof")
     p.add_argument("--json", metavar="FILE", help="write every result and counter here")
-    p.add_argument("--readme", action="store_true", help="print the Markdown table for the README")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown too")
+    perf_docs.add_write_docs(p)
     p.add_argument("--serve-baseline", metavar="SPEC", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
@@ -689,11 +693,15 @@ def main(argv: list[str] | None = None) -> int:
              args.profile_target)
     if o.profile_dir:
         os.makedirs(o.profile_dir, exist_ok=True)
+    if args.write_docs:
+        perf_docs.check_section(args.write_docs, "bench_target")
     cases = asyncio.run(run_all(args, o))
     print(text_table(cases))
-    if args.readme:
+    if args.markdown:
         print()
         print(markdown(cases, o))
+    if args.write_docs:
+        perf_docs.write_section(args.write_docs, "bench_target", markdown(cases, o))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"options": vars(o), "cases": cases}, out, indent=1)

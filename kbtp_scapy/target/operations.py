@@ -3,7 +3,7 @@
 Each check follows the text ("Operations" and "Direct Modes") in its order: the handle's
 range, the lengths, the Generation, then the operation's own steps. A failed check
 returns its status and has no other effect. docs/NOTES.md decisions 2, 3 and 5 fix what the
-text leaves open; the project's other choices are in the README.
+text leaves open; the project's other choices are in docs/DECISIONS.md.
 """
 from __future__ import annotations
 
