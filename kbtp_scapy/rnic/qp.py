@@ -24,6 +24,7 @@ from typing import Any
 from .admission import Ticket
 from .memory import Access, MemoryTable
 
+_REMOTE_READ = int(Access.REMOTE_READ)
 _REMOTE_WRITE = int(Access.REMOTE_WRITE)
 
 
@@ -249,6 +250,10 @@ class QueuePair:
 
     def serve_read(self, stag: int, offset: int, length: int) -> bytes:
         return self.memory.remote_read(stag, offset, length, self)
+
+    def check_read(self, stag: int, offset: int, length: int) -> None:
+        """Validate a whole Read Request before its first Read Response segment is built."""
+        self.memory.remote(stag, offset, length, _REMOTE_READ, self)
 
     def check_write(self, stag: int, offset: int, length: int) -> None:
         """Validate a whole tagged Write before its first segment is placed."""

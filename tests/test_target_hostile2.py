@@ -1,0 +1,127 @@
+"""The reference target against the second round of hostile peers (issue 23): each test an
+attack on real sockets against a ``kbtp target`` process, asserting numbers.
+
+The attackers frame MPA, DDP and RDMAP from ``tests/hostile.py``'s raw tools on plain
+sockets: the target's RNIC and session code take no part in them.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from kbtp_scapy import codec
+from kbtp_scapy.tables.enums import FEATURES, flag
+from kbtp_scapy.wire import iwarp as w
+from kbtp_scapy.wire.iwarp_defs import DDP_TAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
+
+from .hostile import OP, SLACK, RssWatch, TargetProc, fpdu_send, hello, mpa_peer, read_fpdus
+from .kbtp_harness import fresh_hosts
+
+DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
+POOL = ["-F", "1024", "-S", "4096"]          # a 4 MiB Pool
+IRD = 16                                     # what the target's MPA Reply advertises
+
+
+def read_request(msn: int, stag: int, offset: int, size: int, sink: int = 0x77) -> bytes:
+    """An RDMA Read Request FPDU (queue 1) for ``size`` octets at (``stag``, ``offset``)."""
+    body = w.READ_REQUEST.pack(sink, 0, size, stag, offset)
+    head = w.untagged_head(True, Op.READ_REQUEST, 1, msn, 0, len(body))
+    return head + body + w.fpdu_tail(head, body, True)
+
+
+async def direct_session(host: str, port: int):
+    """A ready MPA stream with a session that was granted DIRECT_LOAD: (reader, writer,
+    the Pool's STag, its Tagged Offset)."""
+    reader, writer = await mpa_peer(host, port)
+    writer.write(fpdu_send(codec.encode({**codec.decode(hello()), "hello.requested_features": DIRECT_LOAD}), 1))
+    (opcode, payload), = await read_fpdus(reader, 5, limit=1)
+    ack = codec.decode(payload)
+    assert opcode in (Op.SEND, Op.SEND_SE) and ack["opcode"] == OP["HELLO_ACK"], ack
+    assert "hello_ack.pool.stag" in ack, f"DIRECT_LOAD not granted to a loopback peer: {ack}"
+    return reader, writer, ack["hello_ack.pool.stag"], ack["hello_ack.pool.offset"]
+
+
+def test_iwarp_read_flood_of_the_whole_pool_keeps_memory_bounded():
+    """N1: IRD Read Requests for the whole 4 MiB Pool, the socket never read, for 4 s.
+    Answered all at once they would cost 64 MiB of Read Responses; built as TCP takes
+    them, the target holds TCP's buffer and one chunk."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, *POOL)
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def attack() -> float:
+        reader, writer, stag, offset = await direct_session(host, port)
+        base = t.rss_mb()
+        watch = RssWatch(t)
+        for msn in range(1, IRD + 1):
+            writer.write(read_request(msn, stag, offset, 4 << 20))
+        await asyncio.sleep(4)
+        peak = watch.stop()
+        writer.close()
+        return peak - base
+    try:
+        grew = asyncio.run(asyncio.wait_for(attack(), 30))
+    finally:
+        t.stop()
+    assert grew < 16, f"resident memory grew {grew:.1f} MB during the flood"
+
+
+def test_iwarp_read_request_beyond_ird_is_terminated():
+    """N1: RFC 5040 s5.3: the IRD + 1st outstanding Read Request finds no queue-1 buffer;
+    the target answers with a Terminate (DDP, untagged, no buffer) and ends the stream."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, *POOL)
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def attack():
+        reader, writer, stag, offset = await direct_session(host, port)
+        # Large: the kernel's send buffer takes the first answer or two whole, and the
+        # rest are outstanding when the requests beyond IRD arrive.
+        for msn in range(1, IRD + 5):
+            writer.write(read_request(msn, stag, offset, 4 << 20))
+        seen = [op for op, _ in await read_fpdus(reader, 5 + SLACK)]
+        writer.close()
+        return seen
+    try:
+        seen = asyncio.run(asyncio.wait_for(attack(), 30))
+        metrics = t.metrics()
+    finally:
+        log = t.stop()
+    assert seen and seen[-1] == Op.TERMINATE, seen[-5:]
+    assert "beyond the IRD" in log, log[-2000:]
+    assert metrics, "the target's metrics could not be read"
+
+
+def test_iwarp_reads_within_ird_are_answered_whole_and_in_order():
+    """What the pacing must not break: IRD Read Requests of different sizes, each answered
+    with its octets, in request order, the last segment of each marked Last."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, *POOL)
+    port = int(t.url.rsplit(":", 1)[1])
+    sizes = [8, 200_000, 0, 65536, 4096, 1]
+
+    async def exchange():
+        reader, writer, stag, offset = await direct_session(host, port)
+        for msn, size in enumerate(sizes, 1):
+            writer.write(read_request(msn, stag, offset, size, sink=0x100 + msn))
+        got: dict[int, int] = {}
+        order: list[int] = []
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while len(order) < len(sizes) and loop.time() < end:
+            length = await asyncio.wait_for(reader.readexactly(2), end - loop.time())
+            ulen = int.from_bytes(length, "big")
+            rest = await reader.readexactly(ulen + FPDU_OVERHEAD - 2 + fpdu_pad_len(ulen))
+            fpdu = length + rest
+            assert fpdu[2] & 0x80 and fpdu[3] & 0x0F == Op.READ_RESPONSE, fpdu[:20].hex()
+            sink = int.from_bytes(fpdu[4:8], "big")
+            got[sink] = got.get(sink, 0) + ulen - DDP_TAGGED_LEN
+            if fpdu[2] & 0x40:
+                order.append(sink)
+        writer.close()
+        return got, order
+    try:
+        got, order = asyncio.run(asyncio.wait_for(exchange(), 30))
+    finally:
+        t.stop()
+    assert order == [0x100 + n for n in range(1, len(sizes) + 1)]
+    assert [got[0x100 + n] for n in range(1, len(sizes) + 1)] == sizes
