@@ -7,6 +7,8 @@ sockets: the target's RNIC and session code take no part in them.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 from kbtp_scapy import codec
 from kbtp_scapy.tables.enums import FEATURES, flag
@@ -125,3 +127,33 @@ def test_iwarp_reads_within_ird_are_answered_whole_and_in_order():
         t.stop()
     assert order == [0x100 + n for n in range(1, len(sizes) + 1)]
     assert [got[0x100 + n] for n in range(1, len(sizes) + 1)] == sizes
+
+
+def test_direct_modes_only_for_trusted_peers():
+    """Safe defaults: a peer outside --trust is granted neither DIRECT_LOAD nor its STags,
+    though it asked; the two-sided operations still work for it."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, *POOL, "--trust", "10.0.0.0/8", "--trust", "fd00::/8")
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def ask():
+        reader, writer = await mpa_peer(host, port)
+        writer.write(fpdu_send(codec.encode({**codec.decode(hello()),
+                                             "hello.requested_features": DIRECT_LOAD}), 1))
+        (_, payload), = await read_fpdus(reader, 5, limit=1)
+        writer.close()
+        return codec.decode(payload)
+    try:
+        ack = asyncio.run(asyncio.wait_for(ask(), 30))
+    finally:
+        t.stop()
+    assert ack["status"] == 0 and ack["hello_ack.features"] == 0, ack
+    assert not any(key.startswith(("hello_ack.pool", "hello_ack.table")) for key in ack), ack
+
+
+def test_trust_that_is_not_a_network_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "target", "--trust", "10.0.0/33",
+                           "--duration", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc
+    assert "--trust 10.0.0/33: not an address or CIDR network" in proc.stderr
+    assert "Traceback" not in proc.stderr
