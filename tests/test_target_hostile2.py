@@ -7,15 +7,17 @@ sockets: the target's RNIC and session code take no part in them.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import subprocess
 import sys
 
 from kbtp_scapy import codec
+from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.tables.enums import FEATURES, flag
 from kbtp_scapy.wire import iwarp as w
 from kbtp_scapy.wire.iwarp_defs import DDP_TAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
 
-from .hostile import OP, SLACK, RssWatch, TargetProc, fpdu_send, hello, mpa_peer, read_fpdus
+from .hostile import OP, SLACK, RssWatch, TargetProc, admitted_after, fpdu_send, hello, mpa_peer, read_fpdus
 from .kbtp_harness import fresh_hosts
 
 DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
@@ -157,3 +159,44 @@ def test_trust_that_is_not_a_network_is_refused_in_one_line():
     assert proc.returncode == 2, proc
     assert "--trust 10.0.0/33: not an address or CIDR network" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_retained_sessions_holding_blocks_give_way_after_min_retention():
+    """N4: 8 throw-away Initiator IDs each store a sealed block and leave without RELEASE.
+    A newcomer is refused NO_SPACE only until the oldest has been retained for
+    --min-retention (2 s here), not for the whole --retention; the one that gave way lost
+    its block, and the others kept theirs."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, "-F", "96", "--features", "none", "--min-retention", "2")
+
+    async def scenario():
+        ids = [secrets.token_bytes(16) for _ in range(8)]
+        for ident in ids:
+            ini = await Initiator.connect(t.url, initiator_id=ident, features=0)
+            await ini.alloc_store(ini.target.handle_base, ident, seal=True)
+            await ini.goodbye(release=False)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        took, refusals, newcomer = await admitted_after(t.url, start)
+        await newcomer.goodbye(release=True)
+        kept = []
+        for ident in ids:
+            try:
+                ini = await Initiator.connect(t.url, initiator_id=ident, features=0)
+            except KbtpError:
+                kept.append(None)
+                continue
+            try:
+                kept.append((await ini.load(ini.target.handle_base)).data == ident)
+            except KbtpError as exc:
+                kept.append(exc.name)
+            await ini.goodbye(release=False)
+        return took, refusals, kept
+    try:
+        took, refusals, kept = asyncio.run(asyncio.wait_for(scenario(), 60))
+        metrics = t.metrics()
+    finally:
+        t.stop()
+    assert refusals > 0 and took < 2 + SLACK, (took, refusals)
+    assert kept[0] == "NOT_VALID" and kept[1:] == [True] * 7, kept
+    assert metrics["kbtp_limit{limit=\"min_retention\"}"] == 2.0, metrics

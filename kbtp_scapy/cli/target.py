@@ -34,6 +34,9 @@ LIMITS = (
      "fails (a repeated REQ gets its REP on top)."),
     ("--mpa-timeout", "mpa_timeout_s", "iWARP: seconds from the TCP handshake to the end "
      "of the MPA set-up (RTR included)."),
+    ("--min-retention", "min_retention_s", "Seconds a departed initiator that holds blocks "
+     "keeps them for its reconnect at least; after that, when a new initiator finds no room, "
+     "the one retained longest gives way and its blocks are freed (--retention is the most)."),
     ("--hello-timeout", "hello_timeout_s", "Seconds a connection may stay without a session: "
      "its HELLO must have come by then."),
 )

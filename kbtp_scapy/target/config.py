@@ -43,6 +43,7 @@ class TargetConfig:
     max_inline: int = 4096
     ticket_timeout_ms: int = 2000
     retention_s: float = 300.0
+    min_retention_s: float = 10.0    # under pressure, a retained session holding blocks gives way after this
     clear_freed: bool = True         # clear blocks on free: initiators are separate trust domains
     trust: tuple[str, ...] = LOOPBACK    # peers (CIDR) offered DIRECT_LOAD and DIRECT_ALLOC
     memory_order: str = "little"     # the target's memory byte order (ring counters)
@@ -104,7 +105,7 @@ class TargetConfig:
         if not 1 <= self.request_credits <= 0xFFFF:
             raise ValueError("--credits must be 1 to 65535")
         for name, value in self.limits().items():
-            zero_ok = name in ("cm_retries", "retention")
+            zero_ok = name in ("cm_retries", "retention", "min_retention")
             if value < 0 or value == 0 and not zero_ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be "
                                  f"{'at least 0' if zero_ok else 'positive'}")
@@ -114,7 +115,7 @@ class TargetConfig:
         the ``_s`` of seconds): shown by ``kbtp target --help`` and in the metrics."""
         names = ("probe_interval_s", "probe_timeout_s", "max_backlog", "backlog_timeout_s",
                  "max_half_open", "max_half_open_per_source", "cm_timeout_s", "cm_retries",
-                 "mpa_timeout_s", "hello_timeout_s", "retention_s")
+                 "mpa_timeout_s", "hello_timeout_s", "retention_s", "min_retention_s")
         return {name.removesuffix("_s"): getattr(self, name) for name in names}
 
     @property

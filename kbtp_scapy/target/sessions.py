@@ -6,6 +6,10 @@ lost connection), so a reconnect with the same ID finds them intact; a HELLO who
 belongs to a session that is still active is refused. A retained session that holds
 nothing (no binding, no ticket) keeps its slot only until a new initiator needs it: it is
 dropped then, oldest first, so throw-away IDs cannot lock others out for the retention.
+Under the same pressure, one that holds blocks gives way once it has been retained for
+``min_retention_s``, oldest first, and loses its bindings as at the end of its retention
+(the specification lets the target choose that time: docs/DECISIONS.md, "Retention under
+pressure"), so IDs that each store a block and vanish hold others out for that long only.
 """
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ class Sessions:
                 break
             # no room: any idle session makes some; room but no partition: only one with
             # a partition gives one
-            idle = self._idle(with_partition=room)
+            idle = self._idle(with_partition=room) or self._stale(with_partition=room)
             if idle is None:
                 if room:
                     break          # DIRECT_ALLOC without a partition: on the shared ring
@@ -109,6 +113,14 @@ class Sessions:
         idle = [s for s in self.by_id.values() if not s.active and s.usage == 0
                 and (s.partition is not None or not with_partition)]
         return min(idle, key=lambda s: s.retained_at, default=None)
+
+    def _stale(self, with_partition: bool) -> Initiator | None:
+        """The retained session, holding blocks, retained first and for at least
+        ``min_retention_s`` (one with a partition when ``with_partition``), if any."""
+        cutoff = asyncio.get_running_loop().time() - self.config.min_retention_s
+        stale = [s for s in self.by_id.values() if not s.active and s.retained_at <= cutoff
+                 and (s.partition is not None or not with_partition)]
+        return min(stale, key=lambda s: s.retained_at, default=None)
 
     def detach(self, state: Initiator, release: bool) -> None:
         """The session ended: release now (GOODBYE RELEASE), else keep for the retention time."""
