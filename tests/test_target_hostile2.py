@@ -7,9 +7,15 @@ sockets: the target's RNIC and session code take no part in them.
 from __future__ import annotations
 
 import asyncio
+import random
+import resource
 import secrets
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
@@ -20,6 +26,7 @@ from kbtp_scapy.wire.iwarp_defs import DDP_TAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_p
 from .hostile import OP, SLACK, RssWatch, TargetProc, admitted_after, fpdu_send, hello, mpa_peer, read_fpdus
 from .kbtp_harness import fresh_hosts
 
+ROOT = Path(__file__).resolve().parent.parent
 DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
 POOL = ["-F", "1024", "-S", "4096"]          # a 4 MiB Pool
 IRD = 16                                     # what the target's MPA Reply advertises
@@ -200,3 +207,48 @@ def test_retained_sessions_holding_blocks_give_way_after_min_retention():
     assert refusals > 0 and took < 2 + SLACK, (took, refusals)
     assert kept[0] == "NOT_VALID" and kept[1:] == [True] * 7, kept
     assert metrics["kbtp_limit{limit=\"min_retention\"}"] == 2.0, metrics
+
+
+def damaged(source: Path, out: Path, seed: int, flips: int = 4) -> Path:
+    """``source`` with ``flips`` random bits flipped in the UDP payload of every frame (the
+    pcap record headers and link, IP and UDP headers left alone)."""
+    rnd = random.Random(seed)
+    data = bytearray(source.read_bytes())
+    pos = 24
+    while pos + 16 <= len(data):
+        caplen = int.from_bytes(data[pos + 8:pos + 12], "little")
+        start, end = pos + 16 + 42, pos + 16 + caplen
+        for _ in range(flips if end > start else 0):
+            at = rnd.randrange(start, end)
+            data[at] ^= 1 << rnd.randrange(8)
+        pos = end
+    out.write_bytes(data)
+    return out
+
+
+@pytest.mark.slow
+def test_replay_of_damaged_captures_ends_in_time_with_bounded_memory(tmp_path):
+    """N7: bit flips in RoCEv2 captures (Read lengths and Tagged Offsets beyond what a work
+    request can carry, lengths of gigabytes) end each replay within its --timeout bound,
+    with a report and no traceback, and replay's memory is not sized by the capture."""
+    host, = fresh_hosts(1)
+    t = TargetProc("roce", host)
+    local = "127.0.0.1" if host != "127.0.0.1" else "127.0.0.2"
+    worst = 0.0
+    try:
+        for seed in range(6):
+            for name in ("roce_session.pcap", "rxe_kernel_session.pcap"):
+                capture = damaged(ROOT / "pcaps" / name, tmp_path / f"{seed}-{name}", seed)
+                start = time.monotonic()
+                proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "replay", str(capture),
+                                       "--target", t.url, "--local", local, "--timeout", "2"],
+                                      capture_output=True, text=True, timeout=90)
+                worst = max(worst, time.monotonic() - start)
+                assert proc.returncode in (0, 1, 2), proc
+                assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+                assert (proc.stdout + proc.stderr).strip(), "replay said nothing"
+        rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # replays only
+    finally:
+        t.stop()
+    assert worst < 40, f"a damaged replay took {worst:.0f} s"
+    assert rss_mb < 250, f"a replay process reached {rss_mb:.0f} MB"
