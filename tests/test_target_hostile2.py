@@ -252,3 +252,62 @@ def test_replay_of_damaged_captures_ends_in_time_with_bounded_memory(tmp_path):
         t.stop()
     assert worst < 40, f"a damaged replay took {worst:.0f} s"
     assert rss_mb < 250, f"a replay process reached {rss_mb:.0f} MB"
+
+
+async def hold_setups(target: tuple[str, int], sources: list[str], per_source: int,
+                      stop: asyncio.Event) -> int:
+    """Bare TCP connections to ``target``, ``per_source`` from each source, each opened
+    again as soon as it ends, until ``stop``: the connects made."""
+    made = 0
+
+    async def one(source: str) -> None:
+        nonlocal made
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(*target, local_addr=(source, 0))
+            except OSError:
+                await asyncio.sleep(0.01)
+                continue
+            made += 1
+            try:
+                await asyncio.wait_for(reader.read(), 30)
+            except (OSError, TimeoutError):
+                pass
+            writer.close()
+    tasks = [asyncio.create_task(one(s)) for s in sources for _ in range(per_source)]
+    await stop.wait()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return made
+
+
+def test_iwarp_setup_lockout_from_eight_sources_admits_a_newcomer():
+    """N2: 8 addresses keep 16 bare TCP connections each open (all 128 half-open slots),
+    re-opening each as it ends. A newcomer from an address the attacker does not use
+    connects, says HELLO and GOODBYE 20 times of 20, each within a bound."""
+    host, *attackers = fresh_hosts(9)
+    t = TargetProc("iwarp", host, "-F", "96", "--features", "none")
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def scenario():
+        stop = asyncio.Event()
+        attack = asyncio.create_task(hold_setups((host, port), attackers, 16, stop))
+        await asyncio.sleep(2)                     # every slot taken
+        loop = asyncio.get_running_loop()
+        times = []
+        for _ in range(20):
+            start = loop.time()
+            ini = await asyncio.wait_for(Initiator.connect(t.url, features=0), 10)
+            await ini.goodbye(release=True)
+            times.append(loop.time() - start)
+        stop.set()
+        return times, await attack
+    try:
+        times, made = asyncio.run(asyncio.wait_for(scenario(), 120))
+        metrics = t.metrics()
+    finally:
+        t.stop()
+    assert len(times) == 20 and max(times) < 1 + SLACK, times
+    assert made >= 128, made
+    assert metrics['kbtp_connections_refused_total{reason="half_open_evicted"}'] >= 20, metrics

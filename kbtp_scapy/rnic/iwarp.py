@@ -13,6 +13,7 @@ names the section it follows.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -42,6 +43,8 @@ from ..wire.address import Address
 from .admission import HalfOpen
 from .memory import AccessError, Fault, MemoryTable
 from .qp import ConnectionLost, QueuePair, ReceiveError, RemoteError, Verb, WorkRequest
+
+log = logging.getLogger(__name__)
 
 _U64 = (1 << 64) - 1
 _SEND_OPS = {(False, False): Op.SEND, (True, False): Op.SEND_INV,
@@ -177,6 +180,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             if self.admission is None:       # too many set-ups: reset, nothing kept
                 self._tp.abort()
                 return
+            self.admission.evict = self._evicted
         _liveness(transport, self._keepalive, self._user_timeout)
         if self.mss is None:
             self.mss = _emss(transport)
@@ -233,6 +237,16 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         done, self._written = self._written, []
         for wr in done:
             self.complete(wr)
+
+    def _evicted(self, reason: str) -> None:
+        """Its half-open slot went to another source: a reset in MPA set-up, where no
+        Terminate can be framed yet; a Terminate once FPDUs flow (no HELLO answered)."""
+        log.info("connection from %s: %s", self.remote[0], reason)
+        if self._phase == "fpdu":
+            self.abort(reason)
+        elif self._tp is not None:
+            self._tp.abort()
+            self.lost(ConnectionLost(reason))
 
     def lost(self, error: BaseException) -> None:
         self._unwritten, self._written = [], []

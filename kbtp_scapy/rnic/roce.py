@@ -335,6 +335,8 @@ class RoceListener:
                 return
         qp = RoceQP(self._memory, dev, **{**self._options, "mtu": req.path_mtu})
         qp.admission = ticket
+        if ticket is not None:
+            ticket.evict = qp.abort
         qp.frame("rx", frame)
         qp.setup(addr, req.local_qpn, req.starting_psn, req.path_mtu)
         dev.bind(qp, addr)

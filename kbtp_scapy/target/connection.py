@@ -110,6 +110,7 @@ class Connection:
                 log.info("connection from %s refused: too many connections without a "
                          "session", self.peer)
                 return False
+            self.qp.admission.evict = self.qp.abort
         return True
 
     async def _hello(self) -> bool:
