@@ -311,3 +311,24 @@ def test_iwarp_setup_lockout_from_eight_sources_admits_a_newcomer():
     assert len(times) == 20 and max(times) < 1 + SLACK, times
     assert made >= 128, made
     assert metrics['kbtp_connections_refused_total{reason="half_open_evicted"}'] >= 20, metrics
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_a_hosts_100_parallel_connects_all_succeed(transport):
+    """N6: 100 connects at once from one host, beyond its 16 half-open slots: the listener
+    refuses the rest of them for now, and every one of the 100 gets its session."""
+    host, = fresh_hosts(1)
+    t = TargetProc(transport, host, "-F", "200", "--max-initiators", "100", "--features", "none")
+
+    async def scenario():
+        local = {"local": "127.0.0.1"} if transport == "roce" else {}
+        inis = await asyncio.gather(*(Initiator.connect(t.url, features=0, **local)
+                                      for _ in range(100)), return_exceptions=True)
+        good = [i for i in inis if isinstance(i, Initiator)]
+        await asyncio.gather(*(i.goodbye(release=True) for i in good))
+        return len(good), [repr(i) for i in inis if not isinstance(i, Initiator)][:3]
+    try:
+        good, bad = asyncio.run(asyncio.wait_for(scenario(), 90))
+    finally:
+        t.stop()
+    assert good == 100, bad

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -54,6 +55,7 @@ RTR_DELAY = 0.05          # the longest wait before the RTR (see IwarpQP._on_rep
 OVERRUN_GRACE = 1.0       # the longest a Terminate for a Send without buffer waits
 TERMINATE_LINGER = 2.0    # then the stream is reset if TCP could not take it all
 READ_CHUNK = 64 << 10     # Read Response octets built ahead of what TCP has taken
+RETRY_FIRST, RETRY_MOST = 0.02, 0.5   # seconds between connects the listener reset
 NUDGE_AFTER = 0.1         # silence after the RTR that sends a nudge (see IwarpQP._nudge)
 """Messages queued before the stream is written without waiting for the end of the loop
 iteration: the peer starts on the first while the rest are built, as an RNIC transmits
@@ -921,7 +923,12 @@ def _options(recv_size: int = 4096, posted: int = 0, crc: bool = True, markers: 
 
 
 async def connect(host: str, port: int, memory: MemoryTable, **options) -> IwarpQP:
-    """TCP connect, MPA Request/Reply and RTR; returns a ready queue pair."""
+    """TCP connect, MPA Request/Reply and RTR; returns a ready queue pair.
+
+    A listener ends the set-ups beyond its half-open caps before it says a word; like a
+    RoCEv2 CM, which sends its REQ again, the connect tries again after a jittered
+    backoff until ``connect_timeout`` (a refused connect, nothing listening, is final,
+    and so is anything the listener answered)."""
     qp_options, timeout, _ = _options(**options)
     loop = asyncio.get_running_loop()
     qp: IwarpQP | None = None
@@ -931,15 +938,23 @@ async def connect(host: str, port: int, memory: MemoryTable, **options) -> Iwarp
         qp = IwarpQP(memory, active=True, **qp_options)
         return qp
 
+    backoff = RETRY_FIRST
     try:
         async with asyncio.timeout(timeout):
-            await loop.create_connection(factory, host, port)
-            await qp.ready
+            while True:
+                try:
+                    await loop.create_connection(factory, host, port)
+                    await qp.ready
+                    return qp
+                except (ConnectionResetError, ConnectionLost):
+                    if qp is None or qp.stats["bytes_rx"]:
+                        raise           # the listener said something: its word is final
+                await asyncio.sleep(backoff * (0.5 + random.random()))
+                backoff = min(2 * backoff, RETRY_MOST)
     except BaseException:
         if qp is not None and qp._tp is not None:
             qp._tp.abort()
         raise
-    return qp
 
 
 async def listen(host: str, port: int, memory: MemoryTable,
