@@ -7,9 +7,11 @@ sockets: the target's RNIC and session code take no part in them.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import resource
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ from kbtp_scapy.tables.enums import FEATURES, flag
 from kbtp_scapy.wire import iwarp as w
 from kbtp_scapy.wire.iwarp_defs import DDP_TAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
 
-from .hostile import OP, SLACK, RssWatch, TargetProc, admitted_after, fpdu_send, hello, mpa_peer, read_fpdus
+from .hostile import OP, SLACK, RssWatch, TargetProc, admitted_after, fpdu_send, hello, mpa_peer, read_fpdus, start_peer
 from .kbtp_harness import fresh_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -332,3 +334,36 @@ def test_a_hosts_100_parallel_connects_all_succeed(transport):
     finally:
         t.stop()
     assert good == 100, bad
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_idle_and_frozen_peers_give_way_to_a_newcomer(transport):
+    """N5: 7 live sessions that send nothing after HELLO and one peer frozen with SIGSTOP
+    (its kernel still answers TCP, so on iWARP the liveness probes pass) hold every slot.
+    A newcomer is admitted once the silent ones have been silent --idle-timeout (2 s),
+    not never."""
+    host, frozen_local, our_local = fresh_hosts(3)
+    t = TargetProc(transport, host, "-F", "96", "--features", "none", "--idle-timeout", "2")
+    frozen = start_peer(t.url, secrets.token_bytes(16), False,
+                        *([frozen_local] if transport == "roce" else []))
+    os.kill(frozen.pid, signal.SIGSTOP)
+
+    async def scenario():
+        options = {"local": our_local} if transport == "roce" else {}
+        idle = [await Initiator.connect(t.url, features=0, **options) for _ in range(7)]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        took, refusals, newcomer = await admitted_after(t.url, start, **options)
+        await newcomer.goodbye(release=True)
+        for ini in idle:
+            await ini.qp.close()
+        return took, refusals
+    try:
+        took, refusals = asyncio.run(asyncio.wait_for(scenario(), 60))
+        metrics = t.metrics()
+    finally:
+        os.kill(frozen.pid, signal.SIGKILL)
+        frozen.wait()
+        t.stop()
+    assert refusals > 0 and took < 2 + SLACK, (took, refusals)
+    assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= 1, metrics

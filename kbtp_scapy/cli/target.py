@@ -37,6 +37,9 @@ LIMITS = (
     ("--min-retention", "min_retention_s", "Seconds a departed initiator that holds blocks "
      "keeps them for its reconnect at least; after that, when a new initiator finds no room, "
      "the one retained longest gives way and its blocks are freed (--retention is the most)."),
+    ("--idle-timeout", "idle_timeout_s", "Seconds an active session may send nothing; after "
+     "that, when a new initiator finds no room, the one silent longest is ended (a live "
+     "but idle or frozen peer answers the liveness probes)."),
     ("--hello-timeout", "hello_timeout_s", "Seconds a connection may stay without a session: "
      "its HELLO must have come by then."),
 )

@@ -147,6 +147,7 @@ class Connection:
             await self._hello_ack(S[refusal.status], {})
             return False
         self.state.qp = self.qp
+        self.state.heard_at = asyncio.get_running_loop().time()
         t.metrics.hello("OK")
         features = requested & offered & ~ADDR_LE
         if t.config.addr_le:
@@ -226,9 +227,11 @@ class Connection:
         """
         t = self.target
         batch: deque[tuple[dict[str, Any], asyncio.Future | None, str]] = deque()
+        loop = asyncio.get_running_loop()
         while True:
             msg = await self.qp.recv()
             self.liveness.heard = True
+            self.state.heard_at = loop.time()
             while msg is not None:
                 try:
                     req, why = codec.decode(msg.payload, self.addr_le), ""
