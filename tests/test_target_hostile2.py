@@ -30,6 +30,7 @@ from .kbtp_harness import fresh_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
+DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
 POOL = ["-F", "1024", "-S", "4096"]          # a 4 MiB Pool
 IRD = 16                                     # what the target's MPA Reply advertises
 
@@ -367,3 +368,30 @@ def test_idle_and_frozen_peers_give_way_to_a_newcomer(transport):
         t.stop()
     assert refusals > 0 and took < 2 + SLACK, (took, refusals)
     assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= 1, metrics
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_alloc_store_right_after_direct_tickets_is_charged_for_them(transport):
+    """Quota, raced: a DIRECT_ALLOC session takes its whole quota in tickets with FetchAdd
+    and sends ALLOC_STORE at once. The target looks at Head before it answers, so the
+    ALLOC_STORE is NO_SPACE, not a block beyond the quota."""
+    host, local = fresh_hosts(2)
+    t = TargetProc(transport, host, "-F", "96", "--features", "DIRECT_ALLOC")
+
+    async def scenario():
+        options = {"local": local} if transport == "roce" else {}
+        ini = await Initiator.connect(t.url, features=DIRECT_ALLOC, **options)
+        for _ in range(ini.target.quota):
+            await ini.take_ticket()
+        try:
+            await ini.alloc_store(ini.target.handle_base, b"one too many")
+            outcome = "OK"
+        except KbtpError as exc:
+            outcome = exc.name
+        await ini.goodbye(release=True)
+        return outcome
+    try:
+        outcome = asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        t.stop()
+    assert outcome == "NO_SPACE"
