@@ -607,8 +607,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                                        _RDMAP_FAULTS[exc.fault], str(exc)))
                 return
             read.left -= count
-            self._send_tagged(Op.READ_RESPONSE, read.sink_stag, read.sink_to, data,
-                              last=not read.left)
+            self._send_tagged(Op.READ_RESPONSE, read.sink_stag, read.sink_to, data, not read.left)
             read.src_to, read.sink_to = read.src_to + count, (read.sink_to + count) & _U64
             if not read.left:
                 self._inbound.popleft()
