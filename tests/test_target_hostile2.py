@@ -21,16 +21,30 @@ import pytest
 
 from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
-from kbtp_scapy.tables.enums import FEATURES, flag
-from kbtp_scapy.wire import iwarp as w
+from kbtp_scapy.rnic import cm
+from kbtp_scapy.tables.enums import FEATURES, STATUS, flag
+from kbtp_scapy.wire import iwarp as w, roce as rw
 from kbtp_scapy.wire.iwarp_defs import DDP_TAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
 
-from .hostile import OP, SLACK, RssWatch, TargetProc, admitted_after, fpdu_send, hello, mpa_peer, read_fpdus, start_peer
+from .hostile import (
+    OP,
+    SLACK,
+    CmFlooder,
+    RssWatch,
+    TargetProc,
+    admitted_after,
+    fpdu_send,
+    hello,
+    mpa_peer,
+    read_fpdus,
+    start_peer,
+)
 from .kbtp_harness import fresh_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
 DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
+S_MALFORMED = STATUS.by_name()["MALFORMED"]
 POOL = ["-F", "1024", "-S", "4096"]          # a 4 MiB Pool
 IRD = 16                                     # what the target's MPA Reply advertises
 
@@ -395,3 +409,85 @@ def test_alloc_store_right_after_direct_tickets_is_charged_for_them(transport):
     finally:
         t.stop()
     assert outcome == "NO_SPACE"
+
+
+def test_roce_dreqs_and_reqs_for_nothing_get_rate_limited_answers():
+    """Smaller: a DREQ for a comm ID the target never gave out gets a DREP, and a REQ for
+    a service nobody listens on a REJ, each to a source nobody authenticated. 2,000 of
+    each are answered at most 64 times a second, not 1:1."""
+    host, source = fresh_hosts(2)
+    t = TargetProc("roce", host, *["-F", "96", "--features", "none"])
+    try:
+        f = CmFlooder(source, host)
+        start = time.monotonic()
+        answers = {}
+        for attr, build in ((cm.CmAttr.DREQ, lambda: cm.CmMessage(
+                                cm.CmAttr.DREQ, secrets.randbits(64), local_comm_id=secrets.randbits(32),
+                                remote_comm_id=secrets.randbits(32))),
+                            (cm.CmAttr.REQ, lambda: _req_for(f, 9))):
+            before = time.monotonic()
+            got = 0
+            for _ in range(2000):
+                f.sock.sendto(_mad(f, build()), (host, 4791))
+                got += _count(f, {cm.CmAttr.DREP, cm.CmAttr.REJ})
+            time.sleep(0.3)
+            got += _count(f, {cm.CmAttr.DREP, cm.CmAttr.REJ})
+            answers[attr.name] = (got, time.monotonic() - before)
+        f.close()
+        took = time.monotonic() - start
+    finally:
+        t.stop()
+    for name, (got, seconds) in answers.items():
+        assert 1 <= got <= 64 + 64 * seconds + 8, (name, got, seconds, took)
+
+
+def _mad(f: CmFlooder, msg: cm.CmMessage) -> bytes:
+    head = rw.BTH_DETH.pack(rw.UD_SEND_ONLY, 0, rw.DEFAULT_PKEY, rw.CM_QPN, 0, rw.CM_QKEY, rw.CM_QPN)
+    return b"".join(rw.seal(f.tx, [head, cm.encode(msg)], 0))
+
+
+def _req_for(f: CmFlooder, port: int) -> cm.CmMessage:
+    """A REQ for rdma_cm port ``port``, where nothing listens."""
+    msg = cm.decode(f.req(port)[20:20 + cm.MAD_SIZE])
+    assert msg is not None
+    return msg
+
+
+def _count(f: CmFlooder, attrs: set) -> int:
+    n = 0
+    while True:
+        try:
+            data = f.sock.recv(4096)
+        except BlockingIOError:
+            return n
+        msg = cm.decode(data[20:20 + cm.MAD_SIZE]) if len(data) >= 20 + cm.MAD_SIZE else None
+        n += msg is not None and msg.attr in attrs
+
+
+def test_hello_with_no_completion_credits_is_refused_malformed():
+    """Smaller: Completion Credits 0 says the initiator has no buffer for any COMPLETION.
+    A peer that says so (and has buffers after all) gets HELLO_ACK MALFORMED and no
+    session, instead of one with 0 Request Credits whose requests are served anyway."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, "-F", "96", "--features", "none")
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def ask():
+        reader, writer = await mpa_peer(host, port)
+        writer.write(fpdu_send(hello(credits=0), 1))
+        (_, payload), = await read_fpdus(reader, 5, limit=1)
+        ack = codec.decode(payload)
+        writer.write(fpdu_send(codec.encode({"opcode": OP["FREE"], "request_id": 7,
+                                             "handle": ack.get("hello_ack.handle_base", 0)}), 2))
+        after = await read_fpdus(reader, 1.5)
+        writer.close()
+        return ack, after
+    try:
+        ack, after = asyncio.run(asyncio.wait_for(ask(), 30))
+        metrics = t.metrics()
+    finally:
+        t.stop()
+    assert ack["opcode"] == OP["HELLO_ACK"] and ack["status"] == S_MALFORMED, ack
+    assert not any(codec.decode(p).get("opcode") == OP["COMPLETION"] for op, p in after
+                   if op in (Op.SEND, Op.SEND_SE, Op.SEND_INV, Op.SEND_SE_INV)), after
+    assert metrics['kbtp_hellos_total{status="MALFORMED"}'] == 1, metrics

@@ -127,7 +127,9 @@ class Connection:
             hello = codec.decode(msg.payload)
         except codec.Malformed:
             hello = None
-        if hello is None or hello["opcode"] != OP["HELLO"]:
+        if hello is None or hello["opcode"] != OP["HELLO"] or not hello["hello.completion_credits"]:
+            # Completion Credits 0: no COMPLETION could reach the initiator, so no request
+            # could be answered (docs/DECISIONS.md, "A HELLO with no Completion Credits").
             t.metrics.hello("MALFORMED")
             await self._hello_ack(S["MALFORMED"], {})
             return False
