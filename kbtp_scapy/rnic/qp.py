@@ -57,16 +57,13 @@ class WorkRequest:
     error: BaseException | None = None
 
 
-_U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
-
-
 def _check(wr: WorkRequest) -> None:
     """Refuse at posting, as ibv_post_send does with EINVAL, a field its wire header
     cannot carry: found later, inside a transport's send path, it would strand the
     operation with no completion."""
-    if not (0 <= wr.stag <= _U32 and 0 <= wr.offset <= _U64 and 0 <= wr.length <= _U32
-            and len(wr.payload) <= _U32 and 0 <= (wr.invalidate or 0) <= _U32
-            and 0 <= (wr.imm or 0) <= _U32):
+    # a negative value shifted right stays non-zero too
+    if (wr.stag | wr.length | len(wr.payload) | (wr.invalidate or 0) | (wr.imm or 0)) >> 32 \
+            or wr.offset >> 64:
         raise ValueError(f"work request out of range: STag 0x{wr.stag:x}, Tagged Offset "
                          f"0x{wr.offset:x}, length {wr.length or len(wr.payload)} (32, 64 and "
                          "32 bits at most)")
