@@ -10,7 +10,7 @@ from dataclasses import replace
 import click
 
 from ..target import Target, TargetConfig
-from ..target.config import ADDR_LE
+from ..target.config import ADDR_LE, DIRECT_ALLOC, DIRECT_LOAD, LOOPBACK
 from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_options
 
 #: What a peer can make the target hold, bounded: (option, TargetConfig field, help).
@@ -34,6 +34,12 @@ LIMITS = (
      "fails (a repeated REQ gets its REP on top)."),
     ("--mpa-timeout", "mpa_timeout_s", "iWARP: seconds from the TCP handshake to the end "
      "of the MPA set-up (RTR included)."),
+    ("--min-retention", "min_retention_s", "Seconds a departed initiator that holds blocks "
+     "keeps them for its reconnect at least; after that, when a new initiator finds no room, "
+     "the one retained longest gives way and its blocks are freed (--retention is the most)."),
+    ("--idle-timeout", "idle_timeout_s", "Seconds an active session may send nothing; after "
+     "that, when a new initiator finds no room, the one silent longest is ended (a live "
+     "but idle or frozen peer answers the liveness probes)."),
     ("--hello-timeout", "hello_timeout_s", "Seconds a connection may stay without a session: "
      "its HELLO must have come by then."),
 )
@@ -86,6 +92,11 @@ def limit_options(func):
               help="Seconds a departed initiator's bindings are kept for its reconnect (one "
                    "that holds none only until a new initiator needs its room).")
 @limit_options
+@click.option("--trust", multiple=True, metavar="CIDR",
+              help="Peers offered DIRECT_LOAD and DIRECT_ALLOC, which expose the whole pool "
+                   "to their RDMA Reads and atomics; repeat for more; 0.0.0.0/0 and ::/0 for "
+                   "everyone. Others get the two-sided operations only.  [default: "
+                   "127.0.0.0/8 and ::1, this host]")
 @click.option("--no-clear", is_flag=True,
               help="Do not clear freed blocks (all initiators share one trust domain).")
 @click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -96,7 +107,8 @@ def limit_options(func):
               help="Stop after this many seconds (default: run until interrupted).")
 @click.option("--verbose", "-v", is_flag=True, help="Log each malformed request too.")
 def target(transport, where, io, iface, raw_addr, device, blocks, block_size, feature_list, addr_le,
-           max_initiators, quota, handles, direct_partitions, credits, max_inline, ticket_timeout, retention, no_clear,
+           max_initiators, quota, handles, direct_partitions, credits, max_inline, ticket_timeout, retention, trust,
+           no_clear,
            pcap, metrics_port, duration, verbose, **limits) -> None:
     """Run the reference KBTP target: a pool of BLOCKS blocks in registered memory,
     served over a software RDMA NIC until interrupted (Ctrl-C), then print its counters.
@@ -109,6 +121,7 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
       kbtp target                                   # RoCEv2 on 127.0.0.1:4791
       kbtp target --transport iwarp --listen 127.0.0.1:5420 --blocks 4096 -S 32768
       kbtp target --addr-le --pcap target.pcap --metrics 9464
+      kbtp target --listen 127.0.0.1 --trust 127.0.0.1/32   # direct modes for one peer only
       kbtp target --probe-interval 2 --max-backlog 1048576 --hello-timeout 2 --max-half-open 16
     """
     addr = address(transport, where)
@@ -124,7 +137,7 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
                               handles_per_initiator=handles, direct_partitions=direct_partitions,
                               request_credits=credits, max_inline=max_inline,
                               ticket_timeout_ms=ticket_timeout, retention_s=retention,
-                              clear_freed=not no_clear, **limits)
+                              clear_freed=not no_clear, trust=tuple(trust) or LOOPBACK, **limits)
         config.validate()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -161,6 +174,7 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
     click.echo(f"kbtp target listening on {bound}: {config.blocks} blocks of {config.block_size} "
                f"octets, quota {config.quota}, features {feature_names(t.features)}{withheld}"
                f"{', ADDR_LE' if config.addr_le else ''}"
+               f"{'; direct modes for ' + ', '.join(config.trust) if t.features & (DIRECT_LOAD | DIRECT_ALLOC) else ''}"
                f"{f', metrics on http://127.0.0.1:{metrics_port}/metrics' if metrics_port else ''}",
                err=False)
     try:

@@ -280,12 +280,16 @@ class Player:
             self._record(Played(step, live.ses, skipped=str(exc)), event)
             return
         qp = live.ini.qp
-        if step.kind == "read":
-            op = qp.read(stag, offset, step.length)
-        elif step.kind == "write":
-            op = qp.write(stag, offset, step.data)
-        else:
-            op = live.ini.take_ticket()
+        try:
+            if step.kind == "read":
+                op = qp.read(stag, offset, step.length)
+            elif step.kind == "write":
+                op = qp.write(stag, offset, step.data)
+            else:
+                op = live.ini.take_ticket()
+        except ValueError as exc:           # fields a damaged capture holds
+            self._record(Played(step, live.ses, skipped=f"cannot post it: {exc}"), event)
+            return
 
         async def answer() -> None:
             played = Played(step, live.ses)
@@ -315,6 +319,12 @@ class Player:
             raise LookupError(f"the new HELLO_ACK grants no {step.region} descriptor")
         stag, base = new[f"{step.region}.stag"], new[f"{step.region}.offset"]
         block_size = ses.ack.get("hello_ack.block_size", 1) or 1
+        longest = max(ini.target.block_size, M.ENTRY_SIZE, M.SLOT_SIZE)
+        if step.kind == "read" and step.length > longest:
+            # the direct modes read one entry, slot or block: a capture's length field is
+            # not what replay's buffers are sized by
+            raise LookupError(f"a Read of {step.length} octets is longer than the direct modes "
+                              f"make (a block of {ini.target.block_size})")
         if step.region == "table":
             index, rem = divmod(step.offset - captured[1], M.ENTRY_SIZE)
             handle = m.handle(ses, ses.ack.get("hello_ack.table_base_handle", 0) + index)

@@ -25,6 +25,7 @@ OP = OPCODES.by_name()
 ADDR_LE = flag(FEATURES, "ADDR_LE")
 REQUESTS = {OP[n] for n in ("LOAD", "STORE", "ALLOC_STORE", "FREE", "BIND")}
 DIRECT_REGIONS = ("table", "pool", "partition", "ring", "head")
+MAX_BLOCK = 1 << 24    # the largest Block Size replay makes buffers for (16 MiB)
 
 
 @dataclass
@@ -256,11 +257,14 @@ class _Builder:
         kind = "goodbye" if fields.get("opcode") == OP["GOODBYE"] else "request"
         step = Step(ses, kind, frame, t, fields, msg.payload, error)
         opcode = fields.get("opcode")
+        # A block's data is at most Block Size: buffers are sized by that (and a sane cap on
+        # it), never by a length field alone, which a damaged capture may set to gigabytes.
+        most = min(ses.ack.get("hello_ack.block_size", 0) or MAX_BLOCK, MAX_BLOCK)
         if opcode in (OP["LOAD"],) and "dd.length" in fields:
-            step.loaded = bytearray(min(fields["dd.length"], 1 << 26))
+            step.loaded = bytearray(min(fields["dd.length"], most))
         if opcode in (OP["STORE"], OP["ALLOC_STORE"]) and fields.get("dd.stag") and \
                 "inline_data" not in fields:
-            step.supplied = bytearray(min(fields.get("dd.length", 0), 1 << 26))
+            step.supplied = bytearray(min(fields.get("dd.length", 0), most))
         if kind == "goodbye":
             step.captured = Outcome(form="goodbye")       # answered by closing, not compared
         elif "request_id" in fields:

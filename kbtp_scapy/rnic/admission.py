@@ -7,10 +7,17 @@ from the same ``HalfOpen`` for each new connection and refuses the connection wh
 is left, so a peer that starts set-ups and never finishes them holds at most
 ``per_source`` of them, and all peers together at most ``limit``; the deadlines of each
 phase (CM timeout, MPA, first HELLO) give the slots back.
+
+When all ``limit`` slots are taken, a set-up from a source that holds fewer of them than
+the source holding most ends that source's oldest set-up and takes its slot (counted as
+``half_open_evicted``):
+a few addresses that keep ``per_source`` set-ups each open, or dribble each one just
+inside its deadlines, cannot lock out an address they do not use.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 
 
 class HalfOpen:
@@ -23,28 +30,49 @@ class HalfOpen:
         self.count = 0
         self.by_source: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
+        self._held: dict[str, deque[Ticket]] = {}
 
     def enter(self, source: str) -> Ticket | None:
         """A slot for a new connection from ``source``, or None (counted) when full."""
-        if self.count >= self.limit:
-            self.refused["half_open"] += 1
-            return None
         if self.by_source[source] >= self.per_source:
             self.refused["half_open_per_source"] += 1
             return None
+        if self.count >= self.limit and not self._make_room(source):
+            self.refused["half_open"] += 1
+            return None
         self.count += 1
         self.by_source[source] += 1
-        return Ticket(self, source)
+        ticket = Ticket(self, source)
+        self._held.setdefault(source, deque()).append(ticket)
+        return ticket
+
+    def _make_room(self, source: str) -> bool:
+        """End the oldest set-up of the source holding most slots, if it holds more than
+        ``source`` would with this one; True when a slot was freed."""
+        heaviest, held = self.by_source.most_common(1)[0]
+        if held <= self.by_source[source] + 1:
+            return False
+        victim = next((t for t in self._held[heaviest] if t.evict is not None), None)
+        if victim is None:
+            return False
+        evict = victim.evict
+        victim.leave()
+        self.refused["half_open_evicted"] += 1
+        evict(f"set-up ended to make room for a connection from {source} "
+              f"({heaviest} held {held} of the {self.limit} half-open slots)")
+        return True
 
 
 class Ticket:
     """One half-open connection's slot; ``leave`` gives it back (once)."""
 
-    __slots__ = ("_owner", "source")
+    __slots__ = ("_owner", "source", "evict")
 
     def __init__(self, owner: HalfOpen, source: str) -> None:
         self._owner: HalfOpen | None = owner
         self.source = source
+        #: how its holder ends the set-up when the slot is taken for another (None: never)
+        self.evict: Callable[[str], None] | None = None
 
     def leave(self) -> None:
         owner, self._owner = self._owner, None
@@ -52,5 +80,8 @@ class Ticket:
             return
         owner.count -= 1
         owner.by_source[self.source] -= 1
+        held = owner._held[self.source]
+        held.remove(self)
         if owner.by_source[self.source] <= 0:
             del owner.by_source[self.source]
+            del owner._held[self.source]

@@ -13,6 +13,8 @@ names the section it follows.
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -43,6 +45,8 @@ from .admission import HalfOpen
 from .memory import AccessError, Fault, MemoryTable
 from .qp import ConnectionLost, QueuePair, ReceiveError, RemoteError, Verb, WorkRequest
 
+log = logging.getLogger(__name__)
+
 _U64 = (1 << 64) - 1
 _SEND_OPS = {(False, False): Op.SEND, (True, False): Op.SEND_INV,
              (False, True): Op.SEND_SE, (True, True): Op.SEND_SE_INV}
@@ -50,6 +54,8 @@ FLUSH_MESSAGES = 8
 RTR_DELAY = 0.05          # the longest wait before the RTR (see IwarpQP._on_reply)
 OVERRUN_GRACE = 1.0       # the longest a Terminate for a Send without buffer waits
 TERMINATE_LINGER = 2.0    # then the stream is reset if TCP could not take it all
+READ_CHUNK = 64 << 10     # Read Response octets built ahead of what TCP has taken
+RETRY_FIRST, RETRY_MOST = 0.02, 0.5   # seconds between connects the listener reset
 NUDGE_AFTER = 0.1         # silence after the RTR that sends a nudge (see IwarpQP._nudge)
 """Messages queued before the stream is written without waiting for the end of the loop
 iteration: the peer starts on the first while the rest are built, as an RNIC transmits
@@ -101,6 +107,18 @@ class _Read:
     data: bytearray
 
 
+@dataclass
+class _Inbound:
+    """A peer's RDMA Read Request being answered: where the rest of its Read Response
+    comes from and goes to (RFC 5040 s4.4, s4.5)."""
+
+    sink_stag: int
+    sink_to: int
+    src_stag: int
+    src_to: int
+    left: int
+
+
 class IwarpQP(QueuePair, asyncio.Protocol):
     """A queue pair over one TCP connection, from the TCP handshake to the FIN."""
 
@@ -146,6 +164,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._msn_rx = [1] * _QUEUES
         self._sq: deque[WorkRequest] = deque()       # held back while ORD is exhausted
         self._reads: deque[_Read] = deque()
+        self._inbound: deque[_Inbound] = deque()     # at most IRD, answered in order
         self._atomics: dict[int, tuple[WorkRequest, int]] = {}   # Request Identifier
         self._sink_stag = 0x1000
         self._req_id = 0
@@ -163,6 +182,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             if self.admission is None:       # too many set-ups: reset, nothing kept
                 self._tp.abort()
                 return
+            self.admission.evict = self._evicted
         _liveness(transport, self._keepalive, self._user_timeout)
         if self.mss is None:
             self.mss = _emss(transport)
@@ -213,14 +233,26 @@ class IwarpQP(QueuePair, asyncio.Protocol):
     def resume_writing(self) -> None:
         self._paused = False
         self._complete_written()
+        self._serve_reads()
 
     def _complete_written(self) -> None:
         done, self._written = self._written, []
         for wr in done:
             self.complete(wr)
 
+    def _evicted(self, reason: str) -> None:
+        """Its half-open slot went to another source: a reset in MPA set-up, where no
+        Terminate can be framed yet; a Terminate once FPDUs flow (no HELLO answered)."""
+        log.info("connection from %s: %s", self.remote[0], reason)
+        if self._phase == "fpdu":
+            self.abort(reason)
+        elif self._tp is not None:
+            self._tp.abort()
+            self.lost(ConnectionLost(reason))
+
     def lost(self, error: BaseException) -> None:
         self._unwritten, self._written = [], []
+        self._inbound.clear()
         super().lost(error)
 
     def _not_ready(self, error: ConnectionLost) -> None:
@@ -543,12 +575,42 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             raise _Fatal(w.LAYER_DDP, w.DDP_UNTAGGED, 0x04, "short Read Request")
         header = bytes(body[:w.READ_REQUEST.size])
         sink_stag, sink_to, size, src_stag, src_to = w.READ_REQUEST.unpack(header)
+        if len(self._inbound) >= self.ird:
+            # RFC 5040 s5.3: a Read Request consumes one of the IRD untagged buffers of
+            # queue 1; beyond them there is no buffer for it.
+            raise _Fatal(w.LAYER_DDP, w.DDP_UNTAGGED, 0x02,
+                         f"Read Request beyond the IRD of {self.ird} outstanding")
         try:
-            data = self.serve_read(src_stag, src_to, size) if size else b""
+            if size:
+                self.check_read(src_stag, src_to, size)
         except AccessError as exc:
             raise _Fatal(w.LAYER_RDMAP, w.RDMAP_PROTECTION, _RDMAP_FAULTS[exc.fault],
                          str(exc), header) from None
-        self._send_tagged(Op.READ_RESPONSE, sink_stag, sink_to, data)
+        self._inbound.append(_Inbound(sink_stag, sink_to, src_stag, src_to, size))
+        self._serve_reads()
+
+    def _serve_reads(self) -> None:
+        """Build Read Responses as TCP takes them, READ_CHUNK ahead at most: a peer that
+        asks for the whole Pool IRD times and does not read holds TCP's buffer and one
+        chunk of the target's memory, not IRD copies of the Pool."""
+        while (self._inbound and not self._paused and self._phase == "fpdu"
+               and self._tp is not None and not self._tp.is_closing()):
+            if len(self._txbuf) >= READ_CHUNK:
+                self._flush()       # TCP takes it, or says it is full (pause_writing)
+                continue
+            read = self._inbound[0]
+            count = min(READ_CHUNK, read.left)
+            try:
+                data = self.serve_read(read.src_stag, read.src_to, count) if count else b""
+            except AccessError as exc:    # invalidated since the request was checked
+                self._terminate(_Fatal(w.LAYER_RDMAP, w.RDMAP_PROTECTION,
+                                       _RDMAP_FAULTS[exc.fault], str(exc)))
+                return
+            read.left -= count
+            self._send_tagged(Op.READ_RESPONSE, read.sink_stag, read.sink_to, data, not read.left)
+            read.src_to, read.sink_to = read.src_to + count, (read.sink_to + count) & _U64
+            if not read.left:
+                self._inbound.popleft()
 
     def _rx_atomic_request(self, body: memoryview) -> None:
         if len(body) < w.ATOMIC_REQUEST.size:
@@ -668,16 +730,17 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                                                len(chunk), inv_stag), chunk)
         self._schedule_flush()
 
-    def _send_tagged(self, op: int, stag: int, to: int, payload: bytes) -> None:
+    def _send_tagged(self, op: int, stag: int, to: int, payload: bytes, last: bool = True) -> None:
+        """A tagged message, or (``last`` False) the first part of one."""
         room = self.mulpdu - DDP_TAGGED_LEN
         total = len(payload)
         if total <= room:
-            self._put_fpdu(w.tagged_head(True, op, stag, to, total), payload)
+            self._put_fpdu(w.tagged_head(last, op, stag, to, total), payload)
         else:
             view = memoryview(payload)
             for off in range(0, total, room):
                 chunk = bytes(view[off:off + room])
-                self._put_fpdu(w.tagged_head(off + room >= total, op, stag,
+                self._put_fpdu(w.tagged_head(last and off + room >= total, op, stag,
                                              (to + off) & _U64, len(chunk)), chunk)
         self._schedule_flush()
 
@@ -859,7 +922,12 @@ def _options(recv_size: int = 4096, posted: int = 0, crc: bool = True, markers: 
 
 
 async def connect(host: str, port: int, memory: MemoryTable, **options) -> IwarpQP:
-    """TCP connect, MPA Request/Reply and RTR; returns a ready queue pair."""
+    """TCP connect, MPA Request/Reply and RTR; returns a ready queue pair.
+
+    A listener ends the set-ups beyond its half-open caps before it says a word; like a
+    RoCEv2 CM, which sends its REQ again, the connect tries again after a jittered
+    backoff until ``connect_timeout`` (a refused connect, nothing listening, is final,
+    and so is anything the listener answered)."""
     qp_options, timeout, _ = _options(**options)
     loop = asyncio.get_running_loop()
     qp: IwarpQP | None = None
@@ -869,15 +937,23 @@ async def connect(host: str, port: int, memory: MemoryTable, **options) -> Iwarp
         qp = IwarpQP(memory, active=True, **qp_options)
         return qp
 
+    backoff = RETRY_FIRST
     try:
         async with asyncio.timeout(timeout):
-            await loop.create_connection(factory, host, port)
-            await qp.ready
+            while True:
+                try:
+                    await loop.create_connection(factory, host, port)
+                    await qp.ready
+                    return qp
+                except (ConnectionResetError, ConnectionLost):
+                    if qp is None or qp.stats["bytes_rx"]:
+                        raise           # the listener said something: its word is final
+                await asyncio.sleep(backoff * (0.5 + random.random()))
+                backoff = min(2 * backoff, RETRY_MOST)
     except BaseException:
         if qp is not None and qp._tp is not None:
             qp._tp.abort()
         raise
-    return qp
 
 
 async def listen(host: str, port: int, memory: MemoryTable,

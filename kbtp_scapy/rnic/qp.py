@@ -24,6 +24,7 @@ from typing import Any
 from .admission import Ticket
 from .memory import Access, MemoryTable
 
+_REMOTE_READ = int(Access.REMOTE_READ)
 _REMOTE_WRITE = int(Access.REMOTE_WRITE)
 
 
@@ -54,6 +55,18 @@ class WorkRequest:
     done: bool = False
     result: Any = None
     error: BaseException | None = None
+
+
+def _check(wr: WorkRequest) -> None:
+    """Refuse at posting, as ibv_post_send does with EINVAL, a field its wire header
+    cannot carry: found later, inside a transport's send path, it would strand the
+    operation with no completion."""
+    # a negative value shifted right stays non-zero too
+    if (wr.stag | wr.length | len(wr.payload) | (wr.invalidate or 0) | (wr.imm or 0)) >> 32 \
+            or wr.offset >> 64:
+        raise ValueError(f"work request out of range: STag 0x{wr.stag:x}, Tagged Offset "
+                         f"0x{wr.offset:x}, length {wr.length or len(wr.payload)} (32, 64 and "
+                         "32 bits at most)")
 
 
 @dataclass
@@ -122,6 +135,7 @@ class QueuePair:
         An unsignaled operation (``signaled=False``, as IBV_SEND_SIGNALED left out) has no
         future: a later signaled one's completion covers it, and its failure ends the
         connection, which every waiter sees."""
+        _check(wr)
         if signaled:
             wr.future = asyncio.get_running_loop().create_future()
         if self.error is not None:
@@ -249,6 +263,10 @@ class QueuePair:
 
     def serve_read(self, stag: int, offset: int, length: int) -> bytes:
         return self.memory.remote_read(stag, offset, length, self)
+
+    def check_read(self, stag: int, offset: int, length: int) -> None:
+        """Validate a whole Read Request before its first Read Response segment is built."""
+        self.memory.remote(stag, offset, length, _REMOTE_READ, self)
 
     def check_write(self, stag: int, offset: int, length: int) -> None:
         """Validate a whole tagged Write before its first segment is placed."""

@@ -33,6 +33,24 @@ log = logging.getLogger(__name__)
 
 RESOURCES = 16            # responder resources / initiator depth announced in REQ and REP
 PATHS = 1024              # paths cached per device (each QP keeps its own as well)
+UNSOLICITED = 64          # answers per second to CM MADs that name no connection or service
+
+
+class _Bucket:
+    """A token bucket: at most ``rate`` events a second, in bursts of ``rate``."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.tokens, self.at = rate, rate, 0.0
+        self.dropped = 0
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        self.dropped += 1
+        return False
 
 
 class Device:
@@ -47,6 +65,7 @@ class Device:
     def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int,
                  io: dict | None = None, peer_port: int = ROCE_PORT) -> None:
         self.loop = loop
+        self._unsolicited = _Bucket(UNSOLICITED)   # DREPs and REJs to unknown comm IDs and services
         self.stats: dict[str, int] = {}
         self.io_options = dict(io or {})
         self.io: RoceIO = _backend(host, port, self.stats, self.io_options)
@@ -211,6 +230,8 @@ class Device:
                 qp.establish()
         elif attr == cm.CmAttr.DREQ:
             listeners = qp.frame_listeners if qp is not None else ()
+            if qp is None and not self._unsolicited.take(self.loop.time()):
+                return          # a DREQ for no connection of ours, from anywhere: rate-limited
             self.send_mad(cm.CmMessage(cm.CmAttr.DREP, msg.transaction_id,
                                        local_comm_id=msg.remote_comm_id,
                                        remote_comm_id=msg.local_comm_id), addr, listeners)
@@ -238,6 +259,8 @@ class Device:
         if listener is None or msg.transport_type != 0:
             for fl in listener.frame_listeners if listener is not None else ():
                 fl("rx", frame)
+            if not self._unsolicited.take(self.loop.time()):
+                return          # the source is not authenticated: not a 1:1 reflector
             self.send_mad(cm.CmMessage(cm.CmAttr.REJ, msg.transaction_id,
                                        remote_comm_id=msg.local_comm_id,
                                        local_comm_id=secrets.randbits(32),
@@ -335,6 +358,8 @@ class RoceListener:
                 return
         qp = RoceQP(self._memory, dev, **{**self._options, "mtu": req.path_mtu})
         qp.admission = ticket
+        if ticket is not None:
+            ticket.evict = qp.abort
         qp.frame("rx", frame)
         qp.setup(addr, req.local_qpn, req.starting_psn, req.path_mtu)
         dev.bind(qp, addr)

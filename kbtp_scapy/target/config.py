@@ -1,6 +1,7 @@
 """What a target is told at start: pool geometry, session limits, features, timers."""
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from ..tables.enums import FEATURES, flag
@@ -9,6 +10,10 @@ DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
 DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
 RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
 ADDR_LE = flag(FEATURES, "ADDR_LE")
+
+#: Who may be offered the direct modes unless told otherwise: this host's own peers only
+#: (docs/DECISIONS.md, "Trust for the direct modes").
+LOOPBACK = ("127.0.0.0/8", "::1/128")
 
 
 @dataclass
@@ -38,7 +43,10 @@ class TargetConfig:
     max_inline: int = 4096
     ticket_timeout_ms: int = 2000
     retention_s: float = 300.0
+    min_retention_s: float = 10.0    # under pressure, a retained session holding blocks gives way after this
+    idle_timeout_s: float = 30.0     # under pressure, an active session silent this long gives way
     clear_freed: bool = True         # clear blocks on free: initiators are separate trust domains
+    trust: tuple[str, ...] = LOOPBACK    # peers (CIDR) offered DIRECT_LOAD and DIRECT_ALLOC
     memory_order: str = "little"     # the target's memory byte order (ring counters)
     probe_interval_s: float = 10.0   # silence before a liveness probe (and TCP keepalive)
     probe_timeout_s: float = 10.0    # a probe's answer deadline (and TCP_USER_TIMEOUT)
@@ -59,10 +67,30 @@ class TargetConfig:
         if self.direct_partitions < 0:
             self.direct_partitions = self.max_initiators // 2 if self.features & DIRECT_ALLOC else 0
         self.max_inline = min(self.max_inline, self.block_size)
+        self._trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    def trusts(self, host: str) -> bool:
+        """Whether a peer at ``host`` may be offered the direct modes (spec "Security
+        Considerations": only to initiators trusted for every block the STags reach)."""
+        if not self._trusted:
+            self._trusted = tuple(ipaddress.ip_network(n, strict=False) for n in self.trust)
+        try:
+            address = ipaddress.ip_address(host.split("%")[0])
+        except ValueError:
+            return False
+        if address.version == 6 and address.ipv4_mapped:
+            address = address.ipv4_mapped
+        return any(address in net for net in self._trusted)
 
     def validate(self) -> None:
         if self.blocks < 1 or self.block_size < 1:
             raise ValueError("--blocks and --block-size must be at least 1")
+        for net in self.trust:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"--trust {net}: not an address or CIDR network "
+                                 "(for example 10.0.0.0/8 or fd00::/8)") from None
         if self.block_size % 8:
             raise ValueError("--block-size must be a multiple of 8")
         if self.max_initiators < 1 or self.quota < 1:
@@ -78,7 +106,7 @@ class TargetConfig:
         if not 1 <= self.request_credits <= 0xFFFF:
             raise ValueError("--credits must be 1 to 65535")
         for name, value in self.limits().items():
-            zero_ok = name in ("cm_retries", "retention")
+            zero_ok = name in ("cm_retries", "retention", "min_retention")
             if value < 0 or value == 0 and not zero_ok:
                 raise ValueError(f"--{name.replace('_', '-')} must be "
                                  f"{'at least 0' if zero_ok else 'positive'}")
@@ -88,7 +116,8 @@ class TargetConfig:
         the ``_s`` of seconds): shown by ``kbtp target --help`` and in the metrics."""
         names = ("probe_interval_s", "probe_timeout_s", "max_backlog", "backlog_timeout_s",
                  "max_half_open", "max_half_open_per_source", "cm_timeout_s", "cm_retries",
-                 "mpa_timeout_s", "hello_timeout_s", "retention_s")
+                 "mpa_timeout_s", "hello_timeout_s", "retention_s", "min_retention_s",
+                 "idle_timeout_s")
         return {name.removesuffix("_s"): getattr(self, name) for name in names}
 
     @property

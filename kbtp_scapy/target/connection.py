@@ -110,6 +110,7 @@ class Connection:
                 log.info("connection from %s refused: too many connections without a "
                          "session", self.peer)
                 return False
+            self.qp.admission.evict = self.qp.abort
         return True
 
     async def _hello(self) -> bool:
@@ -126,7 +127,9 @@ class Connection:
             hello = codec.decode(msg.payload)
         except codec.Malformed:
             hello = None
-        if hello is None or hello["opcode"] != OP["HELLO"]:
+        if hello is None or hello["opcode"] != OP["HELLO"] or not hello["hello.completion_credits"]:
+            # Completion Credits 0: no COMPLETION could reach the initiator, so no request
+            # could be answered (docs/DECISIONS.md, "A HELLO with no Completion Credits").
             t.metrics.hello("MALFORMED")
             await self._hello_ack(S["MALFORMED"], {})
             return False
@@ -146,6 +149,7 @@ class Connection:
             await self._hello_ack(S[refusal.status], {})
             return False
         self.state.qp = self.qp
+        self.state.heard_at = asyncio.get_running_loop().time()
         t.metrics.hello("OK")
         features = requested & offered & ~ADDR_LE
         if t.config.addr_le:
@@ -225,9 +229,11 @@ class Connection:
         """
         t = self.target
         batch: deque[tuple[dict[str, Any], asyncio.Future | None, str]] = deque()
+        loop = asyncio.get_running_loop()
         while True:
             msg = await self.qp.recv()
             self.liveness.heard = True
+            self.state.heard_at = loop.time()
             while msg is not None:
                 try:
                     req, why = codec.decode(msg.payload, self.addr_le), ""

@@ -165,6 +165,8 @@ class Executor:
         entry = self._entry(req, state)
         if entry.valid:
             raise Failed("ALREADY_BOUND")
+        if state.watch is not None:
+            state.watch.poll()       # tickets FetchAdd took since the last look count now
         if state.usage >= state.quota:
             raise Failed("NO_SPACE")
         data = await self._data(conn, req, length, fetch)

@@ -58,8 +58,11 @@ class Target:
         return offered & ~self.unavailable
 
     def offered_features(self, qp: QueuePair) -> int:
-        """What the HELLO_ACK on ``qp`` may grant (``features``; its transport is ours)."""
-        return self.features
+        """What the HELLO_ACK on ``qp`` may grant: ``features``, less the direct modes
+        for a peer outside ``--trust``."""
+        if self.config.trusts(qp.remote[0]):
+            return self.features
+        return self.features & ~(DIRECT_LOAD | DIRECT_ALLOC)
 
     async def start(self, url: str | Address, **options) -> Address:
         address = url if isinstance(url, Address) else parse_url(url)

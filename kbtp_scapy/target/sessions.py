@@ -6,6 +6,14 @@ lost connection), so a reconnect with the same ID finds them intact; a HELLO who
 belongs to a session that is still active is refused. A retained session that holds
 nothing (no binding, no ticket) keeps its slot only until a new initiator needs it: it is
 dropped then, oldest first, so throw-away IDs cannot lock others out for the retention.
+Under the same pressure, one that holds blocks gives way once it has been retained for
+``min_retention_s``, oldest first, and loses its bindings as at the end of its retention
+(the specification lets the target choose that time: docs/DECISIONS.md, "Retention under
+pressure"), so IDs that each store a block and vanish hold others out for that long only.
+An active session whose peer has sent nothing for ``idle_timeout_s`` gives way too: its
+connection is ended, and it is dropped at once if it holds nothing, or retained as any
+departed one is (a live but idle or frozen peer, whose RNIC still answers the liveness
+probes, holds a slot for that long only while others wait).
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ class Initiator:
     qp: Any = None                 # the connection of the active session
     expiry: asyncio.TimerHandle | None = None
     retained_at: float = 0.0       # loop time it was last retained
+    heard_at: float = 0.0          # loop time of its last request (active sessions)
 
     def owns(self, handle: int) -> bool:
         return self.handle_base <= handle < self.handle_base + self.handle_count
@@ -64,6 +73,7 @@ class Sessions:
         self._partitions = partitions
         self._release = release
         self.retained = self.evicted = self.expired = 0   # counters, for the metrics
+        self.ended_idle = 0
 
     def admit(self, initiator_id: bytes, want_partition: bool) -> tuple[Initiator, bool]:
         """The initiator's state and whether it was restored from retention."""
@@ -87,7 +97,8 @@ class Sessions:
                 break
             # no room: any idle session makes some; room but no partition: only one with
             # a partition gives one
-            idle = self._idle(with_partition=room)
+            idle = (self._idle(with_partition=room) or self._stale(with_partition=room)
+                    or self._quiet(with_partition=room))
             if idle is None:
                 if room:
                     break          # DIRECT_ALLOC without a partition: on the shared ring
@@ -110,9 +121,34 @@ class Sessions:
                 and (s.partition is not None or not with_partition)]
         return min(idle, key=lambda s: s.retained_at, default=None)
 
+    def _stale(self, with_partition: bool) -> Initiator | None:
+        """The retained session, holding blocks, retained first and for at least
+        ``min_retention_s`` (one with a partition when ``with_partition``), if any."""
+        cutoff = asyncio.get_running_loop().time() - self.config.min_retention_s
+        stale = [s for s in self.by_id.values() if not s.active and s.retained_at <= cutoff
+                 and (s.partition is not None or not with_partition)]
+        return min(stale, key=lambda s: s.retained_at, default=None)
+
+    def _quiet(self, with_partition: bool) -> Initiator | None:
+        """An active session silent for ``idle_timeout_s``, silent longest, with its
+        connection ended; returned only if it holds nothing (else it is retained when its
+        connection's task ends, and gives way after ``min_retention_s``)."""
+        cutoff = asyncio.get_running_loop().time() - self.config.idle_timeout_s
+        quiet = [s for s in self.by_id.values() if s.active and s.qp is not None
+                 and s.heard_at <= cutoff and (s.partition is not None or not with_partition)]
+        state = min(quiet, key=lambda s: s.heard_at, default=None)
+        if state is None:
+            return None
+        self.ended_idle += 1
+        state.qp.abort(f"no request for {self.config.idle_timeout_s:g} s while another "
+                       "initiator waits for room")
+        return state if state.usage == 0 else None
+
     def detach(self, state: Initiator, release: bool) -> None:
         """The session ended: release now (GOODBYE RELEASE), else keep for the retention time."""
         state.active, state.qp = False, None
+        if self.by_id.get(state.initiator_id) is not state:
+            return                      # given way already (``_quiet``)
         if release:
             self.forget(state)
             return

@@ -1,0 +1,536 @@
+"""The reference target against the second round of hostile peers (issue 23): each test an
+attack on real sockets against a ``kbtp target`` process, asserting numbers.
+
+The attackers frame MPA, DDP and RDMAP from ``tests/hostile.py``'s raw tools on plain
+sockets: the target's RNIC and session code take no part in them.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import resource
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kbtp_scapy import codec
+from kbtp_scapy.initiator import Initiator, KbtpError
+from kbtp_scapy.rnic import cm
+from kbtp_scapy.tables.enums import FEATURES, STATUS, flag
+from kbtp_scapy.wire import iwarp as w, roce as rw
+from kbtp_scapy.wire.iwarp_defs import DDP_TAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
+
+from .hostile import (
+    OP,
+    SLACK,
+    CmFlooder,
+    RssWatch,
+    TargetProc,
+    admitted_after,
+    fpdu_send,
+    hello,
+    mpa_peer,
+    read_fpdus,
+    start_peer,
+)
+from .kbtp_harness import fresh_hosts
+
+ROOT = Path(__file__).resolve().parent.parent
+DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
+DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
+S_MALFORMED = STATUS.by_name()["MALFORMED"]
+POOL = ["-F", "1024", "-S", "4096"]          # a 4 MiB Pool
+IRD = 16                                     # what the target's MPA Reply advertises
+
+
+def read_request(msn: int, stag: int, offset: int, size: int, sink: int = 0x77) -> bytes:
+    """An RDMA Read Request FPDU (queue 1) for ``size`` octets at (``stag``, ``offset``)."""
+    body = w.READ_REQUEST.pack(sink, 0, size, stag, offset)
+    head = w.untagged_head(True, Op.READ_REQUEST, 1, msn, 0, len(body))
+    return head + body + w.fpdu_tail(head, body, True)
+
+
+async def direct_session(host: str, port: int):
+    """A ready MPA stream with a session that was granted DIRECT_LOAD: (reader, writer,
+    the Pool's STag, its Tagged Offset)."""
+    reader, writer = await mpa_peer(host, port)
+    writer.write(fpdu_send(codec.encode({**codec.decode(hello()), "hello.requested_features": DIRECT_LOAD}), 1))
+    (opcode, payload), = await read_fpdus(reader, 5, limit=1)
+    ack = codec.decode(payload)
+    assert opcode in (Op.SEND, Op.SEND_SE) and ack["opcode"] == OP["HELLO_ACK"], ack
+    assert "hello_ack.pool.stag" in ack, f"DIRECT_LOAD not granted to a loopback peer: {ack}"
+    return reader, writer, ack["hello_ack.pool.stag"], ack["hello_ack.pool.offset"]
+
+
+def test_iwarp_read_flood_of_the_whole_pool_keeps_memory_bounded():
+    """N1: IRD Read Requests for the whole 4 MiB Pool, the socket never read, for 4 s.
+    Answered all at once they would cost 64 MiB of Read Responses; built as TCP takes
+    them, the target holds TCP's buffer and one chunk."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, *POOL)
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def attack() -> float:
+        reader, writer, stag, offset = await direct_session(host, port)
+        base = t.rss_mb()
+        watch = RssWatch(t)
+        for msn in range(1, IRD + 1):
+            writer.write(read_request(msn, stag, offset, 4 << 20))
+        await asyncio.sleep(4)
+        peak = watch.stop()
+        writer.close()
+        return peak - base
+    try:
+        grew = asyncio.run(asyncio.wait_for(attack(), 30))
+    finally:
+        t.stop()
+    assert grew < 16, f"resident memory grew {grew:.1f} MB during the flood"
+
+
+def test_iwarp_read_request_beyond_ird_is_terminated():
+    """N1: RFC 5040 s5.3: the IRD + 1st outstanding Read Request finds no queue-1 buffer;
+    the target answers with a Terminate (DDP, untagged, no buffer) and ends the stream."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, *POOL)
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def attack():
+        reader, writer, stag, offset = await direct_session(host, port)
+        # Large: the kernel's send buffer takes the first answer or two whole, and the
+        # rest are outstanding when the requests beyond IRD arrive.
+        for msn in range(1, IRD + 5):
+            writer.write(read_request(msn, stag, offset, 4 << 20))
+        seen = [op for op, _ in await read_fpdus(reader, 5 + SLACK)]
+        writer.close()
+        return seen
+    try:
+        seen = asyncio.run(asyncio.wait_for(attack(), 30))
+        metrics = t.metrics()
+    finally:
+        log = t.stop()
+    assert seen and seen[-1] == Op.TERMINATE, seen[-5:]
+    assert "beyond the IRD" in log, log[-2000:]
+    assert metrics, "the target's metrics could not be read"
+
+
+def test_iwarp_reads_within_ird_are_answered_whole_and_in_order():
+    """What the pacing must not break: IRD Read Requests of different sizes, each answered
+    with its octets, in request order, the last segment of each marked Last."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, *POOL)
+    port = int(t.url.rsplit(":", 1)[1])
+    sizes = [8, 200_000, 0, 65536, 4096, 1]
+
+    async def exchange():
+        reader, writer, stag, offset = await direct_session(host, port)
+        for msn, size in enumerate(sizes, 1):
+            writer.write(read_request(msn, stag, offset, size, sink=0x100 + msn))
+        got: dict[int, int] = {}
+        order: list[int] = []
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while len(order) < len(sizes) and loop.time() < end:
+            length = await asyncio.wait_for(reader.readexactly(2), end - loop.time())
+            ulen = int.from_bytes(length, "big")
+            rest = await reader.readexactly(ulen + FPDU_OVERHEAD - 2 + fpdu_pad_len(ulen))
+            fpdu = length + rest
+            assert fpdu[2] & 0x80 and fpdu[3] & 0x0F == Op.READ_RESPONSE, fpdu[:20].hex()
+            sink = int.from_bytes(fpdu[4:8], "big")
+            got[sink] = got.get(sink, 0) + ulen - DDP_TAGGED_LEN
+            if fpdu[2] & 0x40:
+                order.append(sink)
+        writer.close()
+        return got, order
+    try:
+        got, order = asyncio.run(asyncio.wait_for(exchange(), 30))
+    finally:
+        t.stop()
+    assert order == [0x100 + n for n in range(1, len(sizes) + 1)]
+    assert [got[0x100 + n] for n in range(1, len(sizes) + 1)] == sizes
+
+
+def test_direct_modes_only_for_trusted_peers():
+    """Safe defaults: a peer outside --trust is granted neither DIRECT_LOAD nor its STags,
+    though it asked; the two-sided operations still work for it."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, *POOL, "--trust", "10.0.0.0/8", "--trust", "fd00::/8")
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def ask():
+        reader, writer = await mpa_peer(host, port)
+        writer.write(fpdu_send(codec.encode({**codec.decode(hello()),
+                                             "hello.requested_features": DIRECT_LOAD}), 1))
+        (_, payload), = await read_fpdus(reader, 5, limit=1)
+        writer.close()
+        return codec.decode(payload)
+    try:
+        ack = asyncio.run(asyncio.wait_for(ask(), 30))
+    finally:
+        t.stop()
+    assert ack["status"] == 0 and ack["hello_ack.features"] == 0, ack
+    assert not any(key.startswith(("hello_ack.pool", "hello_ack.table")) for key in ack), ack
+
+
+def test_trust_that_is_not_a_network_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "target", "--trust", "10.0.0/33",
+                           "--duration", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc
+    assert "--trust 10.0.0/33: not an address or CIDR network" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_retained_sessions_holding_blocks_give_way_after_min_retention():
+    """N4: 8 throw-away Initiator IDs each store a sealed block and leave without RELEASE.
+    A newcomer is refused NO_SPACE only until the oldest has been retained for
+    --min-retention (2 s here), not for the whole --retention; the one that gave way lost
+    its block, and the others kept theirs."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, "-F", "96", "--features", "none", "--min-retention", "2")
+
+    async def scenario():
+        ids = [secrets.token_bytes(16) for _ in range(8)]
+        for ident in ids:
+            ini = await Initiator.connect(t.url, initiator_id=ident, features=0)
+            await ini.alloc_store(ini.target.handle_base, ident, seal=True)
+            await ini.goodbye(release=False)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        took, refusals, newcomer = await admitted_after(t.url, start)
+        await newcomer.goodbye(release=True)
+        kept = []
+        for ident in ids:
+            try:
+                ini = await Initiator.connect(t.url, initiator_id=ident, features=0)
+            except KbtpError:
+                kept.append(None)
+                continue
+            try:
+                kept.append((await ini.load(ini.target.handle_base)).data == ident)
+            except KbtpError as exc:
+                kept.append(exc.name)
+            await ini.goodbye(release=False)
+        return took, refusals, kept
+    try:
+        took, refusals, kept = asyncio.run(asyncio.wait_for(scenario(), 60))
+        metrics = t.metrics()
+    finally:
+        t.stop()
+    assert refusals > 0 and took < 2 + SLACK, (took, refusals)
+    assert kept[0] == "NOT_VALID" and kept[1:] == [True] * 7, kept
+    assert metrics["kbtp_limit{limit=\"min_retention\"}"] == 2.0, metrics
+
+
+def damaged(source: Path, out: Path, seed: int, flips: int = 4) -> Path:
+    """``source`` with ``flips`` random bits flipped in the UDP payload of every frame (the
+    pcap record headers and link, IP and UDP headers left alone)."""
+    rnd = random.Random(seed)
+    data = bytearray(source.read_bytes())
+    pos = 24
+    while pos + 16 <= len(data):
+        caplen = int.from_bytes(data[pos + 8:pos + 12], "little")
+        start, end = pos + 16 + 42, pos + 16 + caplen
+        for _ in range(flips if end > start else 0):
+            at = rnd.randrange(start, end)
+            data[at] ^= 1 << rnd.randrange(8)
+        pos = end
+    out.write_bytes(data)
+    return out
+
+
+@pytest.mark.slow
+def test_replay_of_damaged_captures_ends_in_time_with_bounded_memory(tmp_path):
+    """N7: bit flips in RoCEv2 captures (Read lengths and Tagged Offsets beyond what a work
+    request can carry, lengths of gigabytes) end each replay within its --timeout bound,
+    with a report and no traceback, and replay's memory is not sized by the capture."""
+    host, = fresh_hosts(1)
+    t = TargetProc("roce", host)
+    local = "127.0.0.1" if host != "127.0.0.1" else "127.0.0.2"
+    worst = 0.0
+    try:
+        for seed in range(6):
+            for name in ("roce_session.pcap", "rxe_kernel_session.pcap"):
+                capture = damaged(ROOT / "pcaps" / name, tmp_path / f"{seed}-{name}", seed)
+                start = time.monotonic()
+                proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "replay", str(capture),
+                                       "--target", t.url, "--local", local, "--timeout", "2"],
+                                      capture_output=True, text=True, timeout=90)
+                worst = max(worst, time.monotonic() - start)
+                assert proc.returncode in (0, 1, 2), proc
+                assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+                assert (proc.stdout + proc.stderr).strip(), "replay said nothing"
+        rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # replays only
+    finally:
+        t.stop()
+    assert worst < 40, f"a damaged replay took {worst:.0f} s"
+    assert rss_mb < 250, f"a replay process reached {rss_mb:.0f} MB"
+
+
+async def hold_setups(target: tuple[str, int], sources: list[str], per_source: int,
+                      stop: asyncio.Event) -> int:
+    """Bare TCP connections to ``target``, ``per_source`` from each source, each opened
+    again as soon as it ends, until ``stop``: the connects made."""
+    made = 0
+
+    async def one(source: str) -> None:
+        nonlocal made
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(*target, local_addr=(source, 0))
+            except OSError:
+                await asyncio.sleep(0.01)
+                continue
+            made += 1
+            try:
+                await asyncio.wait_for(reader.read(), 30)
+            except (OSError, TimeoutError):
+                pass
+            writer.close()
+    tasks = [asyncio.create_task(one(s)) for s in sources for _ in range(per_source)]
+    await stop.wait()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return made
+
+
+def test_iwarp_setup_lockout_from_eight_sources_admits_a_newcomer():
+    """N2: 8 addresses keep 16 bare TCP connections each open (all 128 half-open slots),
+    re-opening each as it ends. A newcomer from an address the attacker does not use
+    connects, says HELLO and GOODBYE 20 times of 20, each within a bound."""
+    host, *attackers = fresh_hosts(9)
+    t = TargetProc("iwarp", host, "-F", "96", "--features", "none")
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def scenario():
+        stop = asyncio.Event()
+        attack = asyncio.create_task(hold_setups((host, port), attackers, 16, stop))
+        await asyncio.sleep(2)                     # every slot taken
+        loop = asyncio.get_running_loop()
+        times = []
+        for _ in range(20):
+            start = loop.time()
+            ini = await asyncio.wait_for(Initiator.connect(t.url, features=0), 10)
+            await ini.goodbye(release=True)
+            times.append(loop.time() - start)
+        stop.set()
+        return times, await attack
+    try:
+        times, made = asyncio.run(asyncio.wait_for(scenario(), 120))
+        metrics = t.metrics()
+    finally:
+        t.stop()
+    assert len(times) == 20 and max(times) < 1 + SLACK, times
+    assert made >= 128, made
+    assert metrics['kbtp_connections_refused_total{reason="half_open_evicted"}'] >= 20, metrics
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_a_hosts_100_parallel_connects_all_succeed(transport):
+    """N6: 100 connects at once from one host, beyond its 16 half-open slots: the listener
+    refuses the rest of them for now, and every one of the 100 gets its session."""
+    host, = fresh_hosts(1)
+    t = TargetProc(transport, host, "-F", "200", "--max-initiators", "100", "--features", "none")
+
+    async def scenario():
+        local = {"local": "127.0.0.1"} if transport == "roce" else {}
+        inis = await asyncio.gather(*(Initiator.connect(t.url, features=0, **local)
+                                      for _ in range(100)), return_exceptions=True)
+        good = [i for i in inis if isinstance(i, Initiator)]
+        await asyncio.gather(*(i.goodbye(release=True) for i in good))
+        return len(good), [repr(i) for i in inis if not isinstance(i, Initiator)][:3]
+    try:
+        good, bad = asyncio.run(asyncio.wait_for(scenario(), 90))
+    finally:
+        t.stop()
+    assert good == 100, bad
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_idle_and_frozen_peers_give_way_to_a_newcomer(transport):
+    """N5: 7 live sessions that send nothing after HELLO and one peer frozen with SIGSTOP
+    (its kernel still answers TCP, so on iWARP the liveness probes pass) hold every slot.
+    A newcomer is admitted once the silent ones have been silent --idle-timeout (2 s),
+    not never."""
+    host, frozen_local, our_local = fresh_hosts(3)
+    t = TargetProc(transport, host, "-F", "96", "--features", "none", "--idle-timeout", "2")
+    frozen = start_peer(t.url, secrets.token_bytes(16), False,
+                        *([frozen_local] if transport == "roce" else []))
+    os.kill(frozen.pid, signal.SIGSTOP)
+
+    async def scenario():
+        options = {"local": our_local} if transport == "roce" else {}
+        idle = [await Initiator.connect(t.url, features=0, **options) for _ in range(7)]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        took, refusals, newcomer = await admitted_after(t.url, start, **options)
+        await newcomer.goodbye(release=True)
+        for ini in idle:
+            await ini.qp.close()
+        return took, refusals
+    try:
+        took, refusals = asyncio.run(asyncio.wait_for(scenario(), 60))
+        metrics = t.metrics()
+    finally:
+        os.kill(frozen.pid, signal.SIGKILL)
+        frozen.wait()
+        t.stop()
+    assert refusals > 0 and took < 2 + SLACK, (took, refusals)
+    assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= 1, metrics
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_alloc_store_right_after_direct_tickets_is_charged_for_them(transport):
+    """Quota, raced: a DIRECT_ALLOC session takes its whole quota in tickets with FetchAdd
+    and sends ALLOC_STORE at once. The target looks at Head before it answers, so the
+    ALLOC_STORE is NO_SPACE, not a block beyond the quota."""
+    host, local = fresh_hosts(2)
+    t = TargetProc(transport, host, "-F", "96", "--features", "DIRECT_ALLOC")
+
+    async def scenario():
+        options = {"local": local} if transport == "roce" else {}
+        ini = await Initiator.connect(t.url, features=DIRECT_ALLOC, **options)
+        for _ in range(ini.target.quota):
+            await ini.take_ticket()
+        try:
+            await ini.alloc_store(ini.target.handle_base, b"one too many")
+            outcome = "OK"
+        except KbtpError as exc:
+            outcome = exc.name
+        await ini.goodbye(release=True)
+        return outcome
+    try:
+        outcome = asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        t.stop()
+    assert outcome == "NO_SPACE"
+
+
+def test_roce_dreqs_and_reqs_for_nothing_get_rate_limited_answers():
+    """Smaller: a DREQ for a comm ID the target never gave out gets a DREP, and a REQ for
+    a service nobody listens on a REJ, each to a source nobody authenticated. 2,000 of
+    each are answered at most 64 times a second, not 1:1."""
+    host, source = fresh_hosts(2)
+    t = TargetProc("roce", host, *["-F", "96", "--features", "none"])
+    try:
+        f = CmFlooder(source, host)
+        start = time.monotonic()
+        answers = {}
+        for attr, build in ((cm.CmAttr.DREQ, lambda: cm.CmMessage(
+                                cm.CmAttr.DREQ, secrets.randbits(64), local_comm_id=secrets.randbits(32),
+                                remote_comm_id=secrets.randbits(32))),
+                            (cm.CmAttr.REQ, lambda: _req_for(f, 9))):
+            before = time.monotonic()
+            got = 0
+            for _ in range(2000):
+                f.sock.sendto(_mad(f, build()), (host, 4791))
+                got += _count(f, {cm.CmAttr.DREP, cm.CmAttr.REJ})
+            time.sleep(0.3)
+            got += _count(f, {cm.CmAttr.DREP, cm.CmAttr.REJ})
+            answers[attr.name] = (got, time.monotonic() - before)
+        f.close()
+        took = time.monotonic() - start
+    finally:
+        t.stop()
+    for name, (got, seconds) in answers.items():
+        assert 1 <= got <= 64 + 64 * seconds + 8, (name, got, seconds, took)
+
+
+def _mad(f: CmFlooder, msg: cm.CmMessage) -> bytes:
+    head = rw.BTH_DETH.pack(rw.UD_SEND_ONLY, 0, rw.DEFAULT_PKEY, rw.CM_QPN, 0, rw.CM_QKEY, rw.CM_QPN)
+    return b"".join(rw.seal(f.tx, [head, cm.encode(msg)], 0))
+
+
+def _req_for(f: CmFlooder, port: int) -> cm.CmMessage:
+    """A REQ for rdma_cm port ``port``, where nothing listens."""
+    msg = cm.decode(f.req(port)[20:20 + cm.MAD_SIZE])
+    assert msg is not None
+    return msg
+
+
+def _count(f: CmFlooder, attrs: set) -> int:
+    n = 0
+    while True:
+        try:
+            data = f.sock.recv(4096)
+        except BlockingIOError:
+            return n
+        msg = cm.decode(data[20:20 + cm.MAD_SIZE]) if len(data) >= 20 + cm.MAD_SIZE else None
+        n += msg is not None and msg.attr in attrs
+
+
+def test_hello_with_no_completion_credits_is_refused_malformed():
+    """Smaller: Completion Credits 0 says the initiator has no buffer for any COMPLETION.
+    A peer that says so (and has buffers after all) gets HELLO_ACK MALFORMED and no
+    session, instead of one with 0 Request Credits whose requests are served anyway."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, "-F", "96", "--features", "none")
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def ask():
+        reader, writer = await mpa_peer(host, port)
+        writer.write(fpdu_send(hello(credits=0), 1))
+        (_, payload), = await read_fpdus(reader, 5, limit=1)
+        ack = codec.decode(payload)
+        writer.write(fpdu_send(codec.encode({"opcode": OP["FREE"], "request_id": 7,
+                                             "handle": ack.get("hello_ack.handle_base", 0)}), 2))
+        after = await read_fpdus(reader, 1.5)
+        writer.close()
+        return ack, after
+    try:
+        ack, after = asyncio.run(asyncio.wait_for(ask(), 30))
+        metrics = t.metrics()
+    finally:
+        t.stop()
+    assert ack["opcode"] == OP["HELLO_ACK"] and ack["status"] == S_MALFORMED, ack
+    assert not any(codec.decode(p).get("opcode") == OP["COMPLETION"] for op, p in after
+                   if op in (Op.SEND, Op.SEND_SE, Op.SEND_INV, Op.SEND_SE_INV)), after
+    assert metrics['kbtp_hellos_total{status="MALFORMED"}'] == 1, metrics
+
+
+def test_roce_spoofed_req_flood_from_eight_sources_admits_newcomers():
+    """N3: CM REQs from 8 sources at about 1,500 a second fill every half-open slot; 13
+    connects from an address the flood does not use all get their sessions, each within
+    a bound (before: 1 of 13 failed and the rest waited up to 6 s)."""
+    host, newcomer, *sources = fresh_hosts(10)
+    t = TargetProc("roce", host, "-F", "96", "--features", "none", "--max-half-open", "64",
+                   "--max-half-open-per-source", "8")
+    floods = [CmFlooder(s, host) for s in sources]
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            for f in floods:
+                f.send(2)
+            time.sleep(0.01)          # 8 x 2 per 10 ms: about 1,500 REQs a second
+    thread = threading.Thread(target=flood, daemon=True)
+
+    async def connects():
+        times = []
+        loop = asyncio.get_running_loop()
+        for _ in range(13):
+            start = loop.time()
+            ini = await asyncio.wait_for(Initiator.connect(t.url, features=0, local=newcomer), 15)
+            await ini.goodbye(release=True)
+            times.append(loop.time() - start)
+        return times
+    try:
+        thread.start()
+        time.sleep(1)
+        times = asyncio.run(asyncio.wait_for(connects(), 120))
+        stop.set()
+        thread.join()
+        sent = sum(f.sent for f in floods)
+        for f in floods:
+            f.close()
+    finally:
+        stop.set()
+        t.stop()
+    assert len(times) == 13 and max(times) < 1 + SLACK, times
+    assert sent > 1000, sent
