@@ -181,7 +181,8 @@ def test_iwarp_peer_that_never_reads_is_throttled_then_terminated():
     assert r["ops"] >= 15
     served = sum(v for k, v in r["metrics"].items()
                  if k.startswith('kbtp_operations_total{opcode="LOAD"'))
-    assert served < sent
+    steady_loads = r["ops"] // 3 + 1     # one LOAD in each ALLOC_STORE, LOAD, FREE cycle
+    assert served - steady_loads < sent
 
 
 def test_roce_peer_that_posts_no_receive_buffers_is_terminated_at_the_backlog_timeout():
