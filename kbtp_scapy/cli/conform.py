@@ -9,7 +9,8 @@ import click
 
 from ..conform import report
 from ..conform.registry import ERROR, FAIL, WARN, Case, all_cases, select
-from ..conform.runner import HarnessError, Listener, Outcome, run
+from ..conform.runner import Listener, Outcome, run
+from ..harness import HarnessError
 from ..initiator.results import TargetInfo
 
 

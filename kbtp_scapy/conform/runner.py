@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError
 from ..initiator.client import ALL_FEATURES
 from ..initiator.results import TargetInfo
@@ -38,10 +39,6 @@ from .registry import (
 )
 
 CASE_BUDGET = 8      # a whole case may take this many --timeout periods (unless it says)
-
-
-class HarnessError(Exception):
-    """The run could not start or go on: no verdict can be given."""
 
 
 @dataclass

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..harness import HarnessError
 from ..rnic.pcap import PcapSink
 from ..wire.address import parse_url
 from . import report
 from .cases import Case, make_case, parse_name
 from .runner import Runner, minimize
-from .state import HarnessError, describe
+from .state import describe
 
 
 @dataclass

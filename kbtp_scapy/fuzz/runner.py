@@ -11,12 +11,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..harness import HarnessError
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..wire.address import parse_url
 from .cases import Case, Step
 from .findings import Finding
 from .oracles import liveness, table_invariants
-from .state import HarnessError, Lost, NoAnswer, Rebuild, World
+from .state import Lost, NoAnswer, Rebuild, World
 from .steps import Steps
 
 

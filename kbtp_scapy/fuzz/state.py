@@ -12,6 +12,7 @@ import asyncio
 import secrets
 from dataclasses import dataclass, field
 
+from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError
 from ..initiator.client import ALL_FEATURES
 from ..initiator.results import TargetInfo
@@ -23,10 +24,6 @@ from .oracles import check_hello_ack
 
 GUARDS = 2
 TRANSPORT_ERRORS = (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError)
-
-
-class HarnessError(Exception):
-    """The run cannot start or go on; no verdict can be given."""
 
 
 class Lost(Exception):

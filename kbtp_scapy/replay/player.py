@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import codec
+from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError
 from ..initiator.results import Waiting, match_completion
 from ..rnic import Access
@@ -27,10 +28,6 @@ from .mapping import Mapping
 from .sessions import OP, Capture, Outcome, Session, Step, slot_of
 
 Pair = tuple[Outcome | None, Outcome]     # (captured, replayed) of a one-sided operation
-
-
-class HarnessError(Exception):
-    """The replay could not be run (no connection to the target, nothing to replay)."""
 
 
 @dataclass

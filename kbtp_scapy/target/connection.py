@@ -32,7 +32,7 @@ from .direct import TicketWatch, grant_direct_load, grant_partition
 from .liveness import Liveness
 from .operations import Executor, Outcome
 from .ring import FreeRing
-from .sessions import Initiator, Refused
+from .sessions import InitiatorState, Refused
 
 if TYPE_CHECKING:
     from .server import Target
@@ -54,7 +54,7 @@ def peer_of(qp: QueuePair) -> str:
 class Connection:
     def __init__(self, target: Target, qp: QueuePair) -> None:
         self.target, self.qp = target, qp
-        self.state: Initiator | None = None
+        self.state: InitiatorState | None = None
         self.features = 0
         self.addr_le = False
         self.credits = 0

@@ -20,7 +20,7 @@ from typing import Any
 from ..rnic.memory import Access, MemoryRegion, MemoryTable
 from ..rnic.qp import QueuePair
 from .pool import Partition, TargetMemory
-from .sessions import Initiator
+from .sessions import InitiatorState
 
 
 def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[dict[str, Any], list[MemoryRegion]]:
@@ -73,7 +73,7 @@ def _register(rnic: MemoryTable, qp: QueuePair, *specs) -> list[MemoryRegion]:
 class TicketWatch:
     """Tickets of one partition ring: taken, bound, abandoned (spec "Allocation Quotas")."""
 
-    def __init__(self, state: Initiator, memory: MemoryTable, timeout_ms: int) -> None:
+    def __init__(self, state: InitiatorState, memory: MemoryTable, timeout_ms: int) -> None:
         self.state, self.memory = state, memory
         self.part = state.partition
         self.timeout = timeout_ms / 1000

@@ -19,7 +19,10 @@ from .pool import Partition
 
 
 @dataclass(eq=False)
-class Initiator:
+class InitiatorState:
+    """What the target keeps of one initiator across its connections (not the reference
+    initiator, ``kbtp_scapy.initiator.Initiator``, which is the other end)."""
+
     initiator_id: bytes
     index: int                     # which handle range
     handle_base: int
@@ -57,15 +60,15 @@ class Sessions:
     """Admission, retention and release of initiators."""
 
     def __init__(self, config: TargetConfig, partitions: list[Partition],
-                 release: Callable[[Initiator], None]) -> None:
+                 release: Callable[[InitiatorState], None]) -> None:
         self.config = config
-        self.by_id: dict[bytes, Initiator] = {}
+        self.by_id: dict[bytes, InitiatorState] = {}
         self._free_ranges = list(range(config.max_initiators))
         self._partitions = partitions
         self._release = release
         self.retained = self.evicted = self.expired = 0   # counters, for the metrics
 
-    def admit(self, initiator_id: bytes, want_partition: bool) -> tuple[Initiator, bool]:
+    def admit(self, initiator_id: bytes, want_partition: bool) -> tuple[InitiatorState, bool]:
         """The initiator's state and whether it was restored from retention."""
         known = self.by_id.get(initiator_id)
         if known is not None:
@@ -96,21 +99,21 @@ class Sessions:
             self.forget(idle)
         index = self._free_ranges.pop(0)
         c = self.config
-        state = Initiator(initiator_id, index, c.base_handle + index * c.handles_per_initiator,
-                          c.handles_per_initiator, c.quota, partition, active=True)
+        state = InitiatorState(initiator_id, index, c.base_handle + index * c.handles_per_initiator,
+                               c.handles_per_initiator, c.quota, partition, active=True)
         if partition is not None:
             partition.owner = initiator_id
         self.by_id[initiator_id] = state
         return state, False
 
-    def _idle(self, with_partition: bool) -> Initiator | None:
+    def _idle(self, with_partition: bool) -> InitiatorState | None:
         """The retained session that holds nothing and was retained first (one with a
         partition when ``with_partition``), if any."""
         idle = [s for s in self.by_id.values() if not s.active and s.usage == 0
                 and (s.partition is not None or not with_partition)]
         return min(idle, key=lambda s: s.retained_at, default=None)
 
-    def detach(self, state: Initiator, release: bool) -> None:
+    def detach(self, state: InitiatorState, release: bool) -> None:
         """The session ended: release now (GOODBYE RELEASE), else keep for the retention time."""
         state.active, state.qp = False, None
         if release:
@@ -121,12 +124,12 @@ class Sessions:
         state.retained_at = loop.time()
         state.expiry = loop.call_later(self.config.retention_s, self._expire, state)
 
-    def _expire(self, state: Initiator) -> None:
+    def _expire(self, state: InitiatorState) -> None:
         if self.by_id.get(state.initiator_id) is state:
             self.expired += 1
         self.forget(state)
 
-    def forget(self, state: Initiator) -> None:
+    def forget(self, state: InitiatorState) -> None:
         """Free every binding of the initiator and give back its range and partition."""
         if self.by_id.get(state.initiator_id) is not state:
             return
@@ -139,7 +142,7 @@ class Sessions:
         if state.partition is not None:
             state.partition.release()
 
-    def owner_of(self, handle: int) -> Initiator | None:
+    def owner_of(self, handle: int) -> InitiatorState | None:
         c = self.config
         index = (handle - c.base_handle) // c.handles_per_initiator
         return next((s for s in self.by_id.values() if s.index == index), None)
