@@ -187,7 +187,7 @@ def message_length(opcode: int, flags: int, features: int = 0, inline_length: in
     return layout.size + (inline_length if layout.tail is not None else 0)
 
 
-_PRIVATE_OPCODES = range(OPCODES.private_use[0], OPCODES.private_use[1] + 1)
+_PRIVATE_OPCODES = range(OPCODES.private_range[0], OPCODES.private_range[1] + 1)
 
 
 def looks_like_kbtp(data: bytes) -> bool:

@@ -113,7 +113,7 @@ def _names(values: tuple[T.Value, ...], width: int) -> str:
 def _name_lists() -> str:
     """The names OPCODE and the flag and enumeration options take, from the tables."""
     rows = [("OPCODE", _names(T.OPCODES.values, 1) + "; Private Use "
-             + "-".join(f"{v:#x}" for v in T.OPCODES.private_use))]
+             + "-".join(f"{v:#x}" for v in T.OPCODES.private_range))]
     for flag_set in dict.fromkeys(m.flags for m in T.MESSAGES if m.flags is not None):
         ops = ", ".join(m.name for m in T.MESSAGES if m.flags is flag_set)
         rows.append((f"--flags of {ops}", _names(flag_set.flags, 1)))

@@ -178,7 +178,7 @@ def _flagsets() -> list[str]:
 
 def _constants() -> list[str]:
     rc = T.RING_COUNTER
-    lo, hi = T.OPCODES.private_use
+    lo, hi = T.OPCODES.private_range
     feats = {f.name: f.value for f in T.FEATURES.flags}
     return [
         f"local VERSION = {T.VERSION}",

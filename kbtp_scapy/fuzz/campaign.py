@@ -177,7 +177,9 @@ async def replay_case(run: Run, control: Control, case: Case) -> report.Summary:
 
     async def one() -> None:
         _, done = await control.run(runner.start())
-        res, done = await control.run(runner.run_case(case)) if done else (None, False)
+        if not done:
+            return
+        res, done = await control.run(runner.run_case(case))
         if done:
             summary.cases = 1
             if res.findings:

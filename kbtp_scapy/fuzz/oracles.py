@@ -28,7 +28,7 @@ RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
 
 
 def status_known(status: int) -> bool:
-    lo, hi = STATUS.private_use
+    lo, hi = STATUS.private_range
     return status in {v.value for v in STATUS.values} or lo <= status <= hi
 
 

@@ -42,6 +42,13 @@ class Enumeration:
     values: tuple[Value, ...]
     private_use: tuple[int, int] | None = None
 
+    @property
+    def private_range(self) -> tuple[int, int]:
+        """(first, last) Private Use value of a table that has them."""
+        if self.private_use is None:
+            raise ValueError(f"{self.name} has no Private Use range")
+        return self.private_use
+
     def by_value(self) -> dict[int, str]:
         return {v.value: v.name for v in self.values}
 
