@@ -52,6 +52,7 @@ class _Layout:
     keys: tuple[str, ...]
     size: int
     tail: FlatField | None               # variable-size field taking the rest
+    tail_length: str                     # the key of the field holding its length ("": no tail)
     unpack_be: Callable[[bytes], dict[str, Any]]
     unpack_le: Callable[[bytes], dict[str, Any]]
     pack_be: Callable[[Mapping[str, Any]], bytes]
@@ -61,10 +62,16 @@ class _Layout:
 def _compile(fields: list[FlatField]) -> _Layout:
     fixed = [f for f in fields if f.field.size]
     tail = next((f for f in fields if not f.field.size), None)
+    length_key = ""
+    if tail is not None:
+        if tail.field.length_from is None:
+            raise TypeError(f"{tail.key}: a variable-size field needs length_from in the tables")
+        length_key = tail.field.length_from
     keys = tuple(f.key for f in fixed)
     be = _generate(fixed, little=False)
     le = _generate(fixed, little=True)
     return _Layout(keys, struct.calcsize(">" + "".join(_code(f, False) for f in fixed)), tail,
+                   length_key,
                    be["unpack"], le["unpack"], be["pack"], le["pack"])
 
 
@@ -93,7 +100,7 @@ def _generate(fixed: list[FlatField], little: bool) -> dict[str, Callable]:
             packed.append(value)
     src = (f"def unpack(buf):\n    a = _unpack_from(buf)\n    return {{{', '.join(unpacked)}}}\n"
            f"def pack(v):\n    g = v.get\n    return _pack({', '.join(packed)})\n")
-    scope = {"_unpack_from": fmt.unpack_from, "_pack": fmt.pack, "_from": int.from_bytes,
+    scope: dict[str, Callable[..., Any]] = {"_unpack_from": fmt.unpack_from, "_pack": fmt.pack, "_from": int.from_bytes,
              "_blob": _blob}
     exec(src, scope)  # noqa: S102 - source built from the field tables only
     return scope
@@ -236,7 +243,7 @@ def decode(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
     if layout.tail is not None:
         data = bytes(buf[layout.size:])
         out[layout.tail.key] = data
-        declared = out[layout.tail.field.length_from]
+        declared = out[layout.tail_length]
         if declared != len(data):
             raise Malformed(f"inline data is {len(data)} octets, the descriptor says {declared}", out)
     elif len(buf) > layout.size:
@@ -276,15 +283,16 @@ def encode(values: Mapping[str, Any], addr_le: bool = False) -> bytes:
         flags = fill["flags"] = auto_flags(opcode, values, "flags")
     features = 0
     if info.features is not None:
-        features = values.get(info.features.key)
-        if features is None:
-            features = fill[info.features.key] = auto_flags(opcode, values, "features")
+        given = values.get(info.features.key)
+        if given is None:
+            given = fill[info.features.key] = auto_flags(opcode, values, "features")
+        features = given
     layout = info.layout(flags, features)
     tail = b""
     if layout.tail is not None:
         tail = bytes(values.get(layout.tail.key) or b"")
-        if values.get(layout.tail.field.length_from) is None:
-            fill[layout.tail.field.length_from] = len(tail)
+        if values.get(layout.tail_length) is None:
+            fill[layout.tail_length] = len(tail)
     if fill:
         values = {**values, **fill}
     return _pack(layout, values, addr_le and info.addr_le_applies) + tail

@@ -112,7 +112,7 @@ def _protofields() -> list[str]:
     return out
 
 
-def _items(items: tuple[T.Item, ...], prefix: str, indent: str, body_prefix: str) -> list[str]:
+def _items(items: tuple[T.Field | T.Member, ...], prefix: str, indent: str, body_prefix: str) -> list[str]:
     out = []
     for item in items:
         key = f"{prefix}.{item.name}" if prefix else item.name

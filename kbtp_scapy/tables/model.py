@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class Order(enum.Enum):
@@ -223,7 +223,7 @@ class FlatField:
     key: str
     field: Field
     when: Condition | None = None
-    path: tuple[str, ...] = field(default=())
+    path: tuple[str, ...] = ()
 
 
 def flatten(struct: Struct, prefix: str = "", when: Condition | None = None) -> Iterator[FlatField]:
