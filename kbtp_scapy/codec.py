@@ -53,8 +53,8 @@ class _Layout:
     size: int
     tail: FlatField | None               # variable-size field taking the rest
     tail_length: str                     # the key of the field holding its length ("": no tail)
-    unpack_be: Callable[[bytes], dict[str, Any]]
-    unpack_le: Callable[[bytes], dict[str, Any]]
+    unpack_be: Callable[[bytes | memoryview], dict[str, Any]]
+    unpack_le: Callable[[bytes | memoryview], dict[str, Any]]
     pack_be: Callable[[Mapping[str, Any]], bytes]
     pack_le: Callable[[Mapping[str, Any]], bytes]
 
@@ -177,7 +177,7 @@ def _addr_le(opcode: int, addr_le: bool) -> bool:
     return addr_le and (info is None or info.addr_le_applies)
 
 
-def _unpack(layout: _Layout, buf: bytes, le: bool) -> dict[str, Any]:
+def _unpack(layout: _Layout, buf: bytes | memoryview, le: bool) -> dict[str, Any]:
     return layout.unpack_le(buf) if le else layout.unpack_be(buf)
 
 
@@ -302,7 +302,7 @@ def _pack(layout: _Layout, values: Mapping[str, Any], le: bool) -> bytes:
     return layout.pack_le(values) if le else layout.pack_be(values)
 
 
-def decode_struct(struct_: Struct, buf: bytes, addr_le: bool = False) -> dict[str, Any]:
+def decode_struct(struct_: Struct, buf: bytes | memoryview, addr_le: bool = False) -> dict[str, Any]:
     """Decode a memory structure (table entry, ring slot, completion record)."""
     layout = _struct_layout(struct_)
     if len(buf) < layout.size:

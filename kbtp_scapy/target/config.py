@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..rnic.memory import ByteOrder
 from ..tables.enums import FEATURES, flag
 
 DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
@@ -39,7 +40,7 @@ class TargetConfig:
     ticket_timeout_ms: int = 2000
     retention_s: float = 300.0
     clear_freed: bool = True         # clear blocks on free: initiators are separate trust domains
-    memory_order: str = "little"     # the target's memory byte order (ring counters)
+    memory_order: ByteOrder = "little"     # the target's memory byte order (ring counters)
     probe_interval_s: float = 10.0   # silence before a liveness probe (and TCP keepalive)
     probe_timeout_s: float = 10.0    # a probe's answer deadline (and TCP_USER_TIMEOUT)
     max_backlog: int = 4 << 20       # undelivered octets per connection before it is throttled

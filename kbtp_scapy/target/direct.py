@@ -75,7 +75,9 @@ class TicketWatch:
 
     def __init__(self, state: InitiatorState, memory: MemoryTable, timeout_ms: int) -> None:
         self.state, self.memory = state, memory
-        self.part = state.partition
+        if state.partition is None:
+            raise ValueError("a TicketWatch watches the ring of a partition")
+        self.part: Partition = state.partition
         self.timeout = timeout_ms / 1000
         self._seen = self.part.ring.counter("head") >> 32   # first ticket not yet looked at
         self._pending: dict[int, float] = {}                 # ticket -> when first seen

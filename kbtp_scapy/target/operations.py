@@ -225,7 +225,7 @@ class Executor:
         ticket = req["bind.ticket"]
         if watch.abandoned(ticket):
             raise Failed("TICKET_ABANDONED")
-        ring = state.partition.ring
+        ring = watch.part.ring
         offset = ring.offset_of(ticket)
         block = ring.ready(ticket, offset)
         if block is None or block != req["bind.block_offset"] or not watch.outstanding(ticket):

@@ -101,6 +101,7 @@ class Target:
 
     async def _serve(self, qp: QueuePair) -> None:
         task = asyncio.current_task()
+        assert task is not None              # listeners run on_connect as a task
         self._tasks.add(task)
         try:
             await Connection(self, qp).serve()

@@ -12,10 +12,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .config import TargetConfig
 from .pool import Partition
+
+if TYPE_CHECKING:
+    from ..rnic.qp import QueuePair
+    from .direct import TicketWatch
 
 
 @dataclass(eq=False)
@@ -34,8 +38,8 @@ class InitiatorState:
     active: bool = False
     features: int = 0
     direct_disabled: bool = False  # Partition STag invalidated after an abandoned ticket
-    watch: Any = None              # direct.TicketWatch of the partition's ring
-    qp: Any = None                 # the connection of the active session
+    watch: TicketWatch | None = None   # of the partition's ring
+    qp: QueuePair | None = None        # the connection of the active session
     expiry: asyncio.TimerHandle | None = None
     retained_at: float = 0.0       # loop time it was last retained
 
