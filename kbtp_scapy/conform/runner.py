@@ -15,6 +15,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError
@@ -69,7 +70,7 @@ class Listener:
 async def probe(url: str, local: str | None, timeout: float,
                 state: RunState | None = None) -> TargetInfo:
     """HELLO with every feature requested: what the target offers, for SKIP decisions."""
-    options = {"local": local} if local else {}
+    options: dict[str, Any] = {"local": local} if local else {}
     try:
         ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, **options), timeout)
     except KbtpError as exc:

@@ -35,7 +35,7 @@ class Result:
     generation: int
     data_length: int
     block_offset: int
-    data: bytes | None = None       # LOAD and DIRECT_LOAD: the block's data
+    data: bytes = b""               # LOAD and DIRECT_LOAD: the block's data
     record: bool = False            # completed through a completion record
 
     @property
