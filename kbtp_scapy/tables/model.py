@@ -180,6 +180,13 @@ class Struct:
                 return item
         raise KeyError(name)
 
+    def member(self, name: str) -> Member:
+        """The sub-structure item ``name`` (a descriptor)."""
+        item = self.item(name)
+        if not isinstance(item, Member):
+            raise KeyError(f"{name} is a field of {self.name}, not a sub-structure")
+        return item
+
     def offset(self, name: str) -> int:
         """Offset of an item that no conditional item precedes (its place is fixed)."""
         offset = 0

@@ -48,7 +48,7 @@ class Op(IntEnum):
     ATOMIC_RESPONSE = 11
 
 
-RDMAP_OPCODES = {
+RDMAP_OPCODES: dict[int, str] = {
     Op.WRITE: "RDMA Write",
     Op.READ_REQUEST: "RDMA Read Request",
     Op.READ_RESPONSE: "RDMA Read Response",
