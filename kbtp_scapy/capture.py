@@ -111,7 +111,7 @@ def _bits(opcode: int | None, key: str) -> tuple[tuple[str, int], ...]:
     if key not in index:
         return ()
     return tuple((f"kbtp.{bit}", mask) for bit, mask in
-                 T.flag_bits(key, index[key][0], T.BY_OPCODE.get(opcode)))
+                 T.flag_bits(key, index[key][0], None if opcode is None else T.BY_OPCODE.get(opcode)))
 
 
 @cache

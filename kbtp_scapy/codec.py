@@ -52,8 +52,9 @@ class _Layout:
     keys: tuple[str, ...]
     size: int
     tail: FlatField | None               # variable-size field taking the rest
-    unpack_be: Callable[[bytes], dict[str, Any]]
-    unpack_le: Callable[[bytes], dict[str, Any]]
+    tail_length: str                     # the key of the field holding its length ("": no tail)
+    unpack_be: Callable[[bytes | memoryview], dict[str, Any]]
+    unpack_le: Callable[[bytes | memoryview], dict[str, Any]]
     pack_be: Callable[[Mapping[str, Any]], bytes]
     pack_le: Callable[[Mapping[str, Any]], bytes]
 
@@ -61,10 +62,16 @@ class _Layout:
 def _compile(fields: list[FlatField]) -> _Layout:
     fixed = [f for f in fields if f.field.size]
     tail = next((f for f in fields if not f.field.size), None)
+    length_key = ""
+    if tail is not None:
+        if tail.field.length_from is None:
+            raise TypeError(f"{tail.key}: a variable-size field needs length_from in the tables")
+        length_key = tail.field.length_from
     keys = tuple(f.key for f in fixed)
     be = _generate(fixed, little=False)
     le = _generate(fixed, little=True)
     return _Layout(keys, struct.calcsize(">" + "".join(_code(f, False) for f in fixed)), tail,
+                   length_key,
                    be["unpack"], le["unpack"], be["pack"], le["pack"])
 
 
@@ -93,7 +100,7 @@ def _generate(fixed: list[FlatField], little: bool) -> dict[str, Callable]:
             packed.append(value)
     src = (f"def unpack(buf):\n    a = _unpack_from(buf)\n    return {{{', '.join(unpacked)}}}\n"
            f"def pack(v):\n    g = v.get\n    return _pack({', '.join(packed)})\n")
-    scope = {"_unpack_from": fmt.unpack_from, "_pack": fmt.pack, "_from": int.from_bytes,
+    scope: dict[str, Callable[..., Any]] = {"_unpack_from": fmt.unpack_from, "_pack": fmt.pack, "_from": int.from_bytes,
              "_blob": _blob}
     exec(src, scope)  # noqa: S102 - source built from the field tables only
     return scope
@@ -170,7 +177,7 @@ def _addr_le(opcode: int, addr_le: bool) -> bool:
     return addr_le and (info is None or info.addr_le_applies)
 
 
-def _unpack(layout: _Layout, buf: bytes, le: bool) -> dict[str, Any]:
+def _unpack(layout: _Layout, buf: bytes | memoryview, le: bool) -> dict[str, Any]:
     return layout.unpack_le(buf) if le else layout.unpack_be(buf)
 
 
@@ -187,7 +194,7 @@ def message_length(opcode: int, flags: int, features: int = 0, inline_length: in
     return layout.size + (inline_length if layout.tail is not None else 0)
 
 
-_PRIVATE_OPCODES = range(OPCODES.private_use[0], OPCODES.private_use[1] + 1)
+_PRIVATE_OPCODES = range(OPCODES.private_range[0], OPCODES.private_range[1] + 1)
 
 
 def looks_like_kbtp(data: bytes) -> bool:
@@ -236,7 +243,7 @@ def decode(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
     if layout.tail is not None:
         data = bytes(buf[layout.size:])
         out[layout.tail.key] = data
-        declared = out[layout.tail.field.length_from]
+        declared = out[layout.tail_length]
         if declared != len(data):
             raise Malformed(f"inline data is {len(data)} octets, the descriptor says {declared}", out)
     elif len(buf) > layout.size:
@@ -276,15 +283,16 @@ def encode(values: Mapping[str, Any], addr_le: bool = False) -> bytes:
         flags = fill["flags"] = auto_flags(opcode, values, "flags")
     features = 0
     if info.features is not None:
-        features = values.get(info.features.key)
-        if features is None:
-            features = fill[info.features.key] = auto_flags(opcode, values, "features")
+        given = values.get(info.features.key)
+        if given is None:
+            given = fill[info.features.key] = auto_flags(opcode, values, "features")
+        features = given
     layout = info.layout(flags, features)
     tail = b""
     if layout.tail is not None:
         tail = bytes(values.get(layout.tail.key) or b"")
-        if values.get(layout.tail.field.length_from) is None:
-            fill[layout.tail.field.length_from] = len(tail)
+        if values.get(layout.tail_length) is None:
+            fill[layout.tail_length] = len(tail)
     if fill:
         values = {**values, **fill}
     return _pack(layout, values, addr_le and info.addr_le_applies) + tail
@@ -294,7 +302,7 @@ def _pack(layout: _Layout, values: Mapping[str, Any], le: bool) -> bytes:
     return layout.pack_le(values) if le else layout.pack_be(values)
 
 
-def decode_struct(struct_: Struct, buf: bytes, addr_le: bool = False) -> dict[str, Any]:
+def decode_struct(struct_: Struct, buf: bytes | memoryview, addr_le: bool = False) -> dict[str, Any]:
     """Decode a memory structure (table entry, ring slot, completion record)."""
     layout = _struct_layout(struct_)
     if len(buf) < layout.size:

@@ -7,6 +7,7 @@ bindings; ``tools/make_pcaps.py`` writes the committed ``pcaps/`` from it, and
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from . import codec, ring, tables as T
 from .builders.recorder import TRANSPORTS, recorder
@@ -131,7 +132,7 @@ def record_session(transport: str, path: str | Path, addr_le: bool = False,
         s.rec.read(True, payload, stag, offset, BUF_STAG + 3, 0)
 
     # Every failure status, each on the request that provokes it.
-    failures = [
+    failures: list[tuple[str, dict[str, Any]]] = [
         ("INVALID_HANDLE", dict(opcode=_OP["FREE"], handle=0x9999)),
         ("STALE_GENERATION", dict(opcode=_OP["LOAD"], handle=h, generation=4,
                                   **{"dd.stag": BUF_STAG, "dd.length": BLOCK})),

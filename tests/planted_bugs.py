@@ -22,7 +22,7 @@ from kbtp_scapy.target.connection import Connection
 from kbtp_scapy.target.operations import Executor, Failed, Outcome
 from kbtp_scapy.target.ring import FreeRing
 from kbtp_scapy.target.server import Target
-from kbtp_scapy.target.sessions import Initiator, Sessions
+from kbtp_scapy.target.sessions import InitiatorState, Sessions
 from kbtp_scapy.target.table import SEALED, UNBOUND_OFFSET, BlockTable, Entry
 
 from .kbtp_harness import TargetThread
@@ -610,7 +610,7 @@ CORPUS: list[Bug] = [
             b + bytes(7) if b[1:2] == b"\x12" and len(b) == 45 else b, le))),
     # Operations: validation
     Bug("no_own_range_check", "the handle MUST be within ... its own range for stores and frees",
-        "ops.handle.own_range", lambda t, mp: mp.setattr(Initiator, "owns", lambda self, h: True)),
+        "ops.handle.own_range", lambda t, mp: mp.setattr(InitiatorState, "owns", lambda self, h: True)),
     Bug("free_range_unchecked", "(its own range for stores and frees)", "ops.handle.own_range",
         lambda t, mp: set_handler(t, "FREE", shadowed(lambda conn: conn.state, "owns", lambda h: True))),
     Bug("outside_is_not_valid", "the handle MUST be within a range the initiator is authorized for",
@@ -673,7 +673,7 @@ CORPUS: list[Bug] = [
         "direct.ring.laps", plant_free_to_shared_ring),
     # Allocation Quotas
     Bug("no_quota", "it completes the request with NO_SPACE", "ops.quota.no_space",
-        lambda t, mp: mp.setattr(Initiator, "usage", property(lambda s: 0))),
+        lambda t, mp: mp.setattr(InitiatorState, "usage", property(lambda s: 0))),
     Bug("free_keeps_usage", "the target releases one unit of usage when a FREE completes",
         "ops.quota.no_space", plant_free_keeps_usage),
     # Generations

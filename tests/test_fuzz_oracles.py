@@ -21,7 +21,7 @@ from kbtp_scapy.target import TargetConfig, table
 from kbtp_scapy.target.connection import Connection
 from kbtp_scapy.target.direct import TicketWatch
 from kbtp_scapy.target.operations import Executor, Failed, Outcome
-from kbtp_scapy.target.sessions import Initiator
+from kbtp_scapy.target.sessions import InitiatorState
 
 from .kbtp_harness import TargetThread
 
@@ -132,7 +132,7 @@ def alloc_reports_wrong_block(t, mp):
 
 def quota_off_by_one(t, mp):
     """The quota check lets one allocation past the quota."""
-    mp.setattr(Initiator, "usage", property(lambda self: len(self.bound) + self.tickets - 1))
+    mp.setattr(InitiatorState, "usage", property(lambda self: len(self.bound) + self.tickets - 1))
 
 
 def failed_alloc_uses_quota(t, mp):

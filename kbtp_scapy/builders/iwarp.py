@@ -48,7 +48,7 @@ from kbtp_scapy.wire.mpa_markers import insert_markers
 def _opcode(op: int | str) -> Op:
     if isinstance(op, str):
         names = {v: k for k, v in RDMAP_OPCODES.items()}
-        return names[op] if op in names else Op[op.upper()]
+        return Op(names[op]) if op in names else Op[op.upper()]
     return Op(op)
 
 
@@ -197,9 +197,9 @@ class IwarpConversation:
                      for i in range(0, len(wire), per_segment)]
             split_at = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
         cuts = [0, *sorted(c for c in split_at if 0 < c < len(stream)), len(stream)]
-        for a, b in zip(cuts, cuts[1:], strict=False):
-            for off in range(a, b, self.mss):
-                self._segment(src, "PA", stream[off:min(off + self.mss, b)])
+        for lo, hi in zip(cuts, cuts[1:], strict=False):
+            for off in range(lo, hi, self.mss):
+                self._segment(src, "PA", stream[off:min(off + self.mss, hi)])
                 if self._ends[1 - src].unacked >= 2:
                     self._ack(1 - src)
         self._ack(1 - src)
@@ -251,8 +251,9 @@ def iter_rdma_messages(packets: Iterable[Packet]) -> Iterator[RdmaMessage]:
             continue
         where = locate(linktype, data)
         if where is not None and where[0] == TCP_PAYLOAD:
-            found += streams.segment(number, float(pkt.time), *where[1:8], data, where[8],
-                                     where[9]) or ()
+            _, src, dst, sport, dport, seq, ack, flags, start, end = where
+            found += streams.segment(number, float(pkt.time), src, dst, sport, dport, seq, ack, flags,
+                                     data, start, end) or ()
     found += streams.flush()
     found.sort(key=lambda m: (m.frames[-1] if m.frames else 0))
     yield from found

@@ -122,7 +122,7 @@ def segment_message(kind: str, payload: bytes = b"", *, dqpn: int, psn: int = 0,
 def reassemble(packets: Iterable[Packet]) -> bytes:
     """The payload of one RDMA message from its packets (BTH stacks or whole frames),
     without pad; ValueError unless they form exactly one complete message in PSN order."""
-    records = [_record(0, None, _dissected(p)) for p in packets]
+    records = [_record(0, (), _dissected(p)) for p in packets]     # one message: no connection to tell
     messages = list(_messages(records))
     if len(messages) != 1 or not messages[0].info["complete"]:
         raise ValueError("packets are not exactly one complete RDMA message")
@@ -172,6 +172,7 @@ class RcConnection:
 
     def _emit(self, side: str, stack: Packet) -> Packet:
         src, dst = self.ends[side], self.ends[self._peer(side)]
+        net: Packet
         if ":" in src.ip:
             net = (IPv6(src=src.ip, dst=dst.ip, hlim=64)
                    / UDP(sport=src.udp_sport, dport=ROCE_PORT))
@@ -297,9 +298,9 @@ class _Record:
     """What one RDMA packet contributes to its message."""
 
     number: int
-    conn: tuple | None
+    conn: tuple
     bth: BTH
-    headers: dict[type, Packet]
+    headers: dict[type[Packet], Packet]
     payload: bytes
     icrc_ok: bool
     family: str | None = field(init=False)
@@ -321,7 +322,7 @@ def _dissected(pkt: Packet) -> Packet:
     return pkt.__class__(raw(pkt))
 
 
-def _record(number: int, conn: tuple | None, pkt: Packet) -> _Record:
+def _record(number: int, conn: tuple, pkt: Packet) -> _Record:
     headers, payload = bth_parts(pkt)
     return _Record(number, conn, pkt[BTH], headers, payload, icrc_ok(pkt))
 
@@ -329,6 +330,7 @@ def _record(number: int, conn: tuple | None, pkt: Packet) -> _Record:
 def _message(records: list[_Record], complete: bool) -> RdmaMessage:
     first, last = records[0], records[-1]
     kind = first.family
+    assert kind is not None                  # _messages leaves out records of no family
     if kind == "send" and IETH in last.headers:
         kind = "send_inv"
     elif kind == "write" and ImmDt in last.headers:
@@ -396,7 +398,7 @@ def _frames(packets: Iterable[Packet]) -> Iterator[_Record]:
             if bth is None:
                 continue
             lower = bth.underlayer
-            if isinstance(lower, UDP) and lower.dport == ROCE_PORT:
+            if isinstance(lower, UDP) and lower.dport == ROCE_PORT and lower.underlayer is not None:
                 conn = (lower.underlayer.src, lower.underlayer.dst, bth.dqpn)
             elif isinstance(lower, GRH):
                 conn = (str(IPv6Address(lower.sgid)), str(IPv6Address(lower.dgid)), bth.dqpn)

@@ -9,16 +9,10 @@ import click
 
 from ..conform import report
 from ..conform.registry import ERROR, FAIL, WARN, Case, all_cases, select
-from ..conform.runner import HarnessError, Listener, Outcome, run
+from ..conform.runner import Listener, Outcome, run
+from ..harness import HarnessError
 from ..initiator.results import TargetInfo
-
-
-class _Exit(click.ClickException):
-    """Ends the command with an exit code and a one-line reason, after its output."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.exit_code = code
+from .errors import Exit
 
 
 class _Console(Listener):
@@ -112,7 +106,7 @@ def conform(url: str | None, local: str | None, list_only: bool, only: tuple[str
         doc = report.as_json(url, None, [], str(exc), strict, quick)
         _emit(as_json, json_file, doc)
         _write(junit_file, report.junit(url, [], str(exc)))
-        raise _Exit(report.EXIT_HARNESS, f"conform: {exc}") from None
+        raise Exit(report.EXIT_HARNESS, f"conform: {exc}") from None
     console.clear()
     if console.text:
         click.echo(report.footer(outcomes))
@@ -120,7 +114,7 @@ def conform(url: str | None, local: str | None, list_only: bool, only: tuple[str
     _write(junit_file, report.junit(url, outcomes))
     code = report.exit_code(outcomes, strict)
     if code:
-        raise _Exit(code, _summary(outcomes, strict))
+        raise Exit(code, _summary(outcomes, strict))
 
 
 def _summary(outcomes: list[Outcome], strict: bool) -> str:

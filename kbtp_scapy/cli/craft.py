@@ -113,7 +113,7 @@ def _names(values: tuple[T.Value, ...], width: int) -> str:
 def _name_lists() -> str:
     """The names OPCODE and the flag and enumeration options take, from the tables."""
     rows = [("OPCODE", _names(T.OPCODES.values, 1) + "; Private Use "
-             + "-".join(f"{v:#x}" for v in T.OPCODES.private_use))]
+             + "-".join(f"{v:#x}" for v in T.OPCODES.private_range))]
     for flag_set in dict.fromkeys(m.flags for m in T.MESSAGES if m.flags is not None):
         ops = ", ".join(m.name for m in T.MESSAGES if m.flags is flag_set)
         rows.append((f"--flags of {ops}", _names(flag_set.flags, 1)))
@@ -209,6 +209,7 @@ def _build(values: dict[str, Any], msg: T.Message | None, addr_le: bool) -> byte
     the bit set, then the word is written back as given, and a note says so."""
     forced: dict[str, tuple[T.Struct, int, int]] = {}     # word key -> (struct, given, forced)
     for cond, items in _given_conditions(values, msg).items():
+        assert msg is not None                  # the conditions are of its body
         struct_, key = (T.HEADER, "flags") if cond.source == "flags" else (
             msg.body, _word_key(msg.body, cond.source))
         word = values.get(key)
@@ -233,6 +234,7 @@ def _given_conditions(values: dict[str, Any], msg: T.Message | None) -> dict[T.C
         if f.when is not None and f.key in values:
             out.setdefault(f.when, [])
     for cond, titles in out.items():
+        assert msg is not None
         titles += [msg.body.item(name).title for name in msg.body.gated(cond)]
     return out
 
@@ -243,8 +245,10 @@ def _word_key(struct_: T.Struct, name: str) -> str:
 
 def _flag_name(struct_: T.Struct, cond: T.Condition, msg: T.Message) -> str:
     field = struct_.item(cond.source)
+    assert isinstance(field, T.Field)           # a controlling word
     flag_set = msg.flags if field.per_opcode_flags else field.flags
-    return next((f.name for f in flag_set.flags if f.value == cond.mask), f"{cond.mask:#x}")
+    flags = flag_set.flags if flag_set is not None else ()
+    return next((f.name for f in flags if f.value == cond.mask), f"{cond.mask:#x}")
 
 
 def _write(output: str | None, data: bytes) -> None:

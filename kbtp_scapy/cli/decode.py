@@ -120,7 +120,7 @@ def _layers(found: Found) -> str:
     import logging
     logging.getLogger("scapy").setLevel(logging.ERROR)
     from ..layers.kbtp import KBTP
-    return KBTP(found.payload, addr_le=found.addr_le).show(dump=True)
+    return KBTP(found.payload, addr_le=found.addr_le).show(dump=True) or ""   # Scapy types it Optional
 
 
 def _plural(n: int, word: str) -> str:
@@ -215,7 +215,7 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
     try:
         if hex_ is not None:
             _decode_hex(_hex(hex_), addr_le, as_json, json_file, layers)
-        else:
+        elif file is not None:
             _decode_capture(file, addr_le, as_json, json_file, layers, quiet, count, filters)
     except BrokenPipeError:
         _stdout_closed()

@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -107,7 +108,8 @@ async def _workload(url: str, local: str | None, pcap: Path) -> int:
     from ..rnic.pcap import PcapSink
     sink = PcapSink(pcap)
     try:
-        ini = await Initiator.connect(url, frame_listeners=[sink], **({"local": local} if local else {}))
+        options: dict[str, Any] = {"local": local} if local else {}
+        ini = await Initiator.connect(url, frame_listeners=[sink], **options)
         h, size = ini.target.handle_base, ini.target.block_size
         blocks = {h + i: os.urandom(size if i % 2 else 64) for i in range(8)}
         for handle, data in blocks.items():
@@ -156,6 +158,7 @@ class _Target:
                                       f"{host}:{port}", "--blocks", "512", "--ticket-timeout", "500",
                                       "--duration", "600", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None      # stdout=PIPE
         self.banner = self.proc.stdout.readline().strip()
 
     @property

@@ -9,11 +9,22 @@ from __future__ import annotations
 import errno
 import os
 
+import click
+
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..wire.address import ROCE_PORT, Address
 
 #: what a command catches from a connection: the soft RNIC's errors and the OS's
 CONNECTION_ERRORS = (ConnectionLost, RemoteError, OSError, TimeoutError)
+
+
+class Exit(click.ClickException):
+    """Ends a command with its own exit code and a one-line reason, after its output."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        # click's stubs declare exit_code a ClassVar; click reads it from the instance
+        self.exit_code = code  # type: ignore[misc]
 
 
 def reason(exc: BaseException, timeout: float | None = None) -> str:

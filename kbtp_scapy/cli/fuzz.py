@@ -14,13 +14,8 @@ from ..fuzz import report
 from ..fuzz.campaign import Control, Run, campaign, load_case, replay_case
 from ..fuzz.cases import parse_name
 from ..wire.address import parse_url
+from .errors import Exit
 from .options import raw_io, raw_io_options
-
-
-class _Exit(click.ClickException):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.exit_code = code
 
 
 class _Progress:
@@ -120,7 +115,7 @@ def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str 
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     options = raw_io(transport, io, iface, raw_addr)
-    replay_args = ["--io", "raw", "--iface", iface, "--addr", raw_addr] if options else []
+    replay_args = ["--io", "raw", "--iface", options["iface"], "--addr", options["addr"]] if options else []
     if local and transport == "roce":
         options["local"] = local
         replay_args += ["--local", local]
@@ -163,14 +158,14 @@ def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str 
         try:
             Path(json_file).write_text(report.as_json(summary))
         except OSError as exc:
-            raise _Exit(2, f"--json-file {json_file}: {exc.strerror or exc}; choose a writable path") from None
+            raise Exit(2, f"--json-file {json_file}: {exc.strerror or exc}; choose a writable path") from None
     if summary.error and summary.saved:
         click.echo(f"kbtp: the run ended early after the findings: {summary.error}", err=True)
     if summary.exit_code == report.EXIT_INTERRUPTED:
-        raise _Exit(130, f"interrupted after {summary.cases} case(s)"
+        raise Exit(130, f"interrupted after {summary.cases} case(s)"
                     + (f", {len(summary.saved)} with findings" if summary.saved else ""))
     if summary.exit_code == report.EXIT_HARNESS:
-        raise _Exit(2, f"harness error: {summary.error}")
+        raise Exit(2, f"harness error: {summary.error}")
     if summary.exit_code == report.EXIT_FINDING:
-        raise _Exit(1, f"{len(summary.saved)} case(s) with findings"
+        raise Exit(1, f"{len(summary.saved)} case(s) with findings"
                     + (f" (saved in {out_dir})" if not replay else ""))

@@ -13,6 +13,7 @@ import secrets
 import sys
 from functools import update_wrapper
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -129,6 +130,10 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
 class _Failed(click.ClickException):
     """A request or the session failed: exit 1, after the JSON record with --json."""
 
+    def __init__(self, message: str, record: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.record = record
+
 
 def session(func):
     """Run ``func(initiator, **kwargs)`` inside a connected session, then GOODBYE."""
@@ -199,9 +204,7 @@ def _failure(what: str, exc: BaseException | None = None, *, context: str = "", 
         context = exc.detail or context
         why = why or f"{exc.name} ({meaning}{': ' + context if context else ''})"
         record = exc.result.as_dict() if exc.result else {"status": exc.name}
-    failed = _Failed(line(what, why or "refused", todo))
-    failed.record = record
-    return failed
+    return _Failed(line(what, why or "refused", todo), record)
 
 
 def _what(name: str, kwargs: dict) -> str:
@@ -285,6 +288,7 @@ def _data(o: dict, data_file: str | None, data_hex: str | None, text: str | None
     elif text is not None:
         data = text.encode()
     else:
+        assert data_hex is not None         # the one given
         try:
             data = bytes.fromhex(data_hex)
         except ValueError:

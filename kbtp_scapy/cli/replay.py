@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..capture import CaptureError
+from ..harness import HarnessError
 from ..wire.address import parse_url
 from .errors import CONNECTION_ERRORS, describe, hint, local_trouble, reason
 
@@ -138,7 +139,7 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
         runs = asyncio.run(player.play(cap, url, loops=loops, pace=pace, timeout=timeout,
                                        local=local if transport == "roce" else None,
                                        progress=progress))
-    except player.HarnessError as exc:
+    except HarnessError as exc:
         raise _harness(exc, url, local, timeout) from None
     except CONNECTION_ERRORS as exc:
         raise _Harness(describe(f"cannot replay against {url}", exc, timeout)) from None

@@ -50,6 +50,7 @@ def limit_options(func):
     defaults = {f.name: f.default for f in dataclasses.fields(TargetConfig)}
     for option, field, text in reversed(LIMITS):
         default = defaults[field]
+        kind: click.ParamType
         if isinstance(default, float):
             kind, metavar = click.FloatRange(0, min_open=True), "SECONDS"
         else:

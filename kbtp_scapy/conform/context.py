@@ -284,7 +284,9 @@ class Ctx:
         return result
 
     async def ok(self, coro: Awaitable[Result], what: str) -> Result:
-        return await self.expect(coro, "OK", what)
+        result = await self.expect(coro, "OK", what)
+        assert result is not None            # a request that completed OK has its Result
+        return result
 
     @staticmethod
     def check(condition: bool, expected: str, seen: Any) -> None:

@@ -15,7 +15,9 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError
 from ..initiator.client import ALL_FEATURES
 from ..initiator.results import TargetInfo
@@ -38,10 +40,6 @@ from .registry import (
 )
 
 CASE_BUDGET = 8      # a whole case may take this many --timeout periods (unless it says)
-
-
-class HarnessError(Exception):
-    """The run could not start or go on: no verdict can be given."""
 
 
 @dataclass
@@ -72,7 +70,7 @@ class Listener:
 async def probe(url: str, local: str | None, timeout: float,
                 state: RunState | None = None) -> TargetInfo:
     """HELLO with every feature requested: what the target offers, for SKIP decisions."""
-    options = {"local": local} if local else {}
+    options: dict[str, Any] = {"local": local} if local else {}
     try:
         ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, **options), timeout)
     except KbtpError as exc:

@@ -53,7 +53,8 @@ def rdma_messages(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMe
         if kind == ROCE:
             done = roce.packet(number, time, where[1], where[2], data, where[3], where[4])
         elif kind == TCP:
-            done = iwarp.segment(number, time, *where[1:8], data, where[8], where[9])
+            _, src, dst, sport, dport, seq, ack, flags, start, end = where
+            done = iwarp.segment(number, time, src, dst, sport, dport, seq, ack, flags, data, start, end)
         else:
             stats.cut += 1
             continue

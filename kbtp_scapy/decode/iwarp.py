@@ -35,6 +35,7 @@ from ..wire.iwarp import (
     FLAG_M,
     FLAG_R,
     READ_REQUEST,
+    Startup,
     crc_ok,
     fpdu_wire_length,
     parse_startup,
@@ -269,7 +270,7 @@ class _Flow:
         self.base = 0
         self.spans: list[tuple[int, int, int, float]] = []   # start, end, frame, time
         self.state = _STARTUP
-        self.startup = None             # its MPA Request or Reply
+        self.startup: Startup | None = None   # its MPA Request or Reply
         self.peer: _Flow | None = None
         self.markers: bool | None = None  # decided at the first FPDU
         self.crc = False
@@ -450,6 +451,7 @@ class IwarpStreams:
         """Markers and CRC of this direction, from both startup frames; False when the
         Reply rejected the connection."""
         own = flow.startup
+        assert own is not None          # parsed before the flow reached its FPDUs
         peer = flow.peer.startup if flow.peer is not None else None
         if peer is not None and peer.request == own.request:
             peer = None
@@ -596,9 +598,10 @@ class IwarpStreams:
             seg = Segment(False, bool(ctrl & 0x40), clean[3] & 0x0F, inv_stag=inv, qn=qn,
                           msn=msn, mo=mo, data=data)
         else:
-            seg = parse_ulpdu(clean[2:2 + ulen])
-            if seg is None:
+            parsed = parse_ulpdu(clean[2:2 + ulen])
+            if parsed is None:
                 return
+            seg = parsed
             if flow.crc:
                 seg.crc_ok = crc_ok(wire)
         seg.frames, seg.time = self._frames(flow, a, b)

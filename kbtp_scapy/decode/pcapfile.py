@@ -101,6 +101,7 @@ class Reader:
 
     def _pcap(self) -> Iterator[tuple[float, int, bytes]]:
         rec, unit, linktype = self._rec, self._unit, self.linktype
+        assert linktype is not None              # read with the pcap header
         while True:
             at = self._need(16)
             if at is None:

@@ -113,7 +113,7 @@ def _protofields() -> list[str]:
     return out
 
 
-def _items(items: tuple[T.Item, ...], prefix: str, indent: str, body_prefix: str) -> list[str]:
+def _items(items: tuple[T.Field | T.Member, ...], prefix: str, indent: str, body_prefix: str) -> list[str]:
     out = []
     for item in items:
         key = f"{prefix}.{item.name}" if prefix else item.name
@@ -179,7 +179,7 @@ def _flagsets() -> list[str]:
 
 def _constants() -> list[str]:
     rc = T.RING_COUNTER
-    lo, hi = T.OPCODES.private_use
+    lo, hi = T.OPCODES.private_range
     feats = {f.name: f.value for f in T.FEATURES.flags}
     return [
         f"local VERSION = {T.VERSION}",

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..harness import HarnessError
 from ..rnic.pcap import PcapSink
 from ..wire.address import parse_url
 from . import report
 from .cases import Case, make_case, parse_name
 from .runner import Runner, minimize
-from .state import HarnessError, describe
+from .state import describe
 
 
 @dataclass
@@ -176,7 +177,9 @@ async def replay_case(run: Run, control: Control, case: Case) -> report.Summary:
 
     async def one() -> None:
         _, done = await control.run(runner.start())
-        res, done = await control.run(runner.run_case(case)) if done else (None, False)
+        if not done:
+            return
+        res, done = await control.run(runner.run_case(case))
         if done:
             summary.cases = 1
             if res.findings:

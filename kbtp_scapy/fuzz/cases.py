@@ -119,6 +119,6 @@ def _model_steps(rng: random.Random, steps: list[Step]) -> None:
 def unknown_opcodes() -> list[int]:
     """Opcodes a request may not carry: unassigned, Private Use, and the answers."""
     assigned = {v.value for v in OPCODES.values}
-    lo, hi = OPCODES.private_use
+    lo, hi = OPCODES.private_range
     return sorted(set(range(256)) - assigned) + [OPCODES.by_name()[n] for n in
                                                   ("HELLO", "HELLO_ACK", "COMPLETION")] + [lo, hi]

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import codec
 from ..rnic.memory import AccessError
@@ -55,8 +55,10 @@ def _overlap(req: dict[str, Any], length: int) -> bool:
 class Exchanger:
     """Mixed into the runner: needs ``world`` and ``timeout``."""
 
-    world: World
     timeout: float
+    if TYPE_CHECKING:
+        @property
+        def world(self) -> World: ...
 
     def __init__(self) -> None:
         self._rids = itertools.count(0x4B46_0000_0000_0001)
@@ -95,7 +97,7 @@ class Exchanger:
         answer, and the data it stores when the fuzzer can tell."""
         loop, ini = asyncio.get_running_loop(), s.ini
         try:
-            req: dict[str, Any] | None = codec.decode(payload, ini.addr_le)
+            req = codec.decode(payload, ini.addr_le)
         except codec.Malformed as bad:
             return None, expect_unparsed(payload, bad.fields.get("handle", 0)), None
         x = expect(req, s.info, s.known, self.world.lookup, self.world.bound_blocks(), self._ours(s), loop.time())
@@ -111,10 +113,12 @@ class Exchanger:
         w, ini = self.world, s.ini
         loop = asyncio.get_running_loop()
         if payload is None:
+            if values is None:
+                raise TypeError("request() takes values or a payload")
             payload = codec.encode({"request_id": self.rid(), **values}, ini.addr_le)
         out = self.stray(s)
-        req, x, found = self.expectation(s, payload)
-        stored = stored if stored is not None else found
+        req, x, seen = self.expectation(s, payload)
+        stored = stored if stored is not None else seen
         owner = w.owner(x.handle)
         goodbye = len(payload) > 1 and payload[1] == OP["GOODBYE"]
         release = goodbye and len(payload) >= 4 and bool(payload[3] & 1)

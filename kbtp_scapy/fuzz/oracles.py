@@ -12,6 +12,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from .. import codec
+from ..harness import HarnessError
 from ..initiator import KbtpError
 from ..tables import memory as M
 from ..tables.enums import ENTRY_FLAGS, FEATURES, OPCODES, STATUS, flag
@@ -27,7 +28,7 @@ RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
 
 
 def status_known(status: int) -> bool:
-    lo, hi = STATUS.private_use
+    lo, hi = STATUS.private_range
     return status in {v.value for v in STATUS.values} or lo <= status <= hi
 
 
@@ -75,7 +76,7 @@ async def liveness(world: World) -> list[Finding]:
 
     NO_SPACE (or INTERNAL) is the target's right when it is full, but then the fuzzer
     cannot judge liveness: that stops the run (``HarnessError``)."""
-    from .state import TRANSPORT_ERRORS, HarnessError, describe
+    from .state import TRANSPORT_ERRORS, describe
     try:
         ini = await world.connect(secrets.token_bytes(16), features=0)
     except KbtpError as exc:

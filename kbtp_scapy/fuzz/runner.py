@@ -11,12 +11,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..harness import HarnessError
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..wire.address import parse_url
 from .cases import Case, Step
 from .findings import Finding
 from .oracles import liveness, table_invariants
-from .state import HarnessError, Lost, NoAnswer, Rebuild, World
+from .state import Lost, NoAnswer, Rebuild, World
 from .steps import Steps
 
 
@@ -39,17 +40,24 @@ class Runner(Steps):
         parse_url(url)
         self.url, self.options, self.timeout = url, options, timeout
         self.frame_listeners = frame_listeners
-        self.world: World | None = None
+        self._world: World | None = None
         self.families: Counter[str] = Counter()
         self._reconnects = 0
 
     @property
     def reconnects(self) -> int:
-        return self._reconnects + (self.world.reconnects if self.world else 0)
+        return self._reconnects + (self._world.reconnects if self._world else 0)
+
+    @property
+    def world(self) -> World:
+        """The sessions of the current start."""
+        if self._world is None:
+            raise HarnessError("the fuzzer has no sessions before Runner.start")
+        return self._world
 
     async def start(self) -> None:
-        self.world = World(self.url, self.options, self.timeout, self.frame_listeners)
-        await self.world.open()
+        self._world = World(self.url, self.options, self.timeout, self.frame_listeners)
+        await self._world.open()
 
     async def restart(self) -> None:
         await self.stop()
@@ -57,8 +65,8 @@ class Runner(Steps):
         await self.start()
 
     async def stop(self) -> None:
-        if self.world is not None:
-            await self.world.close(release=True)
+        if self._world is not None:
+            await self._world.close(release=True)
 
     def _taken(self, step: int | None) -> list[Finding]:
         """What session set-up and reconnects showed since the last look (HELLO_ACKs)."""

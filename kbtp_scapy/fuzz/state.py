@@ -12,6 +12,7 @@ import asyncio
 import secrets
 from dataclasses import dataclass, field
 
+from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError
 from ..initiator.client import ALL_FEATURES
 from ..initiator.results import TargetInfo
@@ -23,10 +24,6 @@ from .oracles import check_hello_ack
 
 GUARDS = 2
 TRANSPORT_ERRORS = (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError)
-
-
-class HarnessError(Exception):
-    """The run cannot start or go on; no verdict can be given."""
 
 
 class Lost(Exception):
@@ -53,32 +50,9 @@ def describe(exc: BaseException, timeout: float | None = None) -> str:
     return text or type(exc).__name__
 
 
-class FuzzInitiator(Initiator):
-    """The reference initiator, keeping the HELLO_ACK it was answered with (its header
-    fields are judged too; a refused HELLO's goes with the ``KbtpError``)."""
-
-    hello_ack = b""
-
-    async def _hello(self, features: int) -> None:
-        qp, recv = self.qp, self.qp.recv
-
-        async def keep() -> object:
-            msg = await recv()
-            self.hello_ack = msg.payload
-            return msg
-        qp.recv = keep
-        try:
-            await super()._hello(features)
-        except KbtpError as exc:
-            exc.hello_ack = self.hello_ack
-            raise
-        finally:
-            del qp.recv
-
-
 @dataclass
 class Session:
-    ini: FuzzInitiator
+    ini: Initiator
     initiator_id: bytes
     known: Knowledge
     guards: dict[int, bytes] = field(default_factory=dict)    # handle -> its sealed content
@@ -109,30 +83,44 @@ class World:
     def __init__(self, url: str, options: dict, timeout: float, frame_listeners: list | None = None) -> None:
         self.url, self.options, self.timeout = url, options, timeout
         self.frame_listeners = frame_listeners or []
-        self.own: Session | None = None
-        self.peer: Session | None = None
+        self._sessions: tuple[Session, Session] | None = None    # (own, peer) once open
         self.scratch: list[int] = []
         self.findings: list[Finding] = []
         self.spoiled = False          # start afresh after this case
         self.reconnects = 0
 
     @property
+    def own(self) -> Session:
+        """The session being fuzzed."""
+        return self._opened()[0]
+
+    @property
+    def peer(self) -> Session:
+        """The session whose guards sit past ``own``'s range."""
+        return self._opened()[1]
+
+    def _opened(self) -> tuple[Session, Session]:
+        if self._sessions is None:
+            raise HarnessError("the fuzzer's sessions are not open yet (World.open)")
+        return self._sessions
+
+    @property
     def transport(self) -> str:
         return self.url.split("://", 1)[0]
 
-    async def connect(self, initiator_id: bytes | None = None, features: int = ALL_FEATURES) -> FuzzInitiator:
+    async def connect(self, initiator_id: bytes | None = None, features: int = ALL_FEATURES) -> Initiator:
         """A session; its HELLO_ACK is judged whether it grants or refuses."""
         try:
-            ini = await asyncio.wait_for(FuzzInitiator.connect(
+            ini = await asyncio.wait_for(Initiator.connect(
                 self.url, initiator_id=initiator_id or secrets.token_bytes(16), features=features,
                 frame_listeners=self.frame_listeners, **self.options), self.timeout)
         except KbtpError as exc:
-            self.findings += check_hello_ack(getattr(exc, "hello_ack", b""), self.transport)
+            self.findings += check_hello_ack(exc.hello_ack, self.transport)
             raise
         self.findings += check_hello_ack(ini.hello_ack, self.transport)
         return ini
 
-    def session(self, ini: FuzzInitiator) -> Session:
+    def session(self, ini: Initiator) -> Session:
         return Session(ini, ini.initiator_id, Knowledge(ini.target.handle_base, ini.target.handle_count))
 
     async def open(self) -> None:
@@ -140,7 +128,7 @@ class World:
         scratch handles freed, so that the model starts from what the wire showed."""
         doing = "opening two sessions"
         try:
-            self.own, self.peer = await self._pair()
+            self._sessions = await self._pair()
             self._disjoint(self.own, self.peer)
             for s in (self.own, self.peer):
                 doing = f"storing the guard blocks of the session at 0x{s.base:x}"
@@ -245,9 +233,7 @@ class World:
                     raise Rebuild(f"handle range 0x{base:x} -> 0x{s.base:x} on reconnect")
 
     async def close(self, release: bool = True) -> None:
-        for s in (self.own, self.peer):
-            if s is None:
-                continue
+        for s in self._sessions or ():
             try:
                 if s.alive:
                     await asyncio.wait_for(s.ini.goodbye(release=release), self.timeout)

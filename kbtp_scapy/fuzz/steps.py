@@ -157,7 +157,8 @@ class Steps(Exchanger):
                 values.update({"flags": flags, "dd.stag": r.stag, "dd.offset": 0, "dd.length": len(data)})
         if step["record"] and op != OP["BIND"]:
             regions.append(self._record(s, values))
-        taken, found = None, []
+        taken: tuple[int, int] | None = None
+        found: list[Finding] = []
         if op == OP["BIND"]:
             taken, found = await self.take(rng)
             ticket, block = taken or (s.known.next_ticket, next(iter(self.world.bound_blocks()), 0))
@@ -227,7 +228,7 @@ class Steps(Exchanger):
         data = bytes([step["fill"]]) * step["size"]
         op = step["op"]
         if op == "load":
-            length = {"exact": e.length, "short": e.length - 1 if e.length else None}.get(step.get("buffer"))
+            length = {"exact": e.length, "short": e.length - 1 if e.length else None}.get(step.get("buffer", "block"))
             values, regions = self.load_values(s, h, length=length, allow_unsealed=step.get("allow_unsealed", True),
                                                record=record, generation=gen)
         elif op in ("store", "alloc_store"):
@@ -404,15 +405,15 @@ class Steps(Exchanger):
                 except TimeoutError:
                     continue
                 try:
-                    rid = codec.decode(msg.payload, ini.addr_le)["request_id"]
+                    answered = codec.decode(msg.payload, ini.addr_le)["request_id"]
                 except codec.Malformed:
-                    rid = None
-                if rid not in sent or rid in seen:
-                    out.append(Finding("request-id", f"answer with Request ID {rid} in a burst",
+                    answered = None
+                if answered not in sent or answered in seen:
+                    out.append(Finding("request-id", f"answer with Request ID {answered} in a burst",
                                        evidence={"answer": msg.payload.hex()}))
                     continue
-                seen.add(rid)
-                payload, req, x = sent[rid]
+                seen.add(answered)
+                payload, req, x = sent[answered]
                 out += self.judged(s, x, req, payload, msg, loop.time())[1]
             if len(seen) < count and not ini.qp.closed:
                 out.append(Finding("no-answer", f"{count - len(seen)} of {count} requests of a burst "
@@ -531,6 +532,7 @@ class Steps(Exchanger):
             bound = sorted(h for h in touched if s.known.entry(h).bound and h not in s.guards)
             short = next((h for h in bound if s.known.entry(h).length), None)
             for h in [*s.guards, *bound]:
-                length = s.known.entry(h).length - 1 if h == short else None
+                e = s.known.entry(h)
+                length = e.length - 1 if h == short and e.length else None
                 out += (await self.call(s, *self.load_values(s, h, length=length))).findings
         return out

@@ -51,8 +51,9 @@ class Initiator(DirectModes):
         self.qp, self.memory, self.initiator_id = qp, memory, initiator_id
         self.completion_credits = credits
         self.invalidate = invalidate
-        self.target: TargetInfo | None = None
+        self._target: TargetInfo | None = None
         self.addr_le = False
+        self.hello_ack = b""                 # the HELLO_ACK as it came (its header is judged too)
         self._ids = itertools.count(1)
         self._pending: Waiting = {}
         self.unmatched: asyncio.Queue[Received] = asyncio.Queue()   # raw mode sees these
@@ -72,7 +73,9 @@ class Initiator(DirectModes):
         qp.post_recv(credits)
         try:
             await self._hello(features)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, KbtpError):
+                exc.hello_ack = self.hello_ack
             await qp.close()
             raise
         return self
@@ -84,6 +87,7 @@ class Initiator(DirectModes):
             "hello.initiator_id": self.initiator_id}))
         msg = await self.qp.recv()
         self.qp.post_recv(1)
+        self.hello_ack = msg.payload
         ack = codec.decode(msg.payload)
         if ack["opcode"] != OP["HELLO_ACK"]:
             raise KbtpError(STATUS.by_name()["MALFORMED"],
@@ -91,13 +95,20 @@ class Initiator(DirectModes):
         if ack["status"]:
             raise KbtpError(ack["status"], detail="HELLO refused")
         body = {k.split(".", 1)[1]: v for k, v in ack.items() if k.startswith("hello_ack.")}
-        self.target = TargetInfo(body.pop("features"), body.pop("request_credits"),
+        self._target = TargetInfo(body.pop("features"), body.pop("request_credits"),
                                  body.pop("block_size"), body.pop("max_inline"),
                                  body.pop("allocation_quota"), body.pop("handle_base"),
-                                 body.pop("handle_count"), body.pop("ticket_timeout"), body)
-        self.addr_le = self.target.feature(ADDR_LE)
-        self._credits = asyncio.Semaphore(min(self.target.request_credits, self.completion_credits))
+                                  body.pop("handle_count"), body.pop("ticket_timeout"), body)
+        self.addr_le = self._target.feature(ADDR_LE)
+        self._credits = asyncio.Semaphore(min(self._target.request_credits, self.completion_credits))
         self.qp.on_receive(self._receive)
+
+    @property
+    def target(self) -> TargetInfo:
+        """What the HELLO_ACK granted (``connect`` returns only once it has come)."""
+        if self._target is None:
+            raise RuntimeError("no HELLO_ACK yet: use Initiator.connect")
+        return self._target
 
     # -- completions ---------------------------------------------------------------------
 
@@ -123,6 +134,8 @@ class Initiator(DirectModes):
         """Send one request and wait for its completion; raises ``KbtpError`` on a status.
 
         The Send is unsignaled: its failure ends the connection, which fails the wait."""
+        if self._credits is None:
+            raise RuntimeError("no HELLO_ACK yet: use Initiator.connect")
         async with self._credits:
             if self.qp.error is not None:
                 raise _said(self.qp.error)

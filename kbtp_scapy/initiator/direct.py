@@ -7,11 +7,15 @@ not guaranteed to be atomic), and the initiator never writes ring slots.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from .. import codec, ring as counters
 from ..tables import RING_COUNTER, memory as M
 from ..tables.enums import ENTRY_FLAGS, STATUS, flag
-from .results import KbtpError, Result
+from .results import KbtpError, Result, TargetInfo
+
+if TYPE_CHECKING:
+    from ..rnic import QueuePair
 
 CONSUMED = M.SLOT_CONSUMED
 VALID, SEALED = flag(ENTRY_FLAGS, "VALID"), flag(ENTRY_FLAGS, "SEALED")
@@ -21,7 +25,16 @@ NO_SPACE, INVALID_HANDLE, INTERNAL = _S["NO_SPACE"], _S["INVALID_HANDLE"], _S["I
 
 
 class DirectModes:
-    """Mixed into ``Initiator``: needs ``qp``, ``target`` and ``addr_le``."""
+    """Mixed into ``Initiator``: needs ``qp``, ``target``, ``addr_le`` and ``bind``."""
+
+    qp: QueuePair
+    addr_le: bool
+    if TYPE_CHECKING:
+        @property
+        def target(self) -> TargetInfo: ...
+
+        async def bind(self, handle: int, ticket: int, data_length: int, block_offset: int, *,
+                       generation: int = 0) -> Result: ...
 
     def _direct(self, key: str) -> tuple[int, int, int]:
         f = self.target.fields
@@ -74,12 +87,12 @@ class DirectModes:
         ring_stag, ring_base, _ = self._direct("ring")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        confirmed = None
+        confirmed: int | None = None
         while loop.time() < deadline:
             raw = await self.qp.read(ring_stag, ring_base + offset, M.SLOT_SIZE)
             slot = codec.decode_struct(M.RING_SLOT, raw, self.addr_le)
             ready = slot["slot.sequence"] == ticket & 0xFFFFFFFF and slot["slot.block_offset"] != CONSUMED
-            if ready and confirmed == slot["slot.block_offset"]:
+            if ready and confirmed is not None and confirmed == slot["slot.block_offset"]:
                 return confirmed
             confirmed = slot["slot.block_offset"] if ready else None
             if not ready:

@@ -22,6 +22,7 @@ class KbtpError(Exception):
     def __init__(self, status: int, result: Result | None = None, detail: str = ""):
         self.status, self.name, self.result = status, STATUS.describe(status), result
         self.detail = detail        # what the initiator saw, when no completion said it
+        self.hello_ack = b""        # a refused HELLO's HELLO_ACK, as it came
         super().__init__(f"{self.name}{': ' + detail if detail else ''}")
 
 
@@ -34,7 +35,7 @@ class Result:
     generation: int
     data_length: int
     block_offset: int
-    data: bytes | None = None       # LOAD and DIRECT_LOAD: the block's data
+    data: bytes = b""               # LOAD and DIRECT_LOAD: the block's data
     record: bool = False            # completed through a completion record
 
     @property
@@ -79,6 +80,7 @@ def match_completion(msg: Received, waiting: Waiting,
         if rid is None:
             return None
         future, record = waiting.pop(rid)
+        assert record is not None          # rid was found by its record
         d = codec.decode_struct(M.COMPLETION_RECORD, bytes(record.view), addr_le)
         return future, Result(d["record.request_id"], d["record.status"], d["record.generation"],
                               d["record.data_length"], d["record.block_offset"], record=True)

@@ -110,7 +110,7 @@ class _MPAStartup(_Tolerant):
 
     fields_desc = [
         StrFixedLenField("key", MPA_REQ_KEY, 16),
-        FlagsField("flags", "C+S", 4, ["S", "R", "C", "M"]),  # LSB first: S=0x1 ... M=0x8
+        FlagsField("flags", "C+S", 4, ["S", "R", "C", "M"]),  # type: ignore[arg-type]  # Scapy takes names; LSB first: S=0x1 ... M=0x8
         BitField("res", 0, 4),
         ByteEnumField("rev", 2, MPA_REVISIONS),
         ShortField("pd_length", None),
@@ -159,12 +159,12 @@ class MPA(_Tolerant):
     __slots__ = ["_trailer"]          # trailer octets present when dissected, else None
     fields_desc = [
         ShortField("ulpdu_len", None),
-        XStrLenField("pad", None, length_from=lambda p: p._pad_present()),
+        XStrLenField("pad", None, length_from=lambda p: p._pad_present()),  # type: ignore[arg-type]  # None: from the length
         ConditionalField(XLEIntField("crc", None), lambda p: p._crc_present()),
     ]
 
     def __init__(self, *args, **kwargs) -> None:
-        self._trailer = None
+        self._trailer: int | None = None
         super().__init__(*args, **kwargs)
 
     @classmethod
@@ -212,7 +212,7 @@ class MPA(_Tolerant):
         Raw, since Scapy would move Padding to the very end of the packet."""
         super().do_dissect_payload(s)
         inner = self.getlayer(conf.padding_layer)
-        if inner is not None:
+        if inner is not None and inner.underlayer is not None:
             under = inner.underlayer
             under.remove_payload()
             under.add_payload(conf.raw_layer(inner.load))
@@ -348,9 +348,11 @@ class RDMAPTerminate(_Body):
     name = "RDMAP Terminate"
     fields_desc = [
         BitEnumField("layer", 0, 4, TERM_LAYERS),
-        BitMultiEnumField("etype", 0, 4, TERM_ETYPES, depends_on=lambda p: p.layer),
-        MultiEnumField("errcode", 0, TERM_ERRCODES, fmt="B",
-                       depends_on=lambda p: (p.layer, p.etype)),
+        # Scapy's stubs: depends_on may get None, and MultiEnumField keys are ints; Scapy
+        # calls depends_on with the packet, and any hashable is a key
+        BitMultiEnumField("etype", 0, 4, TERM_ETYPES, depends_on=lambda p: p.layer),  # type: ignore[union-attr]
+        MultiEnumField("errcode", 0, TERM_ERRCODES, fmt="B",  # type: ignore[arg-type]
+                       depends_on=lambda p: (p.layer, p.etype)),  # type: ignore[union-attr,return-value,arg-type]
         BitEnumField("hdrct_m", 0, 1, {0: "-", 1: "DDP Segment Length valid"}),
         BitEnumField("hdrct_d", 0, 1, {0: "-", 1: "DDP header included"}),
         BitEnumField("hdrct_r", 0, 1, {0: "-", 1: "RDMAP header included"}),

@@ -11,10 +11,11 @@ ADDR_LE. ``conf.contribs["kbtp"]["addr_le"]`` sets the default; ``KBTP(..., addr
 """
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scapy.config import conf
 from scapy.fields import (
@@ -37,6 +38,11 @@ from scapy.fields import (
     XStrFixedLenField,
 )
 from scapy.packet import Packet, Raw, bind_layers
+
+if TYPE_CHECKING:
+    from scapy.fields import _FieldContainer  # ConditionalField and MultipleTypeField
+
+    FieldsDesc = list[Field | _FieldContainer]
 
 from .. import tables as T
 from ..codec import looks_like_kbtp
@@ -108,7 +114,7 @@ class _KBTPPacket(Packet):
     def guess_payload_class(self, payload: bytes) -> type[Packet]:
         return Raw if self.truncated else super().guess_payload_class(payload)
 
-    def extract_padding(self, s: bytes) -> tuple[bytes, bytes]:
+    def extract_padding(self, s: bytes) -> tuple[bytes, bytes | None]:
         """Structures end where their table ends (inline data is a field); the rest is padding."""
         return b"", s
 
@@ -146,7 +152,7 @@ class AddrField(Field[int, int]):
 
     def i2repr(self, pkt: Packet | None, x: int | None) -> str:
         if x is None or not self.hex:
-            return super().i2repr(pkt, x)
+            return super().i2repr(pkt, x)  # type: ignore[arg-type]  # Scapy's stub: int; it shows None too
         return f"0x{x:x}"
 
 
@@ -161,8 +167,10 @@ class DescriptorField(PacketField):
         super().__init__(name, default, cls)
         self.fill = fill or {}
 
-    def i2m(self, pkt: Packet | None, i: Packet | None) -> bytes:
-        i = self.cls() if i is None else i.copy()
+    # Scapy's stubs: BasePacket (no getfieldval) and a cls that may take octets; here it
+    # is a Packet class of the tables, built empty
+    def i2m(self, pkt: Packet | None, i: Packet | None) -> bytes:  # type: ignore[override]
+        i = self.cls() if i is None else i.copy()  # type: ignore[call-arg]
         for target, source in self.fill.items():
             data = pkt.getfieldval(source) if pkt is not None else None
             if i.getfieldval(target) is None and data is not None:
@@ -202,9 +210,9 @@ def _scalar_field(f: T.Field, default: Any) -> Field:
     return (hexed if f.hex else plain)[f.size](f.name, default)
 
 
-def _header_flags_field(f: T.Field) -> Field:
+def _header_flags_field(f: T.Field) -> MultipleTypeField:
     """Flags named per opcode (the request flags, RELEASE for GOODBYE), bare hex otherwise."""
-    variants = []
+    variants: list[tuple[Field, Any, str] | tuple[Field, Any]] = []
     for flag_set in dict.fromkeys(m.flags for m in T.MESSAGES if m.flags is not None):
         ops = {m.opcode for m in T.MESSAGES if m.flags is flag_set}
         variants.append((FlagsField(f.name, None, 8 * f.size, _flag_names(flag_set)),
@@ -239,28 +247,28 @@ def _write_word(p: bytes, struct_: T.Struct, name: str, word: int) -> bytes:
 _struct_classes: dict[str, type[Packet]] = {}
 
 
-def _fields_desc(struct_: T.Struct) -> list[Field]:
+def _fields_desc(struct_: T.Struct) -> FieldsDesc:
     """Scapy fields of a structure, in table order, with their conditions and defaults."""
-    fields_desc = []
+    fields_desc: FieldsDesc = []
     for item in struct_.items:
         if isinstance(item, T.Member):
             cls = _struct_classes.get(item.struct.name) or _struct_class(item.struct)
             fill = {f.length_target[1]: f.name for f in struct_.items
                     if isinstance(f, T.Field) and f.length_target and f.length_target[0] == item.name}
-            fld = DescriptorField(item.name, None if item.when else cls(), cls, fill)
+            fld: Field | _FieldContainer = DescriptorField(item.name, None if item.when else cls(), cls, fill)
         elif item.per_opcode_flags:
             fld = _header_flags_field(item)
         else:
             fld = _scalar_field(item, _default(struct_, item))
         if item.when is not None:
-            fld = ConditionalField(fld, lambda pkt, c=item.when: _present(pkt, c))
+            fld = ConditionalField(fld, functools.partial(_present, cond=item.when))
         fields_desc.append(fld)
     return fields_desc
 
 
 def _filled_lengths() -> set[tuple[str, str]]:
     """(structure, field) pairs whose value is filled in from a variable-size field's length."""
-    return {(msg.body.item(f.length_target[0]).struct.name, f.length_target[1])
+    return {(msg.body.member(f.length_target[0]).struct.name, f.length_target[1])
             for msg in T.MESSAGES for f in msg.body.items
             if isinstance(f, T.Field) and f.length_target}
 
@@ -349,6 +357,8 @@ def packet_fields(pkt: Packet) -> dict[str, Any]:
     """Flat ``{key: value}`` of a KBTP packet, keyed as the codec and the JSON output are;
     items absent from the wire are left out."""
     header = pkt if isinstance(pkt, KBTP) else pkt.getlayer(KBTP)
+    if header is None:
+        raise ValueError(f"no KBTP layer in {pkt.summary()}")
     out = {f.key: _plain(header.getfieldval(f.field.name)) for f in T.flatten(T.HEADER)
            if header.getfieldval(f.field.name) is not None}
     body = header.payload
@@ -379,7 +389,7 @@ def build_packet(values: dict[str, Any], addr_le: bool | None = None) -> KBTP:
         for name in f.path[:-1]:
             sub = target.getfieldval(name)
             if sub is None:
-                sub = target.get_field(name).cls()
+                sub = target.get_field(name).cls()  # type: ignore[union-attr]  # a ConditionalField passes .cls on
                 target.setfieldval(name, sub)
             target = sub
         target.setfieldval(f.path[-1], values[f.key])

@@ -20,6 +20,7 @@ from scapy.compat import raw
 from scapy.config import conf
 from scapy.contrib.roce import AETH, BTH, GRH
 from scapy.fields import (
+    ByteEnumField,
     IntField,
     StrField,
     X3BytesField,
@@ -90,6 +91,8 @@ class BTHPad(Packet):
 
 # Opcode names scapy.contrib.roce does not know (IBA 9.2: Send with Invalidate, RC only).
 _opcode_field = BTH.fields_desc[0]  # ByteEnumField "opcode"
+assert isinstance(_opcode_field, ByteEnumField)
+assert _opcode_field.i2s is not None and _opcode_field.s2i is not None     # a dict enum
 for _code, _name in ((0x16, "RC_SEND_LAST_WITH_INVALIDATE"),
                      (0x17, "RC_SEND_ONLY_WITH_INVALIDATE")):
     _opcode_field.i2s[_code] = _name
@@ -171,7 +174,7 @@ def _bth_do_dissect_payload(self: BTH, s: bytes) -> None:
         self.add_payload(BTHPad(s[cut:], _internal=1))
 
 
-BTH.do_dissect_payload = _bth_do_dissect_payload
+BTH.do_dissect_payload = _bth_do_dissect_payload  # type: ignore[method-assign,assignment]  # patching Scapy's BTH
 for _code in HEADERS:
     if not any(fval.get("opcode") == _code for fval, _ in BTH.payload_guess):
         bind_bottom_up(BTH, _Next, opcode=_code)
@@ -226,6 +229,7 @@ def icrc_ok(frame: bytes | Packet) -> bool:
     """Recompute the ICRC of a received RoCEv2 (or RoCEv1) frame and compare it with the
     stored one. Bytes are read as Ethernet. The computation is scapy.contrib.roce's for
     RoCEv2; trailing Ethernet padding is ignored, as the ICRC ends the IP datagram."""
+    pkt: Packet
     try:
         if isinstance(frame, (bytes, bytearray)):
             pkt = Ether(bytes(frame))

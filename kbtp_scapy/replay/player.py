@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .. import codec
+from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError
 from ..initiator.results import Waiting, match_completion
 from ..rnic import Access
@@ -27,10 +28,6 @@ from .mapping import Mapping
 from .sessions import OP, Capture, Outcome, Session, Step, slot_of
 
 Pair = tuple[Outcome | None, Outcome]     # (captured, replayed) of a one-sided operation
-
-
-class HarnessError(Exception):
-    """The replay could not be run (no connection to the target, nothing to replay)."""
 
 
 @dataclass
@@ -156,17 +153,17 @@ class Player:
             self._record(Played(step, ses, skipped="its session is not connected"), event)
             return
         if step.kind == "goodbye":
-            await self._goodbye(live, event)
+            await self._goodbye(live, step, event)
         elif step.kind == "request":
-            await self._request(live, event)
+            await self._request(live, step, event)
         else:
-            self._one_sided(live, event)
+            self._one_sided(live, step, event)
 
     async def _hello(self, event: _Event) -> None:
         ses = event.session
         hello = ses.hello
         new_id = self.ids.setdefault(ses.initiator_id, secrets.token_bytes(16))
-        options = {"local": self.local} if self.local else {}
+        options: dict[str, Any] = {"local": self.local} if self.local else {}
         played = Played(None, ses)
         try:
             ini = await asyncio.wait_for(Initiator.connect(
@@ -186,8 +183,7 @@ class Player:
             played.replayed = Outcome(status=0, form="hello_ack")
         self._record(played, event)
 
-    async def _goodbye(self, live: _Live, event: _Event) -> None:
-        step = event.step
+    async def _goodbye(self, live: _Live, step: Step, event: _Event) -> None:
         values = {**step.fields, "request_id": step.fields.get("request_id", 0)}
         await live.ini.qp.send(codec.encode(values, live.ini.addr_le))
 
@@ -235,8 +231,7 @@ class Player:
             values["bind.block_offset"] = values["bind.block_offset"] if new is None else new
         return codec.encode(values, ini.addr_le), regions, record, loaded
 
-    async def _request(self, live: _Live, event: _Event) -> None:
-        step = event.step
+    async def _request(self, live: _Live, step: Step, event: _Event) -> None:
         if step.problem and step.supplied is not None:
             self._record(Played(step, live.ses, skipped=step.problem), event)
             return
@@ -272,14 +267,14 @@ class Player:
 
     # -- one-sided operations of the direct modes ----------------------------------------------
 
-    def _one_sided(self, live: _Live, event: _Event) -> None:
-        step = event.step
+    def _one_sided(self, live: _Live, step: Step, event: _Event) -> None:
         try:
             stag, offset, learn = self._address(live, step)
         except LookupError as exc:
             self._record(Played(step, live.ses, skipped=str(exc)), event)
             return
         qp = live.ini.qp
+        op: Awaitable[Any]
         try:
             if step.kind == "read":
                 op = qp.read(stag, offset, step.length)
@@ -313,7 +308,9 @@ class Player:
         if step.problem:
             raise LookupError(step.problem)
         ses, ini, m = live.ses, live.ini, self.mapping
-        captured = ses.descriptor(step.region)
+        captured = ses.descriptor(step.region) if step.region is not None else None
+        if captured is None:
+            raise LookupError(f"the captured HELLO_ACK grants no {step.region} descriptor")
         new = ini.target.fields
         if f"{step.region}.stag" not in new:
             raise LookupError(f"the new HELLO_ACK grants no {step.region} descriptor")
@@ -351,7 +348,7 @@ class Player:
 
     def _entry(self, live: _Live, step: Step, raw: bytes, rem: int) -> Pair:
         if rem or len(raw) != M.ENTRY_SIZE or step.captured is None or \
-                len(step.captured.data or b"") != M.ENTRY_SIZE:
+                step.captured.data is None or len(step.captured.data) != M.ENTRY_SIZE:
             return step.captured, Outcome(data=bytes(raw), form="read")
         new = codec.decode_struct(M.TABLE_ENTRY, bytes(raw), live.ini.addr_le)
         old = codec.decode_struct(M.TABLE_ENTRY, step.captured.data, live.ses.addr_le)
@@ -360,7 +357,7 @@ class Player:
 
     def _slot(self, live: _Live, step: Step, raw: bytes) -> Pair:
         if len(raw) != M.SLOT_SIZE or step.captured is None or \
-                len(step.captured.data or b"") != M.SLOT_SIZE:
+                step.captured.data is None or len(step.captured.data) != M.SLOT_SIZE:
             return step.captured, Outcome(data=bytes(raw), form="read")
         new = codec.decode_struct(M.RING_SLOT, bytes(raw), live.ini.addr_le)
         old = codec.decode_struct(M.RING_SLOT, step.captured.data, live.ses.addr_le)

@@ -343,7 +343,7 @@ class _Builder:
             ses.notes.append(f"frame {msg.frames[-1]}: the target sent "
                              f"{OPCODES.describe(c.get('opcode', -1))}")
             return
-        step = ses.pending.get(c.get("request_id"))
+        step = ses.pending.get(c.get("request_id", -1))
         if step is None or step.captured is not None:
             ses.notes.append(f"frame {msg.frames[-1]}: COMPLETION of unknown Request ID "
                              f"{c.get('request_id')}")
@@ -369,6 +369,7 @@ class _Builder:
             ses.notes.append(f"frame {msg.frames[-1]}: RDMA Write to STag 0x{stag:08x}, "
                              "which no pending LOAD names")
             return
+        assert step.loaded is not None           # pending_with chose it for its buffer
         _place(step.loaded, to - step.fields.get("dd.offset", 0), msg.payload)
 
     def answered(self, ses: Session, msg: RdmaMessage) -> None:
@@ -386,6 +387,7 @@ class _Builder:
     @staticmethod
     def finish(step: Step, frame: int) -> None:
         step.done_frame = frame
+        assert step.captured is not None         # what the capture answered, set by the caller
         if step.loaded is not None and step.captured.data_length is not None:
             step.captured.data = bytes(step.loaded[:step.captured.data_length])
         if step.supplied is not None and step.supplied_seen < len(step.supplied):

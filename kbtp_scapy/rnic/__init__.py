@@ -6,11 +6,11 @@
 """
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from ..wire.address import Address, parse_url
-from .memory import Access, AccessError, Fault, MemoryRegion, MemoryTable
+from .memory import Access, AccessError, ByteOrder, Fault, MemoryRegion, MemoryTable
 from .qp import ConnectionLost, QueuePair, Received, ReceiveError, RemoteError
 
 __all__ = ["Access", "AccessError", "Address", "ConnectionLost", "Fault", "Listener",
@@ -26,10 +26,10 @@ class Listener(Protocol):
     async def wait_closed(self) -> None: ...
 
 
-OnConnect = Callable[[QueuePair], Awaitable[None]]
+OnConnect = Callable[[QueuePair], Coroutine[Any, Any, None]]
 
 
-def memory_table(io: str | None = None, order: str = "little") -> MemoryTable:
+def memory_table(io: str | None = None, order: ByteOrder = "little") -> MemoryTable:
     """The registered memory for an I/O backend: the soft RNIC's, or a device's (``verbs``)."""
     if io == "verbs":
         from .verbs import VerbsMemory

@@ -52,10 +52,10 @@ class HalfOpen:
         heaviest, held = self.by_source.most_common(1)[0]
         if held <= self.by_source[source] + 1:
             return False
-        victim = next((t for t in self._held[heaviest] if t.evict is not None), None)
-        if victim is None:
+        held_by = ((t, t.evict) for t in self._held[heaviest])
+        victim, evict = next(((t, e) for t, e in held_by if e is not None), (None, None))
+        if victim is None or evict is None:
             return False
-        evict = victim.evict
         victim.leave()
         self.refused["half_open_evicted"] += 1
         evict(f"set-up ended to make room for a connection from {source} "

@@ -17,8 +17,9 @@ import logging
 import random
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from kbtp_scapy.wire.iwarp_defs import (
     DDP_TAGGED_LEN,
@@ -91,6 +92,7 @@ class _Fatal(Exception):
         super().__init__(reason)
         self.term = (layer, etype, code)
         self.rdmap_header = rdmap_header
+        self.ddp: tuple[bytes, int] = (b"", 0)     # the DDP header it came in, and its length
 
 
 class _Overrun(_Fatal):
@@ -171,10 +173,23 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._send_rx: bytearray | None = None       # a multi-segment Send being received
         self._write_rx: tuple | None = None          # (STag, region, next TO)
 
+    @property
+    def _stream(self) -> asyncio.Transport:
+        """The TCP connection: every caller runs after ``connection_made`` set it."""
+        assert self._tp is not None, "no TCP connection yet"
+        return self._tp
+
+    @property
+    def _tcp(self) -> w.TcpFrames:
+        """The connection's frames for the listeners, there from ``connection_made`` on."""
+        assert self._frames is not None, "no TCP connection yet"
+        return self._frames
+
     # -- asyncio Protocol ----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._tp = transport    # type: ignore[assignment]
+        assert isinstance(transport, asyncio.Transport), "a TCP connection is a stream"
+        self._tp = transport
         self.local = transport.get_extra_info("sockname")[:2]
         self.remote = transport.get_extra_info("peername")[:2]
         if not self._active and self._half_open is not None:
@@ -212,9 +227,9 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         """The peer's FIN: ours follows (returning False closes the transport)."""
         if self.frame_listeners:
             self._show_rx()
-            self._emit("rx", self._frames.fin("rx"))
-            closing = self._tp.is_closing()
-            self._emit("tx", self._frames.ack("tx") if closing else self._frames.fin("tx"))
+            self._emit("rx", self._tcp.fin("rx"))
+            closing = self._stream.is_closing()
+            self._emit("tx", self._tcp.ack("tx") if closing else self._tcp.fin("tx"))
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -287,7 +302,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self.crc = self._want_crc or bool(peer.flags & w.FLAG_C)
         self.markers_tx = bool(peer.flags & w.FLAG_M)
         self.markers_rx = self._want_markers
-        self.mulpdu = mulpdu(self.mss, self.markers_tx)
+        self.mulpdu = mulpdu(self._tcp.mss, self.markers_tx)
         if peer.enhanced:
             self.ord_limit = max(1, min(self.ord, peer.ird))
 
@@ -416,7 +431,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             del buf[:off]
             self.stats["fpdus_rx"] += count
             if skipped:
-                self._frames.skip("rx", skipped)
+                self._tcp.skip("rx", skipped)
 
     def _segment(self, fpdu: bytes, ulen: int) -> None:
         """One DDP segment (RFC 5041 s4) and its RDMAP message (RFC 5040 s4)."""
@@ -545,6 +560,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                 if state is None or state[0] != stag or state[2] != to:
                     self.check_write(stag, to, n)
                     region = self.memory.get(stag)
+                    assert region is not None      # check_write found it
                 else:
                     region = state[1]
                 region.local(to, n)[:] = data
@@ -765,7 +781,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._overrun = None
         if self._phase == "closed" or self.error is not None:
             return
-        ddp, length = getattr(exc, "ddp", (b"", 0))
+        ddp, length = exc.ddp
         self._send_untagged(Op.TERMINATE, w.terminate_body(
             *exc.term, ddp_header=ddp, ddp_length=length, rdmap_header=exc.rdmap_header))
         self.stats["terminates_sent"] += 1
@@ -807,23 +823,23 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self.stats["bytes_tx"] += len(data)
         if self.frame_listeners:
             self._show_rx()           # what arrived first is shown first
-            for frame in self._frames.data("tx", units or [bytes(data)]):
+            for frame in self._tcp.data("tx", units or [bytes(data)]):
                 self._emit("tx", frame)
         else:
-            self._frames.skip("tx", len(data))
-        self._tp.write(data)
+            self._tcp.skip("tx", len(data))
+        self._stream.write(data)
 
     def _received_unit(self, unit: bytes) -> None:
         """Keep a startup frame or FPDU for the listeners, or just count its octets."""
         if self.frame_listeners:
             self._rx_units.append(unit)
         else:
-            self._frames.skip("rx", len(unit))
+            self._tcp.skip("rx", len(unit))
 
     def _show_rx(self) -> None:
         if self._rx_units:
             units, self._rx_units = self._rx_units, []
-            for frame in self._frames.data("rx", units):
+            for frame in self._tcp.data("rx", units):
                 self._emit("rx", frame)
 
     def _emit(self, direction: str, frame: bytes) -> None:
@@ -834,7 +850,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._flush()
         if self._tp is not None and not self._tp.is_closing():
             if self.frame_listeners:
-                self._emit("tx", self._frames.fin("tx"))
+                self._emit("tx", self._tcp.fin("tx"))
             self._tp.close()
         self.lost(error)
 
@@ -856,7 +872,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         try:
             await asyncio.wait_for(self._gone.wait(), 5)
         except TimeoutError:
-            self._tp.abort()
+            self._stream.abort()
 
 
 class IwarpListener:
@@ -942,9 +958,9 @@ async def connect(host: str, port: int, memory: MemoryTable, **options) -> Iwarp
         async with asyncio.timeout(timeout):
             while True:
                 try:
-                    await loop.create_connection(factory, host, port)
-                    await qp.ready
-                    return qp
+                    _, made = await loop.create_connection(factory, host, port)
+                    await made.ready
+                    return made
                 except (ConnectionResetError, ConnectionLost):
                     if qp is None or qp.stats["bytes_rx"]:
                         raise           # the listener said something: its word is final
@@ -957,7 +973,7 @@ async def connect(host: str, port: int, memory: MemoryTable, **options) -> Iwarp
 
 
 async def listen(host: str, port: int, memory: MemoryTable,
-                 on_connect: Callable[[IwarpQP], Awaitable[None]], **options) -> IwarpListener:
+                 on_connect: Callable[[IwarpQP], Coroutine[Any, Any, None]], **options) -> IwarpListener:
     """Listen on ``host:port`` (port 0 picks one: see ``.address``)."""
     qp_options, _, mpa_timeout = _options(**options)
     half_open = qp_options["half_open"]

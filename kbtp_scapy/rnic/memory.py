@@ -18,11 +18,12 @@ import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..ring import masked_add
 
 _U64 = (1 << 64) - 1
+ByteOrder = Literal["little", "big"]     # of the RNIC's memory, for atomics
 
 
 def _random_words() -> Iterator[int]:
@@ -100,7 +101,7 @@ class MemoryTable:
     InfiniBand atomics operate on the 64-bit word in the responder's native order).
     """
 
-    def __init__(self, order: str = "little") -> None:
+    def __init__(self, order: ByteOrder = "little") -> None:
         self.order = order
         self._regions: dict[int, MemoryRegion] = {}
 
@@ -164,7 +165,7 @@ class MemoryTable:
                     connection: object | None = None) -> bytes:
         return bytes(self.remote(stag, offset, length, _REMOTE_READ, connection))
 
-    def remote_write(self, stag: int, offset: int, data: bytes,
+    def remote_write(self, stag: int, offset: int, data: bytes | memoryview,
                      connection: object | None = None) -> None:
         self.remote(stag, offset, len(data), _REMOTE_WRITE, connection)[:] = data
 

@@ -19,7 +19,7 @@ import enum
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 from .admission import Ticket
 from .memory import Access, MemoryTable
@@ -120,14 +120,19 @@ class QueuePair:
         self.frame_listeners: list[FrameListener] = []
         self.stats: Counter[str] = Counter()
         self._posted = posted
-        self._received: asyncio.Queue[Received | BaseException] = asyncio.Queue()
+        self._received: asyncio.Queue[Received | ConnectionLost] = asyncio.Queue()
         self._on_receive: Callable[[Received | ConnectionLost], None] | None = None
         self._outstanding: deque[WorkRequest] = deque()
         self._closed = asyncio.Event()
-        self.error: BaseException | None = None
+        self.error: ConnectionLost | None = None
         self.admission: Ticket | None = None    # the slot of a half-open connection
 
     # -- requester side ------------------------------------------------------------------
+
+    @overload
+    def post(self, wr: WorkRequest, signaled: Literal[True] = ...) -> asyncio.Future: ...
+    @overload
+    def post(self, wr: WorkRequest, signaled: bool) -> asyncio.Future | None: ...
 
     def post(self, wr: WorkRequest, signaled: bool = True) -> asyncio.Future | None:
         """Queue an operation; the returned future completes in posting order.
@@ -139,17 +144,31 @@ class QueuePair:
         if signaled:
             wr.future = asyncio.get_running_loop().create_future()
         if self.error is not None:
-            if signaled:
+            if wr.future is not None:
                 wr.future.set_exception(ConnectionLost(str(self.error)))
             return wr.future
         self._outstanding.append(wr)
         self._transmit(wr)
         return wr.future
 
+    @overload
+    def send(self, payload: bytes, *, invalidate: int | None = None, solicited: bool = False,
+             imm: int | None = None, signaled: Literal[True] = ...) -> asyncio.Future: ...
+    @overload
+    def send(self, payload: bytes, *, invalidate: int | None = None, solicited: bool = False,
+             imm: int | None = None, signaled: bool) -> asyncio.Future | None: ...
+
     def send(self, payload: bytes, *, invalidate: int | None = None, solicited: bool = False,
              imm: int | None = None, signaled: bool = True) -> asyncio.Future | None:
         return self.post(WorkRequest(Verb.SEND, payload, invalidate=invalidate,
                                      solicited=solicited, imm=imm), signaled)
+
+    @overload
+    def write(self, stag: int, offset: int, data: bytes, *, imm: int | None = None,
+              signaled: Literal[True] = ...) -> asyncio.Future: ...
+    @overload
+    def write(self, stag: int, offset: int, data: bytes, *, imm: int | None = None,
+              signaled: bool) -> asyncio.Future | None: ...
 
     def write(self, stag: int, offset: int, data: bytes, *, imm: int | None = None,
               signaled: bool = True) -> asyncio.Future | None:
@@ -258,7 +277,7 @@ class QueuePair:
 
     # -- responder side: executed on our memory -----------------------------------------
 
-    def serve_write(self, stag: int, offset: int, data: bytes) -> None:
+    def serve_write(self, stag: int, offset: int, data: bytes | memoryview) -> None:
         self.memory.remote_write(stag, offset, data, self)
 
     def serve_read(self, stag: int, offset: int, length: int) -> bytes:

@@ -173,6 +173,13 @@ def _load() -> ctypes.CDLL:
     return _lib
 
 
+def libverbs() -> ctypes.CDLL:
+    """libibverbs, loaded with librdmacm by ``_load``."""
+    _load()
+    assert _verbs is not None
+    return _verbs
+
+
 def _check(ret: int, what: str) -> None:
     if ret != 0:
         code = ctypes.get_errno()
@@ -223,7 +230,7 @@ class CmId:
         if not verbs:
             return None
         device = ctypes.c_void_p.from_address(verbs).value   # ibv_context.device comes first
-        return _verbs.ibv_get_device_name(device).decode()
+        return libverbs().ibv_get_device_name(device).decode()
 
     @property
     def port_num(self) -> int:

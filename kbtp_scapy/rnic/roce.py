@@ -17,7 +17,8 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
 from ..wire import roce as w
 from ..wire.address import ROCE_PORT, Address
@@ -164,6 +165,7 @@ class Device:
                     qp.stats["foreign"] += 1
                     continue
                 qp._rx, qp._rx_from = self.paths(addr)[1], addr   # the peer's source port
+            assert qp._rx is not None           # set with _rx_from, which addr matches
             if not check(qp._rx, data, wire):
                 qp.stats["icrc_errors"] += 1
                 continue
@@ -554,7 +556,7 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
 
 
 async def listen(host: str, port: int, memory: MemoryTable,
-                 on_connect: Callable[[RoceQP], Awaitable[None]], **options) -> RoceListener:
+                 on_connect: Callable[[RoceQP], Coroutine[Any, Any, None]], **options) -> RoceListener:
     """Accept connections for rdma_cm port ``port`` at ``host`` (UDP 4791, or
     ``udp_port``); with ``io="raw"``, ``host`` is ``addr``'s IP."""
     qp_options, _, io, (udp_port, peer_port), setup = _options(**options)

@@ -159,6 +159,7 @@ class RoceQP(QueuePair):
     # -- sending packets ----------------------------------------------------------------
 
     def _out(self, parts: list, pad: int) -> None:
+        assert self._tx is not None, "no path before connect()"
         parts = w.seal(self._tx, parts, pad)
         self._dev.send(parts, self.remote)
         self.stats["frames_tx"] += 1
@@ -411,6 +412,7 @@ class RoceQP(QueuePair):
         if op is not self._sq[0] and not self._ack_upto((op.first - 1) & MASK24):
             self._go_back(self._una)
             return
+        assert op.buf is not None           # made when the Read was posted
         start = op.got * self.mtu
         last = opcode == w.READ_RESP_LAST or opcode == w.READ_RESP_ONLY
         if len(payload) != (len(op.buf) - start if last else self.mtu):

@@ -133,7 +133,7 @@ def _assemble(program: list) -> bytes:
     """Labels (str) and instructions (code, k, jump if true, jump if false), the jumps
     being labels or None for the next instruction, to ``struct sock_filter``s."""
     where: dict[str, int] = {}
-    code = []
+    code: list[tuple[int, int, str | None, str | None]] = []
     for item in program:
         if isinstance(item, str):
             where[item] = len(code)
@@ -229,8 +229,9 @@ class RawPath(w.Path):
             head = head[:-2] + _H.pack(csum)
         return head
 
-    def frame(self, datagram: bytes) -> bytes:
-        """The frame as it goes on the wire (a zero MAC while the peer is unresolved)."""
+    def frame(self, datagram: bytes, ident: int = 0) -> bytes:
+        """The frame as it goes on the wire (a zero MAC while the peer is unresolved);
+        ``ident`` is ``Path``'s: this backend's IPv4 header is the one it sends."""
         eth = self._io.eth_to.get(self.dst) or bytes(12) + self._eth[12:]
         return self.head(eth, [datagram], len(datagram)) + datagram
 
@@ -362,7 +363,8 @@ class RawIO:
             log.debug("%s: send: %s", self.iface, exc)
             self._count("tx_errors")
 
-    def send(self, parts: list, addr: tuple[str, int], path: RawPath) -> None:
+    def send(self, parts: list, addr: tuple[str, int], path: w.Path) -> None:
+        assert isinstance(path, RawPath)     # from tx_path
         eth = self.eth_to.get(path.dst)
         if eth is None:                      # dropped, as a NIC does; the sender retries
             self._count("tx_unresolved")
@@ -593,6 +595,7 @@ class RawIO:
 
     def check(self, path: w.Path, data: memoryview, wire: memoryview | None) -> bool:
         """The ICRC over the headers the frame came with (annex A17.4.5)."""
+        assert wire is not None              # receive() always hands the frame on
         if not self.v6 and (wire[14] != 0x45 or wire[18:22] != b"\0\0\x40\0"):
             return _Seen(wire[14:-len(data) - 8], wire[-len(data) - 8:]).check(data)
         return path.check(data)

@@ -32,12 +32,12 @@ import os
 import socket
 import sys
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ..wire.address import Address
 from . import rdmacm
-from .memory import Access, MemoryRegion, MemoryTable
+from .memory import Access, ByteOrder, MemoryRegion, MemoryTable
 from .qp import ConnectionLost, QueuePair, Received, RemoteError, Verb, WorkRequest
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class VerbsMemory(MemoryTable):
     """Registered memory on a device: a region is an MR (or an MW) of a connection's
     protection domain; STags are rkeys, Tagged Offsets virtual addresses."""
 
-    def __init__(self, order: str = "little") -> None:
+    def __init__(self, order: ByteOrder = "little") -> None:
         super().__init__(order)
         self.qp: VerbsQP | None = None     # for regions bound to no connection (initiator)
         self._objects: dict[int, tuple[Any, Any]] = {}   # stag -> (mr, mw or None)
@@ -337,8 +337,7 @@ class _Staging:
 
 
 def _wc_status(status: int) -> str:
-    rdmacm._load()
-    fn = rdmacm._verbs.ibv_wc_status_str
+    fn = rdmacm.libverbs().ibv_wc_status_str
     fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_char_p
     return fn(status).decode()
 
@@ -635,7 +634,7 @@ class VerbsQP(QueuePair):
                 self.complete(wr, error=error)
                 self.lost(error if isinstance(error, ConnectionLost) else ConnectionLost(str(error)))
                 return
-            result = None
+            result: bytearray | int | None = None
             if wr.verb is Verb.READ:
                 result = bytearray(self._staging.view[at:at + size])
             elif wr.verb in (Verb.FETCH_ADD, Verb.COMPARE_SWAP):
@@ -808,7 +807,7 @@ class VerbsListener:
     """Accepts RC connections on an rdma_cm port: every CONNECT_REQUEST gets a QP of its own."""
 
     def __init__(self, transport: str, host: str, port: int, memory: MemoryTable,
-                 on_connect: Callable[[VerbsQP], Awaitable[None]], options: dict) -> None:
+                 on_connect: Callable[[VerbsQP], Coroutine[Any, Any, None]], options: dict) -> None:
         self.transport, self.memory, self.on_connect = transport, memory, on_connect
         self.qp_options, self.device, self.timeout = _qp_options(**options)
         self.cm_id = rdmacm.CmId(_channel())
@@ -836,7 +835,9 @@ class VerbsListener:
         qp = None
         peer = cm_id.remote[0]
         try:
-            qp = VerbsQP(self.memory, Device.open(cm_id.device_name), cm_id, **self.qp_options)
+            name = cm_id.device_name
+            assert name is not None        # librdmacm binds a connection request's id to its device
+            qp = VerbsQP(self.memory, Device.open(name), cm_id, **self.qp_options)
             res = qp.dev.max_rd_atomic
             responder, initiator = min(res, req.initiator_depth or res), min(res, req.responder_resources or res)
             qp.ready(responder, initiator)

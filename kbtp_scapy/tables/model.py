@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class Order(enum.Enum):
@@ -41,6 +41,13 @@ class Enumeration:
     bits: int
     values: tuple[Value, ...]
     private_use: tuple[int, int] | None = None
+
+    @property
+    def private_range(self) -> tuple[int, int]:
+        """(first, last) Private Use value of a table that has them."""
+        if self.private_use is None:
+            raise ValueError(f"{self.name} has no Private Use range")
+        return self.private_use
 
     def by_value(self) -> dict[int, str]:
         return {v.value: v.name for v in self.values}
@@ -173,6 +180,13 @@ class Struct:
                 return item
         raise KeyError(name)
 
+    def member(self, name: str) -> Member:
+        """The sub-structure item ``name`` (a descriptor)."""
+        item = self.item(name)
+        if not isinstance(item, Member):
+            raise KeyError(f"{name} is a field of {self.name}, not a sub-structure")
+        return item
+
     def offset(self, name: str) -> int:
         """Offset of an item that no conditional item precedes (its place is fixed)."""
         offset = 0
@@ -216,7 +230,7 @@ class FlatField:
     key: str
     field: Field
     when: Condition | None = None
-    path: tuple[str, ...] = field(default=())
+    path: tuple[str, ...] = ()
 
 
 def flatten(struct: Struct, prefix: str = "", when: Condition | None = None) -> Iterator[FlatField]:

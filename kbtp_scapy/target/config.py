@@ -4,6 +4,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from ..rnic.memory import ByteOrder
 from ..tables.enums import FEATURES, flag
 
 DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
@@ -47,7 +48,7 @@ class TargetConfig:
     idle_timeout_s: float = 30.0     # under pressure, an active session silent this long gives way
     clear_freed: bool = True         # clear blocks on free: initiators are separate trust domains
     trust: tuple[str, ...] = LOOPBACK    # peers (CIDR) offered DIRECT_LOAD and DIRECT_ALLOC
-    memory_order: str = "little"     # the target's memory byte order (ring counters)
+    memory_order: ByteOrder = "little"     # the target's memory byte order (ring counters)
     probe_interval_s: float = 10.0   # silence before a liveness probe (and TCP keepalive)
     probe_timeout_s: float = 10.0    # a probe's answer deadline (and TCP_USER_TIMEOUT)
     max_backlog: int = 4 << 20       # undelivered octets per connection before it is throttled

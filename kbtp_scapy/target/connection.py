@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import codec
 from ..rnic.memory import MemoryRegion
-from ..rnic.qp import ConnectionLost, QueuePair, RemoteError
+from ..rnic.qp import ConnectionLost, QueuePair, Received, RemoteError
 from ..tables import memory as M
 from ..tables.enums import GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
 from ..wire.address import Address
@@ -32,7 +32,7 @@ from .direct import TicketWatch, grant_direct_load, grant_partition
 from .liveness import Liveness
 from .operations import Executor, Outcome
 from .ring import FreeRing
-from .sessions import Initiator, Refused
+from .sessions import InitiatorState, Refused
 
 if TYPE_CHECKING:
     from .server import Target
@@ -54,7 +54,7 @@ def peer_of(qp: QueuePair) -> str:
 class Connection:
     def __init__(self, target: Target, qp: QueuePair) -> None:
         self.target, self.qp = target, qp
-        self.state: Initiator | None = None
+        self._state: InitiatorState | None = None
         self.features = 0
         self.addr_le = False
         self.credits = 0
@@ -63,6 +63,13 @@ class Connection:
         self.liveness = Liveness(qp, c.probe_interval_s, c.probe_timeout_s)
         self.backlog = Backlog(c.max_backlog, 2 * c.request_credits)
         self.peer = peer_of(qp)
+
+    @property
+    def state(self) -> InitiatorState:
+        """The session's initiator; requests are served only once HELLO admitted it."""
+        if self._state is None:
+            raise RuntimeError(f"connection from {self.peer}: no session before HELLO")
+        return self._state
 
     @property
     def ring(self) -> FreeRing:
@@ -79,6 +86,7 @@ class Connection:
             if not await self._hello():
                 return
             ticket, self.qp.admission = self.qp.admission, None    # a session now
+            assert ticket is not None                              # _admitted took it
             ticket.leave()
             log.info("session %s from %s: handles 0x%x+%d quota %d features 0x%x credits %d",
                      self.state.initiator_id.hex()[:8], self.peer, self.state.handle_base,
@@ -92,9 +100,9 @@ class Connection:
                 watch.cancel()
             for window in self.windows:
                 t.rnic_memory.deregister(window.stag)
-            if self.state is not None:
-                t.sessions.detach(self.state, release)
-                log.info("session %s ended%s", self.state.initiator_id.hex()[:8],
+            if self._state is not None:
+                t.sessions.detach(self._state, release)
+                log.info("session %s ended%s", self._state.initiator_id.hex()[:8],
                          " (released)" if release else " (retained)")
             if not self.qp.closed:
                 await self.qp.close()
@@ -138,11 +146,11 @@ class Connection:
         ident = bytes(hello["hello.initiator_id"])
         try:
             try:
-                self.state, restored = t.sessions.admit(ident, bool(requested & offered & DIRECT_ALLOC))
+                self._state, restored = t.sessions.admit(ident, bool(requested & offered & DIRECT_ALLOC))
             except Refused as refusal:
                 if refusal.status != "ALREADY_BOUND" or not await self._gone(ident):
                     raise
-                self.state, restored = t.sessions.admit(ident, bool(requested & offered & DIRECT_ALLOC))
+                self._state, restored = t.sessions.admit(ident, bool(requested & offered & DIRECT_ALLOC))
         except Refused as refusal:
             t.metrics.hello(refusal.status)
             log.info("HELLO refused: %s", refusal)
@@ -231,7 +239,7 @@ class Connection:
         batch: deque[tuple[dict[str, Any], asyncio.Future | None, str]] = deque()
         loop = asyncio.get_running_loop()
         while True:
-            msg = await self.qp.recv()
+            msg: Received | None = await self.qp.recv()
             self.liveness.heard = True
             self.state.heard_at = loop.time()
             while msg is not None:

@@ -20,7 +20,7 @@ from typing import Any
 from ..rnic.memory import Access, MemoryRegion, MemoryTable
 from ..rnic.qp import QueuePair
 from .pool import Partition, TargetMemory
-from .sessions import Initiator
+from .sessions import InitiatorState
 
 
 def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[dict[str, Any], list[MemoryRegion]]:
@@ -73,9 +73,11 @@ def _register(rnic: MemoryTable, qp: QueuePair, *specs) -> list[MemoryRegion]:
 class TicketWatch:
     """Tickets of one partition ring: taken, bound, abandoned (spec "Allocation Quotas")."""
 
-    def __init__(self, state: Initiator, memory: MemoryTable, timeout_ms: int) -> None:
+    def __init__(self, state: InitiatorState, memory: MemoryTable, timeout_ms: int) -> None:
         self.state, self.memory = state, memory
-        self.part = state.partition
+        if state.partition is None:
+            raise ValueError("a TicketWatch watches the ring of a partition")
+        self.part: Partition = state.partition
         self.timeout = timeout_ms / 1000
         self._seen = self.part.ring.counter("head") >> 32   # first ticket not yet looked at
         self._pending: dict[int, float] = {}                 # ticket -> when first seen

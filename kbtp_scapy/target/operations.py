@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..tables.enums import OPCODES, REQUEST_FLAGS, STATUS, flag
 from .pool import TargetMemory
 from .ring import FreeRing
-from .sessions import Initiator
+from .sessions import InitiatorState
 from .table import SEALED, Entry
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class Executor:
 
     # -- shared checks -------------------------------------------------------------------
 
-    def _entry(self, req: dict[str, Any], own: Initiator | None) -> Entry:
+    def _entry(self, req: dict[str, Any], own: InitiatorState | None) -> Entry:
         """Range (own range when ``own``), then Generation; returns the entry."""
         handle = req["handle"]
         if handle not in self.table or (own is not None and not own.owns(handle)):
@@ -227,7 +227,7 @@ class Executor:
         ticket = req["bind.ticket"]
         if watch.abandoned(ticket):
             raise Failed("TICKET_ABANDONED")
-        ring = state.partition.ring
+        ring = watch.part.ring
         offset = ring.offset_of(ticket)
         block = ring.ready(ticket, offset)
         if block is None or block != req["bind.block_offset"] or not watch.outstanding(ticket):

@@ -16,7 +16,7 @@ from .metrics import Metrics
 from .operations import Executor
 from .pool import TargetMemory
 from .ring import FreeRing
-from .sessions import Initiator, Sessions
+from .sessions import InitiatorState, Sessions
 
 log = logging.getLogger("kbtp.target")
 
@@ -104,6 +104,7 @@ class Target:
 
     async def _serve(self, qp: QueuePair) -> None:
         task = asyncio.current_task()
+        assert task is not None              # listeners run on_connect as a task
         self._tasks.add(task)
         try:
             await Connection(self, qp).serve()
@@ -119,7 +120,7 @@ class Target:
                 if state.watch is not None:
                     state.watch.poll()
 
-    def _release(self, state: Initiator) -> None:
+    def _release(self, state: InitiatorState) -> None:
         """Free every block an initiator has bound (GOODBYE RELEASE, or retention expired)."""
         table = self.memory.table
         for handle in sorted(state.bound):

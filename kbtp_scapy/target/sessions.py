@@ -20,14 +20,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .config import TargetConfig
 from .pool import Partition
 
+if TYPE_CHECKING:
+    from ..rnic.qp import QueuePair
+    from .direct import TicketWatch
+
 
 @dataclass(eq=False)
-class Initiator:
+class InitiatorState:
+    """What the target keeps of one initiator across its connections (not the reference
+    initiator, ``kbtp_scapy.initiator.Initiator``, which is the other end)."""
+
     initiator_id: bytes
     index: int                     # which handle range
     handle_base: int
@@ -39,8 +46,8 @@ class Initiator:
     active: bool = False
     features: int = 0
     direct_disabled: bool = False  # Partition STag invalidated after an abandoned ticket
-    watch: Any = None              # direct.TicketWatch of the partition's ring
-    qp: Any = None                 # the connection of the active session
+    watch: TicketWatch | None = None   # of the partition's ring
+    qp: QueuePair | None = None        # the connection of the active session
     expiry: asyncio.TimerHandle | None = None
     retained_at: float = 0.0       # loop time it was last retained
     heard_at: float = 0.0          # loop time of its last request (active sessions)
@@ -66,16 +73,16 @@ class Sessions:
     """Admission, retention and release of initiators."""
 
     def __init__(self, config: TargetConfig, partitions: list[Partition],
-                 release: Callable[[Initiator], None]) -> None:
+                 release: Callable[[InitiatorState], None]) -> None:
         self.config = config
-        self.by_id: dict[bytes, Initiator] = {}
+        self.by_id: dict[bytes, InitiatorState] = {}
         self._free_ranges = list(range(config.max_initiators))
         self._partitions = partitions
         self._release = release
         self.retained = self.evicted = self.expired = 0   # counters, for the metrics
         self.ended_idle = 0
 
-    def admit(self, initiator_id: bytes, want_partition: bool) -> tuple[Initiator, bool]:
+    def admit(self, initiator_id: bytes, want_partition: bool) -> tuple[InitiatorState, bool]:
         """The initiator's state and whether it was restored from retention."""
         known = self.by_id.get(initiator_id)
         if known is not None:
@@ -107,21 +114,21 @@ class Sessions:
             self.forget(idle)
         index = self._free_ranges.pop(0)
         c = self.config
-        state = Initiator(initiator_id, index, c.base_handle + index * c.handles_per_initiator,
-                          c.handles_per_initiator, c.quota, partition, active=True)
+        state = InitiatorState(initiator_id, index, c.base_handle + index * c.handles_per_initiator,
+                               c.handles_per_initiator, c.quota, partition, active=True)
         if partition is not None:
             partition.owner = initiator_id
         self.by_id[initiator_id] = state
         return state, False
 
-    def _idle(self, with_partition: bool) -> Initiator | None:
+    def _idle(self, with_partition: bool) -> InitiatorState | None:
         """The retained session that holds nothing and was retained first (one with a
         partition when ``with_partition``), if any."""
         idle = [s for s in self.by_id.values() if not s.active and s.usage == 0
                 and (s.partition is not None or not with_partition)]
         return min(idle, key=lambda s: s.retained_at, default=None)
 
-    def _stale(self, with_partition: bool) -> Initiator | None:
+    def _stale(self, with_partition: bool) -> InitiatorState | None:
         """The retained session, holding blocks, retained first and for at least
         ``min_retention_s`` (one with a partition when ``with_partition``), if any."""
         cutoff = asyncio.get_running_loop().time() - self.config.min_retention_s
@@ -129,7 +136,7 @@ class Sessions:
                  and (s.partition is not None or not with_partition)]
         return min(stale, key=lambda s: s.retained_at, default=None)
 
-    def _quiet(self, with_partition: bool) -> Initiator | None:
+    def _quiet(self, with_partition: bool) -> InitiatorState | None:
         """An active session silent for ``idle_timeout_s``, silent longest, with its
         connection ended; returned only if it holds nothing (else it is retained when its
         connection's task ends, and gives way after ``min_retention_s``)."""
@@ -140,11 +147,12 @@ class Sessions:
         if state is None:
             return None
         self.ended_idle += 1
+        assert state.qp is not None     # chosen among those that have one
         state.qp.abort(f"no request for {self.config.idle_timeout_s:g} s while another "
                        "initiator waits for room")
         return state if state.usage == 0 else None
 
-    def detach(self, state: Initiator, release: bool) -> None:
+    def detach(self, state: InitiatorState, release: bool) -> None:
         """The session ended: release now (GOODBYE RELEASE), else keep for the retention time."""
         state.active, state.qp = False, None
         if self.by_id.get(state.initiator_id) is not state:
@@ -157,12 +165,12 @@ class Sessions:
         state.retained_at = loop.time()
         state.expiry = loop.call_later(self.config.retention_s, self._expire, state)
 
-    def _expire(self, state: Initiator) -> None:
+    def _expire(self, state: InitiatorState) -> None:
         if self.by_id.get(state.initiator_id) is state:
             self.expired += 1
         self.forget(state)
 
-    def forget(self, state: Initiator) -> None:
+    def forget(self, state: InitiatorState) -> None:
         """Free every binding of the initiator and give back its range and partition."""
         if self.by_id.get(state.initiator_id) is not state:
             return
@@ -175,7 +183,7 @@ class Sessions:
         if state.partition is not None:
             state.partition.release()
 
-    def owner_of(self, handle: int) -> Initiator | None:
+    def owner_of(self, handle: int) -> InitiatorState | None:
         c = self.config
         index = (handle - c.base_handle) // c.handles_per_initiator
         return next((s for s in self.by_id.values() if s.index == index), None)

@@ -60,6 +60,8 @@ def build_startup(request: bool, flags: int, rev: int, ird: int | None = None,
     """An MPA Request/Reply; with ``ird`` set it carries the RFC 6581 IRD/ORD word pair."""
     private = b""
     if ird is not None:
+        if ord is None:
+            raise TypeError("build_startup: ird and ord go together")
         flags |= FLAG_S
         private = _IRD_ORD.pack(ird_bits | ird & IRD_ORD_MASK, ord_bits | ord & IRD_ORD_MASK)
     key = MPA_REQ_KEY if request else MPA_REP_KEY

@@ -48,7 +48,7 @@ class Op(IntEnum):
     ATOMIC_RESPONSE = 11
 
 
-RDMAP_OPCODES = {
+RDMAP_OPCODES: dict[int, str] = {
     Op.WRITE: "RDMA Write",
     Op.READ_REQUEST: "RDMA Read Request",
     Op.READ_RESPONSE: "RDMA Read Response",
@@ -75,7 +75,7 @@ QUEUE_NAMES = {
     2: "Terminate queue",
     3: "Atomic Response queue",
 }
-OPCODE_QUEUE = {
+OPCODE_QUEUE: dict[int, int] = {
     Op.READ_REQUEST: 1, Op.ATOMIC_REQUEST: 1, Op.TERMINATE: 2, Op.ATOMIC_RESPONSE: 3,
 }
 

@@ -60,6 +60,7 @@ async def direct_load(ctx: Ctx) -> None:
     r = await bind(ctx, a, h, payload)
     status, got = await ctx.outcome(a.direct_load(h))
     ctx.check(status == "OK", "DIRECT_LOAD of a sealed handle: a VALID and SEALED entry", status)
+    assert got is not None                   # OK carries its Result
     seen = (got.data == payload, got.generation, hex(got.block_offset), got.data_length)
     ctx.check(seen == (True, r.generation, hex(r.block_offset), len(payload)),
               f"the stored data, Generation {r.generation}, Block Offset {r.block_offset:#x}, "

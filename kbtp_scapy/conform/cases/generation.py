@@ -1,6 +1,8 @@
 """Generation rules: never zero once bound, one step per bind and per unbind."""
 from __future__ import annotations
 
+from typing import Any
+
 from ... import codec
 from ...rnic import Access
 from ..context import Ctx, status_name
@@ -23,6 +25,7 @@ async def never_zero(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
     h = await ctx.handle(a)
     pairs = max(1, min(a.target.request_credits, a.completion_credits) // 4)  # half the credits
+    store: dict[str, Any]
     if a.target.max_inline:
         store = {"inline_data": b"g"}
     else:
@@ -44,7 +47,7 @@ async def never_zero(ctx: Ctx) -> None:
         ctx.check(len(got) == len(messages) and None not in got,
                   f"{len(messages)} COMPLETIONs of pipelined ALLOC_STOREs and FREEs of 0x{h:x}",
                   f"{sum(c is not None for c in got)}")
-        for c in sorted(got, key=lambda c: c["request_id"]):
+        for c in sorted((c for c in got if c is not None), key=lambda c: c["request_id"]):   # all: checked
             op, cycle = ops.get(c["request_id"], ("?", cycles))
             ctx.check(c["status"] == 0, f"{op} of cycle {cycle + 1} completed OK", status_name(c["status"]))
             g = c["generation"]
