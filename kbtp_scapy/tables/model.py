@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 
 class Order(enum.Enum):
@@ -84,6 +85,34 @@ class FlagSet:
         if rest & ~self.private_use_mask:
             out.append(f"UNDEFINED(0x{rest & ~self.private_use_mask:x})")
         return out
+
+
+class _WireFlagType(enum.EnumType):
+    """Gives every flag class int's ``&`` and ``~``, which EnumType replaces with Flag's
+    in each class it builds."""
+
+    def __new__(metacls, cls: str, bases: tuple[type, ...], classdict: enum._EnumDict,
+                **kwds: Any) -> _WireFlagType:
+        flags = super().__new__(metacls, cls, bases, classdict, **kwds)
+        for op in ("__and__", "__rand__", "__invert__"):
+            setattr(flags, op, getattr(int, op))
+        return flags
+
+
+class WireFlag(enum.IntFlag, metaclass=_WireFlagType):
+    """Base of the generated flag sets (``kbtp_scapy.vocab``): bits of a word of a
+    message, where bits the set does not declare (Private Use, undefined) are data too.
+
+    Testing and clearing bits give plain ints, as the int constants these classes
+    replaced did: ``~RequestFlag.INLINE`` is -2, which keeps every other bit of the word,
+    where IntFlag's own complement keeps only the declared bits; and ``word & flag``
+    runs at int speed on the target's data path. ``|`` still gives a flag, named.
+    """
+
+    if TYPE_CHECKING:
+        def __and__(self, other: int) -> int: ...  # type: ignore[override]
+        def __rand__(self, other: int) -> int: ...  # type: ignore[override]
+        def __invert__(self) -> int: ...  # type: ignore[override]
 
 
 @dataclass(frozen=True)
