@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from . import codec, tables as T
 from .codec import looks_like_kbtp
 from .decode.pcapfile import CaptureError
+from .vocab import Feature
 from .wire.message import RdmaMessage
 
 if TYPE_CHECKING:
@@ -27,7 +28,6 @@ __all__ = ["CaptureError", "Found", "kbtp_messages", "rdma_messages", "read_pack
            "session_key", "to_json"]
 
 SEND_KINDS = {"send", "send_inv"}
-_ADDR_LE = T.flag(T.FEATURES, "ADDR_LE")
 _HELLO_ACK = T.BY_NAME["HELLO_ACK"].opcode
 
 
@@ -99,7 +99,7 @@ def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) 
         except codec.Malformed as exc:
             fields, error = exc.fields, exc.reason
         if fields.get("opcode") == _HELLO_ACK and not fields.get("status"):
-            sessions[key] = bool(fields.get("hello_ack.features", 0) & _ADDR_LE)
+            sessions[key] = bool(fields.get("hello_ack.features", 0) & Feature.ADDR_LE)
         yield Found(frame, msg.transport, msg.conn, fields, error, msg.time, number,
                     msg.payload, le)
 

@@ -42,16 +42,19 @@ def test_members_print_and_serialize_as_numbers():
     assert (f"{vocab.Opcode.LOAD}", str(vocab.Status.OK), f"{both}", f"{vocab.Feature.ADDR_LE:#06x}") \
         == ("16", "0", "5", "0x0008")
     assert json.dumps({"opcode": vocab.Opcode.LOAD, "flags": both}) == '{"opcode": 16, "flags": 5}'
-    assert (vocab.Opcode.LOAD.name, both.name) == ("LOAD", "INLINE|RECORD")
+    assert (vocab.Opcode.LOAD.name, vocab.RequestFlag(both).name) == ("LOAD", "INLINE|RECORD")
 
 
 def test_flag_masks_keep_the_bits_the_set_does_not_declare():
     """Clearing one flag keeps Private Use and undefined bits, as ``& ~int`` did;
-    IntFlag's own complement would clear them."""
+    IntFlag's own complement would clear them. Bitwise results are plain ints."""
     word = 0xF000 | 0x0100 | vocab.Feature.ADDR_LE | vocab.Feature.DIRECT_LOAD
     assert word & ~vocab.Feature.ADDR_LE == 0xF101
-    assert type(word & vocab.Feature.ADDR_LE) is int and word & vocab.Feature.ADDR_LE == 8
-    assert vocab.Feature(0x1001).value == 0x1001
+    assert ~vocab.Feature.ADDR_LE == -9
+    results = (word & vocab.Feature.ADDR_LE, vocab.Feature.ADDR_LE & word, word | vocab.Feature.ADDR_LE,
+               vocab.Feature.ADDR_LE | vocab.Feature.DIRECT_LOAD, vocab.Feature.ADDR_LE ^ word)
+    assert results == (8, 8, 0xF109, 9, 0xF101) and {type(r) for r in results} == {int}
+    assert vocab.Feature(0x1001).value == 0x1001 and vocab.Feature["ADDR_LE"] is vocab.Feature.ADDR_LE
 
 
 def _keys(record: type) -> set[str]:

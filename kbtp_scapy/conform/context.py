@@ -24,12 +24,10 @@ from ..initiator.client import ALL_FEATURES, COMPLETION_BUFFER
 from ..initiator.results import TargetInfo
 from ..rnic import MemoryTable, QueuePair, connect as rdma_connect
 from ..rnic.qp import ConnectionLost, Received, RemoteError
-from ..tables.enums import FEATURES, OPCODES, STATUS
+from ..tables.enums import STATUS
+from ..vocab import Feature, Opcode
 from .hold import ReadHold
 from .registry import Fail, SetupFailed, Skip
-
-OP = OPCODES.by_name()
-FEATURE = {f.name: f.value for f in FEATURES.flags}
 
 
 class FrameBuffer:
@@ -91,7 +89,7 @@ class Ctx:
             ini = await self._fresh(initiator_id, features, need, credits, invalidate)
         missing = need & ~ini.target.features
         if missing:
-            names = [n for n, v in FEATURE.items() if v & missing]
+            names = [n for n, f in Feature.__members__.items() if f & missing]
             raise Skip(f"the target did not grant {'/'.join(names)} to this session")
         return ini
 
@@ -352,7 +350,7 @@ class Ctx:
             why = "the connection closed" if ini.qp.closed else f"nothing within {self.timeout:g} s"
             raise Fail(f"{what}: a COMPLETION", why)
         decoded, msg = got[0]
-        if decoded is None or decoded["opcode"] != OP["COMPLETION"]:
+        if decoded is None or decoded["opcode"] != Opcode.COMPLETION:
             raise Fail(f"{what}: a COMPLETION", msg.payload.hex() or "an RDMA Write with Immediate")
         return decoded
 

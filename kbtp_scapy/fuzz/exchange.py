@@ -17,15 +17,12 @@ from .. import codec
 from ..rnic.memory import AccessError
 from ..rnic.qp import Received
 from ..tables import memory as M
-from ..tables.enums import OPCODES, REQUEST_FLAGS, STATUS, flag
+from ..tables.enums import OPCODES
+from ..vocab import Opcode, RequestFlag, Status
 from .findings import Finding
 from .model import Expect, expect, expect_unparsed, judge, learn
 from .oracles import status_known
 from .state import Rebuild, Session, World
-
-OP = OPCODES.by_name()
-OK = STATUS.by_name()["OK"]
-INLINE = flag(REQUEST_FLAGS, "INLINE")
 
 
 @dataclass
@@ -100,8 +97,8 @@ class Exchanger:
             return None, expect_unparsed(payload, bad.fields.get("handle", 0)), None
         x = expect(req, s.info, s.known, self.world.lookup, self.world.bound_blocks(), self._ours(s), loop.time())
         stored = None
-        if req["opcode"] in (OP["STORE"], OP["ALLOC_STORE"]):
-            stored = req.get("inline_data") if req["flags"] & INLINE else \
+        if req["opcode"] in (Opcode.STORE, Opcode.ALLOC_STORE):
+            stored = req.get("inline_data") if req["flags"] & RequestFlag.INLINE else \
                 self._buffer(s, req["dd.stag"], req["dd.offset"], req["dd.length"])
         return req, x, stored
 
@@ -116,7 +113,7 @@ class Exchanger:
         req, x, found = self.expectation(s, payload)
         stored = stored if stored is not None else found
         owner = w.owner(x.handle)
-        goodbye = len(payload) > 1 and payload[1] == OP["GOODBYE"]
+        goodbye = len(payload) > 1 and payload[1] == Opcode.GOODBYE
         release = goodbye and len(payload) >= 4 and bool(payload[3] & 1)
         try:
             await ini.qp.send(payload)
@@ -166,7 +163,7 @@ class Exchanger:
         if not status_known(c["status"]):
             out.append(Finding("status-undefined", f"status {c['status']} is neither assigned nor Private Use"))
         loaded = None
-        if req is not None and req["opcode"] == OP["LOAD"] and c["status"] == OK and not (
+        if req is not None and req["opcode"] == Opcode.LOAD and c["status"] == Status.OK and not (
                 msg.write_imm and _overlap(req, c["completion.data_length"])):
             loaded = self._buffer(s, req["dd.stag"], req["dd.offset"], c["completion.data_length"])
         out += judge(x, c, record=msg.write_imm, invalidated=msg.invalidated, at=at, data=loaded)
@@ -185,7 +182,7 @@ class Exchanger:
             if raw is None:
                 return None, "the request names no Completion Descriptor of the initiator's"
             d = codec.decode_struct(M.COMPLETION_RECORD, raw, addr_le)
-            return {"opcode": OP["COMPLETION"], "request_id": d["record.request_id"],
+            return {"opcode": Opcode.COMPLETION, "request_id": d["record.request_id"],
                     "status": d["record.status"], "generation": d["record.generation"],
                     "completion.data_length": d["record.data_length"],
                     "completion.block_offset": d["record.block_offset"]}, "record"
@@ -193,6 +190,6 @@ class Exchanger:
             c = codec.decode(msg.payload, addr_le)
         except codec.Malformed as bad:
             return None, str(bad)
-        if c["opcode"] != OP["COMPLETION"]:
+        if c["opcode"] != Opcode.COMPLETION:
             return None, f"{OPCODES.describe(c['opcode'])}"
         return c, "send with invalidate" if msg.invalidated is not None else "send"

@@ -14,16 +14,12 @@ from typing import TYPE_CHECKING
 from .. import codec
 from ..initiator import KbtpError
 from ..tables import memory as M
-from ..tables.enums import ENTRY_FLAGS, FEATURES, OPCODES, STATUS, flag
+from ..tables.enums import OPCODES, STATUS
+from ..vocab import EntryFlag, Feature, Opcode
 from .findings import Finding
 
 if TYPE_CHECKING:
     from .state import World
-
-OP = OPCODES.by_name()
-VALID, SEALED = flag(ENTRY_FLAGS, "VALID"), flag(ENTRY_FLAGS, "SEALED")
-DIRECT_LOAD, DIRECT_ALLOC = flag(FEATURES, "DIRECT_LOAD"), flag(FEATURES, "DIRECT_ALLOC")
-RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
 
 
 def status_known(status: int) -> bool:
@@ -41,7 +37,7 @@ def check_hello_ack(raw: bytes, transport: str) -> list[Finding]:
     except codec.Malformed as bad:
         return [Finding("hello-ack", f"the answer to HELLO cannot be parsed: {bad}", evidence={"answer": raw.hex()})]
     ev = {"hello_ack": raw.hex()}
-    if ack["opcode"] != OP["HELLO_ACK"]:
+    if ack["opcode"] != Opcode.HELLO_ACK:
         return [Finding("hello-ack", f"HELLO was answered by {OPCODES.describe(ack['opcode'])}", evidence=ev)]
     problems = [f"{name} {ack[key]}" for key, name in (("request_id", "Request ID"), ("handle", "Block Handle"),
                                                        ("generation", "Generation")) if ack[key]]
@@ -54,15 +50,15 @@ def check_hello_ack(raw: bytes, transport: str) -> list[Finding]:
         return out
     features, f = ack["hello_ack.features"], ack
     wrong = []
-    if transport == "iwarp" and features & RECORD_COMPLETION:
+    if transport == "iwarp" and features & Feature.RECORD_COMPLETION:
         wrong.append("RECORD_COMPLETION granted in the RDMAP binding")
-    if features & DIRECT_ALLOC:
+    if features & Feature.DIRECT_ALLOC:
         n, part = f["hello_ack.ring.count"], f["hello_ack.partition.count"]
         if f["hello_ack.head.offset"] % 8:
             wrong.append(f"Head Tagged Offset 0x{f['hello_ack.head.offset']:x} is not a multiple of 8")
         if n < 1 or n & (n - 1) or n < part:
             wrong.append(f"ring of {n} slots for a partition of {part} blocks (N = 2^n, not smaller than F)")
-    if features & DIRECT_LOAD and f["hello_ack.allocation_quota"] > f["hello_ack.pool.count"]:
+    if features & Feature.DIRECT_LOAD and f["hello_ack.allocation_quota"] > f["hello_ack.pool.count"]:
         wrong.append(f"Allocation Quota {f['hello_ack.allocation_quota']} exceeds the pool's "
                      f"{f['hello_ack.pool.count']} blocks")
     if wrong:
@@ -109,7 +105,7 @@ async def table_invariants(world: World) -> list[Finding]:
     out = []
     known = {h for s in (world.own, world.peer) for h in s.known.entries}
     for i, low in enumerate(raw[1::M.ENTRY_SIZE]):      # Flags, network order: VALID is in the low octet
-        if low & VALID:
+        if low & EntryFlag.VALID:
             handle = first + i
             e = entry(handle)
             off = e["entry.block_offset"]
@@ -135,18 +131,18 @@ def _as_known(world: World, handle: int, e: dict) -> list[Finding]:
     k = world.lookup(handle)
     flags, gen = e["entry.flags"], e["entry.generation"]
     seen = []
-    if k.bound is not None and bool(flags & VALID) != k.bound:
+    if k.bound is not None and bool(flags & EntryFlag.VALID) != k.bound:
         seen.append(f"VALID {'clear' if k.bound else 'set'}")
     if k.generation is not None and gen != k.generation:
         seen.append(f"Generation {gen}, not {k.generation}")
-    if k.bound and flags & VALID:
-        if k.sealed is not None and bool(flags & SEALED) != k.sealed:
+    if k.bound and flags & EntryFlag.VALID:
+        if k.sealed is not None and bool(flags & EntryFlag.SEALED) != k.sealed:
             seen.append(f"SEALED {'clear' if k.sealed else 'set'}")
         if k.length is not None and e["entry.data_length"] != k.length:
             seen.append(f"Data Length {e['entry.data_length']}, not {k.length}")
         if k.block is not None and e["entry.block_offset"] != k.block:
             seen.append(f"Block Offset 0x{e['entry.block_offset']:x}, not 0x{k.block:x}")
-    if flags & VALID and gen == 0:
+    if flags & EntryFlag.VALID and gen == 0:
         seen.append("Generation 0 on a bound entry")
     if not seen:
         return []

@@ -23,8 +23,9 @@ from ..initiator.results import Waiting, match_completion
 from ..rnic import Access
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables import memory as M
+from ..vocab import Opcode
 from .mapping import Mapping
-from .sessions import OP, Capture, Outcome, Session, Step, slot_of
+from .sessions import Capture, Outcome, Session, Step, slot_of
 
 Pair = tuple[Outcome | None, Outcome]     # (captured, replayed) of a one-sided operation
 
@@ -228,7 +229,7 @@ class Player:
                                          base=values["cd.offset"])
             regions.append(record)
             values["cd.stag"] = record.stag
-        if f.get("opcode") == OP["BIND"]:
+        if f.get("opcode") == Opcode.BIND:
             key = (ses.index, values["bind.ticket"])
             values["bind.ticket"] = self.mapping.tickets.get(key, values["bind.ticket"])
             new = self.mapping.block(values["bind.block_offset"])

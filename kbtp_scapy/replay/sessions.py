@@ -18,12 +18,11 @@ from .. import codec
 from ..capture import rdma_messages, read_packets
 from ..layers.kbtp import looks_like_kbtp
 from ..tables import RING_COUNTER, memory as M
-from ..tables.enums import FEATURES, OPCODES, flag
+from ..tables.enums import OPCODES
+from ..vocab import Feature, Opcode
 from ..wire.message import RdmaMessage
 
-OP = OPCODES.by_name()
-ADDR_LE = flag(FEATURES, "ADDR_LE")
-REQUESTS = {OP[n] for n in ("LOAD", "STORE", "ALLOC_STORE", "FREE", "BIND")}
+REQUESTS = {Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND}
 DIRECT_REGIONS = ("table", "pool", "partition", "ring", "head")
 
 
@@ -179,10 +178,10 @@ class _Builder:
         if kbtp:
             header = codec.decode_header(msg.payload[:24]) if len(msg.payload) >= 24 else {}
             opcode = header.get("opcode")
-            if opcode == OP["HELLO"]:
+            if opcode == Opcode.HELLO:
                 self.hello(msg)
                 return
-            if opcode == OP["HELLO_ACK"] and self.hello_ack(msg):
+            if opcode == Opcode.HELLO_ACK and self.hello_ack(msg):
                 return
         if owner is None:
             return
@@ -228,7 +227,7 @@ class _Builder:
             ses.ack = exc.fields
             ses.notes.append(f"HELLO_ACK malformed: {exc.reason}")
         ses.ack_frame = msg.frames[-1]
-        ses.addr_le = bool(ses.ack.get("hello_ack.features", 0) & ADDR_LE) and not ses.ack.get("status")
+        ses.addr_le = bool(ses.ack.get("hello_ack.features", 0) & Feature.ADDR_LE) and not ses.ack.get("status")
         return True
 
     # -- initiator to target ---------------------------------------------------------------
@@ -253,12 +252,12 @@ class _Builder:
             fields = codec.decode(msg.payload, ses.addr_le)
         except codec.Malformed as exc:
             fields, error = exc.fields, exc.reason
-        kind = "goodbye" if fields.get("opcode") == OP["GOODBYE"] else "request"
+        kind = "goodbye" if fields.get("opcode") == Opcode.GOODBYE else "request"
         step = Step(ses, kind, frame, t, fields, msg.payload, error)
         opcode = fields.get("opcode")
-        if opcode in (OP["LOAD"],) and "dd.length" in fields:
+        if opcode in (Opcode.LOAD,) and "dd.length" in fields:
             step.loaded = bytearray(min(fields["dd.length"], 1 << 26))
-        if opcode in (OP["STORE"], OP["ALLOC_STORE"]) and fields.get("dd.stag") and \
+        if opcode in (Opcode.STORE, Opcode.ALLOC_STORE) and fields.get("dd.stag") and \
                 "inline_data" not in fields:
             step.supplied = bytearray(min(fields.get("dd.length", 0), 1 << 26))
         if kind == "goodbye":
@@ -335,7 +334,7 @@ class _Builder:
             c = codec.decode(msg.payload, ses.addr_le)
         except codec.Malformed as exc:
             c = exc.fields
-        if c.get("opcode") != OP["COMPLETION"]:
+        if c.get("opcode") != Opcode.COMPLETION:
             ses.notes.append(f"frame {msg.frames[-1]}: the target sent "
                              f"{OPCODES.describe(c.get('opcode', -1))}")
             return

@@ -87,14 +87,17 @@ class FlagSet:
         return out
 
 
+_INT_OPERATORS = ("__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__")
+
+
 class _WireFlagType(enum.EnumType):
-    """Gives every flag class int's ``&`` and ``~``, which EnumType replaces with Flag's
+    """Gives every flag class int's bitwise operators, which EnumType replaces with Flag's
     in each class it builds."""
 
     def __new__(metacls, cls: str, bases: tuple[type, ...], classdict: enum._EnumDict,
                 **kwds: Any) -> _WireFlagType:
         flags = super().__new__(metacls, cls, bases, classdict, **kwds)
-        for op in ("__and__", "__rand__", "__invert__"):
+        for op in _INT_OPERATORS:
             setattr(flags, op, getattr(int, op))
         return flags
 
@@ -103,15 +106,21 @@ class WireFlag(enum.IntFlag, metaclass=_WireFlagType):
     """Base of the generated flag sets (``kbtp_scapy.vocab``): bits of a word of a
     message, where bits the set does not declare (Private Use, undefined) are data too.
 
-    Testing and clearing bits give plain ints, as the int constants these classes
-    replaced did: ``~RequestFlag.INLINE`` is -2, which keeps every other bit of the word,
-    where IntFlag's own complement keeps only the declared bits; and ``word & flag``
-    runs at int speed on the target's data path. ``|`` still gives a flag, named.
+    A member is an int with a name (``Feature.ADDR_LE.name``, ``Feature["ADDR_LE"]``,
+    ``list(Feature)``). Bitwise operators give plain ints, as the int constants these
+    classes replaced did: ``~RequestFlag.INLINE`` is -2, which keeps every other bit of
+    the word, where IntFlag's own complement keeps only the declared bits; and ``&`` and
+    ``|`` run at int speed on the data paths (Flag's take half a microsecond). The names
+    of a whole word are the table's: ``FlagSet.names``.
     """
 
     if TYPE_CHECKING:
         def __and__(self, other: int) -> int: ...  # type: ignore[override]
         def __rand__(self, other: int) -> int: ...  # type: ignore[override]
+        def __or__(self, other: int) -> int: ...  # type: ignore[override]
+        def __ror__(self, other: int) -> int: ...  # type: ignore[override]
+        def __xor__(self, other: int) -> int: ...  # type: ignore[override]
+        def __rxor__(self, other: int) -> int: ...  # type: ignore[override]
         def __invert__(self) -> int: ...  # type: ignore[override]
 
 

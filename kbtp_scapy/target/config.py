@@ -3,12 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..tables.enums import FEATURES, flag
-
-DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
-DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
-RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
-ADDR_LE = flag(FEATURES, "ADDR_LE")
+from ..vocab import Feature
 
 
 @dataclass
@@ -27,7 +22,7 @@ class TargetConfig:
 
     blocks: int = 1024
     block_size: int = 4096
-    features: int = DIRECT_LOAD | DIRECT_ALLOC | RECORD_COMPLETION
+    features: int = Feature.DIRECT_LOAD | Feature.DIRECT_ALLOC | Feature.RECORD_COMPLETION
     addr_le: bool = False
     max_initiators: int = 8
     quota: int = 0                   # 0: blocks // max_initiators
@@ -57,7 +52,7 @@ class TargetConfig:
         if not self.handles_per_initiator:
             self.handles_per_initiator = max(16, 2 * self.quota)
         if self.direct_partitions < 0:
-            self.direct_partitions = self.max_initiators // 2 if self.features & DIRECT_ALLOC else 0
+            self.direct_partitions = self.max_initiators // 2 if self.features & Feature.DIRECT_ALLOC else 0
         self.max_inline = min(self.max_inline, self.block_size)
 
     def validate(self) -> None:

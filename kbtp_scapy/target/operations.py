@@ -12,20 +12,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..tables.enums import OPCODES, REQUEST_FLAGS, STATUS, flag
+from ..vocab import EntryFlag, Opcode, RequestFlag, Status
 from .pool import TargetMemory
 from .ring import FreeRing
 from .sessions import Initiator
-from .table import SEALED, Entry
+from .table import Entry
 
 if TYPE_CHECKING:
     from .connection import Connection
-
-S = STATUS.by_name()
-OP = OPCODES.by_name()
-INLINE = flag(REQUEST_FLAGS, "INLINE")
-SEAL = flag(REQUEST_FLAGS, "SEAL")
-ALLOW_UNSEALED = flag(REQUEST_FLAGS, "ALLOW_UNSEALED")
 
 
 @dataclass
@@ -41,7 +35,7 @@ class Outcome:
 class Failed(Exception):
     def __init__(self, status: str):
         super().__init__(status)
-        self.status = S[status]
+        self.status = Status[status]
 
 
 Pause = Callable[[int], Awaitable[None]]
@@ -87,7 +81,7 @@ class Executor:
         that no earlier request can change (opcode, range, length) already pass. Reading
         the initiator's buffer has no effect on the target, so a read wasted on a request
         that then fails a later check is harmless."""
-        if req["opcode"] not in (OP["STORE"], OP["ALLOC_STORE"]) or req["flags"] & INLINE:
+        if req["opcode"] not in (Opcode.STORE, Opcode.ALLOC_STORE) or req["flags"] & RequestFlag.INLINE:
             return None
         length = req["dd.length"]
         if not 0 < length <= self.block_size or not conn.state.owns(req["handle"]):
@@ -114,14 +108,14 @@ class Executor:
 
     def _store_length(self, req: dict[str, Any]) -> int:
         length = req["dd.length"]
-        if length > self.block_size or (req["flags"] & INLINE and length > self.max_inline):
+        if length > self.block_size or (req["flags"] & RequestFlag.INLINE and length > self.max_inline):
             raise Failed("TOO_LARGE")    # docs/NOTES.md decision 5
         return length
 
     async def _data(self, conn: Connection, req: dict[str, Any], length: int,
                     fetch: asyncio.Future | None) -> bytes:
         """The store's data: inline, or RDMA Read from the initiator's Data Descriptor."""
-        if req["flags"] & INLINE:
+        if req["flags"] & RequestFlag.INLINE:
             return req.get("inline_data", b"")
         if not length:
             return b""
@@ -134,7 +128,7 @@ class Executor:
         entry = self._entry(req, None)
         if not entry.valid:
             raise Failed("NOT_VALID")
-        if not entry.sealed and not req["flags"] & ALLOW_UNSEALED:
+        if not entry.sealed and not req["flags"] & RequestFlag.ALLOW_UNSEALED:
             raise Failed("NOT_SEALED")
         if entry.data_length > req["dd.length"]:
             raise Failed("TOO_LARGE")
@@ -154,7 +148,7 @@ class Executor:
             raise Failed("SEALED")
         data = await self._data(conn, req, length, fetch)
         self.memory.block(entry.block_offset, len(data))[:] = data
-        flags = entry.flags | (SEALED if req["flags"] & SEAL else 0)
+        flags = entry.flags | (EntryFlag.SEALED if req["flags"] & RequestFlag.SEAL else 0)
         self.table.write(req["handle"], Entry(flags, entry.generation, len(data), entry.block_offset))
         return Outcome(0, entry.generation, len(data), entry.block_offset)
 
@@ -177,7 +171,7 @@ class Executor:
         finally:
             state.tickets -= 1
         self.memory.block(block, len(data))[:] = data
-        bound = self.table.bind(req["handle"], block, len(data), bool(req["flags"] & SEAL))
+        bound = self.table.bind(req["handle"], block, len(data), bool(req["flags"] & RequestFlag.SEAL))
         state.bound.add(req["handle"])
         return Outcome(0, bound.generation, len(data), block)
 
@@ -238,8 +232,8 @@ class Executor:
         state.bound.add(req["handle"])
         return Outcome(0, bound.generation, length, block)
 
-    _handlers = {OP["LOAD"]: load, OP["STORE"]: store, OP["ALLOC_STORE"]: alloc_store,
-                 OP["FREE"]: free, OP["BIND"]: bind}
+    _handlers = {Opcode.LOAD: load, Opcode.STORE: store, Opcode.ALLOC_STORE: alloc_store,
+                 Opcode.FREE: free, Opcode.BIND: bind}
 
     @classmethod
     def handles(cls, opcode: int) -> bool:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from ... import codec
 from ...rnic import Access
+from ...vocab import Opcode
 from ..context import Ctx, status_name
 from ..registry import RULE, case
-from .common import OP, bind, data, next_generation
+from .common import bind, data, next_generation
 
 SECTION = "Block Table"
 CYCLES = 65536       # bind/free cycles at most: two Generation steps each, so a wrap twice over
@@ -36,7 +37,7 @@ async def never_zero(ctx: Ctx) -> None:
             for op, values in (("ALLOC_STORE", store), ("FREE", {})):
                 rid = ctx.rid()
                 ops[rid] = (op, cycles)
-                messages.append(codec.encode({"opcode": OP[op], "request_id": rid, "handle": h, **values},
+                messages.append(codec.encode({"opcode": Opcode[op], "request_id": rid, "handle": h, **values},
                                              a.addr_le))
             cycles += 1
         ctx.send(a, messages)
