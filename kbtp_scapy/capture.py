@@ -9,7 +9,7 @@ session's ADDR_LE choice from its HELLO_ACK; ``to_json`` gives the JSON object o
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from . import codec, tables as T
 from .codec import looks_like_kbtp
 from .decode.pcapfile import CaptureError
-from .vocab import Feature
+from .vocab import AnyMessage, Feature
 from .wire.message import RdmaMessage
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class Found:
     frame: int
     transport: str
     conn: tuple
-    fields: dict[str, Any]
+    fields: AnyMessage
     error: str | None = None
     time: float | None = None
     connection: int | None = None
@@ -143,8 +143,9 @@ def to_json(found: Found) -> dict[str, Any]:
     if found.connection is not None:
         out["conn"] = found.connection
         out.update(endpoints(found))
-    opcode = found.fields.get("opcode")
-    for key, value in found.fields.items():
+    fields: Mapping[str, Any] = found.fields      # every key, read generically
+    opcode = fields.get("opcode")
+    for key, value in fields.items():
         if isinstance(value, bytes):
             out[_json_key(key)] = value.hex()
             continue

@@ -7,10 +7,11 @@ bindings; ``tools/make_pcaps.py`` writes the committed ``pcaps/`` from it, and
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 from . import codec, ring, tables as T
 from .builders.recorder import TRANSPORTS, recorder
-from .vocab import Feature, GoodbyeFlag, Opcode, RequestFlag, Status
+from .vocab import AnyMessage, Completion, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 
 BLOCK = 32 * 1024
 POOL_STAG, TABLE_STAG, RING_STAG, HEAD_STAG, PARTITION_STAG = 0x100, 0x200, 0x300, 0x400, 0x500
@@ -33,14 +34,15 @@ class _Session:
         self.addr_le = addr_le
         self.rid = 0
 
-    def request(self, **values) -> int:
+    def request(self, **values: Any) -> int:
+        """One request; ``values`` as the codec's keys (dotted ones through ``**{...}``)."""
         self.rid += 1
-        self.rec.send(True, codec.encode({"request_id": self.rid, **values}, self.addr_le))
+        self.rec.send(True, codec.encode(cast(AnyMessage, {"request_id": self.rid, **values}), self.addr_le))
         return self.rid
 
     def complete(self, rid: int, handle: int, status: str = "OK", generation: int = 0,
                  length: int = 0, offset: int = 0, invalidate: int | None = None) -> None:
-        msg = {"opcode": Opcode.COMPLETION, "request_id": rid, "handle": handle,
+        msg: Completion = {"opcode": Opcode.COMPLETION, "request_id": rid, "handle": handle,
                "generation": generation, "status": Status[status],
                "completion.data_length": length, "completion.block_offset": offset}
         self.rec.send(False, codec.encode(msg, self.addr_le), invalidate=invalidate)

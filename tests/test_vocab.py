@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import enum
 import json
+import os
+import subprocess
+import sys
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +106,33 @@ def test_records_type_bytes_fields_as_bytes():
     hints = typing.get_type_hints(vocab.AnyMessage)
     assert {k for k, t in hints.items() if t is bytes} == {
         k for k, (f, _) in T.wire_fields().items() if f.is_bytes}
+
+
+_MYPY_PROBE = '''
+from kbtp_scapy import codec
+from kbtp_scapy.vocab import HelloAck, Opcode
+
+
+def probe(stag: int, ack: HelloAck) -> int:
+    codec.encode({"opcode": Opcode.LOAD, "dd.stag": stag, "dd.length": 8})
+    codec.encode(ack)
+    codec.encode({"opcode": Opcode.LOAD, "dd.stagg": stag})          # line 9: no such key
+    msg = codec.decode(b"")
+    return msg["dd.stag"] + msg["hello_ack.block_sise"]             # line 11: no such key
+'''
+
+
+def test_mypy_checks_record_keys(tmp_path):
+    """What the records are for: mypy rejects a key no message has, in what the codec is
+    given and in what it returns, and accepts the ones the tables declare."""
+    pytest.importorskip("mypy")
+    probe = tmp_path / "probe.py"
+    probe.write_text(_MYPY_PROBE)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--no-error-summary",
+                           "--cache-dir", str(tmp_path / "cache"), "--config-file", "", str(probe)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "MYPYPATH": str(root)})
+    errors = sorted({int(line.split(":")[1]) for line in proc.stdout.splitlines() if ": error:" in line})
+    assert errors == [9, 11], proc.stdout
+    assert '"hello_ack.block_sise"' in proc.stdout

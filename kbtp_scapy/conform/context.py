@@ -25,7 +25,7 @@ from ..initiator.results import TargetInfo
 from ..rnic import MemoryTable, QueuePair, connect as rdma_connect
 from ..rnic.qp import ConnectionLost, Received, RemoteError
 from ..tables.enums import STATUS
-from ..vocab import Feature, Opcode
+from ..vocab import AnyMessage, Feature, Opcode
 from .hold import ReadHold
 from .registry import Fail, SetupFailed, Skip
 
@@ -309,12 +309,12 @@ class Ctx:
         for message in messages:
             ini.qp.send(message, signaled=False)
 
-    async def collect(self, ini: Initiator, count: int, within: float | None = None) -> list[dict | None]:
+    async def collect(self, ini: Initiator, count: int, within: float | None = None) -> list[AnyMessage | None]:
         """Up to ``count`` completions of raw requests arriving within ``within`` seconds
         (default ``timeout``), decoded (None for what is no COMPLETION)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.timeout if within is None else within)
-        out: list[dict | None] = []
+        out: list[AnyMessage | None] = []
         while len(out) < count and (remaining := deadline - loop.time()) > 0:
             try:
                 msg = await asyncio.wait_for(ini.unmatched.get(), remaining)
@@ -329,10 +329,10 @@ class Ctx:
     def rid(self) -> int:
         return next(self._rids)
 
-    def encode(self, ini: Initiator, values: dict[str, Any]) -> bytes:
+    def encode(self, ini: Initiator, values: AnyMessage) -> bytes:
         return codec.encode({"request_id": self.rid(), **values}, ini.addr_le)
 
-    async def raw(self, ini: Initiator, message: bytes, expect: int = 1) -> list[tuple[dict | None, Received]]:
+    async def raw(self, ini: Initiator, message: bytes, expect: int = 1) -> list[tuple[AnyMessage | None, Received]]:
         """Send any octets as a request; what came back, decoded where it decodes."""
         got = await ini.raw(message, timeout=self.timeout, expect=expect)
         out = []
@@ -343,7 +343,7 @@ class Ctx:
                 out.append((None, msg))
         return out
 
-    async def answer(self, ini: Initiator, message: bytes, what: str) -> dict:
+    async def answer(self, ini: Initiator, message: bytes, what: str) -> AnyMessage:
         """The one COMPLETION a raw request gets; ``Fail`` when none comes or it is no COMPLETION."""
         got = await self.raw(ini, message)
         if not got:

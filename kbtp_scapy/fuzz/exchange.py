@@ -18,7 +18,7 @@ from ..rnic.memory import AccessError
 from ..rnic.qp import Received
 from ..tables import memory as M
 from ..tables.enums import OPCODES
-from ..vocab import Opcode, RequestFlag, Status
+from ..vocab import AnyMessage, Opcode, RequestFlag, Status
 from .findings import Finding
 from .model import Expect, expect, expect_unparsed, judge, learn
 from .oracles import status_known
@@ -27,7 +27,7 @@ from .state import Rebuild, Session, World
 
 @dataclass
 class Reply:
-    completion: dict[str, Any] | None = None     # the COMPLETION's (or record's) values
+    completion: AnyMessage | None = None     # the COMPLETION's (or record's) values
     findings: list[Finding] = field(default_factory=list)
     closed: bool = False                          # the connection ended instead
 
@@ -36,14 +36,14 @@ class Reply:
         return None if self.completion is None else self.completion["status"]
 
 
-def _evidence(payload: bytes, c: dict[str, Any] | None, how: str) -> dict[str, Any]:
+def _evidence(payload: bytes, c: AnyMessage | None, how: str) -> dict[str, Any]:
     ev: dict[str, Any] = {"sent": payload.hex(), "answer": how}
     if c is not None:
         ev["completion"] = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in c.items()}
     return ev
 
 
-def _overlap(req: dict[str, Any], length: int) -> bool:
+def _overlap(req: AnyMessage, length: int) -> bool:
     """Whether the completion record was written over the data a LOAD placed."""
     return req["cd.stag"] == req["dd.stag"] and req["cd.offset"] < req["dd.offset"] + length and \
         req["dd.offset"] < req["cd.offset"] + M.COMPLETION_RECORD.size
@@ -87,12 +87,12 @@ class Exchanger:
             return region is not None and region.valid
         return valid
 
-    def expectation(self, s: Session, payload: bytes) -> tuple[dict[str, Any] | None, Expect, bytes | None]:
+    def expectation(self, s: Session, payload: bytes) -> tuple[AnyMessage | None, Expect, bytes | None]:
         """``payload`` decoded (None if it cannot be), what the model expects of its
         answer, and the data it stores when the fuzzer can tell."""
         loop, ini = asyncio.get_running_loop(), s.ini
         try:
-            req: dict[str, Any] | None = codec.decode(payload, ini.addr_le)
+            req = codec.decode(payload, ini.addr_le)
         except codec.Malformed as bad:
             return None, expect_unparsed(payload, bad.fields.get("handle", 0)), None
         x = expect(req, s.info, s.known, self.world.lookup, self.world.bound_blocks(), self._ours(s), loop.time())
@@ -102,7 +102,7 @@ class Exchanger:
                 self._buffer(s, req["dd.stag"], req["dd.offset"], req["dd.length"])
         return req, x, stored
 
-    async def request(self, s: Session, values: dict[str, Any] | None = None, *, payload: bytes | None = None,
+    async def request(self, s: Session, values: AnyMessage | None = None, *, payload: bytes | None = None,
                       stored: bytes | None = None) -> Reply:
         """Send ``values`` (encoded) or ``payload`` as a request on ``s`` and judge the answer."""
         w, ini = self.world, s.ini
@@ -141,8 +141,8 @@ class Exchanger:
         await w.ensure()
         return Reply(closed=True, findings=out)
 
-    def judged(self, s: Session, x: Expect, req: dict[str, Any] | None, payload: bytes, msg: Received, at: float,
-               stored: bytes | None = None) -> tuple[dict[str, Any] | None, list[Finding]]:
+    def judged(self, s: Session, x: Expect, req: AnyMessage | None, payload: bytes, msg: Received, at: float,
+               stored: bytes | None = None) -> tuple[AnyMessage | None, list[Finding]]:
         """The answer ``msg`` to ``payload`` (``req`` decoded, ``x`` its expectation) judged
         and learnt from: the completion's values and the findings."""
         owner = self.world.owner(x.handle)
@@ -172,7 +172,7 @@ class Exchanger:
         learn(owner, x, req, c, allowed=x.allows(c["status"]), stored=stored, loaded=loaded)
         return c, out
 
-    def _answer(self, s: Session, req: dict[str, Any] | None, msg: Received) -> tuple[dict | None, str]:
+    def _answer(self, s: Session, req: AnyMessage | None, msg: Received) -> tuple[AnyMessage | None, str]:
         """The completion's values, and how it came (or why it cannot be read)."""
         addr_le = s.ini.addr_le
         if msg.write_imm:

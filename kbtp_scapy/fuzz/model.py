@@ -26,18 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from ..initiator.results import TargetInfo
 from ..tables.enums import OPCODES, STATUS
-from ..vocab import Feature, Opcode, RequestFlag, Status
+from ..vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from .findings import Finding
 
 REQUESTS = (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND)
 FLAGGED = (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE)  # the request flags apply to these
-MEANINGLESS = {Opcode.LOAD: RequestFlag.INLINE | RequestFlag.SEAL, Opcode.STORE: RequestFlag.ALLOW_UNSEALED,
-               Opcode.ALLOC_STORE: RequestFlag.ALLOW_UNSEALED,
-               Opcode.FREE: RequestFlag.INLINE | RequestFlag.SEAL | RequestFlag.INVALIDATE | RequestFlag.ALLOW_UNSEALED}
+MEANINGLESS: dict[int, int] = {
+    Opcode.LOAD: RequestFlag.INLINE | RequestFlag.SEAL, Opcode.STORE: RequestFlag.ALLOW_UNSEALED,
+    Opcode.ALLOC_STORE: RequestFlag.ALLOW_UNSEALED,
+    Opcode.FREE: RequestFlag.INLINE | RequestFlag.SEAL | RequestFlag.INVALIDATE | RequestFlag.ALLOW_UNSEALED}
 DEFINED_FLAGS = sum(RequestFlag)
 GRACE = 0.5     # seconds a target may take, beyond the Ticket Timeout, to notice a ticket
 
@@ -176,7 +176,7 @@ class Expect:
 
 # -- expectations ------------------------------------------------------------------------
 
-def _odd(req: dict[str, Any]) -> str:
+def _odd(req: AnyMessage) -> str:
     """What makes a parseable request odd enough that a target may call it MALFORMED."""
     op, flags = req["opcode"], req.get("flags", 0)
     odd = []
@@ -201,7 +201,7 @@ def _outside_table(info: TargetInfo, handle: int) -> bool | None:
     return True if not f["table_base_handle"] <= handle < f["table_base_handle"] + f["table.count"] else None
 
 
-def expect(req: dict[str, Any], info: TargetInfo, own: Knowledge, lookup: Callable[[int], Entry],
+def expect(req: AnyMessage, info: TargetInfo, own: Knowledge, lookup: Callable[[int], Entry],
            bound_blocks: dict[int, int], ours: Callable[[int], bool], now: float) -> Expect:
     """The outcome the text allows for ``req`` (parsed), sent on the session ``own``
     describes; ``lookup`` gives any handle's entry as known, ``bound_blocks`` the Block
@@ -256,7 +256,7 @@ def expect(req: dict[str, Any], info: TargetInfo, own: Knowledge, lookup: Callab
     return x
 
 
-def _lengths(x: Expect, req: dict[str, Any], info: TargetInfo, e: Entry) -> None:
+def _lengths(x: Expect, req: AnyMessage, info: TargetInfo, e: Entry) -> None:
     """"Lengths MUST NOT exceed Block Size or the initiator's buffer" (TOO_LARGE)."""
     op, bs, add = x.op, info.block_size, x.checks.append
     if op in (Opcode.STORE, Opcode.ALLOC_STORE):
@@ -269,7 +269,7 @@ def _lengths(x: Expect, req: dict[str, Any], info: TargetInfo, e: Entry) -> None
         n = req["dd.length"]
         if e.bound is None or e.bound and e.length is None:
             add(Check(Status.TOO_LARGE, None, "the block's Data Length is not known", ""))
-        elif e.bound:
+        elif e.bound and e.length is not None:
             add(Check(Status.TOO_LARGE, e.length > n, f"the block holds {e.length} octets, the buffer "
                       f"{n}", "ok-too-large"))
         if n > bs:
@@ -279,7 +279,7 @@ def _lengths(x: Expect, req: dict[str, Any], info: TargetInfo, e: Entry) -> None
         add(Check(Status.TOO_LARGE, n > bs, f"Data Length {n} exceeds Block Size {bs}", "ok-too-large"))
 
 
-def _allocation(x: Expect, req: dict[str, Any], info: TargetInfo, own: Knowledge, e: Entry,
+def _allocation(x: Expect, req: AnyMessage, info: TargetInfo, own: Knowledge, e: Entry,
                 now: float, timeout: float) -> None:
     """Quota ("Allocation Quotas") and, for BIND, the ticket ("Direct Modes")."""
     add, q = x.checks.append, info.quota
@@ -335,7 +335,7 @@ def expect_unparsed(sent: bytes, handle: int) -> Expect:
 
 # -- judging an answer ---------------------------------------------------------------------
 
-def judge(x: Expect, c: dict[str, Any], *, record: bool, invalidated: int | None, at: float,
+def judge(x: Expect, c: AnyMessage, *, record: bool, invalidated: int | None, at: float,
           data: bytes | None) -> list[Finding]:
     """What the completion ``c`` (or completion record) breaks of ``x``; ``data`` is what
     an OK LOAD put into the fuzzer's buffer, when the fuzzer can tell."""
@@ -348,7 +348,8 @@ def judge(x: Expect, c: dict[str, Any], *, record: bool, invalidated: int | None
             out.append(Finding(x.failing[0].kind, f"OK for {x.what}, expected {x.expected()}: "
                                + "; ".join(ch.why for ch in x.failing)))
     elif not x.allows(status):
-        kind = {Status.NO_SPACE: "quota", Status.TICKET_ABANDONED: "ticket"}.get(status, "status")
+        kinds: dict[int, str] = {Status.NO_SPACE: "quota", Status.TICKET_ABANDONED: "ticket"}
+        kind = kinds.get(status, "status")
         why = "; ".join(ch.why for ch in x.failing) or "nothing the wire showed makes it fail"
         detail = next((ch.why for ch in x.checks if ch.status == status and ch.fails is False), why)
         out.append(Finding(kind, f"{x.what} completed {name}, expected {x.expected()} ({detail})"))
@@ -365,7 +366,7 @@ def judge(x: Expect, c: dict[str, Any], *, record: bool, invalidated: int | None
     return out
 
 
-def _ok_values(x: Expect, c: dict[str, Any], data: bytes | None) -> list[Finding]:
+def _ok_values(x: Expect, c: AnyMessage, data: bytes | None) -> list[Finding]:
     out = []
     gen, length, block = c["generation"], c["completion.data_length"], c["completion.block_offset"]
     if gen == 0:
@@ -421,7 +422,7 @@ def _form(x: Expect, record: bool, invalidated: int | None) -> list[Finding]:
 
 # -- learning from the answer ----------------------------------------------------------------
 
-def learn(k: Knowledge | None, x: Expect, req: dict[str, Any] | None, c: dict[str, Any] | None, *,
+def learn(k: Knowledge | None, x: Expect, req: AnyMessage | None, c: AnyMessage | None, *,
           allowed: bool, stored: bytes | None = None, loaded: bytes | None = None) -> None:
     """Update ``k`` (the Knowledge of the session owning the handle, if ours) from the
     answer ``c`` to ``req``; ``c`` None when the outcome is unknown (no answer, the
@@ -467,13 +468,14 @@ def learn(k: Knowledge | None, x: Expect, req: dict[str, Any] | None, c: dict[st
         return
     if e.generation is None:
         e = replace(e, generation=c["generation"], seen=seen)
-    learned = {Status.NOT_VALID: Entry(False, e.generation, seen=e.seen), Status.ALREADY_BOUND: replace(e, bound=True),
-               Status.SEALED: replace(e, bound=True, sealed=True),
-               Status.NOT_SEALED: replace(e, bound=True, sealed=False)}.get(status)
+    by_status: dict[int, Entry] = {
+        Status.NOT_VALID: Entry(False, e.generation, seen=e.seen), Status.ALREADY_BOUND: replace(e, bound=True),
+        Status.SEALED: replace(e, bound=True, sealed=True), Status.NOT_SEALED: replace(e, bound=True, sealed=False)}
+    learned = by_status.get(status)
     k.set(h, learned if learned is not None and e.bound is None else e)
 
 
-def _ticket_fate(k: Knowledge, req: dict[str, Any], c: dict[str, Any] | None) -> None:
+def _ticket_fate(k: Knowledge, req: AnyMessage, c: AnyMessage | None) -> None:
     ticket = req["bind.ticket"]
     t = k.tickets.get(ticket)
     if t is None:

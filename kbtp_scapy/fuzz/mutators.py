@@ -10,14 +10,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from scapy.packet import fuzz
 
 from .. import codec
 from ..layers.kbtp import KBTP, build_packet
 from ..tables import BY_OPCODE, HEADER, flatten
-from ..vocab import RequestFlag
+from ..vocab import AnyMessage, RequestFlag
 from .cases import unknown_opcodes
 
 U64 = (1 << 64) - 1
@@ -56,7 +56,8 @@ def _scapy(values: dict[str, Any], ctx: Context) -> KBTP:
 
 
 def _encode(values: dict[str, Any], ctx: Context) -> bytes:
-    return codec.encode(values, ctx.addr_le)
+    """Mutated fields: any key a mutator chose, any value, as the fuzzer means."""
+    return codec.encode(cast(AnyMessage, values), ctx.addr_le)
 
 
 def field(values: dict[str, Any], rng: random.Random, ctx: Context) -> tuple[bytes, str]:

@@ -15,7 +15,7 @@ from .. import codec
 from ..initiator import KbtpError
 from ..tables import memory as M
 from ..tables.enums import OPCODES, STATUS
-from ..vocab import EntryFlag, Feature, Opcode
+from ..vocab import AnyStruct, EntryFlag, Feature, Opcode
 from .findings import Finding
 
 if TYPE_CHECKING:
@@ -39,8 +39,9 @@ def check_hello_ack(raw: bytes, transport: str) -> list[Finding]:
     ev = {"hello_ack": raw.hex()}
     if ack["opcode"] != Opcode.HELLO_ACK:
         return [Finding("hello-ack", f"HELLO was answered by {OPCODES.describe(ack['opcode'])}", evidence=ev)]
-    problems = [f"{name} {ack[key]}" for key, name in (("request_id", "Request ID"), ("handle", "Block Handle"),
-                                                       ("generation", "Generation")) if ack[key]]
+    problems = [f"{name} {value}" for value, name in ((ack["request_id"], "Request ID"),
+                                                      (ack["handle"], "Block Handle"),
+                                                      (ack["generation"], "Generation")) if value]
     out = [Finding("hello-ack", "the HELLO_ACK header carries " + ", ".join(problems) + " (zero in HELLO_ACK)",
                    evidence=ev)] if problems else []
     if not status_known(ack["status"]):
@@ -98,7 +99,7 @@ async def table_invariants(world: World) -> list[Finding]:
     raw = await ini.qp.read(f["table.stag"], f["table.offset"], f["table.count"] * M.ENTRY_SIZE)
     size, blocks, first = ini.target.block_size, f["pool.count"], f["table_base_handle"]
 
-    def entry(handle: int) -> dict:
+    def entry(handle: int) -> AnyStruct:
         at = (handle - first) * M.ENTRY_SIZE
         return codec.decode_struct(M.TABLE_ENTRY, raw[at:at + M.ENTRY_SIZE], ini.addr_le)
     where: Counter[int] = Counter()
@@ -126,7 +127,7 @@ async def table_invariants(world: World) -> list[Finding]:
     return out
 
 
-def _as_known(world: World, handle: int, e: dict) -> list[Finding]:
+def _as_known(world: World, handle: int, e: AnyStruct) -> list[Finding]:
     """The entry against the model: VALID, SEALED, Generation, Data Length, Block Offset."""
     k = world.lookup(handle)
     flags, gen = e["entry.flags"], e["entry.generation"]

@@ -14,7 +14,7 @@ import asyncio
 import random
 from collections.abc import Awaitable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from .. import codec
 from ..initiator import KbtpError
@@ -23,7 +23,7 @@ from ..rnic import Access
 from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables import memory as M
-from ..vocab import Feature, Opcode, RequestFlag, Status
+from ..vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from .cases import Step
 from .exchange import Exchanger, Reply
 from .findings import Finding
@@ -92,7 +92,7 @@ class Steps(Exchanger):
                    stored: bytes | None = None) -> Reply:
         """One request whose buffers are the initiator's for this request only."""
         try:
-            return await self.request(s, values, stored=stored)
+            return await self.request(s, cast(AnyMessage, values), stored=stored)
         finally:
             for region in regions:
                 s.ini.memory.deregister(region.stag)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
@@ -18,7 +19,7 @@ from ..rnic import Access, MemoryTable, QueuePair, connect, memory_table
 from ..rnic.qp import ConnectionLost, FrameListener, Received
 from ..tables import memory as M
 from ..tables.enums import OPCODES
-from ..vocab import Feature, GoodbyeFlag, Opcode, RequestFlag, Status
+from ..vocab import AnyMessage, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 from .direct import DirectModes
 from .results import KbtpError, Result, TargetInfo, Waiting, match_completion
 
@@ -86,7 +87,8 @@ class Initiator(DirectModes):
                             detail=f"expected HELLO_ACK, got {OPCODES.describe(ack['opcode'])}")
         if ack["status"]:
             raise KbtpError(ack["status"], detail="HELLO refused")
-        body = {k.split(".", 1)[1]: v for k, v in ack.items() if k.startswith("hello_ack.")}
+        fields: Mapping[str, Any] = ack        # its descriptors, read generically
+        body = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("hello_ack.")}
         self.target = TargetInfo(body.pop("features"), body.pop("request_credits"),
                                  body.pop("block_size"), body.pop("max_inline"),
                                  body.pop("allocation_quota"), body.pop("handle_base"),
@@ -115,7 +117,7 @@ class Initiator(DirectModes):
         elif not matched[0].done():         # a caller that gave up is cancelled already
             matched[0].set_result(matched[1])
 
-    async def _call(self, values: dict[str, Any], regions: list, record: bool) -> Result:
+    async def _call(self, values: AnyMessage, regions: list, record: bool) -> Result:
         """Send one request and wait for its completion; raises ``KbtpError`` on a status.
 
         The Send is unsignaled: its failure ends the connection, which fails the wait."""
@@ -169,7 +171,7 @@ class Initiator(DirectModes):
                      inline: bool | None, record: bool) -> Result:
         if inline is None:
             inline = len(data) <= self.target.max_inline
-        values: dict[str, Any] = {"opcode": Opcode[opcode], "handle": handle, "generation": generation}
+        values: AnyMessage = {"opcode": Opcode[opcode], "handle": handle, "generation": generation}
         regions = []
         if inline:
             values.update({"dd.stag": 0, "dd.offset": 0, "dd.length": len(data), "inline_data": data})

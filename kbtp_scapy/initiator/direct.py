@@ -10,7 +10,7 @@ import asyncio
 
 from .. import codec, ring as counters
 from ..tables import RING_COUNTER, memory as M
-from ..vocab import EntryFlag, Status
+from ..vocab import AnyStruct, EntryFlag, Status
 from .results import KbtpError, Result
 
 CONSUMED = M.SLOT_CONSUMED
@@ -25,7 +25,7 @@ class DirectModes:
             raise KbtpError(Status.INTERNAL, detail=f"the target did not grant the {key} descriptor")
         return f[f"{key}.stag"], f[f"{key}.offset"], f[f"{key}.count"]
 
-    async def _entry(self, stag: int, offset: int) -> dict:
+    async def _entry(self, stag: int, offset: int) -> AnyStruct:
         raw = await self.qp.read(stag, offset, M.ENTRY_SIZE)
         return codec.decode_struct(M.TABLE_ENTRY, raw, self.addr_le)
 

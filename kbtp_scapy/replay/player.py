@@ -23,7 +23,7 @@ from ..initiator.results import Waiting, match_completion
 from ..rnic import Access
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables import memory as M
-from ..vocab import Opcode
+from ..vocab import AnyMessage, AnyStruct, Opcode
 from .mapping import Mapping
 from .sessions import Capture, Outcome, Session, Step, slot_of
 
@@ -189,7 +189,7 @@ class Player:
 
     async def _goodbye(self, live: _Live, event: _Event) -> None:
         step = event.step
-        values = {**step.fields, "request_id": step.fields.get("request_id", 0)}
+        values: AnyMessage = {**step.fields, "request_id": step.fields.get("request_id", 0)}
         await live.ini.qp.send(codec.encode(values, live.ini.addr_le))
 
         async def closed() -> None:
@@ -212,7 +212,7 @@ class Player:
                 raw[12:20] = self.mapping.handle(ses, f["handle"]).to_bytes(
                     8, "little" if ini.addr_le else "big")
             return bytes(raw), [], None, None
-        values = dict(f)
+        values = f.copy()
         regions, record, loaded = [], None, None
         if "handle" in values:
             values["handle"] = self.mapping.handle(ses, values["handle"])
@@ -369,7 +369,7 @@ class Player:
         return step.captured, Outcome(ticket=ticket, form="fetch_add")
 
 
-def _entry_outcome(entry: dict) -> Outcome:
+def _entry_outcome(entry: AnyStruct) -> Outcome:
     return Outcome(generation=entry["entry.generation"], data_length=entry["entry.data_length"],
                    block_offset=entry["entry.block_offset"], flags=entry["entry.flags"], form="entry")
 

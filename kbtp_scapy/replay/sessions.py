@@ -11,6 +11,7 @@ and the frame its answer came in, which is what the player orders the replay by.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from ..capture import rdma_messages, read_packets
 from ..layers.kbtp import looks_like_kbtp
 from ..tables import RING_COUNTER, memory as M
 from ..tables.enums import OPCODES
-from ..vocab import Feature, Opcode
+from ..vocab import AnyMessage, Feature, Opcode
 from ..wire.message import RdmaMessage
 
 REQUESTS = {Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND}
@@ -52,7 +53,7 @@ class Step:
     kind: str                          # request, goodbye, read, write, fetch_add
     frame: int
     time: float
-    fields: dict[str, Any] = field(default_factory=dict)   # decoded request
+    fields: AnyMessage = field(default_factory=AnyMessage)   # decoded request
     payload: bytes = b""               # the captured Send (used when it did not decode)
     error: str | None = None           # decoder's complaint about the request
     region: str | None = None          # one-sided: HELLO_ACK descriptor it uses
@@ -82,11 +83,11 @@ class Session:
     index: int
     transport: str
     request_conn: tuple
-    hello: dict[str, Any]
+    hello: AnyMessage
     frame: int
     time: float
     reply_conn: tuple | None = None
-    ack: dict[str, Any] = field(default_factory=dict)
+    ack: AnyMessage = field(default_factory=AnyMessage)
     ack_frame: float = float("inf")
     addr_le: bool = False
     steps: list[Step] = field(default_factory=list)
@@ -100,10 +101,11 @@ class Session:
         return self.hello.get("hello.initiator_id", b"")
 
     def descriptor(self, name: str) -> tuple[int, int, int] | None:
-        stag = self.ack.get(f"hello_ack.{name}.stag")
+        ack: Mapping[str, Any] = self.ack      # the descriptor named at run time
+        stag = ack.get(f"hello_ack.{name}.stag")
         if stag is None:
             return None
-        return stag, self.ack[f"hello_ack.{name}.offset"], self.ack[f"hello_ack.{name}.count"]
+        return stag, ack[f"hello_ack.{name}.offset"], ack[f"hello_ack.{name}.count"]
 
     @property
     def handle_range(self) -> range:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .. import codec
 from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ConnectionLost, QueuePair, RemoteError
 from ..tables import memory as M
-from ..vocab import Feature, GoodbyeFlag, Opcode, RequestFlag, Status
+from ..vocab import AnyMessage, Feature, GoodbyeFlag, HelloAck, Opcode, RequestFlag, Status
 from ..wire.address import Address
 from .backlog import Backlog
 from .direct import TicketWatch, grant_direct_load, grant_partition
@@ -143,7 +143,7 @@ class Connection:
         features = requested & offered & ~Feature.ADDR_LE
         if t.config.addr_le:
             features |= Feature.ADDR_LE
-        fields: dict[str, Any] = {}
+        fields: HelloAck = {}
         if features & Feature.DIRECT_LOAD:
             try:
                 granted, self.windows = grant_direct_load(t.memory, self.qp)
@@ -203,9 +203,9 @@ class Connection:
             await asyncio.sleep(0.01)
         return not state.active
 
-    async def _hello_ack(self, status: int, body: dict[str, Any]) -> None:
-        values = {"opcode": Opcode.HELLO_ACK, "status": status, "hello_ack.features": 0, **body}
-        await self.qp.send(codec.encode(values))
+    async def _hello_ack(self, status: int, body: HelloAck) -> None:
+        await self.qp.send(codec.encode({"opcode": Opcode.HELLO_ACK, "status": status, "hello_ack.features": 0,
+                                         **body}))
 
     # -- requests ------------------------------------------------------------------------
 
@@ -217,7 +217,7 @@ class Connection:
         while every check and every change of the table and rings still happens in order.
         """
         t = self.target
-        batch: deque[tuple[dict[str, Any], asyncio.Future | None, str]] = deque()
+        batch: deque[tuple[AnyMessage, asyncio.Future | None, str]] = deque()
         while True:
             msg = await self.qp.recv()
             self.liveness.heard = True
@@ -250,13 +250,13 @@ class Connection:
                 self.qp.post_recv(1)
                 self._complete(req, outcome, why)
 
-    def _malformed(self, payload: bytes, fields: dict[str, Any]) -> dict[str, Any]:
+    def _malformed(self, payload: bytes, fields: AnyMessage) -> AnyMessage:
         """Echo the Request ID and Block Handle of a request that cannot be parsed, as far
         as the octets reach (docs/NOTES.md decision 4); what is missing is zero. The
         flags stay when INLINE declares a Length over Max Inline or the Block Size, which
         ``_requests`` answers with TOO_LARGE whatever follows (decision 5)."""
         head = codec.decode_header(payload.ljust(codec.HEADER_SIZE, b"\0"), self.addr_le)
-        out = {"opcode": head["opcode"], "flags": 0,
+        out: AnyMessage = {"opcode": head["opcode"], "flags": 0,
                "request_id": head["request_id"] if len(payload) >= 12 else 0,
                "handle": head["handle"] if len(payload) >= 20 else 0}
         limit = min(self.target.config.max_inline, self.target.config.block_size)
@@ -288,7 +288,7 @@ class Connection:
         log.info("connection from %s terminated: %s", self.peer, why)
         self.qp.abort(why)
 
-    def _complete(self, req: dict[str, Any], outcome: Outcome, why: str = "") -> None:
+    def _complete(self, req: AnyMessage, outcome: Outcome, why: str = "") -> None:
         t = self.target
         signaled = self.backlog.signal_next
         t.metrics.operation(req["opcode"], outcome.status)
@@ -314,6 +314,6 @@ class Connection:
                             self.qp.send(completion, invalidate=stag or None, signaled=signaled))
 
     @staticmethod
-    def _data_octets(req: dict[str, Any], outcome: Outcome) -> int:
+    def _data_octets(req: AnyMessage, outcome: Outcome) -> int:
         """The LOAD data written in front of an answer."""
         return outcome.data_length if req["opcode"] == Opcode.LOAD and not outcome.status else 0

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..vocab import EntryFlag, Opcode, RequestFlag, Status
+from ..vocab import AnyMessage, EntryFlag, Opcode, RequestFlag, Status
 from .pool import TargetMemory
 from .ring import FreeRing
 from .sessions import Initiator
@@ -65,7 +65,7 @@ class Executor:
         self.before_slot_read: Pause | None = None   # test hook: pause after FetchAdd on Head
         self.allocate_timeout = 5.0     # a slot that never fills is a target failure (INTERNAL)
 
-    async def run(self, conn: Connection, req: dict[str, Any],
+    async def run(self, conn: Connection, req: AnyMessage,
                   fetch: asyncio.Future | None = None) -> Outcome:
         """Execute one request; ``fetch`` is its data's RDMA Read if ``prefetch`` began it."""
         handler = self._handlers[req["opcode"]]
@@ -76,7 +76,7 @@ class Executor:
                 await _settled(fetch)
             return self.failure(failure.status, req["handle"])
 
-    def prefetch(self, conn: Connection, req: dict[str, Any]) -> asyncio.Future | None:
+    def prefetch(self, conn: Connection, req: AnyMessage) -> asyncio.Future | None:
         """Start the RDMA Read of a store's data as the request arrives, when the checks
         that no earlier request can change (opcode, range, length) already pass. Reading
         the initiator's buffer has no effect on the target, so a read wasted on a request
@@ -96,7 +96,7 @@ class Executor:
 
     # -- shared checks -------------------------------------------------------------------
 
-    def _entry(self, req: dict[str, Any], own: Initiator | None) -> Entry:
+    def _entry(self, req: AnyMessage, own: Initiator | None) -> Entry:
         """Range (own range when ``own``), then Generation; returns the entry."""
         handle = req["handle"]
         if handle not in self.table or (own is not None and not own.owns(handle)):
@@ -106,13 +106,13 @@ class Executor:
             raise Failed("STALE_GENERATION")
         return entry
 
-    def _store_length(self, req: dict[str, Any]) -> int:
+    def _store_length(self, req: AnyMessage) -> int:
         length = req["dd.length"]
         if length > self.block_size or (req["flags"] & RequestFlag.INLINE and length > self.max_inline):
             raise Failed("TOO_LARGE")    # docs/NOTES.md decision 5
         return length
 
-    async def _data(self, conn: Connection, req: dict[str, Any], length: int,
+    async def _data(self, conn: Connection, req: AnyMessage, length: int,
                     fetch: asyncio.Future | None) -> bytes:
         """The store's data: inline, or RDMA Read from the initiator's Data Descriptor."""
         if req["flags"] & RequestFlag.INLINE:
@@ -123,7 +123,7 @@ class Executor:
 
     # -- operations ----------------------------------------------------------------------
 
-    async def load(self, conn: Connection, req: dict[str, Any],
+    async def load(self, conn: Connection, req: AnyMessage,
                   fetch: asyncio.Future | None = None) -> Outcome:
         entry = self._entry(req, None)
         if not entry.valid:
@@ -138,7 +138,7 @@ class Executor:
                           signaled=False)
         return Outcome(0, entry.generation, entry.data_length, entry.block_offset)
 
-    async def store(self, conn: Connection, req: dict[str, Any],
+    async def store(self, conn: Connection, req: AnyMessage,
                    fetch: asyncio.Future | None = None) -> Outcome:
         length = self._store_length(req)
         entry = self._entry(req, conn.state)
@@ -152,7 +152,7 @@ class Executor:
         self.table.write(req["handle"], Entry(flags, entry.generation, len(data), entry.block_offset))
         return Outcome(0, entry.generation, len(data), entry.block_offset)
 
-    async def alloc_store(self, conn: Connection, req: dict[str, Any],
+    async def alloc_store(self, conn: Connection, req: AnyMessage,
                          fetch: asyncio.Future | None = None) -> Outcome:
         length = self._store_length(req)
         state = conn.state
@@ -188,7 +188,7 @@ class Executor:
                 await hook(ticket)
         return pause
 
-    async def free(self, conn: Connection, req: dict[str, Any],
+    async def free(self, conn: Connection, req: AnyMessage,
                   fetch: asyncio.Future | None = None) -> Outcome:
         entry = self._entry(req, conn.state)
         if not entry.valid:
@@ -205,7 +205,7 @@ class Executor:
             self.memory.block(block)[:] = bytes(self.block_size)
         ring.free(block)
 
-    async def bind(self, conn: Connection, req: dict[str, Any],
+    async def bind(self, conn: Connection, req: AnyMessage,
                   fetch: asyncio.Future | None = None) -> Outcome:
         state, watch = conn.state, conn.state.watch
         if watch is None:
@@ -232,6 +232,7 @@ class Executor:
         state.bound.add(req["handle"])
         return Outcome(0, bound.generation, length, block)
 
+    _handlers: dict[int, Callable[[Executor, Connection, AnyMessage, asyncio.Future | None], Awaitable[Outcome]]]
     _handlers = {Opcode.LOAD: load, Opcode.STORE: store, Opcode.ALLOC_STORE: alloc_store,
                  Opcode.FREE: free, Opcode.BIND: bind}
 

@@ -7,7 +7,7 @@ from ...initiator import Initiator, Result
 from ...rnic import Access
 from ...rnic.memory import MemoryRegion
 from ...tables.memory import ENTRY_SIZE
-from ...vocab import Opcode
+from ...vocab import AnyStruct, Opcode
 from ..context import Ctx
 
 SENTINEL = 0xA5
@@ -73,6 +73,6 @@ def entry_at(ini: Initiator, handle: int) -> tuple[int, int]:
     return f["table.stag"], f["table.offset"] + (handle - f["table_base_handle"]) * ENTRY_SIZE
 
 
-async def entry_of(ini: Initiator, handle: int) -> dict:
+async def entry_of(ini: Initiator, handle: int) -> AnyStruct:
     """The table entry of ``handle`` as an RDMA Read through the Table STag shows it."""
     return await ini._entry(*entry_at(ini, handle))

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from ... import codec
 from ...initiator.client import ALL_FEATURES
-from ...rnic import Access
+from ...rnic import Access, MemoryRegion
 from ...tables import memory as M
-from ...vocab import Feature, Opcode, RequestFlag, Status
+from ...vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from ..context import Ctx, status_name
 from ..hold import SETTLE
 from ..registry import MUST, MUST_NOT, RULE, case
@@ -20,9 +20,10 @@ async def request_id(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
     h, h2 = await ctx.handles(a, 2)
     rid = 0xFEDC_BA98_7654_3210
-    for what, values in (
+    requests: tuple[tuple[str, AnyMessage], ...] = (
             ("an ALLOC_STORE", {"opcode": Opcode.ALLOC_STORE, "handle": h, "inline_data": b"echo"}),
-            ("a failing LOAD", {"opcode": Opcode.LOAD, "handle": h2, "dd.stag": 1, "dd.length": 8})):
+            ("a failing LOAD", {"opcode": Opcode.LOAD, "handle": h2, "dd.stag": 1, "dd.length": 8}))
+    for what, values in requests:
         c = await ctx.answer(a, codec.encode({**values, "request_id": rid}, a.addr_le), what)
         ctx.check(c["request_id"] == rid, f"{what}: Request ID {rid:#x} echoed", hex(c["request_id"]))
         ctx.check(c["version"] == 1, "Version 1 in the COMPLETION", c["version"])
@@ -40,7 +41,7 @@ async def order(ctx: Ctx) -> None:
         ctx.skip("fewer than 7 Request Credits: cannot pipeline the sequence")
     one, two, three = data(40), data(30), data(20)
     regions = [buffer(a, 64) for _ in range(3)]
-    steps = [
+    steps: list[tuple[AnyMessage | MemoryRegion, str]] = [
         ({"opcode": Opcode.ALLOC_STORE, "handle": h, "inline_data": one}, "OK"),
         ({"opcode": Opcode.STORE, "handle": h, "inline_data": two}, "OK"),
         (regions[0], "OK"),
@@ -50,7 +51,7 @@ async def order(ctx: Ctx) -> None:
           "inline_data": three}, "OK"),
         (regions[2], "OK"),
     ]
-    messages = [load_request(ctx, a, h, step, RequestFlag.ALLOW_UNSEALED) if not isinstance(step, dict)
+    messages = [load_request(ctx, a, h, step, RequestFlag.ALLOW_UNSEALED) if isinstance(step, MemoryRegion)
                 else ctx.encode(a, step) for step, _ in steps]
     await _in_order(ctx, a, messages, [want for _, want in steps])
     ctx.check(bytes(regions[0].view[:len(two)]) == two and bytes(regions[2].view[:len(three)]) == three,
@@ -80,7 +81,7 @@ async def order(ctx: Ctx) -> None:
               "other data")
 
 
-def _describe(c: dict | None) -> str:
+def _describe(c: AnyMessage | None) -> str:
     return "something that is no COMPLETION" if c is None else \
         f"Request ID {c['request_id']:#x} {status_name(c['status'])}"
 

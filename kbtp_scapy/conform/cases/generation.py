@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ... import codec
 from ...rnic import Access
-from ...vocab import Opcode
+from ...vocab import AnyMessage, Opcode
 from ..context import Ctx, status_name
 from ..registry import RULE, case
 from .common import bind, data, next_generation
@@ -25,7 +25,7 @@ async def never_zero(ctx: Ctx) -> None:
     h = await ctx.handle(a)
     pairs = max(1, min(a.target.request_credits, a.completion_credits) // 4)  # half the credits
     if a.target.max_inline:
-        store = {"inline_data": b"g"}
+        store: AnyMessage = {"inline_data": b"g"}
     else:
         source = a.memory.register(bytearray(b"g"), Access.REMOTE_READ)
         store = {"dd.stag": source.stag, "dd.offset": 0, "dd.length": 1}
@@ -34,7 +34,8 @@ async def never_zero(ctx: Ctx) -> None:
         ops = {}
         messages = []
         for _ in range(pairs):
-            for op, values in (("ALLOC_STORE", store), ("FREE", {})):
+            free: AnyMessage = {}
+            for op, values in (("ALLOC_STORE", store), ("FREE", free)):
                 rid = ctx.rid()
                 ops[rid] = (op, cycles)
                 messages.append(codec.encode({"opcode": Opcode[op], "request_id": rid, "handle": h, **values},
