@@ -33,6 +33,11 @@ def test_every_table_value_is_a_member_with_its_name(table, cls):
     assert issubclass(cls, enum.IntEnum if isinstance(table, T.Enumeration) else enum.IntFlag)
 
 
+def test_committed_vocabulary_is_fresh():
+    """The stale-file check without tshark (test_dissector runs the CLI's ``--check``)."""
+    assert generate.VOCAB_PATH.read_text() == generate.vocab_source(), "run 'kbtp dissector generate'"
+
+
 def test_names_follow_the_tables():
     assert (vocab.Opcode.LOAD, vocab.Status.NOT_VALID, vocab.RequestFlag.RECORD, vocab.Feature.ADDR_LE,
             vocab.GoodbyeFlag.RELEASE, vocab.EntryFlag.SEALED) == (0x10, 3, 4, 8, 1, 2)
