@@ -9,7 +9,7 @@ session's ADDR_LE choice from its HELLO_ACK; ``to_json`` gives the JSON object o
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from . import codec, tables as T
 from .codec import looks_like_kbtp
 from .decode.pcapfile import CaptureError
+from .vocab import AnyMessage, Feature
 from .wire.message import RdmaMessage
 
 if TYPE_CHECKING:
@@ -27,7 +28,6 @@ __all__ = ["CaptureError", "Found", "kbtp_messages", "rdma_messages", "read_pack
            "session_key", "to_json"]
 
 SEND_KINDS = {"send", "send_inv"}
-_ADDR_LE = T.flag(T.FEATURES, "ADDR_LE")
 _HELLO_ACK = T.BY_NAME["HELLO_ACK"].opcode
 
 
@@ -42,7 +42,7 @@ class Found:
     frame: int
     transport: str
     conn: tuple
-    fields: dict[str, Any]
+    fields: AnyMessage
     error: str | None = None
     time: float | None = None
     connection: int | None = None
@@ -99,7 +99,7 @@ def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) 
         except codec.Malformed as exc:
             fields, error = exc.fields, exc.reason
         if fields.get("opcode") == _HELLO_ACK and not fields.get("status"):
-            sessions[key] = bool(fields.get("hello_ack.features", 0) & _ADDR_LE)
+            sessions[key] = bool(fields.get("hello_ack.features", 0) & Feature.ADDR_LE)
         yield Found(frame, msg.transport, msg.conn, fields, error, msg.time, number,
                     msg.payload, le)
 
@@ -143,8 +143,9 @@ def to_json(found: Found) -> dict[str, Any]:
     if found.connection is not None:
         out["conn"] = found.connection
         out.update(endpoints(found))
-    opcode = found.fields.get("opcode")
-    for key, value in found.fields.items():
+    fields: Mapping[str, Any] = found.fields      # every key, read generically
+    opcode = fields.get("opcode")
+    for key, value in fields.items():
         if isinstance(value, bytes):
             out[_json_key(key)] = value.hex()
             continue

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from itertools import product
-from typing import Any
+from typing import Any, cast, overload
 
 from .tables import (
     BY_OPCODE,
@@ -26,6 +26,7 @@ from .tables import (
     Struct,
     flatten,
 )
+from .vocab import AnyMessage, AnyStruct, MessageRecord, StructRecord
 
 _INT_CODES = {1: "B", 2: "H", 4: "I", 8: "Q"}
 _VERSION_AT, _OPCODE_AT = HEADER.offset("version"), HEADER.offset("opcode")
@@ -35,7 +36,7 @@ _FLAGS = slice(HEADER.offset("flags"), HEADER.offset("flags") + HEADER.item("fla
 class Malformed(ValueError):
     """A message that cannot be parsed; ``fields`` holds what could be decoded."""
 
-    def __init__(self, reason: str, fields: dict[str, Any]):
+    def __init__(self, reason: str, fields: AnyMessage):
         super().__init__(reason)
         self.reason = reason
         self.fields = fields
@@ -217,39 +218,44 @@ def request_id_of(buf: bytes, addr_le: bool = False) -> int | None:
     return decode_header(bytes(buf[:_RID_END]).ljust(HEADER_SIZE, b"\0"), addr_le)["request_id"]
 
 
-def decode_header(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
+def _header(buf: bytes, le: bool) -> AnyMessage:
+    return cast(AnyMessage, _unpack(_HEADER_LAYOUT, buf, le))
+
+
+def decode_header(buf: bytes, addr_le: bool = False) -> AnyMessage:
     """The common header alone, whatever follows it (``buf`` has at least 24 octets)."""
-    return _unpack(_HEADER_LAYOUT, buf, _addr_le(buf[_OPCODE_AT], addr_le))
+    return _header(buf, _addr_le(buf[_OPCODE_AT], addr_le))
 
 
-def decode(buf: bytes, addr_le: bool = False) -> dict[str, Any]:
+def decode(buf: bytes, addr_le: bool = False) -> AnyMessage:
     """Decode one KBTP message; raise ``Malformed`` (with the decodable fields) if it is not one."""
     if len(buf) < HEADER_SIZE:
         raise Malformed(f"truncated: {len(buf)} octets, the header alone needs {HEADER_SIZE}", {})
     opcode = buf[_OPCODE_AT]
     le = _addr_le(opcode, addr_le)
     if buf[_VERSION_AT] != VERSION:
-        raise Malformed(f"version {buf[_VERSION_AT]} is not {VERSION}", _unpack(_HEADER_LAYOUT, buf, le))
+        raise Malformed(f"version {buf[_VERSION_AT]} is not {VERSION}", _header(buf, le))
     info = _OPCODES.get(opcode)
     if info is None:
         raise Malformed(f"opcode {OPCODES.describe(opcode)} has no layout",
-                        _unpack(_HEADER_LAYOUT, buf, le))
+                        _header(buf, le))
     flags = int.from_bytes(buf[_FLAGS], "big")
     layout = info.layout(flags, _features_of(info, buf))
     if len(buf) < layout.size:
         raise Malformed(f"truncated: {len(buf)} octets, {BY_OPCODE[opcode].name} with these "
-                        f"flags needs {layout.size}", _unpack(_HEADER_LAYOUT, buf, le))
+                        f"flags needs {layout.size}", _header(buf, le))
     out = _unpack(layout, buf, le)
     if layout.tail is not None:
         data = bytes(buf[layout.size:])
         out[layout.tail.key] = data
         declared = out[layout.tail_length]
         if declared != len(data):
-            raise Malformed(f"inline data is {len(data)} octets, the descriptor says {declared}", out)
+            raise Malformed(f"inline data is {len(data)} octets, the descriptor says {declared}",
+                            cast(AnyMessage, out))
     elif len(buf) > layout.size:
         raise Malformed(f"{len(buf) - layout.size} octets after the end of "
-                        f"{BY_OPCODE[opcode].name}", out)
-    return out
+                        f"{BY_OPCODE[opcode].name}", cast(AnyMessage, out))
+    return cast(AnyMessage, out)
 
 
 def auto_flags(opcode: int, values: Mapping[str, Any], source: str) -> int:
@@ -265,6 +271,12 @@ def _gated_keys(opcode: int) -> tuple[tuple[Condition, tuple[str, ...]], ...]:
     return tuple((c, tuple(f.key for f in flat if f.when == c)) for c in BY_OPCODE[opcode].body.conditions)
 
 
+# The first form checks a dict literal's keys against every message's; the second takes
+# a record typed as one message; the function itself reads any mapping of those keys.
+@overload
+def encode(values: AnyMessage, addr_le: bool = False) -> bytes: ...
+@overload
+def encode(values: MessageRecord, addr_le: bool = False) -> bytes: ...
 def encode(values: Mapping[str, Any], addr_le: bool = False) -> bytes:
     """Encode a message from a dict keyed as ``decode`` returns.
 
@@ -302,15 +314,15 @@ def _pack(layout: _Layout, values: Mapping[str, Any], le: bool) -> bytes:
     return layout.pack_le(values) if le else layout.pack_be(values)
 
 
-def decode_struct(struct_: Struct, buf: bytes | memoryview, addr_le: bool = False) -> dict[str, Any]:
+def decode_struct(struct_: Struct, buf: bytes | memoryview, addr_le: bool = False) -> AnyStruct:
     """Decode a memory structure (table entry, ring slot, completion record)."""
     layout = _struct_layout(struct_)
     if len(buf) < layout.size:
         raise Malformed(f"truncated {struct_.title}: {len(buf)} of {layout.size} octets", {})
-    return _unpack(layout, buf, addr_le)
+    return cast(AnyStruct, _unpack(layout, buf, addr_le))
 
 
-def encode_struct(struct_: Struct, values: Mapping[str, Any], addr_le: bool = False) -> bytes:
+def encode_struct(struct_: Struct, values: StructRecord, addr_le: bool = False) -> bytes:
     """Encode a memory structure from a dict keyed as ``decode_struct`` returns."""
     return _pack(_struct_layout(struct_), values, addr_le)
 

@@ -5,12 +5,13 @@ What each message shows is declared in the tables (``Message.summary``), so the
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from . import tables as T
 
 
-def describe(fields: dict[str, Any]) -> str:
+def describe(fields: Mapping[str, Any]) -> str:
     """One line in the style of Wireshark's RDMA Info column, as the tables' summary of
     each message says: ``ALLOC_STORE rid=7 handle=0x4001 len=8 INLINE``,
     ``COMPLETION rid=7 OK gen=5 off=0x150000``."""

@@ -22,14 +22,13 @@ from contextlib import nullcontext
 from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic import cm
-from kbtp_scapy.tables.enums import OPCODES
+from kbtp_scapy.vocab import Opcode
 from kbtp_scapy.wire import iwarp as w, roce as rw
 from kbtp_scapy.wire.iwarp_defs import DDP_UNTAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
 
 from .live_capture import free_port
 from .netns import enter
 
-OP = OPCODES.by_name()
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
 
 
@@ -197,7 +196,7 @@ class Steady:
 
 
 def hello(initiator_id: bytes | None = None, credits: int = 32) -> bytes:
-    return codec.encode({"opcode": OP["HELLO"], "hello.completion_credits": credits,
+    return codec.encode({"opcode": Opcode.HELLO, "hello.completion_credits": credits,
                          "hello.initiator_id": initiator_id or secrets.token_bytes(16)})
 
 

@@ -16,7 +16,7 @@ import sys
 
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic import Access, ConnectionLost, RemoteError
-from kbtp_scapy.tables.enums import FEATURES, REQUEST_FLAGS, STATUS, flag
+from kbtp_scapy.vocab import Feature, Opcode, RequestFlag, Status
 
 #: the target the walk expects: kbtp target options, and the same as TargetConfig fields
 LAB_TARGET = {"blocks": 64, "block_size": 32768, "max_initiators": 4, "quota": 8,
@@ -25,11 +25,6 @@ LAB_TARGET = {"blocks": 64, "block_size": 32768, "max_initiators": 4, "quota": 8
 TARGET_ARGS = ["--blocks", "64", "-S", "32768", "--max-initiators", "4", "--quota", "8",
                "--handles", "32", "--credits", "16", "--max-inline", "1024",
                "--ticket-timeout", "400", "--direct-partitions", "2"]
-
-S = STATUS.by_name()
-DIRECT_LOAD, DIRECT_ALLOC = flag(FEATURES, "DIRECT_LOAD"), flag(FEATURES, "DIRECT_ALLOC")
-RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
-INVALIDATE = flag(REQUEST_FLAGS, "INVALIDATE")
 
 
 async def expect_status(name: str, call) -> None:
@@ -49,9 +44,9 @@ async def walk(url: str, *, direct_alloc: bool, record: bool, **options) -> list
     ini = await Initiator.connect(url, initiator_id=ident, **options)
     t = ini.target
     assert (t.block_size, t.quota, t.handle_count) == (size, 8, 32), t
-    assert t.feature(DIRECT_LOAD), "DIRECT_LOAD not granted"
-    assert t.feature(DIRECT_ALLOC) == direct_alloc, f"DIRECT_ALLOC granted: {t.feature(DIRECT_ALLOC)}"
-    assert t.feature(RECORD_COMPLETION) == record, f"RECORD_COMPLETION: {t.feature(RECORD_COMPLETION)}"
+    assert t.feature(Feature.DIRECT_LOAD), "DIRECT_LOAD not granted"
+    assert t.feature(Feature.DIRECT_ALLOC) == direct_alloc, f"DIRECT_ALLOC granted: {t.feature(Feature.DIRECT_ALLOC)}"
+    assert t.feature(Feature.RECORD_COMPLETION) == record, f"RECORD_COMPLETION: {t.feature(Feature.RECORD_COMPLETION)}"
     h = t.handle_base
     steps.append("hello")
 
@@ -134,7 +129,7 @@ async def walk(url: str, *, direct_alloc: bool, record: bool, **options) -> list
     steps.append("NO_SPACE")
 
     got = await ini.raw(bytes(24), timeout=10)           # opcode 0 is no request
-    assert got and _status(ini, got[0].payload) == S["MALFORMED"], got
+    assert got and _status(ini, got[0].payload) == Status.MALFORMED, got
     steps.append("MALFORMED")
 
     # GOODBYE without RELEASE: the target closes (DREQ or FIN); bindings stay.
@@ -180,9 +175,8 @@ async def invalidated_by_effect(url: str, **options) -> None:
 
 def _load_request(ini: Initiator, handle: int, region) -> bytes:
     from kbtp_scapy import codec
-    from kbtp_scapy.tables.enums import OPCODES
-    return codec.encode({"opcode": OPCODES.by_name()["LOAD"], "request_id": 0x7A11, "handle": handle,
-                         "generation": 0, "flags": INVALIDATE, "dd.stag": region.stag,
+    return codec.encode({"opcode": Opcode.LOAD, "request_id": 0x7A11, "handle": handle,
+                         "generation": 0, "flags": RequestFlag.INVALIDATE, "dd.stag": region.stag,
                          "dd.offset": region.base, "dd.length": region.length}, ini.addr_le)
 
 

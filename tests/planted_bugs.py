@@ -16,20 +16,18 @@ from typing import Any
 
 from kbtp_scapy import codec
 from kbtp_scapy.rnic import Access
-from kbtp_scapy.tables.enums import OPCODES, REQUEST_FLAGS
 from kbtp_scapy.target import TargetConfig, connection as conn_mod, direct as direct_mod, table as table_mod
 from kbtp_scapy.target.connection import Connection
 from kbtp_scapy.target.operations import Executor, Failed, Outcome
 from kbtp_scapy.target.ring import FreeRing
 from kbtp_scapy.target.server import Target
 from kbtp_scapy.target.sessions import InitiatorState, Sessions
-from kbtp_scapy.target.table import SEALED, UNBOUND_OFFSET, BlockTable, Entry
+from kbtp_scapy.target.table import UNBOUND_OFFSET, BlockTable, Entry
+from kbtp_scapy.vocab import EntryFlag, Opcode, RequestFlag
 
 from .kbtp_harness import TargetThread
 
-OP = OPCODES.by_name()
-F = {f.name: f.value for f in REQUEST_FLAGS.flags}
-STORES = (OP["STORE"], OP["ALLOC_STORE"])
+STORES = (Opcode.STORE, Opcode.ALLOC_STORE)
 #: Never-bound entries start here instead of at 0, so that generation.never_zero sees the
 #: Generation wrap after about 128 bind/free cycles instead of 32,768.
 SEED_GENERATION = 0xFF00
@@ -74,8 +72,8 @@ def seed_generations(table: BlockTable, generation: int) -> None:
 def set_handler(t: TargetThread, opcode: str, wrap) -> None:
     """Replace one opcode's handler of the target's executor (in the target's thread)."""
     ex = t.target.executor
-    original = Executor._handlers[OP[opcode]]
-    t.run(lambda: setattr(ex, "_handlers", {**ex._handlers, OP[opcode]: wrap(original)}))
+    original = Executor._handlers[Opcode[opcode]]
+    t.run(lambda: setattr(ex, "_handlers", {**ex._handlers, Opcode[opcode]: wrap(original)}))
 
 
 def set_attr(t: TargetThread, obj: Any, name: str, value: Any) -> None:
@@ -210,7 +208,7 @@ async def _ok(self, conn, req, entry, original, fetch):
 
 def plant_hello_ack_request_id(t, mp):
     async def hello_ack(self, status, body):
-        await self.qp.send(codec.encode({"opcode": OP["HELLO_ACK"], "status": status, "request_id": 1,
+        await self.qp.send(codec.encode({"opcode": Opcode.HELLO_ACK, "status": status, "request_id": 1,
                                          "hello_ack.features": 0, **body}))
     mp.setattr(Connection, "_hello_ack", hello_ack)
 
@@ -311,7 +309,7 @@ async def _overwrite_bound(self, conn, req, entry, original, fetch):
 
 
 async def _unseal_first(self, conn, req, entry, original, fetch):
-    self.table.write(req["handle"], Entry(entry.flags & ~SEALED, entry.generation, entry.data_length,
+    self.table.write(req["handle"], Entry(entry.flags & ~EntryFlag.SEALED, entry.generation, entry.data_length,
                                           entry.block_offset))
     return await original(self, conn, req, fetch)
 
@@ -391,7 +389,7 @@ def plant_free_keeps_usage(t, mp):
 def plant_free_keeps_sealed(t, mp):
     def unbind(self, handle):
         entry = self.read(handle)
-        self.write(handle, Entry(entry.flags & SEALED, table_mod.next_generation(entry.generation), 0,
+        self.write(handle, Entry(entry.flags & EntryFlag.SEALED, table_mod.next_generation(entry.generation), 0,
                                  UNBOUND_OFFSET))
         return entry
     mp.setattr(BlockTable, "unbind", unbind)
@@ -417,7 +415,7 @@ def plant_order(t, mp):
 
     def wrapper(original):
         def complete(self, req, outcome, why=""):
-            if req["opcode"] == OP["LOAD"] and not held:
+            if req["opcode"] == Opcode.LOAD and not held:
                 held.append((req, outcome, why))
                 return
             original(self, req, outcome, why)
@@ -437,7 +435,7 @@ def plant_concurrent_stores(t, mp):
     original = ex.run
 
     async def run(conn, req, fetch=None):
-        if req["opcode"] in STORES and not req["flags"] & F["INLINE"]:
+        if req["opcode"] in STORES and not req["flags"] & RequestFlag.INLINE:
             async def finish():
                 conn._complete(req, await original(conn, req, fetch))
             asyncio.ensure_future(finish())
@@ -506,7 +504,7 @@ def _checked_alloc_store(write):
 
 async def _bind_then_fetch(self, conn, req, length, fetch, block):
     """Steps 3 and 4 swapped: the entry is VALID while the RDMA Read is still under way."""
-    bound = self.table.bind(req["handle"], block, length, bool(req["flags"] & F["SEAL"]))
+    bound = self.table.bind(req["handle"], block, length, bool(req["flags"] & RequestFlag.SEAL))
     data = await self._data(conn, req, length, fetch)
     self.memory.block(block, len(data))[:] = data
     return bound.generation, len(data)
@@ -515,7 +513,7 @@ async def _bind_then_fetch(self, conn, req, length, fetch, block):
 async def _bind_then_copy(self, conn, req, length, fetch, block):
     """The data is at hand, but the entry is written first and the copy 50 ms later."""
     data = await self._data(conn, req, length, fetch)
-    bound = self.table.bind(req["handle"], block, len(data), bool(req["flags"] & F["SEAL"]))
+    bound = self.table.bind(req["handle"], block, len(data), bool(req["flags"] & RequestFlag.SEAL))
     await asyncio.sleep(0.05)
     self.memory.block(block, len(data))[:] = data
     return bound.generation, len(data)
@@ -625,7 +623,7 @@ CORPUS: list[Bug] = [
     Bug("load_unbound_ok", "The entry MUST be VALID", "ops.load.not_valid",
         lambda t, mp: set_handler(t, "LOAD", if_entry(_not_valid, _ok))),
     Bug("load_ignores_seal", "and SEALED unless ALLOW_UNSEALED is set", "ops.load.not_sealed",
-        lambda t, mp: set_handler(t, "LOAD", _flags(mask_on=F["ALLOW_UNSEALED"]))),
+        lambda t, mp: set_handler(t, "LOAD", _flags(mask_on=RequestFlag.ALLOW_UNSEALED))),
     Bug("load_truncates", "Data Length MUST NOT exceed the descriptor Length", "ops.load.too_large",
         lambda t, mp: set_handler(t, "LOAD", if_entry(
             lambda e, req: e.valid and e.data_length > req["dd.length"], _truncating_load))),
@@ -644,7 +642,7 @@ CORPUS: list[Bug] = [
     Bug("store_sealed_overwrites", "and not SEALED", "ops.store.sealed",
         lambda t, mp: set_handler(t, "STORE", if_entry(lambda e, r: e.sealed, _unseal_first))),
     Bug("store_ignores_seal", "if SEAL is set, sets SEALED", "ops.store.seal_flag",
-        lambda t, mp: set_handler(t, "STORE", _flags(mask_off=F["SEAL"]))),
+        lambda t, mp: set_handler(t, "STORE", _flags(mask_off=RequestFlag.SEAL))),
     Bug("store_keeps_length", "It updates Data Length", "ops.store.seal_flag", plant_store_keeps_length),
     Bug("read_data_corrupted", "It obtains the data ... by RDMA Read ... and writes it into the block",
         "ops.store.data", plant_corrupt_data),
@@ -657,7 +655,7 @@ CORPUS: list[Bug] = [
             lambda e, r: e.valid and not e.sealed, _overwrite_bound))),
     Bug("no_side_effect_sealed_store", VALIDATE, "ops.no_side_effect",
         lambda t, mp: set_handler(t, "STORE", if_entry(
-            lambda e, r: e.sealed and r["flags"] & F["INLINE"], _write_then_check))),
+            lambda e, r: e.sealed and r["flags"] & RequestFlag.INLINE, _write_then_check))),
     Bug("failed_alloc_uses_quota", VALIDATE, "ops.no_side_effect.quota",
         lambda t, mp: set_handler(t, "ALLOC_STORE", on_failure(_leak_usage))),
     Bug("failed_alloc_takes_ticket", VALIDATE, "ops.no_side_effect.quota",
@@ -698,10 +696,10 @@ CORPUS: list[Bug] = [
         "completion.order", plant_concurrent_stores),
     Bug("invalidate_ignored", "0x0008 INVALIDATE: the target completes with Send with Invalidate",
         "completion.invalidate", lambda t, mp: wrap_method(mp, Connection, "_complete", complete_with(
-            lambda req: {**req, "flags": req["flags"] & ~F["INVALIDATE"]}))),
+            lambda req: {**req, "flags": req["flags"] & ~RequestFlag.INVALIDATE}))),
     Bug("store_invalidate_ignored", "0x0008 INVALIDATE: the target completes with Send with Invalidate",
         "completion.invalidate", lambda t, mp: wrap_method(mp, Connection, "_complete", complete_with(
-            lambda req: {**req, "flags": req["flags"] & ~F["INVALIDATE"]}
+            lambda req: {**req, "flags": req["flags"] & ~RequestFlag.INVALIDATE}
             if req["opcode"] in STORES else req))),
     Bug("load_data_late", "receipt of the completion implies that the loaded data is in the "
         "initiator's buffer", "completion.load_data", plant_late_data),
@@ -710,7 +708,8 @@ CORPUS: list[Bug] = [
             Target, "offered_features", lambda self, qp: self.config.features), transports=("iwarp",)),
     Bug("record_ignored", "Completion records on these transports MUST be written with RDMA Write "
         "with Immediate", "completion.record.write_imm", lambda t, mp: wrap_method(
-            mp, Connection, "_complete", complete_with(lambda req: {**req, "flags": req["flags"] & ~F["RECORD"]})),
+            mp, Connection, "_complete",
+            complete_with(lambda req: {**req, "flags": req["flags"] & ~RequestFlag.RECORD})),
         transports=("roce",)),
     Bug("record_without_immediate", "Completion records on these transports MUST be written with "
         "RDMA Write with Immediate", "completion.record.write_imm", plant_record_without_immediate,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kbtp_scapy import codec, tables as T
+from kbtp_scapy.vocab import RequestFlag
 
 from .tshark import needs_tshark
 
@@ -58,7 +59,7 @@ def test_craft_pcap_decodes_back(tmp_path, transport):
 def test_decode_json_keys_are_the_filter_names_of_the_tables():
     obj = json.loads(kbtp("decode", "--json", "--hex", SPEC_ALLOC_STORE).stdout)
     expected = {f"kbtp.{f.key}" for f in T.flatten(T.HEADER)}
-    inline = T.flag(T.REQUEST_FLAGS, "INLINE")
+    inline = RequestFlag.INLINE
     expected |= {f"kbtp.{f.key}" for f in T.flatten(T.BY_NAME["ALLOC_STORE"].body)
                  if f.when is None or f.when.mask == inline}
     expected |= {f"kbtp.flags.{b.key}" for b in T.REQUEST_FLAGS.flags}
@@ -175,7 +176,7 @@ def test_craft_builds_the_lies_it_is_asked_for():
     assert len(bytes.fromhex(proc.stdout)) == T.HEADER_SIZE + body.offset("table") + gated
     assert "DIRECT_LOAD" in proc.stderr and "DIRECT_ALLOC" not in proc.stderr
     honest = kbtp("craft", "LOAD", "--cd-stag", "0x99")          # Flags computed: no lie, no note
-    assert honest.stderr == "" and bytes.fromhex(honest.stdout)[3] & T.flag(T.REQUEST_FLAGS, "RECORD")
+    assert honest.stderr == "" and bytes.fromhex(honest.stdout)[3] & RequestFlag.RECORD
 
 
 def test_craft_trailer_and_raw_files(tmp_path):

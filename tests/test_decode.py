@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from kbtp_scapy import codec, tables as T
+from kbtp_scapy import codec
 from kbtp_scapy.builders.iwarp import IwarpConversation
 from kbtp_scapy.builders.roce import RcConnection, RoceEndpoint
 from kbtp_scapy.capture import kbtp_messages, rdma_messages, read_packets, to_json
 from kbtp_scapy.decode import Reader, Stats, rdma_messages as stream_messages
+from kbtp_scapy.vocab import Feature, Opcode
 from tests.test_dissector import EXTRA, fields as tshark_fields
 from tests.tshark import needs_tshark
 
@@ -26,7 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PCAPS = sorted((ROOT / "pcaps").glob("*.pcap"))
 REAL = sorted((ROOT / "tests" / "data" / "captures").glob("*.pcap"))
 WHERE = ("time", "conn", "src", "dst", "src_port", "dst_port", "dst_qp")
-OP = T.OPCODES.by_name()
 
 
 def kbtp(*args: str, stdin=None, input_: bytes | None = None, check: bool = True,
@@ -80,21 +80,21 @@ def records(path: Path) -> list[tuple[float, bytes]]:
 def _session(send, write, addr_le: bool, rid0: int, inline: bytes = b"KV" * 1800) -> None:
     """HELLO, HELLO_ACK, a LOAD answered by an RDMA Write and a COMPLETION, a STORE whose
     inline data spans several packets, its COMPLETION, and a malformed FREE."""
-    feats = T.flag(T.FEATURES, "ADDR_LE") if addr_le else 0
-    send(True, codec.encode({"opcode": OP["HELLO"], "hello.requested_features": feats}))
-    send(False, codec.encode({"opcode": OP["HELLO_ACK"], "hello_ack.features": feats,
+    feats = Feature.ADDR_LE if addr_le else 0
+    send(True, codec.encode({"opcode": Opcode.HELLO, "hello.requested_features": feats}))
+    send(False, codec.encode({"opcode": Opcode.HELLO_ACK, "hello_ack.features": feats,
                               "hello_ack.request_credits": 8, "hello_ack.block_size": 4096,
                               "hello_ack.handle_base": 0x4000, "hello_ack.handle_count": 64}))
-    send(True, codec.encode({"opcode": OP["LOAD"], "request_id": rid0, "handle": 0x4001,
+    send(True, codec.encode({"opcode": Opcode.LOAD, "request_id": rid0, "handle": 0x4001,
                              "dd.stag": 0x77, "dd.offset": 0x1000, "dd.length": 3000}, addr_le))
     write(bytes(range(256)) * 11 + bytes(184), 0x77, 0x1000)
-    send(False, codec.encode({"opcode": OP["COMPLETION"], "request_id": rid0, "handle": 0x4001,
+    send(False, codec.encode({"opcode": Opcode.COMPLETION, "request_id": rid0, "handle": 0x4001,
                               "completion.data_length": 3000}, addr_le))
-    send(True, codec.encode({"opcode": OP["STORE"], "request_id": rid0 + 1, "handle": 0x4002,
+    send(True, codec.encode({"opcode": Opcode.STORE, "request_id": rid0 + 1, "handle": 0x4002,
                              "inline_data": inline}, addr_le))
-    send(False, codec.encode({"opcode": OP["COMPLETION"], "request_id": rid0 + 1,
+    send(False, codec.encode({"opcode": Opcode.COMPLETION, "request_id": rid0 + 1,
                               "handle": 0x4002, "status": 4}, addr_le))
-    send(True, codec.encode({"opcode": OP["FREE"], "request_id": rid0 + 2, "handle": 0x4003})
+    send(True, codec.encode({"opcode": Opcode.FREE, "request_id": rid0 + 2, "handle": 0x4003})
          + b"junk")
 
 
@@ -166,10 +166,10 @@ def test_variants_equal_the_scapy_path_and_find_every_message(variants):
     assert len(multi) == 5 * 7
     assert len({o["conn"] for o in multi}) == 4          # RoCE sessions: one per address pair
     assert sum("malformed" in o for o in multi) == 5
-    stores = [o for o in multi if o["kbtp.opcode"] == OP["STORE"]]
+    stores = [o for o in multi if o["kbtp.opcode"] == Opcode.STORE]
     assert sorted(o["kbtp.inline_data"] for o in stores) == sorted(
         (b"KV" * n).hex() for n in (150, 1800, 1800, 1800, 1800))
-    le = [o for o in multi if o["src"].startswith("fd01") and o["kbtp.opcode"] == OP["LOAD"]]
+    le = [o for o in multi if o["src"].startswith("fd01") and o["kbtp.opcode"] == Opcode.LOAD]
     assert le[0]["kbtp.handle"] == 0x4001 and le[0]["kbtp.dd.stag"] == 0x77
     mixed = streamed(variants["interleaved"])
     assert without_where(mixed) == without_where(scapy_path(read_packets(variants["interleaved"])))
@@ -363,14 +363,14 @@ def _frames_for_memory():
     packet of a RoCEv2 Send that never ends."""
     rc = RcConnection(RoceEndpoint("10.9.0.1", "02:00:00:00:09:01", qpn=0x31),
                       RoceEndpoint("10.9.0.2", "02:00:00:00:09:02", qpn=0x32), mtu=4096)
-    load = codec.encode({"opcode": OP["LOAD"], "request_id": 1, "handle": 0x4001,
+    load = codec.encode({"opcode": Opcode.LOAD, "request_id": 1, "handle": 0x4001,
                          "dd.stag": 5, "dd.length": 4096})
-    done = codec.encode({"opcode": OP["COMPLETION"], "request_id": 1, "handle": 0x4001,
+    done = codec.encode({"opcode": Opcode.COMPLETION, "request_id": 1, "handle": 0x4001,
                          "completion.data_length": 4096})
     roce = [bytes(f.original) for f in (rc.send("a", load, ack=False)
                                         + rc.write("b", bytes(4096), va=0, rkey=5, ack=False)
                                         + rc.send("b", done, ack=False))]
-    endless = rc.send("a", codec.encode({"opcode": OP["STORE"], "request_id": 2,
+    endless = rc.send("a", codec.encode({"opcode": Opcode.STORE, "request_id": 2,
                                          "dd.length": 1 << 30}) + bytes(8192), ack=False)
     first, middle = bytes(endless[0].original), bytes(endless[1].original)
     conv = IwarpConversation(("10.9.1.1", 41000), ("10.9.1.2", 5420), mss=8960)

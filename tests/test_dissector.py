@@ -66,13 +66,20 @@ def expected(pcap: Path) -> dict[int, dict[str, str | int]]:
 
 
 def test_generated_files_are_fresh_and_check_catches_staleness(tmp_path):
+    """The committed dissector and Python vocabulary match the tables; an edit to each is caught."""
     run = [sys.executable, "-m", "kbtp_scapy", "dissector", "generate"]
     assert subprocess.run([*run, "--check"], capture_output=True, timeout=120).returncode == 0
-    assert subprocess.run([*run, "--out", str(tmp_path)], capture_output=True, timeout=120).returncode == 0
-    lua = tmp_path / "kbtp.lua"
-    lua.write_text(lua.read_text().replace('"kbtp.dd.stag"', '"kbtp.dd.stag2"'))
-    proc = subprocess.run([*run, "--check", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    to_tmp = ["--out", str(tmp_path), "--vocab", str(tmp_path / "vocab.py")]
+    assert subprocess.run([*run, *to_tmp], capture_output=True, timeout=120).returncode == 0
+    edits = {"kbtp.lua": ('"kbtp.dd.stag"', '"kbtp.dd.stag2"'),
+             "vocab.py": ("    NOT_VALID = 3\n", "    NOT_VALID = 4\n")}
+    for name, (old, new) in edits.items():
+        path = tmp_path / name
+        assert old in path.read_text()
+        path.write_text(path.read_text().replace(old, new))
+    proc = subprocess.run([*run, "--check", *to_tmp], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "stale" in proc.stderr
+    assert all(str(tmp_path / name) in proc.stderr for name in edits), proc.stderr
 
 
 def test_installed_plugin_registers_every_table_field(tmp_path):

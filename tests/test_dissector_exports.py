@@ -16,7 +16,8 @@ import pytest
 
 from kbtp_scapy import codec
 from kbtp_scapy.builders.recorder import write_pcap
-from tests.test_decode import OP, multi_connection, streamed
+from kbtp_scapy.vocab import Opcode
+from tests.test_decode import multi_connection, streamed
 from tests.test_dissector import LUA, PLUGIN
 from tests.tshark import TSHARK, folders, needs_tshark, private_home
 
@@ -33,14 +34,14 @@ def captures(tmp_path_factory) -> list[Path]:
     tmp = tmp_path_factory.mktemp("exports")
     experts = []
     for transport in ("roce", "iwarp"):
-        load = {"opcode": OP["LOAD"], "dd.stag": 1, "dd.length": 8}
+        load = {"opcode": Opcode.LOAD, "dd.stag": 1, "dd.length": 8}
         path = tmp / f"experts_{transport}.pcap"
         write_pcap(path, transport, [(d, codec.encode(v)) for d, v in [
-            ("request", {"opcode": OP["HELLO"]}),
-            ("response", {"opcode": OP["HELLO_ACK"], "hello_ack.request_credits": 1}),
+            ("request", {"opcode": Opcode.HELLO}),
+            ("response", {"opcode": Opcode.HELLO_ACK, "hello_ack.request_credits": 1}),
             ("request", {**load, "request_id": 1}),
             ("request", {**load, "request_id": 2, "flags": 0x0100}),
-            ("response", {"opcode": OP["COMPLETION"], "request_id": 99, "status": 3})]])
+            ("response", {"opcode": Opcode.COMPLETION, "request_id": 99, "status": 3})]])
         experts.append(path)
     return [*PCAPS, multi_connection(tmp / "multi.pcap"), *experts]
 

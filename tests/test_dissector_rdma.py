@@ -20,10 +20,11 @@ import pytest
 from scapy.contrib.roce import BTH
 from scapy.layers.inet import TCP
 
-from kbtp_scapy import codec, tables as T
+from kbtp_scapy import codec
 from kbtp_scapy.builders.iwarp import segment_message
 from kbtp_scapy.builders.recorder import recorder
 from kbtp_scapy.layers.iwarp import Op
+from kbtp_scapy.vocab import Feature, Opcode, RequestFlag
 from tests.tshark import TSHARK, needs_tshark, tshark_frames
 
 pytestmark = needs_tshark
@@ -31,10 +32,6 @@ pytestmark = needs_tshark
 ROOT = Path(__file__).resolve().parent.parent
 LUA = Path(os.environ.get("KBTP_LUA", ROOT / "dissector" / "kbtp.lua"))  # override: trying runtime changes
 PLUGIN = ("-X", f"lua_script:{LUA}", "-o", "tcp.try_heuristic_first:TRUE")
-OP = T.OPCODES.by_name()
-INLINE = T.flag(T.REQUEST_FLAGS, "INLINE")
-DIRECT_ALLOC = T.flag(T.FEATURES, "DIRECT_ALLOC")
-ADDR_LE = T.flag(T.FEATURES, "ADDR_LE")
 RC_ACKNOWLEDGE = 0x11
 
 N_SLOTS, N_LOG2 = 8, 3                     # the ring: N = 2**n slots
@@ -109,12 +106,12 @@ class Session:
 
 
 def _request(rid: int, opcode: str, **values) -> dict:
-    return {"opcode": OP[opcode], "request_id": rid, "handle": 0x4000 + rid,
+    return {"opcode": Opcode[opcode], "request_id": rid, "handle": 0x4000 + rid,
             **{k.replace("__", "."): v for k, v in values.items()}}
 
 
 def _completion(rid: int, length: int) -> dict:
-    return {"opcode": OP["COMPLETION"], "request_id": rid, "handle": 0x4000 + rid,
+    return {"opcode": Opcode.COMPLETION, "request_id": rid, "handle": 0x4000 + rid,
             "completion.data_length": length}
 
 
@@ -122,10 +119,10 @@ def build(transport: str, path: Path, addr_le: bool = False) -> Expect:
     """The capture and what the dissector must say about each of its frames."""
     s, want = Session(transport, addr_le), Expect()
     masked = transport == "iwarp"
-    features = DIRECT_ALLOC | (ADDR_LE if addr_le else 0)
-    s.send(True, {"opcode": OP["HELLO"], "hello.requested_features": features,
+    features = Feature.DIRECT_ALLOC | (Feature.ADDR_LE if addr_le else 0)
+    s.send(True, {"opcode": Opcode.HELLO, "hello.requested_features": features,
                   "hello.completion_credits": 16, "hello.initiator_id": bytes(range(16))}, le=False)
-    s.send(False, {"opcode": OP["HELLO_ACK"], "hello_ack.features": features,
+    s.send(False, {"opcode": Opcode.HELLO_ACK, "hello_ack.features": features,
                    "hello_ack.request_credits": 16, "hello_ack.block_size": 32768,
                    "hello_ack.max_inline": 4096, "hello_ack.allocation_quota": N_SLOTS,
                    "hello_ack.handle_base": 0x4000, "hello_ack.handle_count": 256,
@@ -158,7 +155,7 @@ def build(transport: str, path: Path, addr_le: bool = False) -> Expect:
     s.send(False, _completion(2, 3072))
 
     # STORE with INLINE: no RDMA; a Read of STag 0 at offset 0 is not its data.
-    s.send(True, _request(3, "STORE", flags=INLINE, inline_data=b"inline!!"))
+    s.send(True, _request(3, "STORE", flags=RequestFlag.INLINE, inline_data=b"inline!!"))
     s.read(False, b"not inline data!", 0, 0, POOL_STAG, 0x48000)
     s.send(False, _completion(3, 8))
 
@@ -285,8 +282,8 @@ def test_second_send_of_a_tcp_segment_is_decoded(tmp_path):
     heuristic; the postdissector decodes the second, and both LOADs' Writes are tied to
     that frame; each COMPLETION finds its request."""
     s = Session("iwarp")
-    s.send(True, {"opcode": OP["HELLO"], "hello.completion_credits": 16})
-    s.send(False, {"opcode": OP["HELLO_ACK"], "hello_ack.request_credits": 16, "hello_ack.block_size": 4096})
+    s.send(True, {"opcode": Opcode.HELLO, "hello.completion_credits": 16})
+    s.send(False, {"opcode": Opcode.HELLO_ACK, "hello_ack.request_credits": 16, "hello_ack.block_size": 4096})
     conv = s.rec.conv
     loads = [_request(rid, "LOAD", dd__stag=BUF_STAG, dd__offset=0x10000 * rid, dd__length=4096)
              for rid in (1, 2)]

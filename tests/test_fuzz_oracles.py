@@ -16,18 +16,15 @@ import pytest
 
 from kbtp_scapy.cli import main
 from kbtp_scapy.fuzz.cases import make_case
-from kbtp_scapy.tables.enums import REQUEST_FLAGS, flag
 from kbtp_scapy.target import TargetConfig, table
 from kbtp_scapy.target.connection import Connection
 from kbtp_scapy.target.direct import TicketWatch
 from kbtp_scapy.target.operations import Executor, Failed, Outcome
 from kbtp_scapy.target.sessions import InitiatorState
+from kbtp_scapy.vocab import RequestFlag
 
 from .kbtp_harness import TargetThread
 
-INVALIDATE = flag(REQUEST_FLAGS, "INVALIDATE")
-RECORD = flag(REQUEST_FLAGS, "RECORD")
-ALLOW_UNSEALED = flag(REQUEST_FLAGS, "ALLOW_UNSEALED")
 LOAD, ALLOC_STORE, FREE = 0x10, 0x12, 0x13
 _pairs = iter(range(1, 250))
 
@@ -77,7 +74,7 @@ def load_unbound_invalid(t, mp):
 def load_ignores_sealed(t, mp):
     """LOAD returns unsealed blocks without ALLOW_UNSEALED (the text: NOT_SEALED)."""
     async def wrap(original, self, conn, req, fetch):
-        return await original(self, conn, {**req, "flags": req["flags"] | ALLOW_UNSEALED}, fetch)
+        return await original(self, conn, {**req, "flags": req["flags"] | RequestFlag.ALLOW_UNSEALED}, fetch)
     t.run(lambda: handler(t.target.executor, LOAD, wrap))
 
 
@@ -99,14 +96,14 @@ def no_invalidate(t, mp):
     """Completions of requests with INVALIDATE come as plain Sends."""
     original = Connection._complete
     mp.setattr(Connection, "_complete", lambda self, req, outcome, why="": original(
-        self, {**req, "flags": req.get("flags", 0) & ~INVALIDATE}, outcome, why))
+        self, {**req, "flags": req.get("flags", 0) & ~RequestFlag.INVALIDATE}, outcome, why))
 
 
 def no_record(t, mp):
     """RECORD on a session granted RECORD_COMPLETION is answered by a COMPLETION Send."""
     original = Connection._complete
     mp.setattr(Connection, "_complete", lambda self, req, outcome, why="": original(
-        self, {**req, "flags": req.get("flags", 0) & ~RECORD}, outcome, why))
+        self, {**req, "flags": req.get("flags", 0) & ~RequestFlag.RECORD}, outcome, why))
 
 
 def generation_wraps_to_zero(t, mp):

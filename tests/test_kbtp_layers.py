@@ -20,6 +20,7 @@ from kbtp_scapy.layers.kbtp import (
     KBTPTableEntry,
     looks_like_kbtp,
 )
+from kbtp_scapy.vocab import RequestFlag
 
 
 def test_show_names_flags_enumerations_and_private_use():
@@ -37,7 +38,7 @@ def test_show_names_flags_enumerations_and_private_use():
 def test_flags_and_length_filled_in_when_unset():
     pkt = KBTP(opcode="STORE") / KBTPStore(cd=KBTPCompletionDescriptor(stag=1), inline_data=b"abcd")
     got = KBTP(bytes(pkt))
-    assert int(got.flags) == T.flag(T.REQUEST_FLAGS, "INLINE") | T.flag(T.REQUEST_FLAGS, "RECORD")
+    assert int(got.flags) == RequestFlag.INLINE | RequestFlag.RECORD
     assert got[KBTPStore].dd.length == 4 and got[KBTPStore].cd.stag == 1
 
 
@@ -50,7 +51,7 @@ def test_explicit_values_are_kept_so_a_fuzzer_can_lie():
         codec.decode(wire)
     # RECORD claimed with no descriptor given: the descriptor goes out as zeros.
     wire = bytes(KBTP(opcode="LOAD", flags="RECORD") / KBTPLoad())
-    assert len(wire) == codec.message_length(0x10, T.flag(T.REQUEST_FLAGS, "RECORD"))
+    assert len(wire) == codec.message_length(0x10, RequestFlag.RECORD)
 
 
 def test_addr_le_conf_default_and_per_packet_override():

@@ -18,8 +18,9 @@ import pytest
 from kbtp_scapy import codec, rnic
 from kbtp_scapy.initiator import Initiator
 from kbtp_scapy.rnic import MemoryTable
+from kbtp_scapy.vocab import Opcode
 
-from .hostile import OP, SLACK, admitted_after, hello, keep_sending, samples, start_peer
+from .hostile import SLACK, admitted_after, hello, keep_sending, samples, start_peer
 from .lab import BINDINGS, GuestTarget, in_lab, rdma_lab
 
 pytestmark = pytest.mark.lab
@@ -109,7 +110,7 @@ def test_rxe_target_stops_serving_a_peer_without_receive_buffers(lab):
             assert ack["status"] == 0 and ack["hello_ack.request_credits"] == 16, ack
             handle = ack["hello_ack.handle_base"]
             return await keep_sending(qp, lambda n: codec.encode({
-                "opcode": OP["LOAD"], "request_id": n, "handle": handle, "flags": 0,
+                "opcode": Opcode.LOAD, "request_id": n, "handle": handle, "flags": 0,
                 "dd.stag": 0, "dd.offset": 0, "dd.length": 4096}), 16, 0.01)
         with in_lab(lab):
             took, sent, closed = run(attack())

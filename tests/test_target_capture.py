@@ -10,8 +10,8 @@ import pytest
 from kbtp_scapy.capture import kbtp_messages, rdma_messages, read_packets
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic.pcap import PcapSink
-from kbtp_scapy.tables.enums import OPCODES
 from kbtp_scapy.target import TargetConfig
+from kbtp_scapy.vocab import Opcode
 
 from .kbtp_harness import TargetThread, fresh_hosts
 from .live_capture import LiveCapture, free_port, tcp_probe, udp_probe
@@ -19,7 +19,6 @@ from .test_dissector import fields
 from .tshark import needs_tshark
 
 pytestmark = needs_tshark
-OP = OPCODES.by_name()
 
 
 async def session(t: TargetThread, sink: PcapSink) -> None:
@@ -71,7 +70,7 @@ def test_pcaps_and_live_capture_decode_alike(transport, tmp_path):
     ini_sink.close()
     ours = decoded(tmp_path / "target.pcap")
     opcodes = {op for op, _, _ in ours}
-    assert {OP[n] for n in ("HELLO", "HELLO_ACK", "ALLOC_STORE", "LOAD", "FREE", "BIND",
+    assert {Opcode[n] for n in ("HELLO", "HELLO_ACK", "ALLOC_STORE", "LOAD", "FREE", "BIND",
                             "COMPLETION", "GOODBYE")} <= opcodes
     assert decoded(tmp_path / "initiator.pcap") == ours
     assert decoded(tmp_path / "live.pcap") == ours

@@ -17,14 +17,13 @@ from kbtp_scapy import codec, rnic
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic import MemoryTable
 from kbtp_scapy.rnic.memory import Access
-from kbtp_scapy.tables.enums import REQUEST_FLAGS, STATUS, flag
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.audit import audit
+from kbtp_scapy.vocab import Opcode, RequestFlag, Status
 from kbtp_scapy.wire import roce as rw
 from kbtp_scapy.wire.iwarp_defs import Op
 
 from .hostile import (
-    OP,
     SLACK,
     CmFlooder,
     RssWatch,
@@ -43,8 +42,6 @@ from .kbtp_harness import TargetThread, fresh_hosts
 from .netns import Link, enter, ip
 from .relay import Relay
 
-S = STATUS.by_name()
-INLINE = flag(REQUEST_FLAGS, "INLINE")
 SMALL = ["-F", "96", "-S", "4096", "--features", "none"]
 
 
@@ -53,7 +50,7 @@ def run(coro, timeout: float = 60):
 
 
 def load_request(rid: int, handle: int, stag: int = 0, length: int = 4096) -> bytes:
-    return codec.encode({"opcode": OP["LOAD"], "request_id": rid, "handle": handle, "flags": 0,
+    return codec.encode({"opcode": Opcode.LOAD, "request_id": rid, "handle": handle, "flags": 0,
                          "dd.stag": stag, "dd.offset": 0, "dd.length": length})
 
 
@@ -149,8 +146,8 @@ async def stored_block(qp) -> int:
     ack = codec.decode((await asyncio.wait_for(qp.recv(), 10)).payload)
     assert ack["status"] == 0
     handle = ack["hello_ack.handle_base"]
-    await qp.send(codec.encode({"opcode": OP["ALLOC_STORE"], "request_id": 1, "handle": handle,
-                                "flags": INLINE | flag(REQUEST_FLAGS, "SEAL"),
+    await qp.send(codec.encode({"opcode": Opcode.ALLOC_STORE, "request_id": 1, "handle": handle,
+                                "flags": RequestFlag.INLINE | RequestFlag.SEAL,
                                 "inline_data": bytes(4096)}))
     done = codec.decode((await asyncio.wait_for(qp.recv(), 10)).payload)
     assert done["status"] == 0, done
@@ -396,7 +393,7 @@ def test_iwarp_credit_overrun_answers_the_requests_that_had_credits_first():
         t.stop()
     sends = [codec.decode(p) for op, p in got if op == Op.SEND]
     assert [c["request_id"] for c in sends] == list(range(100, 108))
-    assert all(c["status"] == S["NOT_VALID"] for c in sends)
+    assert all(c["status"] == Status.NOT_VALID for c in sends)
     assert [op for op, _ in got][-1] == Op.TERMINATE
     term = got[-1][1]
     assert (term[0] >> 4, term[0] & 0xF, term[1]) == (1, 2, 0x02)
@@ -436,15 +433,15 @@ def test_inline_length_beyond_max_inline_is_too_large_whatever_follows(transport
         h = ini.target.handle_base
         out = []
         for rid, length in ((1, 0xFFFFFFFF), (2, 5000), (3, 10)):
-            msg = codec.encode({"opcode": OP["ALLOC_STORE"], "request_id": rid, "handle": h,
-                                "flags": INLINE, "dd.length": length, "inline_data": b"8 octets"})
+            msg = codec.encode({"opcode": Opcode.ALLOC_STORE, "request_id": rid, "handle": h,
+                                "flags": RequestFlag.INLINE, "dd.length": length, "inline_data": b"8 octets"})
             c, = await ini.raw(msg, timeout=5)
             c = codec.decode(c.payload)
             out.append((c["request_id"], c["status"]))
         await ini.goodbye(release=True)
         return out
     try:
-        assert run(main()) == [(1, S["TOO_LARGE"]), (2, S["TOO_LARGE"]), (3, S["MALFORMED"])]
+        assert run(main()) == [(1, Status.TOO_LARGE), (2, Status.TOO_LARGE), (3, Status.MALFORMED)]
     finally:
         t.stop()
 

@@ -16,16 +16,13 @@ from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic import Access
 from kbtp_scapy.rnic.qp import ConnectionLost, RemoteError
 from kbtp_scapy.tables import memory as M
-from kbtp_scapy.tables.enums import OPCODES, REQUEST_FLAGS, STATUS
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.audit import audit
+from kbtp_scapy.vocab import Opcode, RequestFlag, Status
 
 from .kbtp_harness import TargetThread
 
 TRANSPORTS = ["iwarp", "roce"]
-S = STATUS.by_name()
-OP = OPCODES.by_name()
-REQUEST_FLAGS_BY_NAME = {f.name: f.value for f in REQUEST_FLAGS.flags}
 
 
 def run(coro, timeout: float = 60):
@@ -90,12 +87,12 @@ def test_every_operation_and_status(target):
         assert results.count("NO_SPACE") == 1 and results[-1] == "NO_SPACE"
         seen.add("NO_SPACE")
         # MALFORMED: a request that cannot be parsed, answered with its Request ID echoed.
-        bad = bytearray(codec.encode({"opcode": OP["LOAD"], "request_id": 4242, "handle": h,
+        bad = bytearray(codec.encode({"opcode": Opcode.LOAD, "request_id": 4242, "handle": h,
                                       "dd.stag": 1, "dd.length": 8}))
         bad[0] = 2                                           # Version 2
         got = await a.raw(bytes(bad))
         c = codec.decode(got[0].payload)
-        assert (c["opcode"], c["request_id"], c["status"]) == (OP["COMPLETION"], 4242, S["MALFORMED"])
+        assert (c["opcode"], c["request_id"], c["status"]) == (Opcode.COMPLETION, 4242, Status.MALFORMED)
         seen.add("MALFORMED")
         # INTERNAL: a slot that never fills (a fault injected into the ring's memory).
         state = target.run(lambda: target.target.sessions.by_id[b.initiator_id])
@@ -118,7 +115,7 @@ def test_every_operation_and_status(target):
         await asyncio.sleep(a.target.ticket_timeout_ms / 1000 * 2)
         await expect("TICKET_ABANDONED", a.bind(h + 30, ticket, 1, block))
         seen.add("OK")
-        assert seen == set(S), set(S) - seen
+        assert seen == set(Status.__members__), set(Status.__members__) - seen
         assert target.run(lambda: audit(target.target)) == \
             [f"block offset 0x{lost[0]:x} is neither free nor bound (lost)"]
         await b.goodbye(release=True)     # b's partition comes back whole, the lost block too
@@ -136,8 +133,8 @@ def test_invalidate_and_clearing(target):
         h = a.target.handle_base
         r = await a.alloc_store(h, b"secret" * 100, seal=True)
         region = a.memory.register(bytearray(4096), Access.REMOTE_WRITE)
-        load = codec.encode({"opcode": OP["LOAD"], "request_id": 77, "handle": h,
-                             "flags": REQUEST_FLAGS_BY_NAME["INVALIDATE"], "dd.stag": region.stag,
+        load = codec.encode({"opcode": Opcode.LOAD, "request_id": 77, "handle": h,
+                             "flags": RequestFlag.INVALIDATE, "dd.stag": region.stag,
                              "dd.offset": 0, "dd.length": 4096}, a.addr_le)
         [got] = await a.raw(load)
         assert got.invalidated == region.stag and not region.valid   # Send with Invalidate

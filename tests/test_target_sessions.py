@@ -12,16 +12,13 @@ from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic.qp import ConnectionLost, RemoteError
 from kbtp_scapy.tables import memory as M
-from kbtp_scapy.tables.enums import OPCODES, STATUS
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.audit import audit
-from kbtp_scapy.target.config import DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION
+from kbtp_scapy.vocab import Feature, Opcode, Status
 
 from .kbtp_harness import TargetThread
 
 TRANSPORTS = ["iwarp", "roce"]
-S = STATUS.by_name()
-OP = OPCODES.by_name()
 
 
 def run(coro, timeout: float = 60):
@@ -124,7 +121,7 @@ def test_direct_load_and_direct_alloc(make):
     try:
         async def main():
             a = await connect(t, 0)
-            assert a.target.feature(DIRECT_LOAD) and a.target.feature(DIRECT_ALLOC)
+            assert a.target.feature(Feature.DIRECT_LOAD) and a.target.feature(Feature.DIRECT_ALLOC)
             h = a.target.handle_base
             data = os.urandom(4096)
             r = await a.direct_alloc(h, data)
@@ -156,7 +153,7 @@ def test_completion_records_only_on_roce(make):
             h = a.target.handle_base
             r = await a.alloc_store(h, b"recorded", seal=True, record=True)
             assert r.record == (t.transport == "roce")
-            assert a.target.feature(RECORD_COMPLETION) == (t.transport == "roce")
+            assert a.target.feature(Feature.RECORD_COMPLETION) == (t.transport == "roce")
             r = await a.load(h, record=True)
             assert (r.record, r.data) == (t.transport == "roce", b"recorded")
             await a.goodbye(release=True)
@@ -226,9 +223,9 @@ def test_isolation(make):
 
 def _bad_requests(h: int) -> list[tuple[str, bytes, int]]:
     """(what, bytes, Request ID to be echoed) for requests the target must call MALFORMED."""
-    good = codec.encode({"opcode": OP["LOAD"], "request_id": 11, "handle": h, "dd.stag": 5,
+    good = codec.encode({"opcode": Opcode.LOAD, "request_id": 11, "handle": h, "dd.stag": 5,
                          "dd.length": 64})
-    inline = codec.encode({"opcode": OP["ALLOC_STORE"], "request_id": 12, "handle": h,
+    inline = codec.encode({"opcode": Opcode.ALLOC_STORE, "request_id": 12, "handle": h,
                            "inline_data": b"abcd"})
     out = [
         ("version 2", bytes([2]) + good[1:], 11),
@@ -236,8 +233,8 @@ def _bad_requests(h: int) -> list[tuple[str, bytes, int]]:
         ("truncated", good[:30], 11),
         ("trailing octets", good + b"xx", 11),
         ("inline length lies", inline[:-1], 12),
-        ("COMPLETION as a request", codec.encode({"opcode": OP["COMPLETION"], "request_id": 13}), 13),
-        ("HELLO mid-session", codec.encode({"opcode": OP["HELLO"], "request_id": 14}), 14),
+        ("COMPLETION as a request", codec.encode({"opcode": Opcode.COMPLETION, "request_id": 13}), 13),
+        ("HELLO mid-session", codec.encode({"opcode": Opcode.HELLO, "request_id": 14}), 14),
     ]
     rng = random.Random(7)
     for i in range(20):
@@ -263,11 +260,11 @@ def test_bad_input_gets_malformed_and_others_are_served(make):
                     c = codec.decode(got[0].payload)
                 except codec.Malformed:
                     pytest.fail(f"{what}: the answer is not a COMPLETION")
-                if c["status"] != S["MALFORMED"]:
+                if c["status"] != Status.MALFORMED:
                     # random bytes may happen to form a valid request; it must then be answered
                     assert what.startswith("random"), what
                     continue
-                assert (c["opcode"], c["request_id"]) == (OP["COMPLETION"], rid), what
+                assert (c["opcode"], c["request_id"]) == (Opcode.COMPLETION, rid), what
                 await b.alloc_store(hb + i, b"still served", seal=True)
                 assert (await b.load(hb + i)).data == b"still served"
                 await b.free(hb + i)

@@ -55,6 +55,8 @@ from scapy.layers.inet import TCP
 from scapy.layers.l2 import Ether
 from scapy.utils import checksum
 
+from kbtp_scapy.vocab import Opcode, RequestFlag
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -69,7 +71,6 @@ from kbtp_scapy.layers.roce import icrc_ok
 LUA = ROOT / "dissector" / "kbtp.lua"
 INI, TGT = "192.0.2.1", "192.0.2.2"
 START = 1_700_000_000.0
-OP = T.OPCODES.by_name()
 LOAD_SHARE = 0.6                      # the rest are STOREs with inline data
 BLOCK = b"KV" * 128                   # the block an RDMA Write returns for a LOAD
 INLINE = bytes(range(64))             # the inline data of a STORE
@@ -81,19 +82,19 @@ ACK_EVERY = 8                         # RoCEv2: one coalesced ACK per direction 
 def kbtp_message(kind: str, rid: int) -> bytes:
     handle = 0x4000 + rid % 256
     if kind == "load":
-        return codec.encode({"opcode": OP["LOAD"], "request_id": rid, "handle": handle,
+        return codec.encode({"opcode": Opcode.LOAD, "request_id": rid, "handle": handle,
                              "dd.stag": 0x1234, "dd.offset": 0x7F0000, "dd.length": len(BLOCK)})
     if kind == "store":
-        return codec.encode({"opcode": OP["STORE"], "flags": T.flag(T.REQUEST_FLAGS, "INLINE"),
+        return codec.encode({"opcode": Opcode.STORE, "flags": RequestFlag.INLINE,
                              "request_id": rid, "handle": handle, "inline_data": INLINE})
     if kind == "completion":
-        return codec.encode({"opcode": OP["COMPLETION"], "request_id": rid, "handle": handle,
+        return codec.encode({"opcode": Opcode.COMPLETION, "request_id": rid, "handle": handle,
                              "generation": 1, "completion.data_length": len(BLOCK),
                              "completion.block_offset": 0x40000})
     if kind == "hello":
-        return codec.encode({"opcode": OP["HELLO"], "hello.completion_credits": 64,
+        return codec.encode({"opcode": Opcode.HELLO, "hello.completion_credits": 64,
                              "hello.initiator_id": bytes(range(16))})
-    return codec.encode({"opcode": OP["HELLO_ACK"], "hello_ack.request_credits": 64,
+    return codec.encode({"opcode": Opcode.HELLO_ACK, "hello_ack.request_credits": 64,
                          "hello_ack.block_size": 32768, "hello_ack.max_inline": 4096,
                          "hello_ack.allocation_quota": 1024, "hello_ack.handle_base": 0x4000,
                          "hello_ack.handle_count": 65536})

@@ -36,8 +36,8 @@ import perf_docs
 
 from kbtp_scapy import codec
 from kbtp_scapy.tables import memory as M
-from kbtp_scapy.tables.enums import OPCODES
 from kbtp_scapy.target.table import BlockTable
+from kbtp_scapy.vocab import Opcode
 from kbtp_scapy.wire import iwarp as w
 from kbtp_scapy.wire.iwarp_defs import (
     DDP_TAGGED_LEN,
@@ -47,7 +47,6 @@ from kbtp_scapy.wire.iwarp_defs import (
     mulpdu,
 )
 
-OP = OPCODES.by_name()
 BLOCKS = 256                    # handles 0 .. BLOCKS-1, each bound to its own block
 SEND_QUEUE = 0                  # DDP queue number of Send messages (RFC 5040 s5.1)
 LISTENING = re.compile(r"floor listening on ([\d.]+):(\d+)")
@@ -124,7 +123,7 @@ class FloorTarget(FloorPeer):
         self.write(req["dd.stag"], bytes(self.pool[entry.block_offset:
                                                    entry.block_offset + entry.data_length]))
         self.send_message(codec.encode({
-            "opcode": OP["COMPLETION"], "request_id": req["request_id"], "handle": req["handle"],
+            "opcode": Opcode.COMPLETION, "request_id": req["request_id"], "handle": req["handle"],
             "generation": entry.generation, "status": 0,
             "completion.data_length": entry.data_length, "completion.reserved": 0,
             "completion.block_offset": entry.block_offset}))
@@ -146,7 +145,7 @@ class FloorInitiator(FloorPeer):
         buf = self.buffers[stag] = bytearray(self.size)
         done = self.waiting[rid] = asyncio.get_running_loop().create_future()
         self.send_message(codec.encode({
-            "opcode": OP["LOAD"], "request_id": rid, "handle": handle, "generation": 0,
+            "opcode": Opcode.LOAD, "request_id": rid, "handle": handle, "generation": 0,
             "flags": 0, "dd.stag": stag, "dd.offset": 0, "dd.length": self.size}))
         length = await done
         del self.buffers[stag]

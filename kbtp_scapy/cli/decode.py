@@ -7,6 +7,7 @@ import re
 import stat
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, BinaryIO, TextIO
 
 import click
@@ -150,7 +151,7 @@ class _Output:
             self.json_file.write(json.dumps(to_json(found)) + "\n")
 
 
-def _matches(fields: dict[str, Any], opcodes, statuses, handles) -> bool:
+def _matches(fields: Mapping[str, Any], opcodes, statuses, handles) -> bool:
     return ((not opcodes or fields.get("opcode") in opcodes)
             and (not statuses or fields.get("status") in statuses)
             and (not handles or fields.get("handle") in handles))

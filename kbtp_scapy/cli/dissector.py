@@ -9,10 +9,16 @@ import click
 
 from ..dissector import REPO_DISSECTOR, lua_path as _lua_path
 from ..dissector.generate import HEADER_LINE, outputs
+from ..tables import generate as vocab
 
 
-def _stale(outdir: Path) -> list[Path]:
-    return [p for p, text in outputs(outdir).items()
+def _outputs(outdir: Path, vocab_path: Path) -> dict[Path, str]:
+    """Every file generated from the tables: the dissector's and the Python vocabulary."""
+    return {**outputs(outdir), **vocab.outputs(vocab_path)}
+
+
+def _stale(outdir: Path, vocab_path: Path) -> list[Path]:
+    return [p for p, text in _outputs(outdir, vocab_path).items()
             if not p.exists() or p.read_text() != text]
 
 
@@ -23,7 +29,7 @@ def dissector() -> None:
 
     \b
     Examples:
-      kbtp dissector generate            # rewrite dissector/kbtp.lua and dissector/FIELDS.md
+      kbtp dissector generate            # rewrite dissector/kbtp.lua, FIELDS.md, kbtp_scapy/vocab.py
       kbtp dissector generate --check    # exit 1 if the committed files are stale
       kbtp dissector install             # copy kbtp.lua into your personal Lua plugin folder
       kbtp dissector uninstall           # remove it from there
@@ -37,17 +43,20 @@ def dissector() -> None:
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if the files differ from the tables.")
 @click.option("--out", "outdir", type=click.Path(file_okay=False, path_type=Path), default=REPO_DISSECTOR,
               show_default=True, help="Folder for kbtp.lua and FIELDS.md.")
-def generate(check: bool, outdir: Path) -> None:
-    """Write kbtp.lua and FIELDS.md from the field tables."""
+@click.option("--vocab", "vocab_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=vocab.VOCAB_PATH, show_default=True,
+              help="The Python vocabulary: enums and message records.")
+def generate(check: bool, outdir: Path, vocab_path: Path) -> None:
+    """Write kbtp.lua, FIELDS.md and the Python vocabulary from the field tables."""
     if check:
-        stale = _stale(outdir)
+        stale = _stale(outdir, vocab_path)
         if stale:
             raise click.ClickException("stale: " + ", ".join(str(p) for p in stale)
                                        + " (run 'kbtp dissector generate')")
-        click.echo(f"{outdir}: up to date")
+        click.echo(f"{outdir}, {vocab_path}: up to date")
         return
-    outdir.mkdir(parents=True, exist_ok=True)
-    for path, text in outputs(outdir).items():
+    for path, text in _outputs(outdir, vocab_path).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         click.echo(f"wrote {path}")
 

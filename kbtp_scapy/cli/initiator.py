@@ -19,9 +19,9 @@ import click
 
 from .. import tables as T
 from ..initiator import Initiator, KbtpError, Result
+from ..vocab import Feature
 from .errors import CONNECTION_ERRORS, hint, line, local_trouble, reason
 from .options import (
-    FEATURE_NAMES,
     address,
     feature_names,
     features,
@@ -177,7 +177,7 @@ async def _session(o: dict, name: str, func, kwargs: dict) -> None:
         try:
             asked = "--record" if kwargs.get("record") else name
             needs = NEEDS.get(asked)
-            if needs and not ini.target.feature(FEATURE_NAMES[needs]):
+            if needs and not ini.target.feature(Feature[needs]):
                 raise _failure(asked, why=f"{url} did not grant {needs}",
                                todo=f"ask for it with --features {needs} (a target that does not "
                                     "offer it never grants it)")

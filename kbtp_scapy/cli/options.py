@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import click
 
-from ..tables.enums import FEATURES
+from ..vocab import Feature
 from ..wire.address import Address, parse_url
 
-FEATURE_NAMES = {f.name: f.value for f in FEATURES.flags}
 BINDINGS = {"iwarp": "iWARP", "roce": "RoCEv2"}
 
 
@@ -26,14 +25,14 @@ def features(text: str) -> int:
     """``DIRECT_LOAD,DIRECT_ALLOC``, ``all`` or ``none`` (ADDR_LE has its own option)."""
     names = [n.strip().upper() for n in text.split(",") if n.strip()]
     if names in (["ALL"], []):
-        return sum(v for n, v in FEATURE_NAMES.items() if n != "ADDR_LE") if names else 0
+        return sum(f for f in Feature if f is not Feature.ADDR_LE) if names else 0
     if names == ["NONE"]:
         return 0
-    unknown = [n for n in names if n not in FEATURE_NAMES or n == "ADDR_LE"]
+    unknown = [n for n in names if n not in Feature.__members__ or n == "ADDR_LE"]
     if unknown:
         raise click.BadParameter(f"unknown feature {', '.join(unknown)}; choose from "
-                                 f"{', '.join(n for n in FEATURE_NAMES if n != 'ADDR_LE')}")
-    return sum(FEATURE_NAMES[n] for n in names)
+                                 f"{', '.join(n for n in Feature.__members__ if n != 'ADDR_LE')}")
+    return sum(Feature[n] for n in names)
 
 
 def integer(text: str | int) -> int:
@@ -47,7 +46,7 @@ def integer(text: str | int) -> int:
 
 
 def feature_names(value: int) -> str:
-    return ",".join(n for n, v in FEATURE_NAMES.items() if value & v) or "none"
+    return ",".join(n for n, f in Feature.__members__.items() if value & f) or "none"
 
 
 def raw_io_options(owner: str, verbs: bool = True):

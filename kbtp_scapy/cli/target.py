@@ -10,7 +10,8 @@ from dataclasses import replace
 import click
 
 from ..target import Target, TargetConfig
-from ..target.config import ADDR_LE, DIRECT_ALLOC, DIRECT_LOAD, LOOPBACK
+from ..target.config import LOOPBACK
+from ..vocab import Feature
 from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_options
 
 #: What a peer can make the target hold, bounded: (option, TargetConfig field, help).
@@ -170,12 +171,13 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):     # before the line that says we are up
         loop.add_signal_handler(sig, stop.set)
-    withheld = feature_names(config.features & ~t.features & ~ADDR_LE)
+    direct = Feature.DIRECT_LOAD | Feature.DIRECT_ALLOC
+    withheld = feature_names(config.features & ~t.features & ~Feature.ADDR_LE)
     withheld = f" ({withheld} not offered over {BINDINGS[bound.transport]})" if withheld != "none" else ""
     click.echo(f"kbtp target listening on {bound}: {config.blocks} blocks of {config.block_size} "
                f"octets, quota {config.quota}, features {feature_names(t.features)}{withheld}"
                f"{', ADDR_LE' if config.addr_le else ''}"
-               f"{'; direct modes for ' + ', '.join(config.trust) if t.features & (DIRECT_LOAD | DIRECT_ALLOC) else ''}"
+               f"{'; direct modes for ' + ', '.join(config.trust) if t.features & direct else ''}"
                f"{f', metrics on http://127.0.0.1:{metrics_port}/metrics' if metrics_port else ''}",
                err=False)
     try:

@@ -24,12 +24,10 @@ from ..initiator.client import ALL_FEATURES, COMPLETION_BUFFER
 from ..initiator.results import TargetInfo
 from ..rnic import MemoryTable, QueuePair, connect as rdma_connect
 from ..rnic.qp import ConnectionLost, Received, RemoteError
-from ..tables.enums import FEATURES, OPCODES, STATUS
+from ..tables.enums import STATUS
+from ..vocab import AnyMessage, Feature, Opcode
 from .hold import ReadHold
 from .registry import Fail, SetupFailed, Skip
-
-OP = OPCODES.by_name()
-FEATURE = {f.name: f.value for f in FEATURES.flags}
 
 
 class FrameBuffer:
@@ -91,7 +89,7 @@ class Ctx:
             ini = await self._fresh(initiator_id, features, need, credits, invalidate)
         missing = need & ~ini.target.features
         if missing:
-            names = [n for n, v in FEATURE.items() if v & missing]
+            names = [n for n, f in Feature.__members__.items() if f & missing]
             raise Skip(f"the target did not grant {'/'.join(names)} to this session")
         return ini
 
@@ -313,12 +311,12 @@ class Ctx:
         for message in messages:
             ini.qp.send(message, signaled=False)
 
-    async def collect(self, ini: Initiator, count: int, within: float | None = None) -> list[dict | None]:
+    async def collect(self, ini: Initiator, count: int, within: float | None = None) -> list[AnyMessage | None]:
         """Up to ``count`` completions of raw requests arriving within ``within`` seconds
         (default ``timeout``), decoded (None for what is no COMPLETION)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.timeout if within is None else within)
-        out: list[dict | None] = []
+        out: list[AnyMessage | None] = []
         while len(out) < count and (remaining := deadline - loop.time()) > 0:
             try:
                 msg = await asyncio.wait_for(ini.unmatched.get(), remaining)
@@ -333,10 +331,10 @@ class Ctx:
     def rid(self) -> int:
         return next(self._rids)
 
-    def encode(self, ini: Initiator, values: dict[str, Any]) -> bytes:
+    def encode(self, ini: Initiator, values: AnyMessage) -> bytes:
         return codec.encode({"request_id": self.rid(), **values}, ini.addr_le)
 
-    async def raw(self, ini: Initiator, message: bytes, expect: int = 1) -> list[tuple[dict | None, Received]]:
+    async def raw(self, ini: Initiator, message: bytes, expect: int = 1) -> list[tuple[AnyMessage | None, Received]]:
         """Send any octets as a request; what came back, decoded where it decodes."""
         got = await ini.raw(message, timeout=self.timeout, expect=expect)
         out = []
@@ -347,14 +345,14 @@ class Ctx:
                 out.append((None, msg))
         return out
 
-    async def answer(self, ini: Initiator, message: bytes, what: str) -> dict:
+    async def answer(self, ini: Initiator, message: bytes, what: str) -> AnyMessage:
         """The one COMPLETION a raw request gets; ``Fail`` when none comes or it is no COMPLETION."""
         got = await self.raw(ini, message)
         if not got:
             why = "the connection closed" if ini.qp.closed else f"nothing within {self.timeout:g} s"
             raise Fail(f"{what}: a COMPLETION", why)
         decoded, msg = got[0]
-        if decoded is None or decoded["opcode"] != OP["COMPLETION"]:
+        if decoded is None or decoded["opcode"] != Opcode.COMPLETION:
             raise Fail(f"{what}: a COMPLETION", msg.payload.hex() or "an RDMA Write with Immediate")
         return decoded
 

@@ -23,7 +23,7 @@ from ..initiator.client import ALL_FEATURES
 from ..initiator.results import TargetInfo
 from ..rnic.pcap import PcapSink
 from ..rnic.qp import ConnectionLost, RemoteError
-from ..tables.enums import FEATURES
+from ..vocab import Feature
 from ..wire.address import parse_url
 from .context import Ctx, FrameBuffer, RunState, describe
 from .registry import (
@@ -100,7 +100,7 @@ def _unmet(case: Case, transport: str, info: TargetInfo, quick: bool) -> str | N
         return f"applies to the {case.transport} binding only"
     missing = case.features & ~info.features
     if missing:
-        names = "/".join(f.name for f in FEATURES.flags if f.value & missing)
+        names = "/".join(n for n, f in Feature.__members__.items() if f & missing)
         return f"the target did not offer {names}"
     if quick and case.slow:
         return f"slow ({case.slow}); left out by --quick"

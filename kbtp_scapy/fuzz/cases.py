@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..tables.enums import OPCODES
+from ..vocab import Opcode
 
 Step = dict[str, Any]
 
@@ -120,5 +121,4 @@ def unknown_opcodes() -> list[int]:
     """Opcodes a request may not carry: unassigned, Private Use, and the answers."""
     assigned = {v.value for v in OPCODES.values}
     lo, hi = OPCODES.private_range
-    return sorted(set(range(256)) - assigned) + [OPCODES.by_name()[n] for n in
-                                                  ("HELLO", "HELLO_ACK", "COMPLETION")] + [lo, hi]
+    return sorted(set(range(256)) - assigned) + [Opcode.HELLO, Opcode.HELLO_ACK, Opcode.COMPLETION, lo, hi]

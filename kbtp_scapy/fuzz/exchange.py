@@ -17,20 +17,17 @@ from .. import codec
 from ..rnic.memory import AccessError
 from ..rnic.qp import Received
 from ..tables import memory as M
-from ..tables.enums import OPCODES, REQUEST_FLAGS, STATUS, flag
+from ..tables.enums import OPCODES
+from ..vocab import AnyMessage, Opcode, RequestFlag, Status
 from .findings import Finding
 from .model import Expect, expect, expect_unparsed, judge, learn
 from .oracles import status_known
 from .state import Rebuild, Session, World
 
-OP = OPCODES.by_name()
-OK = STATUS.by_name()["OK"]
-INLINE = flag(REQUEST_FLAGS, "INLINE")
-
 
 @dataclass
 class Reply:
-    completion: dict[str, Any] | None = None     # the COMPLETION's (or record's) values
+    completion: AnyMessage | None = None     # the COMPLETION's (or record's) values
     findings: list[Finding] = field(default_factory=list)
     closed: bool = False                          # the connection ended instead
 
@@ -39,14 +36,14 @@ class Reply:
         return None if self.completion is None else self.completion["status"]
 
 
-def _evidence(payload: bytes, c: dict[str, Any] | None, how: str) -> dict[str, Any]:
+def _evidence(payload: bytes, c: AnyMessage | None, how: str) -> dict[str, Any]:
     ev: dict[str, Any] = {"sent": payload.hex(), "answer": how}
     if c is not None:
         ev["completion"] = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in c.items()}
     return ev
 
 
-def _overlap(req: dict[str, Any], length: int) -> bool:
+def _overlap(req: AnyMessage, length: int) -> bool:
     """Whether the completion record was written over the data a LOAD placed."""
     return req["cd.stag"] == req["dd.stag"] and req["cd.offset"] < req["dd.offset"] + length and \
         req["dd.offset"] < req["cd.offset"] + M.COMPLETION_RECORD.size
@@ -92,7 +89,7 @@ class Exchanger:
             return region is not None and region.valid
         return valid
 
-    def expectation(self, s: Session, payload: bytes) -> tuple[dict[str, Any] | None, Expect, bytes | None]:
+    def expectation(self, s: Session, payload: bytes) -> tuple[AnyMessage | None, Expect, bytes | None]:
         """``payload`` decoded (None if it cannot be), what the model expects of its
         answer, and the data it stores when the fuzzer can tell."""
         loop, ini = asyncio.get_running_loop(), s.ini
@@ -102,12 +99,12 @@ class Exchanger:
             return None, expect_unparsed(payload, bad.fields.get("handle", 0)), None
         x = expect(req, s.info, s.known, self.world.lookup, self.world.bound_blocks(), self._ours(s), loop.time())
         stored = None
-        if req["opcode"] in (OP["STORE"], OP["ALLOC_STORE"]):
-            stored = req.get("inline_data") if req["flags"] & INLINE else \
+        if req["opcode"] in (Opcode.STORE, Opcode.ALLOC_STORE):
+            stored = req.get("inline_data") if req["flags"] & RequestFlag.INLINE else \
                 self._buffer(s, req["dd.stag"], req["dd.offset"], req["dd.length"])
         return req, x, stored
 
-    async def request(self, s: Session, values: dict[str, Any] | None = None, *, payload: bytes | None = None,
+    async def request(self, s: Session, values: AnyMessage | None = None, *, payload: bytes | None = None,
                       stored: bytes | None = None) -> Reply:
         """Send ``values`` (encoded) or ``payload`` as a request on ``s`` and judge the answer."""
         w, ini = self.world, s.ini
@@ -120,7 +117,7 @@ class Exchanger:
         req, x, seen = self.expectation(s, payload)
         stored = stored if stored is not None else seen
         owner = w.owner(x.handle)
-        goodbye = len(payload) > 1 and payload[1] == OP["GOODBYE"]
+        goodbye = len(payload) > 1 and payload[1] == Opcode.GOODBYE
         release = goodbye and len(payload) >= 4 and bool(payload[3] & 1)
         try:
             await ini.qp.send(payload)
@@ -148,8 +145,8 @@ class Exchanger:
         await w.ensure()
         return Reply(closed=True, findings=out)
 
-    def judged(self, s: Session, x: Expect, req: dict[str, Any] | None, payload: bytes, msg: Received, at: float,
-               stored: bytes | None = None) -> tuple[dict[str, Any] | None, list[Finding]]:
+    def judged(self, s: Session, x: Expect, req: AnyMessage | None, payload: bytes, msg: Received, at: float,
+               stored: bytes | None = None) -> tuple[AnyMessage | None, list[Finding]]:
         """The answer ``msg`` to ``payload`` (``req`` decoded, ``x`` its expectation) judged
         and learnt from: the completion's values and the findings."""
         owner = self.world.owner(x.handle)
@@ -170,7 +167,7 @@ class Exchanger:
         if not status_known(c["status"]):
             out.append(Finding("status-undefined", f"status {c['status']} is neither assigned nor Private Use"))
         loaded = None
-        if req is not None and req["opcode"] == OP["LOAD"] and c["status"] == OK and not (
+        if req is not None and req["opcode"] == Opcode.LOAD and c["status"] == Status.OK and not (
                 msg.write_imm and _overlap(req, c["completion.data_length"])):
             loaded = self._buffer(s, req["dd.stag"], req["dd.offset"], c["completion.data_length"])
         out += judge(x, c, record=msg.write_imm, invalidated=msg.invalidated, at=at, data=loaded)
@@ -179,7 +176,7 @@ class Exchanger:
         learn(owner, x, req, c, allowed=x.allows(c["status"]), stored=stored, loaded=loaded)
         return c, out
 
-    def _answer(self, s: Session, req: dict[str, Any] | None, msg: Received) -> tuple[dict | None, str]:
+    def _answer(self, s: Session, req: AnyMessage | None, msg: Received) -> tuple[AnyMessage | None, str]:
         """The completion's values, and how it came (or why it cannot be read)."""
         addr_le = s.ini.addr_le
         if msg.write_imm:
@@ -189,7 +186,7 @@ class Exchanger:
             if raw is None:
                 return None, "the request names no Completion Descriptor of the initiator's"
             d = codec.decode_struct(M.COMPLETION_RECORD, raw, addr_le)
-            return {"opcode": OP["COMPLETION"], "request_id": d["record.request_id"],
+            return {"opcode": Opcode.COMPLETION, "request_id": d["record.request_id"],
                     "status": d["record.status"], "generation": d["record.generation"],
                     "completion.data_length": d["record.data_length"],
                     "completion.block_offset": d["record.block_offset"]}, "record"
@@ -197,6 +194,6 @@ class Exchanger:
             c = codec.decode(msg.payload, addr_le)
         except codec.Malformed as bad:
             return None, str(bad)
-        if c["opcode"] != OP["COMPLETION"]:
+        if c["opcode"] != Opcode.COMPLETION:
             return None, f"{OPCODES.describe(c['opcode'])}"
         return c, "send with invalidate" if msg.invalidated is not None else "send"

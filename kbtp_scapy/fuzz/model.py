@@ -26,23 +26,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from ..initiator.results import TargetInfo
-from ..tables.enums import FEATURES, OPCODES, REQUEST_FLAGS, STATUS, flag
+from ..tables.enums import OPCODES, STATUS
+from ..vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from .findings import Finding
 
-OP = OPCODES.by_name()
-S = STATUS.by_name()
-F = {f.name: f.value for f in REQUEST_FLAGS.flags}
-RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
-DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
-LOAD, STORE, ALLOC_STORE, FREE, BIND = (OP[n] for n in ("LOAD", "STORE", "ALLOC_STORE", "FREE", "BIND"))
-REQUESTS = (LOAD, STORE, ALLOC_STORE, FREE, BIND)
-FLAGGED = (LOAD, STORE, ALLOC_STORE, FREE)          # the request flags apply to these
-MEANINGLESS = {LOAD: F["INLINE"] | F["SEAL"], STORE: F["ALLOW_UNSEALED"], ALLOC_STORE: F["ALLOW_UNSEALED"],
-               FREE: F["INLINE"] | F["SEAL"] | F["INVALIDATE"] | F["ALLOW_UNSEALED"]}
-DEFINED_FLAGS = sum(F.values())
+REQUESTS = (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND)
+FLAGGED = (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE)  # the request flags apply to these
+MEANINGLESS: dict[int, int] = {
+    Opcode.LOAD: RequestFlag.INLINE | RequestFlag.SEAL, Opcode.STORE: RequestFlag.ALLOW_UNSEALED,
+    Opcode.ALLOC_STORE: RequestFlag.ALLOW_UNSEALED,
+    Opcode.FREE: RequestFlag.INLINE | RequestFlag.SEAL | RequestFlag.INVALIDATE | RequestFlag.ALLOW_UNSEALED}
+DEFINED_FLAGS = sum(RequestFlag)
 GRACE = 0.5     # seconds a target may take, beyond the Ticket Timeout, to notice a ticket
 
 
@@ -166,7 +162,7 @@ class Expect:
         return not self.failing
 
     def allows(self, status: int) -> bool:
-        if status == S["OK"]:
+        if status == Status.OK:
             return self.ok
         return any(c.status in (None, status) for c in self.failing + self.unsure)
 
@@ -180,11 +176,11 @@ class Expect:
 
 # -- expectations ------------------------------------------------------------------------
 
-def _odd(req: dict[str, Any]) -> str:
+def _odd(req: AnyMessage) -> str:
     """What makes a parseable request odd enough that a target may call it MALFORMED."""
     op, flags = req["opcode"], req.get("flags", 0)
     odd = []
-    if op == BIND and flags or op in FLAGGED and flags & ~DEFINED_FLAGS:
+    if op == Opcode.BIND and flags or op in FLAGGED and flags & ~DEFINED_FLAGS:
         odd.append(f"undefined flag bits 0x{flags & (~DEFINED_FLAGS if op in FLAGGED else 0xFFFF):04x}")
     if flags & MEANINGLESS.get(op, 0):
         odd.append(f"flags 0x{flags & MEANINGLESS[op]:04x} that mean nothing for this opcode")
@@ -192,7 +188,8 @@ def _odd(req: dict[str, Any]) -> str:
         odd.append(f"Status {req['status']} in a request")
     if req.get("cd.reserved"):
         odd.append("a non-zero reserved field")
-    if op in (STORE, ALLOC_STORE) and flags & F["INLINE"] and (req.get("dd.stag") or req.get("dd.offset")):
+    if (op in (Opcode.STORE, Opcode.ALLOC_STORE) and flags & RequestFlag.INLINE
+            and (req.get("dd.stag") or req.get("dd.offset"))):
         odd.append("INLINE with a non-zero STag or Tagged Offset")
     return ", ".join(odd)
 
@@ -204,7 +201,7 @@ def _outside_table(info: TargetInfo, handle: int) -> bool | None:
     return True if not f["table_base_handle"] <= handle < f["table_base_handle"] + f["table.count"] else None
 
 
-def expect(req: dict[str, Any], info: TargetInfo, own: Knowledge, lookup: Callable[[int], Entry],
+def expect(req: AnyMessage, info: TargetInfo, own: Knowledge, lookup: Callable[[int], Entry],
            bound_blocks: dict[int, int], ours: Callable[[int], bool], now: float) -> Expect:
     """The outcome the text allows for ``req`` (parsed), sent on the session ``own``
     describes; ``lookup`` gives any handle's entry as known, ``bound_blocks`` the Block
@@ -215,74 +212,74 @@ def expect(req: dict[str, Any], info: TargetInfo, own: Knowledge, lookup: Callab
     add = x.checks.append
     timeout = info.ticket_timeout_ms / 1000
     if op not in REQUESTS:
-        goodbye = op == OP["GOODBYE"]          # it ends the session; the text gives it no completion
+        goodbye = op == Opcode.GOODBYE          # it ends the session; the text gives it no completion
         add(Check(None, None if goodbye else True, f"{OPCODES.describe(op)} is not a request", "ok-unparseable"))
         x.record, x.invalidate = None, None
         return x
-    outside = False if own.owns(h) else (_outside_table(info, h) if op == LOAD else True)
-    add(Check(S["INVALID_HANDLE"], outside, f"0x{h:x} is outside the session's range 0x{own.base:x}+"
-              f"{own.count}" + (" and the table" if op == LOAD else ""), "ok-outside-range"))
+    outside = False if own.owns(h) else (_outside_table(info, h) if op == Opcode.LOAD else True)
+    add(Check(Status.INVALID_HANDLE, outside, f"0x{h:x} is outside the session's range 0x{own.base:x}+"
+              f"{own.count}" + (" and the table" if op == Opcode.LOAD else ""), "ok-outside-range"))
     if gen:
-        add(Check(S["STALE_GENERATION"], None if e.generation is None else gen != e.generation,
+        add(Check(Status.STALE_GENERATION, None if e.generation is None else gen != e.generation,
                   f"the request names Generation {gen}, the entry has {e.generation}", "ok-generation"))
     _lengths(x, req, info, e)
-    if op in (LOAD, STORE, FREE):
-        add(Check(S["NOT_VALID"], None if e.bound is None else not e.bound, f"0x{h:x} is not bound", "ok-state"))
-    if op == ALLOC_STORE:
-        add(Check(S["ALREADY_BOUND"], e.bound, f"0x{h:x} is bound", "ok-state"))
-    if op == STORE and e.bound is not False:
-        add(Check(S["SEALED"], e.sealed if e.bound else None, f"0x{h:x} is sealed", "ok-sealed"))
-    if op == LOAD and not flags & F["ALLOW_UNSEALED"] and e.bound is not False:
-        add(Check(S["NOT_SEALED"], None if e.sealed is None or not e.bound else not e.sealed,
+    if op in (Opcode.LOAD, Opcode.STORE, Opcode.FREE):
+        add(Check(Status.NOT_VALID, None if e.bound is None else not e.bound, f"0x{h:x} is not bound", "ok-state"))
+    if op == Opcode.ALLOC_STORE:
+        add(Check(Status.ALREADY_BOUND, e.bound, f"0x{h:x} is bound", "ok-state"))
+    if op == Opcode.STORE and e.bound is not False:
+        add(Check(Status.SEALED, e.sealed if e.bound else None, f"0x{h:x} is sealed", "ok-sealed"))
+    if op == Opcode.LOAD and not flags & RequestFlag.ALLOW_UNSEALED and e.bound is not False:
+        add(Check(Status.NOT_SEALED, None if e.sealed is None or not e.bound else not e.sealed,
                   f"0x{h:x} is not sealed and ALLOW_UNSEALED is not set", "ok-not-sealed"))
-    if op in (ALLOC_STORE, BIND):
+    if op in (Opcode.ALLOC_STORE, Opcode.BIND):
         _allocation(x, req, info, own, e, now, timeout)
     odd = _odd(req)
     if odd:
-        add(Check(S["MALFORMED"], None, odd, ""))
+        add(Check(Status.MALFORMED, None, odd, ""))
     base = e.generation if e.generation is not None else (gen or None)
-    if op in (LOAD, STORE):
+    if op in (Opcode.LOAD, Opcode.STORE):
         x.generation = base
     elif base is not None:
         x.generation, x.next_generation = next_generation(base), True
-    if op == LOAD:
+    if op == Opcode.LOAD:
         x.buffer = req["dd.length"]
         if e.bound:
             x.length, x.block, x.data = e.length, e.block, e.data
     x.entry_generation, x.seen = e.generation, e.seen
-    if op in (ALLOC_STORE, BIND):
+    if op in (Opcode.ALLOC_STORE, Opcode.BIND):
         x.bound_blocks = {b: other for b, other in bound_blocks.items() if other != h}
-    x.asked_record = op in FLAGGED and bool(flags & F["RECORD"])
-    x.record = x.asked_record and bool(info.features & RECORD_COMPLETION)
-    if op in (LOAD, STORE, ALLOC_STORE) and flags & F["INVALIDATE"] and not x.record:
+    x.asked_record = op in FLAGGED and bool(flags & RequestFlag.RECORD)
+    x.record = x.asked_record and bool(info.features & Feature.RECORD_COMPLETION)
+    if op in (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE) and flags & RequestFlag.INVALIDATE and not x.record:
         x.invalidate = req["dd.stag"] if ours(req["dd.stag"]) else None
     return x
 
 
-def _lengths(x: Expect, req: dict[str, Any], info: TargetInfo, e: Entry) -> None:
+def _lengths(x: Expect, req: AnyMessage, info: TargetInfo, e: Entry) -> None:
     """"Lengths MUST NOT exceed Block Size or the initiator's buffer" (TOO_LARGE)."""
     op, bs, add = x.op, info.block_size, x.checks.append
-    if op in (STORE, ALLOC_STORE):
+    if op in (Opcode.STORE, Opcode.ALLOC_STORE):
         n = req["dd.length"]
-        add(Check(S["TOO_LARGE"], n > bs, f"Length {n} exceeds Block Size {bs}", "ok-too-large"))
-        if req["flags"] & F["INLINE"] and n > info.max_inline:     # Max Inline: the target's to enforce
-            add(Check(S["TOO_LARGE"], None, f"inline Length {n} exceeds Max Inline {info.max_inline}", ""))
-            add(Check(S["MALFORMED"], None, "inline data beyond Max Inline", ""))
-    elif op == LOAD:
+        add(Check(Status.TOO_LARGE, n > bs, f"Length {n} exceeds Block Size {bs}", "ok-too-large"))
+        if req["flags"] & RequestFlag.INLINE and n > info.max_inline:     # Max Inline: the target's to enforce
+            add(Check(Status.TOO_LARGE, None, f"inline Length {n} exceeds Max Inline {info.max_inline}", ""))
+            add(Check(Status.MALFORMED, None, "inline data beyond Max Inline", ""))
+    elif op == Opcode.LOAD:
         n = req["dd.length"]
         if e.bound is None or e.bound and e.length is None:
-            add(Check(S["TOO_LARGE"], None, "the block's Data Length is not known", ""))
-        elif e.bound:
-            add(Check(S["TOO_LARGE"], e.length > n, f"the block holds {e.length} octets, the buffer "
+            add(Check(Status.TOO_LARGE, None, "the block's Data Length is not known", ""))
+        elif e.bound and e.length is not None:
+            add(Check(Status.TOO_LARGE, e.length > n, f"the block holds {e.length} octets, the buffer "
                       f"{n}", "ok-too-large"))
         if n > bs:
-            add(Check(S["TOO_LARGE"], None, f"a buffer of {n} octets, Block Size {bs}", ""))
-    elif op == BIND:
+            add(Check(Status.TOO_LARGE, None, f"a buffer of {n} octets, Block Size {bs}", ""))
+    elif op == Opcode.BIND:
         n = req["bind.data_length"]
-        add(Check(S["TOO_LARGE"], n > bs, f"Data Length {n} exceeds Block Size {bs}", "ok-too-large"))
+        add(Check(Status.TOO_LARGE, n > bs, f"Data Length {n} exceeds Block Size {bs}", "ok-too-large"))
 
 
-def _allocation(x: Expect, req: dict[str, Any], info: TargetInfo, own: Knowledge, e: Entry,
+def _allocation(x: Expect, req: AnyMessage, info: TargetInfo, own: Knowledge, e: Entry,
                 now: float, timeout: float) -> None:
     """Quota ("Allocation Quotas") and, for BIND, the ticket ("Direct Modes")."""
     add, q = x.checks.append, info.quota
@@ -293,20 +290,20 @@ def _allocation(x: Expect, req: dict[str, Any], info: TargetInfo, own: Knowledge
     use = f"the session uses {low}" + ("" if high == low else f" to {high:g}") + f" of its quota of {q}"
     if own.spoiled:
         add(Check(None, None, "a FetchAdd with wrong operands moved this session's Head", ""))
-    if x.op == ALLOC_STORE:
-        add(Check(S["NO_SPACE"], True if low >= q else False if high < q else None, use, "ok-quota"))
+    if x.op == Opcode.ALLOC_STORE:
+        add(Check(Status.NO_SPACE, True if low >= q else False if high < q else None, use, "ok-quota"))
         return
     add(Check(None, e.bound, f"0x{x.handle:x} is bound", "ok-state"))
     ticket, block = req["bind.ticket"], req["bind.block_offset"]
-    if not info.features & DIRECT_ALLOC:
+    if not info.features & Feature.DIRECT_ALLOC:
         add(Check(None, True, "the session has no DIRECT_ALLOC", "ok-forged-bind"))
         return
-    add(Check(S["NO_SPACE"], True if low > q else False if high <= q else None, use, "ok-quota"))
+    add(Check(Status.NO_SPACE, True if low > q else False if high <= q else None, use, "ok-quota"))
     if own.spoiled:
         return
     t = own.tickets.get(ticket)
     if ticket in own.lost:
-        add(Check(S["TICKET_ABANDONED"], None, f"ticket {ticket} may have been abandoned", ""))
+        add(Check(Status.TICKET_ABANDONED, None, f"ticket {ticket} may have been abandoned", ""))
         add(Check(None, None, f"ticket {ticket} may have been reclaimed", ""))
     elif t is None:
         add(Check(None, True, f"ticket {ticket} is not one this session took and has not bound",
@@ -316,10 +313,10 @@ def _allocation(x: Expect, req: dict[str, Any], info: TargetInfo, own: Knowledge
         add(Check(None, True, f"the slot of ticket {ticket} holds block 0x{t.block:x}, not 0x{block:x}",
                   "ok-forged-bind"))
     if t is not None and now > t.seen + 2 * timeout + GRACE:
-        add(Check(S["TICKET_ABANDONED"], True, f"ticket {ticket} was taken {now - t.seen:.2f} s ago, "
+        add(Check(Status.TICKET_ABANDONED, True, f"ticket {ticket} was taken {now - t.seen:.2f} s ago, "
                   f"the Ticket Timeout is {timeout:g} s", "ok-abandoned-ticket"))
     elif t is not None:
-        add(Check(S["TICKET_ABANDONED"], None, "", ""))
+        add(Check(Status.TICKET_ABANDONED, None, "", ""))
         x.young_until = t.taken + timeout
 
 
@@ -338,37 +335,38 @@ def expect_unparsed(sent: bytes, handle: int) -> Expect:
 
 # -- judging an answer ---------------------------------------------------------------------
 
-def judge(x: Expect, c: dict[str, Any], *, record: bool, invalidated: int | None, at: float,
+def judge(x: Expect, c: AnyMessage, *, record: bool, invalidated: int | None, at: float,
           data: bytes | None) -> list[Finding]:
     """What the completion ``c`` (or completion record) breaks of ``x``; ``data`` is what
     an OK LOAD put into the fuzzer's buffer, when the fuzzer can tell."""
     out: list[Finding] = []
     status, name = c["status"], STATUS.describe(c["status"])
-    if status == S["OK"]:
+    if status == Status.OK:
         if x.ok:
             out += _ok_values(x, c, data)
         else:
             out.append(Finding(x.failing[0].kind, f"OK for {x.what}, expected {x.expected()}: "
                                + "; ".join(ch.why for ch in x.failing)))
     elif not x.allows(status):
-        kind = {S["NO_SPACE"]: "quota", S["TICKET_ABANDONED"]: "ticket"}.get(status, "status")
+        kinds: dict[int, str] = {Status.NO_SPACE: "quota", Status.TICKET_ABANDONED: "ticket"}
+        kind = kinds.get(status, "status")
         why = "; ".join(ch.why for ch in x.failing) or "nothing the wire showed makes it fail"
         detail = next((ch.why for ch in x.checks if ch.status == status and ch.fails is False), why)
         out.append(Finding(kind, f"{x.what} completed {name}, expected {x.expected()} ({detail})"))
-    elif status == S["TICKET_ABANDONED"] and x.young_until is not None and at < x.young_until:
+    elif status == Status.TICKET_ABANDONED and x.young_until is not None and at < x.young_until:
         out.append(Finding("ticket", f"{x.what} completed TICKET_ABANDONED {x.young_until - at:.2f} s "
                            "before the ticket's Ticket Timeout could have passed"))
-    if (status not in (S["OK"], S["MALFORMED"], S["INVALID_HANDLE"]) and x.entry_generation is not None
+    if (status not in (Status.OK, Status.MALFORMED, Status.INVALID_HANDLE) and x.entry_generation is not None
             and c["generation"] != x.entry_generation):
         shown = f" ({x.seen})" if x.seen else ""
         out.append(Finding("generation", f"{x.what} completed {name} with Generation {c['generation']}, "
                            f"the entry's is {x.entry_generation}{shown}"))
-    if status != S["MALFORMED"]:
+    if status != Status.MALFORMED:
         out += _form(x, record, invalidated)
     return out
 
 
-def _ok_values(x: Expect, c: dict[str, Any], data: bytes | None) -> list[Finding]:
+def _ok_values(x: Expect, c: AnyMessage, data: bytes | None) -> list[Finding]:
     out = []
     gen, length, block = c["generation"], c["completion.data_length"], c["completion.block_offset"]
     if gen == 0:
@@ -378,7 +376,7 @@ def _ok_values(x: Expect, c: dict[str, Any], data: bytes | None) -> list[Finding
         shown = f"; the entry's was shown by {x.seen}" if x.seen else ""
         out.append(Finding("generation", f"OK for {x.what} with Generation {gen}, expected {x.generation} "
                            f"({how}{shown})"))
-    if x.op == LOAD:
+    if x.op == Opcode.LOAD:
         if x.buffer is not None and length > x.buffer:
             out.append(Finding("ok-too-large", f"LOAD of 0x{x.handle:x} reports {length} octets for a "
                                f"{x.buffer}-octet buffer"))
@@ -424,64 +422,65 @@ def _form(x: Expect, record: bool, invalidated: int | None) -> list[Finding]:
 
 # -- learning from the answer ----------------------------------------------------------------
 
-def learn(k: Knowledge | None, x: Expect, req: dict[str, Any] | None, c: dict[str, Any] | None, *,
+def learn(k: Knowledge | None, x: Expect, req: AnyMessage | None, c: AnyMessage | None, *,
           allowed: bool, stored: bytes | None = None, loaded: bytes | None = None) -> None:
     """Update ``k`` (the Knowledge of the session owning the handle, if ours) from the
     answer ``c`` to ``req``; ``c`` None when the outcome is unknown (no answer, the
     connection ended). ``stored`` is the data a store carried, ``loaded`` what a LOAD
     brought, when known."""
-    if req is not None and req["opcode"] == BIND and k is not None:
+    if req is not None and req["opcode"] == Opcode.BIND and k is not None:
         _ticket_fate(k, req, c)
     if k is None:
         return
     h = x.handle
     if c is None or req is None:
-        if c is None or c["status"] == S["OK"]:
+        if c is None or c["status"] == Status.OK:
             k.forget(h)
         return
     e, status, flags = k.entry(h), c["status"], req.get("flags", 0)
     seen = f"the {STATUS.describe(status)} of {x.what}"
-    if status == S["OK"]:
+    if status == Status.OK:
         gen = c["generation"]
-        if x.op == LOAD and not allowed:
+        if x.op == Opcode.LOAD and not allowed:
             return                              # a LOAD changes nothing: what the model knew stands
-        if x.op == LOAD:
-            sealed = True if not flags & F["ALLOW_UNSEALED"] else e.sealed
+        if x.op == Opcode.LOAD:
+            sealed = True if not flags & RequestFlag.ALLOW_UNSEALED else e.sealed
             length, block = c["completion.data_length"], c["completion.block_offset"]
             if loaded is None and (e.generation, e.length, e.block) == (gen, length, block):
                 loaded = e.data                 # not seen this time, and nothing says it changed
             k.set(h, Entry(True, gen, sealed, length, loaded, block, seen))
-        elif x.op == STORE:
-            k.set(h, replace(e, bound=True, generation=gen, sealed=bool(flags & F["SEAL"]),
+        elif x.op == Opcode.STORE:
+            k.set(h, replace(e, bound=True, generation=gen, sealed=bool(flags & RequestFlag.SEAL),
                              length=req["dd.length"], data=stored, seen=seen))
-        elif x.op == ALLOC_STORE:
-            k.set(h, Entry(True, gen, bool(flags & F["SEAL"]), req["dd.length"], stored,
+        elif x.op == Opcode.ALLOC_STORE:
+            k.set(h, Entry(True, gen, bool(flags & RequestFlag.SEAL), req["dd.length"], stored,
                            c["completion.block_offset"], seen))
-        elif x.op == FREE:
+        elif x.op == Opcode.FREE:
             k.set(h, Entry(False, gen, seen=seen))
-        elif x.op == BIND:
+        elif x.op == Opcode.BIND:
             k.set(h, Entry(True, gen, None, req["bind.data_length"], stored, req["bind.block_offset"], seen))
         return
     if not allowed:
-        if status != S["NO_SPACE"]:
+        if status != Status.NO_SPACE:
             k.forget(h)
         return
-    if status in (S["MALFORMED"], S["INVALID_HANDLE"]):
+    if status in (Status.MALFORMED, Status.INVALID_HANDLE):
         return
     if e.generation is None:
         e = replace(e, generation=c["generation"], seen=seen)
-    learned = {S["NOT_VALID"]: Entry(False, e.generation, seen=e.seen), S["ALREADY_BOUND"]: replace(e, bound=True),
-               S["SEALED"]: replace(e, bound=True, sealed=True),
-               S["NOT_SEALED"]: replace(e, bound=True, sealed=False)}.get(status)
+    by_status: dict[int, Entry] = {
+        Status.NOT_VALID: Entry(False, e.generation, seen=e.seen), Status.ALREADY_BOUND: replace(e, bound=True),
+        Status.SEALED: replace(e, bound=True, sealed=True), Status.NOT_SEALED: replace(e, bound=True, sealed=False)}
+    learned = by_status.get(status)
     k.set(h, learned if learned is not None and e.bound is None else e)
 
 
-def _ticket_fate(k: Knowledge, req: dict[str, Any], c: dict[str, Any] | None) -> None:
+def _ticket_fate(k: Knowledge, req: AnyMessage, c: AnyMessage | None) -> None:
     ticket = req["bind.ticket"]
     t = k.tickets.get(ticket)
     if t is None:
         return
-    if c is None or c["status"] == S["TICKET_ABANDONED"]:
+    if c is None or c["status"] == Status.TICKET_ABANDONED:
         k.lost[ticket] = k.tickets.pop(ticket)
-    elif c["status"] == S["OK"] and req["bind.block_offset"] == t.block:
+    elif c["status"] == Status.OK and req["bind.block_offset"] == t.block:
         del k.tickets[ticket]

@@ -10,18 +10,16 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from scapy.packet import fuzz
 
 from .. import codec
 from ..layers.kbtp import KBTP, build_packet
 from ..tables import BY_OPCODE, HEADER, flatten
-from ..tables.enums import REQUEST_FLAGS, flag
+from ..vocab import AnyMessage, RequestFlag
 from .cases import unknown_opcodes
 
-INLINE = flag(REQUEST_FLAGS, "INLINE")
-RECORD = flag(REQUEST_FLAGS, "RECORD")
 U64 = (1 << 64) - 1
 
 
@@ -58,7 +56,8 @@ def _scapy(values: dict[str, Any], ctx: Context) -> KBTP:
 
 
 def _encode(values: dict[str, Any], ctx: Context) -> bytes:
-    return codec.encode(values, ctx.addr_le)
+    """Mutated fields: any key a mutator chose, any value, as the fuzzer means."""
+    return codec.encode(cast(AnyMessage, values), ctx.addr_le)
 
 
 def field(values: dict[str, Any], rng: random.Random, ctx: Context) -> tuple[bytes, str]:
@@ -93,7 +92,7 @@ def flags(values: dict[str, Any], rng: random.Random, ctx: Context) -> tuple[byt
     raw = _encode(values, ctx)
     choice = rng.randrange(4)
     if choice == 0:
-        bit = rng.choice([INLINE, RECORD])
+        bit = rng.choice([RequestFlag.INLINE, RequestFlag.RECORD])
         f = values.get("flags", 0) ^ bit
         return raw[:2] + f.to_bytes(2, "big") + raw[4:], f"flags 0x{f:04x} (bit 0x{bit:x} toggled, body kept)"
     if choice == 1:
@@ -111,7 +110,7 @@ def inline_lie(values: dict[str, Any], rng: random.Random, ctx: Context) -> tupl
     data = values.get("inline_data") or rng.randbytes(rng.choice([1, 8, 64]))
     told = rng.choice([len(data) + 1, max(0, len(data) - 1), 0, ctx.max_inline + 1,
                        ctx.block_size + 1, 0xFFFFFFFF, 2 * len(data)])
-    v = {**values, "flags": values.get("flags", 0) | INLINE, "dd.stag": 0, "dd.offset": 0,
+    v = {**values, "flags": values.get("flags", 0) | RequestFlag.INLINE, "dd.stag": 0, "dd.offset": 0,
          "dd.length": told, "inline_data": data}
     if values["opcode"] == BY_OPCODE_NAME["LOAD"]:
         v.pop("inline_data")

@@ -15,16 +15,12 @@ from .. import codec
 from ..harness import HarnessError
 from ..initiator import KbtpError
 from ..tables import memory as M
-from ..tables.enums import ENTRY_FLAGS, FEATURES, OPCODES, STATUS, flag
+from ..tables.enums import OPCODES, STATUS
+from ..vocab import AnyStruct, EntryFlag, Feature, Opcode
 from .findings import Finding
 
 if TYPE_CHECKING:
     from .state import World
-
-OP = OPCODES.by_name()
-VALID, SEALED = flag(ENTRY_FLAGS, "VALID"), flag(ENTRY_FLAGS, "SEALED")
-DIRECT_LOAD, DIRECT_ALLOC = flag(FEATURES, "DIRECT_LOAD"), flag(FEATURES, "DIRECT_ALLOC")
-RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
 
 
 def status_known(status: int) -> bool:
@@ -42,10 +38,11 @@ def check_hello_ack(raw: bytes, transport: str) -> list[Finding]:
     except codec.Malformed as bad:
         return [Finding("hello-ack", f"the answer to HELLO cannot be parsed: {bad}", evidence={"answer": raw.hex()})]
     ev = {"hello_ack": raw.hex()}
-    if ack["opcode"] != OP["HELLO_ACK"]:
+    if ack["opcode"] != Opcode.HELLO_ACK:
         return [Finding("hello-ack", f"HELLO was answered by {OPCODES.describe(ack['opcode'])}", evidence=ev)]
-    problems = [f"{name} {ack[key]}" for key, name in (("request_id", "Request ID"), ("handle", "Block Handle"),
-                                                       ("generation", "Generation")) if ack[key]]
+    problems = [f"{name} {value}" for value, name in ((ack["request_id"], "Request ID"),
+                                                      (ack["handle"], "Block Handle"),
+                                                      (ack["generation"], "Generation")) if value]
     out = [Finding("hello-ack", "the HELLO_ACK header carries " + ", ".join(problems) + " (zero in HELLO_ACK)",
                    evidence=ev)] if problems else []
     if not status_known(ack["status"]):
@@ -55,15 +52,15 @@ def check_hello_ack(raw: bytes, transport: str) -> list[Finding]:
         return out
     features, f = ack["hello_ack.features"], ack
     wrong = []
-    if transport == "iwarp" and features & RECORD_COMPLETION:
+    if transport == "iwarp" and features & Feature.RECORD_COMPLETION:
         wrong.append("RECORD_COMPLETION granted in the RDMAP binding")
-    if features & DIRECT_ALLOC:
+    if features & Feature.DIRECT_ALLOC:
         n, part = f["hello_ack.ring.count"], f["hello_ack.partition.count"]
         if f["hello_ack.head.offset"] % 8:
             wrong.append(f"Head Tagged Offset 0x{f['hello_ack.head.offset']:x} is not a multiple of 8")
         if n < 1 or n & (n - 1) or n < part:
             wrong.append(f"ring of {n} slots for a partition of {part} blocks (N = 2^n, not smaller than F)")
-    if features & DIRECT_LOAD and f["hello_ack.allocation_quota"] > f["hello_ack.pool.count"]:
+    if features & Feature.DIRECT_LOAD and f["hello_ack.allocation_quota"] > f["hello_ack.pool.count"]:
         wrong.append(f"Allocation Quota {f['hello_ack.allocation_quota']} exceeds the pool's "
                      f"{f['hello_ack.pool.count']} blocks")
     if wrong:
@@ -103,14 +100,14 @@ async def table_invariants(world: World) -> list[Finding]:
     raw = await ini.qp.read(f["table.stag"], f["table.offset"], f["table.count"] * M.ENTRY_SIZE)
     size, blocks, first = ini.target.block_size, f["pool.count"], f["table_base_handle"]
 
-    def entry(handle: int) -> dict:
+    def entry(handle: int) -> AnyStruct:
         at = (handle - first) * M.ENTRY_SIZE
         return codec.decode_struct(M.TABLE_ENTRY, raw[at:at + M.ENTRY_SIZE], ini.addr_le)
     where: Counter[int] = Counter()
     out = []
     known = {h for s in (world.own, world.peer) for h in s.known.entries}
     for i, low in enumerate(raw[1::M.ENTRY_SIZE]):      # Flags, network order: VALID is in the low octet
-        if low & VALID:
+        if low & EntryFlag.VALID:
             handle = first + i
             e = entry(handle)
             off = e["entry.block_offset"]
@@ -131,23 +128,23 @@ async def table_invariants(world: World) -> list[Finding]:
     return out
 
 
-def _as_known(world: World, handle: int, e: dict) -> list[Finding]:
+def _as_known(world: World, handle: int, e: AnyStruct) -> list[Finding]:
     """The entry against the model: VALID, SEALED, Generation, Data Length, Block Offset."""
     k = world.lookup(handle)
     flags, gen = e["entry.flags"], e["entry.generation"]
     seen = []
-    if k.bound is not None and bool(flags & VALID) != k.bound:
+    if k.bound is not None and bool(flags & EntryFlag.VALID) != k.bound:
         seen.append(f"VALID {'clear' if k.bound else 'set'}")
     if k.generation is not None and gen != k.generation:
         seen.append(f"Generation {gen}, not {k.generation}")
-    if k.bound and flags & VALID:
-        if k.sealed is not None and bool(flags & SEALED) != k.sealed:
+    if k.bound and flags & EntryFlag.VALID:
+        if k.sealed is not None and bool(flags & EntryFlag.SEALED) != k.sealed:
             seen.append(f"SEALED {'clear' if k.sealed else 'set'}")
         if k.length is not None and e["entry.data_length"] != k.length:
             seen.append(f"Data Length {e['entry.data_length']}, not {k.length}")
         if k.block is not None and e["entry.block_offset"] != k.block:
             seen.append(f"Block Offset 0x{e['entry.block_offset']:x}, not 0x{k.block:x}")
-    if flags & VALID and gen == 0:
+    if flags & EntryFlag.VALID and gen == 0:
         seen.append("Generation 0 on a bound entry")
     if not seen:
         return []

@@ -14,7 +14,7 @@ import asyncio
 import random
 from collections.abc import Awaitable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from .. import codec
 from ..initiator import KbtpError
@@ -23,7 +23,7 @@ from ..rnic import Access
 from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables import memory as M
-from ..tables.enums import FEATURES, OPCODES, REQUEST_FLAGS, STATUS, flag
+from ..vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from .cases import Step
 from .exchange import Exchanger, Reply
 from .findings import Finding
@@ -31,10 +31,6 @@ from .model import GRACE, Ticket
 from .mutators import MUTATORS, Context
 from .state import NoAnswer, Session
 
-OP = OPCODES.by_name()
-S = STATUS.by_name()
-F = {f.name: f.value for f in REQUEST_FLAGS.flags}
-DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
 U64 = (1 << 64) - 1
 MAX_FILL = 512            # a quota step sends at most this many ALLOC_STOREs
 MAX_ABANDON_WAIT = 10.0   # seconds an abandon step may wait for the Ticket Timeout
@@ -54,7 +50,7 @@ class Steps(Exchanger):
 
     def _record(self, s: Session, values: dict[str, Any]) -> MemoryRegion:
         region = s.ini.memory.register(bytearray(M.COMPLETION_RECORD.size), Access.REMOTE_WRITE)
-        values.update({"flags": values["flags"] | F["RECORD"], "cd.stag": region.stag, "cd.offset": 0,
+        values.update({"flags": values["flags"] | RequestFlag.RECORD, "cd.stag": region.stag, "cd.offset": 0,
                        "cd.reserved": 0})
         return region
 
@@ -64,8 +60,8 @@ class Steps(Exchanger):
         unless it completes by a record, as the reference initiator sends it."""
         buf = s.ini.memory.register(bytearray(s.info.block_size if length is None else length),
                                     Access.REMOTE_WRITE)
-        flags = (F["ALLOW_UNSEALED"] if allow_unsealed else 0) | (0 if record else F["INVALIDATE"])
-        values = {"opcode": OP["LOAD"], "handle": h, "generation": generation, "flags": flags,
+        flags = (RequestFlag.ALLOW_UNSEALED if allow_unsealed else 0) | (0 if record else RequestFlag.INVALIDATE)
+        values = {"opcode": Opcode.LOAD, "handle": h, "generation": generation, "flags": flags,
                   "dd.stag": buf.stag, "dd.offset": 0, "dd.length": len(buf.buffer)}
         return values, [buf] + ([self._record(s, values)] if record else [])
 
@@ -74,36 +70,36 @@ class Steps(Exchanger):
                      generation: int = 0) -> tuple[dict[str, Any], list[MemoryRegion]]:
         """STORE or ALLOC_STORE, inline when the data fits Max Inline unless told."""
         inline = len(data) <= s.info.max_inline if inline is None else inline
-        values: dict[str, Any] = {"opcode": OP[op], "handle": h, "generation": generation,
-                                  "flags": F["SEAL"] if seal else 0}
+        values: dict[str, Any] = {"opcode": Opcode[op], "handle": h, "generation": generation,
+                                  "flags": RequestFlag.SEAL if seal else 0}
         regions = []
         if inline:
-            values.update({"flags": values["flags"] | F["INLINE"], "dd.stag": 0, "dd.offset": 0,
+            values.update({"flags": values["flags"] | RequestFlag.INLINE, "dd.stag": 0, "dd.offset": 0,
                            "dd.length": len(data), "inline_data": data})
         else:
             src = s.ini.memory.register(bytearray(data), Access.REMOTE_READ)
             regions.append(src)
             values.update({"dd.stag": src.stag, "dd.offset": 0, "dd.length": len(data)})
-            values["flags"] |= 0 if record else F["INVALIDATE"]
+            values["flags"] |= 0 if record else RequestFlag.INVALIDATE
         return values, regions + ([self._record(s, values)] if record else [])
 
     def free_values(self, s: Session, h: int, *, record: bool = False,
                     generation: int = 0) -> tuple[dict[str, Any], list[MemoryRegion]]:
-        values = {"opcode": OP["FREE"], "handle": h, "generation": generation, "flags": 0}
+        values = {"opcode": Opcode.FREE, "handle": h, "generation": generation, "flags": 0}
         return values, [self._record(s, values)] if record else []
 
     async def call(self, s: Session, values: dict[str, Any], regions: list[MemoryRegion],
                    stored: bytes | None = None) -> Reply:
         """One request whose buffers are the initiator's for this request only."""
         try:
-            return await self.request(s, values, stored=stored)
+            return await self.request(s, cast(AnyMessage, values), stored=stored)
         finally:
             for region in regions:
                 s.ini.memory.deregister(region.stag)
 
     async def bind(self, s: Session, h: int, ticket: int, length: int, block: int,
                    stored: bytes | None = None) -> Reply:
-        return await self.request(s, {"opcode": OP["BIND"], "handle": h, "generation": 0, "flags": 0,
+        return await self.request(s, {"opcode": Opcode.BIND, "handle": h, "generation": 0, "flags": 0,
                                       "bind.ticket": ticket, "bind.data_length": length,
                                       "bind.block_offset": block}, stored=stored)
 
@@ -137,29 +133,29 @@ class Steps(Exchanger):
         ini, info = s.ini, s.info
         rng = random.Random(step["seed"])
         handle = self.resolve(step["handle"], rng)
-        op = OP[step["op"]]
+        op = Opcode[step["op"]]
         regions = []
         values: dict[str, Any] = {"opcode": op, "request_id": self.rid(), "handle": handle,
                                   "generation": 0, "flags": 0}
         data = rng.randbytes(rng.choice([1, 8, 64, 512]))
-        if op == OP["LOAD"]:
+        if op == Opcode.LOAD:
             r = ini.memory.register(bytearray(info.block_size), Access.REMOTE_WRITE)
             regions.append(r)
-            values.update({"flags": F["ALLOW_UNSEALED"], "dd.stag": r.stag, "dd.offset": 0,
+            values.update({"flags": RequestFlag.ALLOW_UNSEALED, "dd.stag": r.stag, "dd.offset": 0,
                            "dd.length": info.block_size})
-        elif op in (OP["STORE"], OP["ALLOC_STORE"]):
-            flags = F["SEAL"] if rng.random() < 0.5 else 0
+        elif op in (Opcode.STORE, Opcode.ALLOC_STORE):
+            flags = RequestFlag.SEAL if rng.random() < 0.5 else 0
             if step["inline"]:
-                values.update({"flags": flags | F["INLINE"], "dd.length": len(data), "inline_data": data})
+                values.update({"flags": flags | RequestFlag.INLINE, "dd.length": len(data), "inline_data": data})
             else:
                 r = ini.memory.register(bytearray(data), Access.REMOTE_READ)
                 regions.append(r)
                 values.update({"flags": flags, "dd.stag": r.stag, "dd.offset": 0, "dd.length": len(data)})
-        if step["record"] and op != OP["BIND"]:
+        if step["record"] and op != Opcode.BIND:
             regions.append(self._record(s, values))
         taken: tuple[int, int] | None = None
         found: list[Finding] = []
-        if op == OP["BIND"]:
+        if op == Opcode.BIND:
             taken, found = await self.take(rng)
             ticket, block = taken or (s.known.next_ticket, next(iter(self.world.bound_blocks()), 0))
             values.update({"bind.ticket": ticket, "bind.data_length": 1, "bind.block_offset": block})
@@ -180,7 +176,7 @@ class Steps(Exchanger):
     # -- tickets (DIRECT_ALLOC) ----------------------------------------------------------
 
     def direct_alloc_granted(self, s: Session) -> bool:
-        return bool(s.info.features & DIRECT_ALLOC) and "head.stag" in s.info.fields and not s.known.spoiled
+        return bool(s.info.features & Feature.DIRECT_ALLOC) and "head.stag" in s.info.fields and not s.known.spoiled
 
     async def take(self, rng: random.Random | None) -> tuple[tuple[int, int] | None, list[Finding]]:
         """A real ticket and the block its slot holds, when DIRECT_ALLOC is granted (a
@@ -392,7 +388,7 @@ class Steps(Exchanger):
         try:
             for _ in range(count):
                 rid = self.rid()
-                payload = codec.encode({"opcode": OP["LOAD"], "request_id": rid, "handle": h, "flags": 0,
+                payload = codec.encode({"opcode": Opcode.LOAD, "request_id": rid, "handle": h, "flags": 0,
                                         "dd.stag": region.stag, "dd.offset": 0,
                                         "dd.length": ini.target.block_size}, ini.addr_le)
                 sent[rid] = (payload, *self.expectation(s, payload)[:2])
@@ -447,7 +443,7 @@ class Steps(Exchanger):
         for h in free[:need]:
             reply = await self.call(s, *self.store_values(s, "ALLOC_STORE", h, b"q" * rng.choice([1, 8]), inline=True))
             out += reply.findings
-            if reply.status == S["OK"]:
+            if reply.status == Status.OK:
                 bound.append(h)
             if reply.findings or reply.closed:
                 break                                  # one is enough: the rest would repeat it
@@ -491,7 +487,7 @@ class Steps(Exchanger):
         await asyncio.sleep(max(0.0, s.known.tickets[ticket].seen + wait - loop.time()))
         reply = await self.bind(s, free[0], ticket, 0, block)
         out += reply.findings
-        if reply.status != S["TICKET_ABANDONED"] or not s.alive:
+        if reply.status != Status.TICKET_ABANDONED or not s.alive:
             return out
         got = await self.carried_out("write", s.info.fields["partition.stag"], block, 1, random.Random(ticket))
         if got is not None:

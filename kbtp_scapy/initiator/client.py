@@ -11,25 +11,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
 from ..rnic import Access, MemoryTable, QueuePair, connect, memory_table
 from ..rnic.qp import ConnectionLost, FrameListener, Received
 from ..tables import memory as M
-from ..tables.enums import FEATURES, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
+from ..tables.enums import OPCODES
+from ..vocab import AnyMessage, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 from .direct import DirectModes
 from .results import KbtpError, Result, TargetInfo, Waiting, match_completion
 
 if TYPE_CHECKING:
     from scapy.packet import Packet  # raw() takes one; Scapy stays off the data path
 
-OP = OPCODES.by_name()
-F = {f.name: f.value for f in REQUEST_FLAGS.flags}
-ADDR_LE = flag(FEATURES, "ADDR_LE")
-DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
-ALL_FEATURES = sum(f.value for f in FEATURES.flags if f.name != "ADDR_LE")
-RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
+ALL_FEATURES = sum(f for f in Feature if f is not Feature.ADDR_LE)
 COMPLETION_BUFFER = 256          # HELLO_ACK with every descriptor is 152 octets
 
 
@@ -69,7 +66,7 @@ class Initiator(DirectModes):
                            frame_listeners=list(frame_listeners or ()), **options)
         self = cls(qp, memory, initiator_id or secrets.token_bytes(16), credits, invalidate)
         if not qp.atomics:           # an RDMA device without FetchAdd cannot take tickets
-            features &= ~DIRECT_ALLOC
+            features &= ~Feature.DIRECT_ALLOC
         qp.post_recv(credits)
         try:
             await self._hello(features)
@@ -82,24 +79,25 @@ class Initiator(DirectModes):
 
     async def _hello(self, features: int) -> None:
         await self.qp.send(codec.encode({
-            "opcode": OP["HELLO"], "hello.requested_features": features,
+            "opcode": Opcode.HELLO, "hello.requested_features": features,
             "hello.completion_credits": self.completion_credits,
             "hello.initiator_id": self.initiator_id}))
         msg = await self.qp.recv()
         self.qp.post_recv(1)
         self.hello_ack = msg.payload
         ack = codec.decode(msg.payload)
-        if ack["opcode"] != OP["HELLO_ACK"]:
-            raise KbtpError(STATUS.by_name()["MALFORMED"],
+        if ack["opcode"] != Opcode.HELLO_ACK:
+            raise KbtpError(Status.MALFORMED,
                             detail=f"expected HELLO_ACK, got {OPCODES.describe(ack['opcode'])}")
         if ack["status"]:
             raise KbtpError(ack["status"], detail="HELLO refused")
-        body = {k.split(".", 1)[1]: v for k, v in ack.items() if k.startswith("hello_ack.")}
+        fields: Mapping[str, Any] = ack        # its descriptors, read generically
+        body = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("hello_ack.")}
         self._target = TargetInfo(body.pop("features"), body.pop("request_credits"),
-                                 body.pop("block_size"), body.pop("max_inline"),
-                                 body.pop("allocation_quota"), body.pop("handle_base"),
+                                  body.pop("block_size"), body.pop("max_inline"),
+                                  body.pop("allocation_quota"), body.pop("handle_base"),
                                   body.pop("handle_count"), body.pop("ticket_timeout"), body)
-        self.addr_le = self._target.feature(ADDR_LE)
+        self.addr_le = self._target.feature(Feature.ADDR_LE)
         self._credits = asyncio.Semaphore(min(self._target.request_credits, self.completion_credits))
         self.qp.on_receive(self._receive)
 
@@ -130,7 +128,7 @@ class Initiator(DirectModes):
         elif not matched[0].done():         # a caller that gave up is cancelled already
             matched[0].set_result(matched[1])
 
-    async def _call(self, values: dict[str, Any], regions: list, record: bool) -> Result:
+    async def _call(self, values: AnyMessage, regions: list, record: bool) -> Result:
         """Send one request and wait for its completion; raises ``KbtpError`` on a status.
 
         The Send is unsignaled: its failure ends the connection, which fails the wait."""
@@ -163,9 +161,9 @@ class Initiator(DirectModes):
 
     def _flags(self, *, seal: bool = False, inline: bool = False, record: bool = False,
                allow_unsealed: bool = False, invalidate: bool = False) -> int:
-        return ((F["SEAL"] if seal else 0) | (F["INLINE"] if inline else 0)
-                | (F["RECORD"] if record else 0) | (F["ALLOW_UNSEALED"] if allow_unsealed else 0)
-                | (F["INVALIDATE"] if invalidate else 0))
+        return ((RequestFlag.SEAL if seal else 0) | (RequestFlag.INLINE if inline else 0)
+                | (RequestFlag.RECORD if record else 0) | (RequestFlag.ALLOW_UNSEALED if allow_unsealed else 0)
+                | (RequestFlag.INVALIDATE if invalidate else 0))
 
     # -- operations ----------------------------------------------------------------------
 
@@ -175,7 +173,7 @@ class Initiator(DirectModes):
         buf = self.memory.buffer(self.target.block_size if length is None else length)
         region = self.memory.register(buf, Access.REMOTE_WRITE)
         result = await self._call({
-            "opcode": OP["LOAD"], "handle": handle, "generation": generation,
+            "opcode": Opcode.LOAD, "handle": handle, "generation": generation,
             "flags": self._flags(allow_unsealed=allow_unsealed, record=record,
                                  invalidate=self.invalidate and not record),
             "dd.stag": region.stag, "dd.offset": region.base, "dd.length": len(buf)}, [region], record)
@@ -186,7 +184,7 @@ class Initiator(DirectModes):
                      inline: bool | None, record: bool) -> Result:
         if inline is None:
             inline = len(data) <= self.target.max_inline
-        values: dict[str, Any] = {"opcode": OP[opcode], "handle": handle, "generation": generation}
+        values: AnyMessage = {"opcode": Opcode[opcode], "handle": handle, "generation": generation}
         regions = []
         if inline:
             values.update({"dd.stag": 0, "dd.offset": 0, "dd.length": len(data), "inline_data": data})
@@ -211,12 +209,12 @@ class Initiator(DirectModes):
         return await self._store("ALLOC_STORE", handle, data, generation, seal, inline, record)
 
     async def free(self, handle: int, *, generation: int = 0, record: bool = False) -> Result:
-        return await self._call({"opcode": OP["FREE"], "handle": handle, "generation": generation,
+        return await self._call({"opcode": Opcode.FREE, "handle": handle, "generation": generation,
                                  "flags": self._flags(record=record)}, [], record)
 
     async def bind(self, handle: int, ticket: int, data_length: int, block_offset: int, *,
                    generation: int = 0) -> Result:
-        return await self._call({"opcode": OP["BIND"], "handle": handle, "generation": generation,
+        return await self._call({"opcode": Opcode.BIND, "handle": handle, "generation": generation,
                                  "bind.ticket": ticket, "bind.data_length": data_length,
                                  "bind.block_offset": block_offset}, [], False)
 
@@ -226,8 +224,8 @@ class Initiator(DirectModes):
         The target's close can overtake the acknowledgement of the GOODBYE itself (a lost
         ACK on RoCEv2): the connection ending is the answer either way."""
         try:
-            await self.qp.send(codec.encode({"opcode": OP["GOODBYE"],
-                                             "flags": RELEASE if release else 0}, self.addr_le))
+            await self.qp.send(codec.encode({"opcode": Opcode.GOODBYE,
+                                             "flags": GoodbyeFlag.RELEASE if release else 0}, self.addr_le))
             await asyncio.wait_for(self.qp.wait_closed(), 5)
         except (TimeoutError, ConnectionLost):
             pass

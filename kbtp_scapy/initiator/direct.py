@@ -11,17 +11,13 @@ from typing import TYPE_CHECKING
 
 from .. import codec, ring as counters
 from ..tables import RING_COUNTER, memory as M
-from ..tables.enums import ENTRY_FLAGS, STATUS, flag
+from ..vocab import AnyStruct, EntryFlag, Status
 from .results import KbtpError, Result, TargetInfo
 
 if TYPE_CHECKING:
     from ..rnic import QueuePair
 
 CONSUMED = M.SLOT_CONSUMED
-VALID, SEALED = flag(ENTRY_FLAGS, "VALID"), flag(ENTRY_FLAGS, "SEALED")
-_S = STATUS.by_name()
-NOT_VALID, NOT_SEALED, TOO_LARGE = _S["NOT_VALID"], _S["NOT_SEALED"], _S["TOO_LARGE"]
-NO_SPACE, INVALID_HANDLE, INTERNAL = _S["NO_SPACE"], _S["INVALID_HANDLE"], _S["INTERNAL"]
 
 
 class DirectModes:
@@ -39,10 +35,10 @@ class DirectModes:
     def _direct(self, key: str) -> tuple[int, int, int]:
         f = self.target.fields
         if f"{key}.stag" not in f:
-            raise KbtpError(INTERNAL, detail=f"the target did not grant the {key} descriptor")
+            raise KbtpError(Status.INTERNAL, detail=f"the target did not grant the {key} descriptor")
         return f[f"{key}.stag"], f[f"{key}.offset"], f[f"{key}.count"]
 
-    async def _entry(self, stag: int, offset: int) -> dict:
+    async def _entry(self, stag: int, offset: int) -> AnyStruct:
         raw = await self.qp.read(stag, offset, M.ENTRY_SIZE)
         return codec.decode_struct(M.TABLE_ENTRY, raw, self.addr_le)
 
@@ -52,23 +48,23 @@ class DirectModes:
         stag, base, count = self._direct("table")
         index = handle - self.target.fields["table_base_handle"]
         if not 0 <= index < count:
-            raise KbtpError(INVALID_HANDLE, detail="handle outside the table")
+            raise KbtpError(Status.INVALID_HANDLE, detail="handle outside the table")
         pool_stag = self._direct("pool")[0]
         at = base + index * M.ENTRY_SIZE
         for _ in range(attempts):
             first = await self._entry(stag, at)
             flags = first["entry.flags"]
-            if not flags & VALID:
-                raise KbtpError(NOT_VALID, detail="entry not VALID")
-            if not flags & SEALED:
-                raise KbtpError(NOT_SEALED, detail="entry not SEALED")
+            if not flags & EntryFlag.VALID:
+                raise KbtpError(Status.NOT_VALID, detail="entry not VALID")
+            if not flags & EntryFlag.SEALED:
+                raise KbtpError(Status.NOT_SEALED, detail="entry not SEALED")
             length = first["entry.data_length"]
             data = await self.qp.read(pool_stag, first["entry.block_offset"], length) if length else b""
             second = await self._entry(stag, at)
             if second == first:
                 return Result(0, 0, first["entry.generation"], length,
                               first["entry.block_offset"], data)
-        raise KbtpError(NOT_VALID, detail=f"entry kept changing over {attempts} attempts")
+        raise KbtpError(Status.NOT_VALID, detail=f"entry kept changing over {attempts} attempts")
 
     async def take_ticket(self) -> tuple[int, int]:
         """FetchAdd on our Head: (ticket, slot offset), masked on iWARP, unmasked on RoCEv2."""
@@ -97,12 +93,12 @@ class DirectModes:
             confirmed = slot["slot.block_offset"] if ready else None
             if not ready:
                 await asyncio.sleep(0.001)
-        raise KbtpError(NO_SPACE, detail=f"no block arrived for ticket {ticket}")
+        raise KbtpError(Status.NO_SPACE, detail=f"no block arrived for ticket {ticket}")
 
     async def direct_alloc(self, handle: int, data: bytes) -> Result:
         """FetchAdd on Head, read the slot, RDMA Write the data, then BIND."""
         if len(data) > self.target.block_size:
-            raise KbtpError(TOO_LARGE, detail="data larger than Block Size")
+            raise KbtpError(Status.TOO_LARGE, detail="data larger than Block Size")
         partition_stag = self._direct("partition")[0]
         ticket, offset = await self.take_ticket()
         block = await self.wait_slot(ticket, offset, self.target.ticket_timeout_ms / 2000)

@@ -9,9 +9,9 @@ from .. import codec
 from ..rnic.memory import MemoryRegion
 from ..rnic.qp import Received
 from ..tables import memory as M
-from ..tables.enums import OPCODES, STATUS
+from ..tables.enums import STATUS
+from ..vocab import Opcode
 
-COMPLETION = OPCODES.by_name()["COMPLETION"]
 Waiting = dict[int, tuple[asyncio.Future, MemoryRegion | None]]
 """Requests awaiting their answer: Request ID -> (future, completion-record region)."""
 
@@ -88,7 +88,7 @@ def match_completion(msg: Received, waiting: Waiting,
         c = codec.decode(msg.payload, addr_le)
     except codec.Malformed:
         return None
-    if c["opcode"] != COMPLETION or c["request_id"] not in waiting:
+    if c["opcode"] != Opcode.COMPLETION or c["request_id"] not in waiting:
         return None
     future, _ = waiting.pop(c["request_id"])
     return future, Result(c["request_id"], c["status"], c["generation"],

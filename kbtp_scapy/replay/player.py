@@ -24,8 +24,9 @@ from ..initiator.results import Waiting, match_completion
 from ..rnic import Access
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables import memory as M
+from ..vocab import AnyMessage, AnyStruct, Opcode
 from .mapping import Mapping
-from .sessions import OP, Capture, Outcome, Session, Step, slot_of
+from .sessions import Capture, Outcome, Session, Step, slot_of
 
 Pair = tuple[Outcome | None, Outcome]     # (captured, replayed) of a one-sided operation
 
@@ -184,7 +185,7 @@ class Player:
         self._record(played, event)
 
     async def _goodbye(self, live: _Live, step: Step, event: _Event) -> None:
-        values = {**step.fields, "request_id": step.fields.get("request_id", 0)}
+        values: AnyMessage = {**step.fields, "request_id": step.fields.get("request_id", 0)}
         await live.ini.qp.send(codec.encode(values, live.ini.addr_le))
 
         async def closed() -> None:
@@ -207,7 +208,7 @@ class Player:
                 raw[12:20] = self.mapping.handle(ses, f["handle"]).to_bytes(
                     8, "little" if ini.addr_le else "big")
             return bytes(raw), [], None, None
-        values = dict(f)
+        values = f.copy()
         regions, record, loaded = [], None, None
         if "handle" in values:
             values["handle"] = self.mapping.handle(ses, values["handle"])
@@ -224,7 +225,7 @@ class Player:
                                          base=values["cd.offset"])
             regions.append(record)
             values["cd.stag"] = record.stag
-        if f.get("opcode") == OP["BIND"]:
+        if f.get("opcode") == Opcode.BIND:
             key = (ses.index, values["bind.ticket"])
             values["bind.ticket"] = self.mapping.tickets.get(key, values["bind.ticket"])
             new = self.mapping.block(values["bind.block_offset"])
@@ -375,7 +376,7 @@ class Player:
         return step.captured, Outcome(ticket=ticket, form="fetch_add")
 
 
-def _entry_outcome(entry: dict) -> Outcome:
+def _entry_outcome(entry: AnyStruct) -> Outcome:
     return Outcome(generation=entry["entry.generation"], data_length=entry["entry.data_length"],
                    block_offset=entry["entry.block_offset"], flags=entry["entry.flags"], form="entry")
 

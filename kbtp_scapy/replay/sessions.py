@@ -11,6 +11,7 @@ and the frame its answer came in, which is what the player orders the replay by.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,12 +19,11 @@ from .. import codec
 from ..capture import rdma_messages, read_packets
 from ..layers.kbtp import looks_like_kbtp
 from ..tables import RING_COUNTER, memory as M
-from ..tables.enums import FEATURES, OPCODES, flag
+from ..tables.enums import OPCODES
+from ..vocab import AnyMessage, Feature, Opcode
 from ..wire.message import RdmaMessage
 
-OP = OPCODES.by_name()
-ADDR_LE = flag(FEATURES, "ADDR_LE")
-REQUESTS = {OP[n] for n in ("LOAD", "STORE", "ALLOC_STORE", "FREE", "BIND")}
+REQUESTS = {Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND}
 DIRECT_REGIONS = ("table", "pool", "partition", "ring", "head")
 MAX_BLOCK = 1 << 24    # the largest Block Size replay makes buffers for (16 MiB)
 
@@ -54,7 +54,7 @@ class Step:
     kind: str                          # request, goodbye, read, write, fetch_add
     frame: int
     time: float
-    fields: dict[str, Any] = field(default_factory=dict)   # decoded request
+    fields: AnyMessage = field(default_factory=AnyMessage)   # decoded request
     payload: bytes = b""               # the captured Send (used when it did not decode)
     error: str | None = None           # decoder's complaint about the request
     region: str | None = None          # one-sided: HELLO_ACK descriptor it uses
@@ -84,11 +84,11 @@ class Session:
     index: int
     transport: str
     request_conn: tuple
-    hello: dict[str, Any]
+    hello: AnyMessage
     frame: int
     time: float
     reply_conn: tuple | None = None
-    ack: dict[str, Any] = field(default_factory=dict)
+    ack: AnyMessage = field(default_factory=AnyMessage)
     ack_frame: float = float("inf")
     addr_le: bool = False
     steps: list[Step] = field(default_factory=list)
@@ -102,10 +102,11 @@ class Session:
         return self.hello.get("hello.initiator_id", b"")
 
     def descriptor(self, name: str) -> tuple[int, int, int] | None:
-        stag = self.ack.get(f"hello_ack.{name}.stag")
+        ack: Mapping[str, Any] = self.ack      # the descriptor named at run time
+        stag = ack.get(f"hello_ack.{name}.stag")
         if stag is None:
             return None
-        return stag, self.ack[f"hello_ack.{name}.offset"], self.ack[f"hello_ack.{name}.count"]
+        return stag, ack[f"hello_ack.{name}.offset"], ack[f"hello_ack.{name}.count"]
 
     @property
     def handle_range(self) -> range:
@@ -180,10 +181,10 @@ class _Builder:
         if kbtp:
             header = codec.decode_header(msg.payload[:24]) if len(msg.payload) >= 24 else {}
             opcode = header.get("opcode")
-            if opcode == OP["HELLO"]:
+            if opcode == Opcode.HELLO:
                 self.hello(msg)
                 return
-            if opcode == OP["HELLO_ACK"] and self.hello_ack(msg):
+            if opcode == Opcode.HELLO_ACK and self.hello_ack(msg):
                 return
         if owner is None:
             return
@@ -229,7 +230,7 @@ class _Builder:
             ses.ack = exc.fields
             ses.notes.append(f"HELLO_ACK malformed: {exc.reason}")
         ses.ack_frame = msg.frames[-1]
-        ses.addr_le = bool(ses.ack.get("hello_ack.features", 0) & ADDR_LE) and not ses.ack.get("status")
+        ses.addr_le = bool(ses.ack.get("hello_ack.features", 0) & Feature.ADDR_LE) and not ses.ack.get("status")
         return True
 
     # -- initiator to target ---------------------------------------------------------------
@@ -254,15 +255,15 @@ class _Builder:
             fields = codec.decode(msg.payload, ses.addr_le)
         except codec.Malformed as exc:
             fields, error = exc.fields, exc.reason
-        kind = "goodbye" if fields.get("opcode") == OP["GOODBYE"] else "request"
+        kind = "goodbye" if fields.get("opcode") == Opcode.GOODBYE else "request"
         step = Step(ses, kind, frame, t, fields, msg.payload, error)
         opcode = fields.get("opcode")
         # A block's data is at most Block Size: buffers are sized by that (and a sane cap on
         # it), never by a length field alone, which a damaged capture may set to gigabytes.
         most = min(ses.ack.get("hello_ack.block_size", 0) or MAX_BLOCK, MAX_BLOCK)
-        if opcode in (OP["LOAD"],) and "dd.length" in fields:
+        if opcode in (Opcode.LOAD,) and "dd.length" in fields:
             step.loaded = bytearray(min(fields["dd.length"], most))
-        if opcode in (OP["STORE"], OP["ALLOC_STORE"]) and fields.get("dd.stag") and \
+        if opcode in (Opcode.STORE, Opcode.ALLOC_STORE) and fields.get("dd.stag") and \
                 "inline_data" not in fields:
             step.supplied = bytearray(min(fields.get("dd.length", 0), most))
         if kind == "goodbye":
@@ -339,7 +340,7 @@ class _Builder:
             c = codec.decode(msg.payload, ses.addr_le)
         except codec.Malformed as exc:
             c = exc.fields
-        if c.get("opcode") != OP["COMPLETION"]:
+        if c.get("opcode") != Opcode.COMPLETION:
             ses.notes.append(f"frame {msg.frames[-1]}: the target sent "
                              f"{OPCODES.describe(c.get('opcode', -1))}")
             return

@@ -1,7 +1,8 @@
 """The single source of truth for every KBTP layout, enumeration and byte order.
 
 The Scapy layers (``kbtp_scapy.layers``), the codec (``kbtp_scapy.codec``), the Lua
-dissector and the field reference are all generated from what this package declares.
+dissector, the field reference and the Python vocabulary (``kbtp_scapy.vocab``: enums and
+message records, written by ``generate``) are all generated from what this package declares.
 """
 from .enums import (
                     ENTRY_FLAGS,

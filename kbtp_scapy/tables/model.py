@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 
 class Order(enum.Enum):
@@ -91,6 +92,43 @@ class FlagSet:
         if rest & ~self.private_use_mask:
             out.append(f"UNDEFINED(0x{rest & ~self.private_use_mask:x})")
         return out
+
+
+_INT_OPERATORS = ("__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__")
+
+
+class _WireFlagType(enum.EnumType):
+    """Gives every flag class int's bitwise operators, which EnumType replaces with Flag's
+    in each class it builds."""
+
+    def __new__(metacls, cls: str, bases: tuple[type, ...], classdict: enum._EnumDict,
+                **kwds: Any) -> _WireFlagType:
+        flags = super().__new__(metacls, cls, bases, classdict, **kwds)
+        for op in _INT_OPERATORS:
+            setattr(flags, op, getattr(int, op))
+        return flags
+
+
+class WireFlag(enum.IntFlag, metaclass=_WireFlagType):
+    """Base of the generated flag sets (``kbtp_scapy.vocab``): bits of a word of a
+    message, where bits the set does not declare (Private Use, undefined) are data too.
+
+    A member is an int with a name (``Feature.ADDR_LE.name``, ``Feature["ADDR_LE"]``,
+    ``list(Feature)``). Bitwise operators give plain ints, as the int constants these
+    classes replaced did: ``~RequestFlag.INLINE`` is -2, which keeps every other bit of
+    the word, where IntFlag's own complement keeps only the declared bits; and ``&`` and
+    ``|`` run at int speed on the data paths (Flag's take half a microsecond). The names
+    of a whole word are the table's: ``FlagSet.names``.
+    """
+
+    if TYPE_CHECKING:
+        def __and__(self, other: int) -> int: ...  # type: ignore[override]
+        def __rand__(self, other: int) -> int: ...  # type: ignore[override]
+        def __or__(self, other: int) -> int: ...  # type: ignore[override]
+        def __ror__(self, other: int) -> int: ...  # type: ignore[override]
+        def __xor__(self, other: int) -> int: ...  # type: ignore[override]
+        def __rxor__(self, other: int) -> int: ...  # type: ignore[override]
+        def __invert__(self) -> int: ...  # type: ignore[override]
 
 
 @dataclass(frozen=True)

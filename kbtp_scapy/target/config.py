@@ -5,12 +5,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from ..rnic.memory import ByteOrder
-from ..tables.enums import FEATURES, flag
-
-DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
-DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
-RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
-ADDR_LE = flag(FEATURES, "ADDR_LE")
+from ..vocab import Feature
 
 #: Who may be offered the direct modes unless told otherwise: this host's own peers only
 #: (docs/DECISIONS.md, "Trust for the direct modes").
@@ -33,7 +28,7 @@ class TargetConfig:
 
     blocks: int = 1024
     block_size: int = 4096
-    features: int = DIRECT_LOAD | DIRECT_ALLOC | RECORD_COMPLETION
+    features: int = Feature.DIRECT_LOAD | Feature.DIRECT_ALLOC | Feature.RECORD_COMPLETION
     addr_le: bool = False
     max_initiators: int = 8
     quota: int = 0                   # 0: blocks // max_initiators
@@ -66,7 +61,7 @@ class TargetConfig:
         if not self.handles_per_initiator:
             self.handles_per_initiator = max(16, 2 * self.quota)
         if self.direct_partitions < 0:
-            self.direct_partitions = self.max_initiators // 2 if self.features & DIRECT_ALLOC else 0
+            self.direct_partitions = self.max_initiators // 2 if self.features & Feature.DIRECT_ALLOC else 0
         self.max_inline = min(self.max_inline, self.block_size)
         self._trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 

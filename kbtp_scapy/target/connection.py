@@ -18,16 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .. import codec
 from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ConnectionLost, QueuePair, Received, RemoteError
 from ..tables import memory as M
-from ..tables.enums import GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
+from ..vocab import AnyMessage, Feature, GoodbyeFlag, HelloAck, Opcode, RequestFlag, Status
 from ..wire.address import Address
 from .backlog import Backlog
-from .config import ADDR_LE, DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION
 from .direct import TicketWatch, grant_direct_load, grant_partition
 from .liveness import Liveness
 from .operations import Executor, Outcome
@@ -38,12 +37,6 @@ if TYPE_CHECKING:
     from .server import Target
 
 log = logging.getLogger("kbtp.target")
-OP = OPCODES.by_name()
-S = STATUS.by_name()
-RECORD = flag(REQUEST_FLAGS, "RECORD")
-INVALIDATE = flag(REQUEST_FLAGS, "INVALIDATE")
-RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
-INLINE = flag(REQUEST_FLAGS, "INLINE")
 
 
 def peer_of(qp: QueuePair) -> str:
@@ -135,58 +128,58 @@ class Connection:
             hello = codec.decode(msg.payload)
         except codec.Malformed:
             hello = None
-        if hello is None or hello["opcode"] != OP["HELLO"] or not hello["hello.completion_credits"]:
+        if hello is None or hello["opcode"] != Opcode.HELLO or not hello["hello.completion_credits"]:
             # Completion Credits 0: no COMPLETION could reach the initiator, so no request
             # could be answered (docs/DECISIONS.md, "A HELLO with no Completion Credits").
             t.metrics.hello("MALFORMED")
-            await self._hello_ack(S["MALFORMED"], {})
+            await self._hello_ack(Status.MALFORMED, {})
             return False
         requested = hello["hello.requested_features"]
         offered = t.offered_features(self.qp)
         ident = bytes(hello["hello.initiator_id"])
         try:
             try:
-                self._state, restored = t.sessions.admit(ident, bool(requested & offered & DIRECT_ALLOC))
+                self._state, restored = t.sessions.admit(ident, bool(requested & offered & Feature.DIRECT_ALLOC))
             except Refused as refusal:
                 if refusal.status != "ALREADY_BOUND" or not await self._gone(ident):
                     raise
-                self._state, restored = t.sessions.admit(ident, bool(requested & offered & DIRECT_ALLOC))
+                self._state, restored = t.sessions.admit(ident, bool(requested & offered & Feature.DIRECT_ALLOC))
         except Refused as refusal:
             t.metrics.hello(refusal.status)
             log.info("HELLO refused: %s", refusal)
-            await self._hello_ack(S[refusal.status], {})
+            await self._hello_ack(Status[refusal.status], {})
             return False
         self.state.qp = self.qp
         self.state.heard_at = asyncio.get_running_loop().time()
         t.metrics.hello("OK")
-        features = requested & offered & ~ADDR_LE
+        features = requested & offered & ~Feature.ADDR_LE
         if t.config.addr_le:
-            features |= ADDR_LE
-        fields: dict[str, Any] = {}
-        if features & DIRECT_LOAD:
+            features |= Feature.ADDR_LE
+        fields: HelloAck = {}
+        if features & Feature.DIRECT_LOAD:
             try:
                 granted, self.windows = grant_direct_load(t.memory, self.qp)
                 fields.update(granted)
             except OSError as exc:        # the RDMA device cannot register it
                 log.warning("DIRECT_LOAD not granted to %s: %s", self.peer, exc)
-                features &= ~DIRECT_LOAD
+                features &= ~Feature.DIRECT_LOAD
         part = self.state.partition
         windows: list[MemoryRegion] = []
-        if features & DIRECT_ALLOC and part is not None and not self.state.direct_disabled:
+        if features & Feature.DIRECT_ALLOC and part is not None and not self.state.direct_disabled:
             try:
                 granted, windows = grant_partition(t.memory, part, self.qp)
                 fields.update(granted)
                 self.windows += windows
             except OSError as exc:
                 log.warning("DIRECT_ALLOC not granted to %s: %s", self.peer, exc)
-                features &= ~DIRECT_ALLOC
+                features &= ~Feature.DIRECT_ALLOC
         else:
-            features &= ~DIRECT_ALLOC
+            features &= ~Feature.DIRECT_ALLOC
         if part is not None and self.state.watch is None:
             self.state.watch = TicketWatch(self.state, t.rnic_memory, t.config.ticket_timeout_ms)
         if self.state.watch is not None:
             self.state.watch.windows = windows
-        self.features, self.addr_le = features, bool(features & ADDR_LE)
+        self.features, self.addr_le = features, bool(features & Feature.ADDR_LE)
         self.state.features = features
         c = t.config
         # never more requests in flight than the initiator can take COMPLETIONs for
@@ -222,9 +215,9 @@ class Connection:
             await asyncio.sleep(0.01)
         return not state.active
 
-    async def _hello_ack(self, status: int, body: dict[str, Any]) -> None:
-        values = {"opcode": OP["HELLO_ACK"], "status": status, "hello_ack.features": 0, **body}
-        await self.qp.send(codec.encode(values))
+    async def _hello_ack(self, status: int, body: HelloAck) -> None:
+        await self.qp.send(codec.encode({"opcode": Opcode.HELLO_ACK, "status": status, "hello_ack.features": 0,
+                                         **body}))
 
     # -- requests ------------------------------------------------------------------------
 
@@ -236,7 +229,7 @@ class Connection:
         while every check and every change of the table and rings still happens in order.
         """
         t = self.target
-        batch: deque[tuple[dict[str, Any], asyncio.Future | None, str]] = deque()
+        batch: deque[tuple[AnyMessage, asyncio.Future | None, str]] = deque()
         loop = asyncio.get_running_loop()
         while True:
             msg: Received | None = await self.qp.recv()
@@ -254,15 +247,15 @@ class Connection:
                 opcode = req["opcode"]
                 if self.backlog.over:
                     await self._throttle()
-                if why and req["flags"] & INLINE:       # decision 5 before decision 4
-                    outcome, why = t.executor.failure(S["TOO_LARGE"], req["handle"]), ""
+                if why and req["flags"] & RequestFlag.INLINE:       # decision 5 before decision 4
+                    outcome, why = t.executor.failure(Status.TOO_LARGE, req["handle"]), ""
                 elif why:
-                    outcome = Outcome(S["MALFORMED"])
-                elif opcode == OP["GOODBYE"]:
+                    outcome = Outcome(Status.MALFORMED)
+                elif opcode == Opcode.GOODBYE:
                     t.metrics.operation(opcode, 0)
-                    return bool(req["flags"] & RELEASE)
+                    return bool(req["flags"] & GoodbyeFlag.RELEASE)
                 elif not Executor.handles(opcode):
-                    outcome, why = Outcome(S["MALFORMED"]), "not a request opcode"
+                    outcome, why = Outcome(Status.MALFORMED), "not a request opcode"
                 else:
                     outcome = await t.executor.run(self, req, fetch)
                 # The receive buffer goes back before the completion that hands the credit
@@ -271,17 +264,17 @@ class Connection:
                 self.qp.post_recv(1)
                 self._complete(req, outcome, why)
 
-    def _malformed(self, payload: bytes, fields: dict[str, Any]) -> dict[str, Any]:
+    def _malformed(self, payload: bytes, fields: AnyMessage) -> AnyMessage:
         """Echo the Request ID and Block Handle of a request that cannot be parsed, as far
         as the octets reach (docs/NOTES.md decision 4); what is missing is zero. The
         flags stay when INLINE declares a Length over Max Inline or the Block Size, which
         ``_requests`` answers with TOO_LARGE whatever follows (decision 5)."""
         head = codec.decode_header(payload.ljust(codec.HEADER_SIZE, b"\0"), self.addr_le)
-        out = {"opcode": head["opcode"], "flags": 0,
+        out: AnyMessage = {"opcode": head["opcode"], "flags": 0,
                "request_id": head["request_id"] if len(payload) >= 12 else 0,
                "handle": head["handle"] if len(payload) >= 20 else 0}
         limit = min(self.target.config.max_inline, self.target.config.block_size)
-        if (out["opcode"] in (OP["STORE"], OP["ALLOC_STORE"]) and fields.get("flags", 0) & INLINE
+        if (out["opcode"] in (Opcode.STORE, Opcode.ALLOC_STORE) and fields.get("flags", 0) & RequestFlag.INLINE
                 and fields.get("dd.length", 0) > limit):
             out["flags"] = fields["flags"]
         return out
@@ -309,14 +302,14 @@ class Connection:
         log.info("connection from %s terminated: %s", self.peer, why)
         self.qp.abort(why)
 
-    def _complete(self, req: dict[str, Any], outcome: Outcome, why: str = "") -> None:
+    def _complete(self, req: AnyMessage, outcome: Outcome, why: str = "") -> None:
         t = self.target
         signaled = self.backlog.signal_next
         t.metrics.operation(req["opcode"], outcome.status)
         if why:
             log.debug("request %d: MALFORMED (%s)", req["request_id"], why)
         flags = req["flags"] if Executor.handles(req["opcode"]) else 0
-        if flags & RECORD and self.features & RECORD_COMPLETION and "cd.stag" in req:
+        if flags & RequestFlag.RECORD and self.features & Feature.RECORD_COMPLETION and "cd.stag" in req:
             record = codec.encode_struct(M.COMPLETION_RECORD, {
                 "record.request_id": req["request_id"], "record.status": outcome.status,
                 "record.generation": outcome.generation, "record.data_length": outcome.data_length,
@@ -326,15 +319,15 @@ class Connection:
                 signaled=signaled))
             return
         completion = codec.encode({
-            "opcode": OP["COMPLETION"], "request_id": req["request_id"], "handle": req["handle"],
+            "opcode": Opcode.COMPLETION, "request_id": req["request_id"], "handle": req["handle"],
             "generation": outcome.generation, "status": outcome.status,
             "completion.data_length": outcome.data_length, "completion.reserved": 0,
             "completion.block_offset": outcome.block_offset}, self.addr_le)
-        stag = req.get("dd.stag", 0) if flags & INVALIDATE else 0
+        stag = req.get("dd.stag", 0) if flags & RequestFlag.INVALIDATE else 0
         self.backlog.posted(len(completion) + self._data_octets(req, outcome),
                             self.qp.send(completion, invalidate=stag or None, signaled=signaled))
 
     @staticmethod
-    def _data_octets(req: dict[str, Any], outcome: Outcome) -> int:
+    def _data_octets(req: AnyMessage, outcome: Outcome) -> int:
         """The LOAD data written in front of an answer."""
-        return outcome.data_length if req["opcode"] == OP["LOAD"] and not outcome.status else 0
+        return outcome.data_length if req["opcode"] == Opcode.LOAD and not outcome.status else 0

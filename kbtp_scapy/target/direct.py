@@ -15,20 +15,20 @@ connection (another initiator, or the same one after a reconnect) can use it.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from ..rnic.memory import Access, MemoryRegion, MemoryTable
 from ..rnic.qp import QueuePair
+from ..vocab import HelloAck
 from .pool import Partition, TargetMemory
 from .sessions import InitiatorState
 
 
-def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[dict[str, Any], list[MemoryRegion]]:
+def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[HelloAck, list[MemoryRegion]]:
     """HELLO_ACK fields and windows for DIRECT_LOAD: table and pool, read-only."""
     rnic: MemoryTable = memory.memory
     table, pool = _register(rnic, qp, (memory.table_buffer, Access.REMOTE_READ, {}),
                             (memory.pool, Access.REMOTE_READ, {"base": memory.pool_base}))
-    fields = {
+    fields: HelloAck = {
         "hello_ack.table.stag": table.stag, "hello_ack.table.offset": table.base,
         "hello_ack.table.count": memory.table.count,
         "hello_ack.table_base_handle": memory.table.base_handle, "hello_ack.reserved": 0,
@@ -38,7 +38,7 @@ def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[dict[str, An
     return fields, [table, pool]
 
 
-def grant_partition(memory: TargetMemory, part: Partition, qp: QueuePair) -> tuple[dict[str, Any], list[MemoryRegion]]:
+def grant_partition(memory: TargetMemory, part: Partition, qp: QueuePair) -> tuple[HelloAck, list[MemoryRegion]]:
     """HELLO_ACK fields and windows for DIRECT_ALLOC: the partition (write), its ring's
     slots (read) and its Head (atomic)."""
     window, ring, head = _register(
@@ -47,7 +47,7 @@ def grant_partition(memory: TargetMemory, part: Partition, qp: QueuePair) -> tup
                                             "length": part.blocks * memory.block_size,
                                             "base": part.first}),
         (part.slots, Access.REMOTE_READ, {}), (part.heads.obj, Access.REMOTE_ATOMIC, {"length": 8}))
-    fields = {
+    fields: HelloAck = {
         "hello_ack.partition.stag": window.stag, "hello_ack.partition.offset": window.base,
         "hello_ack.partition.count": part.blocks,
         "hello_ack.ring.stag": ring.stag, "hello_ack.ring.offset": ring.base,

@@ -10,22 +10,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..tables.enums import OPCODES, REQUEST_FLAGS, STATUS, flag
+from ..vocab import AnyMessage, EntryFlag, Opcode, RequestFlag, Status
 from .pool import TargetMemory
 from .ring import FreeRing
 from .sessions import InitiatorState
-from .table import SEALED, Entry
+from .table import Entry
 
 if TYPE_CHECKING:
     from .connection import Connection
-
-S = STATUS.by_name()
-OP = OPCODES.by_name()
-INLINE = flag(REQUEST_FLAGS, "INLINE")
-SEAL = flag(REQUEST_FLAGS, "SEAL")
-ALLOW_UNSEALED = flag(REQUEST_FLAGS, "ALLOW_UNSEALED")
 
 
 @dataclass
@@ -41,7 +35,7 @@ class Outcome:
 class Failed(Exception):
     def __init__(self, status: str):
         super().__init__(status)
-        self.status = S[status]
+        self.status = Status[status]
 
 
 Pause = Callable[[int], Awaitable[None]]
@@ -71,7 +65,7 @@ class Executor:
         self.before_slot_read: Pause | None = None   # test hook: pause after FetchAdd on Head
         self.allocate_timeout = 5.0     # a slot that never fills is a target failure (INTERNAL)
 
-    async def run(self, conn: Connection, req: dict[str, Any],
+    async def run(self, conn: Connection, req: AnyMessage,
                   fetch: asyncio.Future | None = None) -> Outcome:
         """Execute one request; ``fetch`` is its data's RDMA Read if ``prefetch`` began it."""
         handler = self._handlers[req["opcode"]]
@@ -82,12 +76,12 @@ class Executor:
                 await _settled(fetch)
             return self.failure(failure.status, req["handle"])
 
-    def prefetch(self, conn: Connection, req: dict[str, Any]) -> asyncio.Future | None:
+    def prefetch(self, conn: Connection, req: AnyMessage) -> asyncio.Future | None:
         """Start the RDMA Read of a store's data as the request arrives, when the checks
         that no earlier request can change (opcode, range, length) already pass. Reading
         the initiator's buffer has no effect on the target, so a read wasted on a request
         that then fails a later check is harmless."""
-        if req["opcode"] not in (OP["STORE"], OP["ALLOC_STORE"]) or req["flags"] & INLINE:
+        if req["opcode"] not in (Opcode.STORE, Opcode.ALLOC_STORE) or req["flags"] & RequestFlag.INLINE:
             return None
         length = req["dd.length"]
         if not 0 < length <= self.block_size or not conn.state.owns(req["handle"]):
@@ -102,7 +96,7 @@ class Executor:
 
     # -- shared checks -------------------------------------------------------------------
 
-    def _entry(self, req: dict[str, Any], own: InitiatorState | None) -> Entry:
+    def _entry(self, req: AnyMessage, own: InitiatorState | None) -> Entry:
         """Range (own range when ``own``), then Generation; returns the entry."""
         handle = req["handle"]
         if handle not in self.table or (own is not None and not own.owns(handle)):
@@ -112,16 +106,16 @@ class Executor:
             raise Failed("STALE_GENERATION")
         return entry
 
-    def _store_length(self, req: dict[str, Any]) -> int:
+    def _store_length(self, req: AnyMessage) -> int:
         length = req["dd.length"]
-        if length > self.block_size or (req["flags"] & INLINE and length > self.max_inline):
+        if length > self.block_size or (req["flags"] & RequestFlag.INLINE and length > self.max_inline):
             raise Failed("TOO_LARGE")    # docs/NOTES.md decision 5
         return length
 
-    async def _data(self, conn: Connection, req: dict[str, Any], length: int,
+    async def _data(self, conn: Connection, req: AnyMessage, length: int,
                     fetch: asyncio.Future | None) -> bytes:
         """The store's data: inline, or RDMA Read from the initiator's Data Descriptor."""
-        if req["flags"] & INLINE:
+        if req["flags"] & RequestFlag.INLINE:
             return req.get("inline_data", b"")
         if not length:
             return b""
@@ -129,12 +123,12 @@ class Executor:
 
     # -- operations ----------------------------------------------------------------------
 
-    async def load(self, conn: Connection, req: dict[str, Any],
+    async def load(self, conn: Connection, req: AnyMessage,
                   fetch: asyncio.Future | None = None) -> Outcome:
         entry = self._entry(req, None)
         if not entry.valid:
             raise Failed("NOT_VALID")
-        if not entry.sealed and not req["flags"] & ALLOW_UNSEALED:
+        if not entry.sealed and not req["flags"] & RequestFlag.ALLOW_UNSEALED:
             raise Failed("NOT_SEALED")
         if entry.data_length > req["dd.length"]:
             raise Failed("TOO_LARGE")
@@ -144,7 +138,7 @@ class Executor:
                           signaled=False)
         return Outcome(0, entry.generation, entry.data_length, entry.block_offset)
 
-    async def store(self, conn: Connection, req: dict[str, Any],
+    async def store(self, conn: Connection, req: AnyMessage,
                    fetch: asyncio.Future | None = None) -> Outcome:
         length = self._store_length(req)
         entry = self._entry(req, conn.state)
@@ -154,11 +148,11 @@ class Executor:
             raise Failed("SEALED")
         data = await self._data(conn, req, length, fetch)
         self.memory.block(entry.block_offset, len(data))[:] = data
-        flags = entry.flags | (SEALED if req["flags"] & SEAL else 0)
+        flags = entry.flags | (EntryFlag.SEALED if req["flags"] & RequestFlag.SEAL else 0)
         self.table.write(req["handle"], Entry(flags, entry.generation, len(data), entry.block_offset))
         return Outcome(0, entry.generation, len(data), entry.block_offset)
 
-    async def alloc_store(self, conn: Connection, req: dict[str, Any],
+    async def alloc_store(self, conn: Connection, req: AnyMessage,
                          fetch: asyncio.Future | None = None) -> Outcome:
         length = self._store_length(req)
         state = conn.state
@@ -179,7 +173,7 @@ class Executor:
         finally:
             state.tickets -= 1
         self.memory.block(block, len(data))[:] = data
-        bound = self.table.bind(req["handle"], block, len(data), bool(req["flags"] & SEAL))
+        bound = self.table.bind(req["handle"], block, len(data), bool(req["flags"] & RequestFlag.SEAL))
         state.bound.add(req["handle"])
         return Outcome(0, bound.generation, len(data), block)
 
@@ -196,7 +190,7 @@ class Executor:
                 await hook(ticket)
         return pause
 
-    async def free(self, conn: Connection, req: dict[str, Any],
+    async def free(self, conn: Connection, req: AnyMessage,
                   fetch: asyncio.Future | None = None) -> Outcome:
         entry = self._entry(req, conn.state)
         if not entry.valid:
@@ -213,7 +207,7 @@ class Executor:
             self.memory.block(block)[:] = bytes(self.block_size)
         ring.free(block)
 
-    async def bind(self, conn: Connection, req: dict[str, Any],
+    async def bind(self, conn: Connection, req: AnyMessage,
                   fetch: asyncio.Future | None = None) -> Outcome:
         state, watch = conn.state, conn.state.watch
         if watch is None:
@@ -240,8 +234,9 @@ class Executor:
         state.bound.add(req["handle"])
         return Outcome(0, bound.generation, length, block)
 
-    _handlers = {OP["LOAD"]: load, OP["STORE"]: store, OP["ALLOC_STORE"]: alloc_store,
-                 OP["FREE"]: free, OP["BIND"]: bind}
+    _handlers: dict[int, Callable[[Executor, Connection, AnyMessage, asyncio.Future | None], Awaitable[Outcome]]]
+    _handlers = {Opcode.LOAD: load, Opcode.STORE: store, Opcode.ALLOC_STORE: alloc_store,
+                 Opcode.FREE: free, Opcode.BIND: bind}
 
     @classmethod
     def handles(cls, opcode: int) -> bool:

@@ -9,8 +9,8 @@ from dataclasses import replace
 from ..rnic import Address, Listener, QueuePair, listen, memory_table, parse_url
 from ..rnic.admission import HalfOpen
 from ..rnic.qp import FrameListener
-from ..tables.enums import FEATURES, flag
-from .config import DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION, TargetConfig
+from ..vocab import Feature
+from .config import TargetConfig
 from .connection import Connection
 from .metrics import Metrics
 from .operations import Executor
@@ -52,9 +52,9 @@ class Target:
     def features(self) -> int:
         """What a HELLO_ACK of this target may grant: RECORD_COMPLETION never over RDMAP
         (spec "Completion"); ADDR_LE is ours to set."""
-        offered = self.config.features & (DIRECT_LOAD | DIRECT_ALLOC | RECORD_COMPLETION)
+        offered = self.config.features & (Feature.DIRECT_LOAD | Feature.DIRECT_ALLOC | Feature.RECORD_COMPLETION)
         if self.transport == "iwarp":
-            offered &= ~RECORD_COMPLETION
+            offered &= ~Feature.RECORD_COMPLETION
         return offered & ~self.unavailable
 
     def offered_features(self, qp: QueuePair) -> int:
@@ -62,7 +62,7 @@ class Target:
         for a peer outside ``--trust``."""
         if self.config.trusts(qp.remote[0]):
             return self.features
-        return self.features & ~(DIRECT_LOAD | DIRECT_ALLOC)
+        return self.features & ~(Feature.DIRECT_LOAD | Feature.DIRECT_ALLOC)
 
     async def start(self, url: str | Address, **options) -> Address:
         address = url if isinstance(url, Address) else parse_url(url)
@@ -75,10 +75,10 @@ class Target:
                                      frame_listeners=self.frame_listeners,
                                      **{**limits, **options})
         for name, why in getattr(self.listener, "lacks", {}).items():
-            if self.config.features & flag(FEATURES, name):
+            if self.config.features & Feature[name]:
                 log.info("not offering %s: %s", name, why)
-                self.unavailable |= flag(FEATURES, name)
-        if self.unavailable & DIRECT_ALLOC and self.config.direct_partitions:
+                self.unavailable |= Feature[name]
+        if self.unavailable & Feature.DIRECT_ALLOC and self.config.direct_partitions:
             # No session can have a partition: their blocks go back to the shared ring
             # (nothing was served yet, so the memory is built again).
             self.config = replace(self.config, direct_partitions=0)

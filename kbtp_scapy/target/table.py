@@ -10,10 +10,8 @@ from dataclasses import dataclass
 
 from .. import codec
 from ..tables import memory as M
-from ..tables.enums import ENTRY_FLAGS, flag
+from ..vocab import EntryFlag
 
-VALID = flag(ENTRY_FLAGS, "VALID")
-SEALED = flag(ENTRY_FLAGS, "SEALED")
 UNBOUND_OFFSET = M.SLOT_CONSUMED   # docs/NOTES.md decision 1: a never-bound entry's Block Offset
 
 
@@ -26,11 +24,11 @@ class Entry:
 
     @property
     def valid(self) -> bool:
-        return bool(self.flags & VALID)
+        return bool(self.flags & EntryFlag.VALID)
 
     @property
     def sealed(self) -> bool:
-        return bool(self.flags & SEALED)
+        return bool(self.flags & EntryFlag.SEALED)
 
 
 def next_generation(generation: int) -> int:
@@ -73,7 +71,7 @@ class BlockTable:
 
     def bind(self, handle: int, block_offset: int, data_length: int, sealed: bool) -> Entry:
         entry = self.read(handle)
-        bound = Entry(VALID | (SEALED if sealed else 0), next_generation(entry.generation),
+        bound = Entry(EntryFlag.VALID | (EntryFlag.SEALED if sealed else 0), next_generation(entry.generation),
                       data_length, block_offset)
         self.write(handle, bound)
         return bound

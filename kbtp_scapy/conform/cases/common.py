@@ -6,18 +6,10 @@ import os
 from ...initiator import Initiator, Result
 from ...rnic import Access
 from ...rnic.memory import MemoryRegion
-from ...tables.enums import ENTRY_FLAGS, FEATURES, OPCODES, REQUEST_FLAGS, STATUS, flag
 from ...tables.memory import ENTRY_SIZE
+from ...vocab import AnyStruct, Opcode
 from ..context import Ctx
 
-OP = OPCODES.by_name()
-S = STATUS.by_name()
-F = {f.name: f.value for f in REQUEST_FLAGS.flags}
-DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
-DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
-RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
-VALID = flag(ENTRY_FLAGS, "VALID")
-SEALED = flag(ENTRY_FLAGS, "SEALED")
 SENTINEL = 0xA5
 
 
@@ -52,7 +44,7 @@ def untouched(region: MemoryRegion) -> bool:
 
 def load_request(ctx: Ctx, ini: Initiator, handle: int, region: MemoryRegion, flags: int = 0,
                  generation: int = 0) -> bytes:
-    return ctx.encode(ini, {"opcode": OP["LOAD"], "handle": handle, "flags": flags,
+    return ctx.encode(ini, {"opcode": Opcode.LOAD, "handle": handle, "flags": flags,
                             "generation": generation, "dd.stag": region.stag, "dd.offset": 0,
                             "dd.length": region.length})
 
@@ -81,6 +73,6 @@ def entry_at(ini: Initiator, handle: int) -> tuple[int, int]:
     return f["table.stag"], f["table.offset"] + (handle - f["table_base_handle"]) * ENTRY_SIZE
 
 
-async def entry_of(ini: Initiator, handle: int) -> dict:
+async def entry_of(ini: Initiator, handle: int) -> AnyStruct:
     """The table entry of ``handle`` as an RDMA Read through the Table STag shows it."""
     return await ini._entry(*entry_at(ini, handle))

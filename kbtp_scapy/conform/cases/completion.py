@@ -1,16 +1,15 @@
 """Completion: Request ID echo, request order, INVALIDATE, data before COMPLETION, records."""
 from __future__ import annotations
 
-from typing import Any
-
 from ... import codec
 from ...initiator.client import ALL_FEATURES
 from ...rnic import Access, MemoryRegion
 from ...tables import memory as M
+from ...vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from ..context import Ctx, status_name
 from ..hold import SETTLE
 from ..registry import MUST, MUST_NOT, RULE, case
-from .common import OP, RECORD_COMPLETION, F, S, bind, buffer, data, load_request
+from .common import bind, buffer, data, load_request
 
 SECTION = "Completion"
 
@@ -21,9 +20,10 @@ async def request_id(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
     h, h2 = await ctx.handles(a, 2)
     rid = 0xFEDC_BA98_7654_3210
-    for what, values in (
-            ("an ALLOC_STORE", {"opcode": OP["ALLOC_STORE"], "handle": h, "inline_data": b"echo"}),
-            ("a failing LOAD", {"opcode": OP["LOAD"], "handle": h2, "dd.stag": 1, "dd.length": 8})):
+    requests: tuple[tuple[str, AnyMessage], ...] = (
+            ("an ALLOC_STORE", {"opcode": Opcode.ALLOC_STORE, "handle": h, "inline_data": b"echo"}),
+            ("a failing LOAD", {"opcode": Opcode.LOAD, "handle": h2, "dd.stag": 1, "dd.length": 8}))
+    for what, values in requests:
         c = await ctx.answer(a, codec.encode({**values, "request_id": rid}, a.addr_le), what)
         ctx.check(c["request_id"] == rid, f"{what}: Request ID {rid:#x} echoed", hex(c["request_id"]))
         ctx.check(c["version"] == 1, "Version 1 in the COMPLETION", c["version"])
@@ -41,16 +41,17 @@ async def order(ctx: Ctx) -> None:
         ctx.skip("fewer than 7 Request Credits: cannot pipeline the sequence")
     one, two, three = data(40), data(30), data(20)
     regions = [buffer(a, 64) for _ in range(3)]
-    steps: list[tuple[dict[str, Any] | MemoryRegion, str]] = [
-        ({"opcode": OP["ALLOC_STORE"], "handle": h, "inline_data": one}, "OK"),
-        ({"opcode": OP["STORE"], "handle": h, "inline_data": two}, "OK"),
+    steps: list[tuple[AnyMessage | MemoryRegion, str]] = [
+        ({"opcode": Opcode.ALLOC_STORE, "handle": h, "inline_data": one}, "OK"),
+        ({"opcode": Opcode.STORE, "handle": h, "inline_data": two}, "OK"),
         (regions[0], "OK"),
-        ({"opcode": OP["FREE"], "handle": h}, "OK"),
+        ({"opcode": Opcode.FREE, "handle": h}, "OK"),
         (regions[1], "NOT_VALID"),
-        ({"opcode": OP["ALLOC_STORE"], "handle": h, "flags": F["INLINE"] | F["SEAL"], "inline_data": three}, "OK"),
+        ({"opcode": Opcode.ALLOC_STORE, "handle": h, "flags": RequestFlag.INLINE | RequestFlag.SEAL,
+          "inline_data": three}, "OK"),
         (regions[2], "OK"),
     ]
-    messages = [load_request(ctx, a, h, step, F["ALLOW_UNSEALED"]) if not isinstance(step, dict)
+    messages = [load_request(ctx, a, h, step, RequestFlag.ALLOW_UNSEALED) if isinstance(step, MemoryRegion)
                 else ctx.encode(a, step) for step, _ in steps]
     await _in_order(ctx, a, messages, [want for _, want in steps])
     ctx.check(bytes(regions[0].view[:len(two)]) == two and bytes(regions[2].view[:len(three)]) == three,
@@ -59,9 +60,9 @@ async def order(ctx: Ctx) -> None:
     payload = data(min(a.target.block_size, 512))
     source = a.memory.register(bytearray(payload), Access.REMOTE_READ)
     loaded = buffer(a, len(payload))
-    messages = [ctx.encode(a, {"opcode": OP["ALLOC_STORE"], "handle": held, "dd.stag": source.stag,
+    messages = [ctx.encode(a, {"opcode": Opcode.ALLOC_STORE, "handle": held, "dd.stag": source.stag,
                                "dd.offset": 0, "dd.length": len(payload)}),
-                load_request(ctx, a, held, loaded, F["ALLOW_UNSEALED"])]
+                load_request(ctx, a, held, loaded, RequestFlag.ALLOW_UNSEALED)]
     hold = ctx.hold_reads(a)
     hold.hold()
     try:
@@ -80,7 +81,7 @@ async def order(ctx: Ctx) -> None:
               "other data")
 
 
-def _describe(c: dict | None) -> str:
+def _describe(c: AnyMessage | None) -> str:
     return "something that is no COMPLETION" if c is None else \
         f"Request ID {c['request_id']:#x} {status_name(c['status'])}"
 
@@ -107,14 +108,14 @@ async def invalidate(ctx: Ctx) -> None:
     payload = data(100)
     await bind(ctx, a, h, payload)
     region = buffer(a, 128)
-    got = await ctx.raw(a, load_request(ctx, a, h, region, F["INVALIDATE"]))
+    got = await ctx.raw(a, load_request(ctx, a, h, region, RequestFlag.INVALIDATE))
     ctx.check(bool(got) and got[0][0] is not None, "a COMPLETION", "none")
     ctx.check(got[0][1].invalidated == region.stag and not region.valid,
               f"a Send with Invalidate of STag {region.stag:#010x}",
               "a plain Send" if got[0][1].invalidated is None else f"STag {got[0][1].invalidated:#x}")
     ctx.check(bytes(region.view[:100]) == payload, "the loaded data", "other octets")
     src = a.memory.register(bytearray(payload), Access.REMOTE_READ)
-    store = ctx.encode(a, {"opcode": OP["STORE"], "handle": h2, "flags": F["INVALIDATE"],
+    store = ctx.encode(a, {"opcode": Opcode.STORE, "handle": h2, "flags": RequestFlag.INVALIDATE,
                            "dd.stag": src.stag, "dd.offset": 0, "dd.length": len(payload)})
     await bind(ctx, a, h2, b"first", seal=False)
     got = await ctx.raw(a, store)
@@ -139,23 +140,23 @@ async def load_data(ctx: Ctx) -> None:
       of ), so a target MUST NOT advertise RECORD_COMPLETION in the RDMAP binding.""", transport="iwarp")
 async def record_rdmap(ctx: Ctx) -> None:
     a = await ctx.connect(features=ALL_FEATURES)
-    ctx.check(not a.target.features & RECORD_COMPLETION, "HELLO_ACK Features without RECORD_COMPLETION",
+    ctx.check(not a.target.features & Feature.RECORD_COMPLETION, "HELLO_ACK Features without RECORD_COMPLETION",
               f"Features {a.target.features:#06x}")
 
 
 @case("completion.record.write_imm", "InfiniBand and RoCEv2", MUST, """Completion records on these
       transports MUST be written with RDMA Write with Immediate, so that the initiator learns of
       completion from its completion queue rather than by polling memory.""",
-      transport="roce", features=RECORD_COMPLETION)
+      transport="roce", features=Feature.RECORD_COMPLETION)
 async def record_write_imm(ctx: Ctx) -> None:
-    a = await ctx.connect(need=RECORD_COMPLETION)
+    a = await ctx.connect(need=Feature.RECORD_COMPLETION)
     h = await ctx.handle(a)
     payload = data(50)
     r = await bind(ctx, a, h, payload)
     region = buffer(a, 64)
     record = a.memory.register(bytearray(M.COMPLETION_RECORD.size), Access.REMOTE_WRITE)
     rid = ctx.rid()
-    message = codec.encode({"opcode": OP["LOAD"], "request_id": rid, "handle": h, "flags": F["RECORD"],
+    message = codec.encode({"opcode": Opcode.LOAD, "request_id": rid, "handle": h, "flags": RequestFlag.RECORD,
                             "dd.stag": region.stag, "dd.offset": 0, "dd.length": region.length,
                             "cd.stag": record.stag, "cd.offset": 0, "cd.reserved": 0}, a.addr_le)
     got = await ctx.raw(a, message)
@@ -165,7 +166,7 @@ async def record_write_imm(ctx: Ctx) -> None:
     d = codec.decode_struct(M.COMPLETION_RECORD, bytes(record.view), a.addr_le)
     seen = (hex(d["record.request_id"]), d["record.status"], d["record.generation"],
             d["record.data_length"], hex(d["record.block_offset"]))
-    ctx.check(seen == (hex(rid), S["OK"], r.generation, len(payload), hex(r.block_offset)),
+    ctx.check(seen == (hex(rid), Status.OK, r.generation, len(payload), hex(r.block_offset)),
               "the record: Request ID, Status OK, Generation, Data Length, Block Offset", seen)
     ctx.check(bytes(region.view[:len(payload)]) == payload, "the loaded data", "other octets")
     if got[0][1].imm != rid & 0xFFFFFFFF:

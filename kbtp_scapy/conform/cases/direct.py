@@ -8,13 +8,11 @@ from ... import codec
 from ...initiator import Initiator, KbtpError
 from ...rnic.qp import ConnectionLost, RemoteError
 from ...tables.memory import RING_SLOT, SLOT_CONSUMED, SLOT_SIZE
+from ...vocab import EntryFlag, Feature
 from ..context import Ctx
 from ..hold import SETTLE
 from ..registry import MUST, MUST_NOT, RULE, case, untestable
 from .common import (
-    DIRECT_ALLOC,
-    DIRECT_LOAD,
-    VALID,
     bind,
     data,
     entry_of,
@@ -53,9 +51,9 @@ def granted(ini: Initiator, key: str) -> tuple[int, int, int]:
 @case("direct.load.entry_and_block", SECTION, RULE, """The entry for handle h is at Table Offset +
       16 * (h - Table Base Handle) within the Table STag. (Direct Load: the initiator RDMA-reads the
       table entry, then the block, then the entry again ... The data is valid if both entry reads
-      show the same Generation with VALID and SEALED set)""", features=DIRECT_LOAD)
+      show the same Generation with VALID and SEALED set)""", features=Feature.DIRECT_LOAD)
 async def direct_load(ctx: Ctx) -> None:
-    a = await ctx.connect(need=DIRECT_LOAD)
+    a = await ctx.connect(need=Feature.DIRECT_LOAD)
     h, payload = await ctx.handle(a), data(500)
     r = await bind(ctx, a, h, payload)
     status, got = await ctx.outcome(a.direct_load(h))
@@ -68,15 +66,15 @@ async def direct_load(ctx: Ctx) -> None:
 
 
 @case("direct.load.read_only", "HELLO_ACK", RULE, """then a Pool descriptor (Count = F) that grants
-      read access only""", features=DIRECT_LOAD)
+      read access only""", features=Feature.DIRECT_LOAD)
 async def read_only(ctx: Ctx) -> None:
-    a = await ctx.connect(need=DIRECT_LOAD)
+    a = await ctx.connect(need=Feature.DIRECT_LOAD)
     h, payload = await ctx.handle(a), data(64)
     r = await bind(ctx, a, h, payload)
     pool = granted(a, "pool")[0]
     seen = await remote_access(ctx, a, a.qp.write(pool, r.block_offset, b"overwritten"))
     ctx.check(seen == REFUSED, "an RDMA Write through the Pool STag refused", seen)
-    b = await ctx.connect(need=DIRECT_LOAD)
+    b = await ctx.connect(need=Feature.DIRECT_LOAD)
     stag, offset, _ = granted(b, "table")
     seen = await remote_access(ctx, b, b.qp.write(stag, offset, bytes(16)))
     ctx.check(seen == REFUSED, "an RDMA Write through the Table STag refused", seen)
@@ -85,9 +83,9 @@ async def read_only(ctx: Ctx) -> None:
 
 @case("direct.alloc.atomics", "RDMAP Binding", MUST, """Targets that advertise DIRECT_ALLOC, and
       targets that execute allocations in their RDMA interface, MUST support the atomic operations
-      of .""", features=DIRECT_ALLOC)
+      of .""", features=Feature.DIRECT_ALLOC)
 async def atomics(ctx: Ctx) -> None:
-    a = await ctx.connect(need=DIRECT_ALLOC)
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     n = granted(a, "ring")[2]
     tickets = [await ctx.wait(a.take_ticket(), "FetchAdd on Head") for _ in range(2)]
     (t1, o1), (t2, o2) = tickets
@@ -109,9 +107,9 @@ async def _slot(ctx: Ctx, a: Initiator, ticket: int, offset: int) -> int:
 @case("direct.alloc.bind", SECTION, RULE, """the initiator performs FetchAdd on its Head ..., RDMA-reads
       the slot at the returned offset ..., RDMA-writes the data into the block, and then sends BIND
       with the ticket, Data Length, and Block Offset. ... it then marks the slot consumed, writes the
-      table entry, and completes.""", features=DIRECT_ALLOC)
+      table entry, and completes.""", features=Feature.DIRECT_ALLOC)
 async def direct_alloc(ctx: Ctx) -> None:
-    a = await ctx.connect(need=DIRECT_ALLOC)
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     h, payload = await ctx.handle(a), data(700)
     r = await ctx.ok(a.direct_alloc(h, payload), "DIRECT_ALLOC and BIND")
     ctx.check(r.data_length == len(payload), f"BIND completion with Data Length {len(payload)}", r.data_length)
@@ -121,9 +119,9 @@ async def direct_alloc(ctx: Ctx) -> None:
 
 @case("direct.bind.verify", SECTION, RULE, """The target verifies that the ticket has not been
       abandoned, that the slot of the ticket holds that Block Offset, and that the initiator is
-      within its quota""", features=DIRECT_ALLOC)
+      within its quota""", features=Feature.DIRECT_ALLOC)
 async def bind_verify(ctx: Ctx) -> None:
-    a = await ctx.connect(need=DIRECT_ALLOC)
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     h, size = await ctx.handle(a), a.target.block_size
     ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
     block = await _slot(ctx, a, ticket, offset)
@@ -139,7 +137,7 @@ async def bind_verify(ctx: Ctx) -> None:
 
 async def _abandon(ctx: Ctx) -> tuple[Initiator, int, int]:
     """Take a ticket, see its block, and leave it unbound for two Ticket Timeouts."""
-    a = await ctx.connect(need=DIRECT_ALLOC)
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     wait = 2 * a.target.ticket_timeout_ms / 1000 + 0.3
     if wait + 2 > ctx.timeout:
         ctx.skip(f"the Ticket Timeout ({a.target.ticket_timeout_ms} ms) is too long for --timeout {ctx.timeout:g} s")
@@ -151,7 +149,7 @@ async def _abandon(ctx: Ctx) -> tuple[Initiator, int, int]:
 
 @case("direct.ticket.abandoned", "Allocation Quotas", RULE, """A ticket that is not bound by BIND
       within the Ticket Timeout advertised in HELLO_ACK is abandoned. ... [the target] rejects a later
-      BIND for that ticket with status TICKET_ABANDONED.""", features=DIRECT_ALLOC)
+      BIND for that ticket with status TICKET_ABANDONED.""", features=Feature.DIRECT_ALLOC)
 async def abandoned(ctx: Ctx) -> None:
     a, ticket, block = await _abandon(ctx)
     if a.qp.closed:
@@ -166,7 +164,7 @@ async def abandoned(ctx: Ctx) -> None:
 @case("direct.ticket.partition_revoked", "Allocation Quotas", MUST, """Before reclaiming its block,
       the target MUST ensure that no RDMA Write of the initiator can still reach the block, by
       invalidating the initiator's Partition STag (), which disables DIRECT_ALLOC for the rest of the
-      session, or by terminating the connection.""", features=DIRECT_ALLOC)
+      session, or by terminating the connection.""", features=Feature.DIRECT_ALLOC)
 async def partition_revoked(ctx: Ctx) -> None:
     a, ticket, block = await _abandon(ctx)
     if a.qp.closed:
@@ -177,32 +175,32 @@ async def partition_revoked(ctx: Ctx) -> None:
 
 
 @case("direct.head.aligned", "HELLO_ACK", MUST, """a Head descriptor (Count = 1; the Tagged Offset
-      MUST be a multiple of 8, as required for FetchAdd)""", features=DIRECT_ALLOC)
+      MUST be a multiple of 8, as required for FetchAdd)""", features=Feature.DIRECT_ALLOC)
 async def head_aligned(ctx: Ctx) -> None:
-    a = await ctx.connect(need=DIRECT_ALLOC)
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     _, offset, count = granted(a, "head")
     ctx.check(offset % 8 == 0 and count == 1, "Head Tagged Offset a multiple of 8, Count 1",
               f"offset {offset:#x}, count {count}")
 
 
-@case("direct.partition.bounds", "HELLO_ACK", RULE, PARTITION, features=DIRECT_ALLOC)
+@case("direct.partition.bounds", "HELLO_ACK", RULE, PARTITION, features=Feature.DIRECT_ALLOC)
 async def partition_bounds(ctx: Ctx) -> None:
-    a = await ctx.connect(need=DIRECT_ALLOC)
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     stag, offset, count = granted(a, "partition")
     ctx.check(count == a.target.quota, f"Partition Count = the quota {a.target.quota}", count)
     end = offset + count * a.target.block_size
     seen = await remote_access(ctx, a, a.qp.write(stag, end, bytes(8)))
     ctx.check(seen == REFUSED, f"an RDMA Write just past the partition ({end:#x}) refused", seen)
     if offset >= 8:
-        b = await ctx.connect(need=DIRECT_ALLOC)
+        b = await ctx.connect(need=Feature.DIRECT_ALLOC)
         stag, offset, _ = granted(b, "partition")
         seen = await remote_access(ctx, b, b.qp.write(stag, offset - 8, bytes(8)))
         ctx.check(seen == REFUSED, f"an RDMA Write just before the partition ({offset - 8:#x}) refused", seen)
 
 
-@case("direct.partition.connection", "HELLO_ACK", RULE, PARTITION, features=DIRECT_ALLOC)
+@case("direct.partition.connection", "HELLO_ACK", RULE, PARTITION, features=Feature.DIRECT_ALLOC)
 async def partition_connection(ctx: Ctx) -> None:
-    a = await ctx.connect(need=DIRECT_ALLOC)
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     b = await ctx.connect(features=0)
     stag, offset, _ = granted(a, "partition")
     seen = await remote_access(ctx, b, b.qp.write(stag, offset, b"from elsewhere"))
@@ -215,14 +213,14 @@ untestable(SECTION, MUST, "A target MUST offer them only to initiators it trusts
 
 @case("direct.load.data_before_valid", "Block Unmapped Store", RULE, """The entry is written after
       the data, so any initiator that observes VALID in the entry also observes the data.""",
-      features=DIRECT_LOAD)
+      features=Feature.DIRECT_LOAD)
 async def data_before_valid(ctx: Ctx) -> None:
     """Unmapped stores whose data the target must RDMA-read, watched through the Table
     STag. While the checker holds its Read Response back, the target cannot have the data,
     so the entry must not show VALID, however long the checker looks; after the release,
     the first read that shows VALID must be followed by a block read with the data."""
-    a = await ctx.connect(need=DIRECT_LOAD)
-    watcher = await ctx.connect(need=DIRECT_LOAD)
+    a = await ctx.connect(need=Feature.DIRECT_LOAD)
+    watcher = await ctx.connect(need=Feature.DIRECT_LOAD)
     pool = granted(watcher, "pool")[0]
     hold = ctx.hold_reads(a)
     seen: list[str] = []
@@ -236,7 +234,7 @@ async def data_before_valid(ctx: Ctx) -> None:
                           f"none within {ctx.timeout:g} s")
             for _ in range(2):
                 entry = await ctx.wait(entry_of(watcher, h), "an RDMA Read of the entry")
-                if entry["entry.flags"] & VALID:
+                if entry["entry.flags"] & EntryFlag.VALID:
                     block = await ctx.wait(watcher.qp.read(pool, entry["entry.block_offset"],
                                                            entry["entry.data_length"]), "a block read")
                     seen.append(f"0x{h:x}: VALID while its data was still being read (the checker "
@@ -259,7 +257,7 @@ async def _watch_entry(ctx: Ctx, watcher: Initiator, h: int, payload: bytes,
     deadline = asyncio.get_running_loop().time() + ctx.timeout
     while asyncio.get_running_loop().time() < deadline:
         entry = await ctx.wait(entry_of(watcher, h), "an RDMA Read of the entry")
-        if entry["entry.flags"] & VALID:           # the data must be there already
+        if entry["entry.flags"] & EntryFlag.VALID:           # the data must be there already
             block = await ctx.wait(watcher.qp.read(pool, entry["entry.block_offset"],
                                                    entry["entry.data_length"]), "a block read")
             if block != payload:
@@ -267,7 +265,7 @@ async def _watch_entry(ctx: Ctx, watcher: Initiator, h: int, payload: bytes,
                         f"of {len(payload)} not yet stored"]
             return []
         if store.done():                           # completed before we saw VALID: once more
-            if not (await ctx.wait(entry_of(watcher, h), "an RDMA Read of the entry"))["entry.flags"] & VALID:
+            if not (await ctx.wait(entry_of(watcher, h), "an RDMA Read of the entry"))["entry.flags"] & EntryFlag.VALID:
                 return [f"0x{h:x}: completed OK but the entry is not VALID"]
             return []
     return []
@@ -320,13 +318,13 @@ RING = """Each counter holds ... the Slot Offset, the byte offset of the current
     all ones ... by the target when it processes BIND for direct allocations."""
 
 
-@case("direct.ring.laps", "Free-Block Ring", RULE, RING, features=DIRECT_ALLOC)
+@case("direct.ring.laps", "Free-Block Ring", RULE, RING, features=Feature.DIRECT_ALLOC)
 async def ring_laps(ctx: Ctx) -> None:
     """N+2 direct allocations and frees, once round the session's ring and on: every slot
     holds the Sequence of its own slot number at the start; every ticket finds its block,
     one of the partition, in slot ticket mod N (the offset FetchAdd returned, on iWARP);
     BIND leaves the slot consumed; the FREE puts the block back where a later lap finds it."""
-    a = await ctx.connect(need=DIRECT_ALLOC)
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     n, _ = _ring_session_checks(ctx, a)
     slots = await read_ring(ctx, a)
     wrong = [f"slot {i}: Sequence {seq}" for i, (seq, _) in enumerate(slots) if seq % n != i]
@@ -354,12 +352,12 @@ async def ring_laps(ctx: Ctx) -> None:
 @case("direct.ring.deferred_free", "Free-Block Ring", MUST_NOT, """If it [the slot at o] is not yet
       consumed, because the allocation that owns it has taken its ticket but not yet read it,
       the target MUST defer the write until the slot is consumed; it MUST NOT overwrite the
-      slot.""", features=DIRECT_ALLOC)
+      slot.""", features=Feature.DIRECT_ALLOC)
 async def deferred_free(ctx: Ctx) -> None:
     """Take ticket t and leave it unbound; allocate and free until a FREE's ticket is t + N,
     whose slot is t's, still unconsumed: the slot must keep t's block, BIND of t with that
     block must succeed, and only then may the freed block appear there, as ticket t + N's."""
-    a = await ctx.connect(need=DIRECT_ALLOC)
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     n, q = _ring_session_checks(ctx, a)
     if q < 2:
         ctx.skip("a quota of one block leaves none to free while a ticket waits")

@@ -1,13 +1,12 @@
 """Generation rules: never zero once bound, one step per bind and per unbind."""
 from __future__ import annotations
 
-from typing import Any
-
 from ... import codec
 from ...rnic import Access
+from ...vocab import AnyMessage, Opcode
 from ..context import Ctx, status_name
 from ..registry import RULE, case
-from .common import OP, bind, data, next_generation
+from .common import bind, data, next_generation
 
 SECTION = "Block Table"
 CYCLES = 65536       # bind/free cycles at most: two Generation steps each, so a wrap twice over
@@ -25,7 +24,7 @@ async def never_zero(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
     h = await ctx.handle(a)
     pairs = max(1, min(a.target.request_credits, a.completion_credits) // 4)  # half the credits
-    store: dict[str, Any]
+    store: AnyMessage
     if a.target.max_inline:
         store = {"inline_data": b"g"}
     else:
@@ -36,10 +35,11 @@ async def never_zero(ctx: Ctx) -> None:
         ops = {}
         messages = []
         for _ in range(pairs):
-            for op, values in (("ALLOC_STORE", store), ("FREE", {})):
+            free: AnyMessage = {}
+            for op, values in (("ALLOC_STORE", store), ("FREE", free)):
                 rid = ctx.rid()
                 ops[rid] = (op, cycles)
-                messages.append(codec.encode({"opcode": OP[op], "request_id": rid, "handle": h, **values},
+                messages.append(codec.encode({"opcode": Opcode[op], "request_id": rid, "handle": h, **values},
                                              a.addr_le))
             cycles += 1
         ctx.send(a, messages)

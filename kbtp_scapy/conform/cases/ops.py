@@ -5,16 +5,10 @@ import asyncio
 from collections.abc import Callable
 
 from ...initiator import Initiator
+from ...vocab import EntryFlag, Feature, Opcode, RequestFlag, Status
 from ..context import Ctx, status_name
 from ..registry import MUST, MUST_NOT, RULE, case
 from .common import (
-    DIRECT_ALLOC,
-    DIRECT_LOAD,
-    OP,
-    SEALED,
-    VALID,
-    F,
-    S,
     bind,
     buffer,
     data,
@@ -42,8 +36,8 @@ async def _not_executed(ctx: Ctx, raw: Callable[[Initiator, int], bytes], what: 
     got = await ctx.raw(a, raw(a, h))
     if got and got[0][0] is not None:
         c = got[0][0]
-        ctx.check(c["status"] != S["OK"], f"{what}: not executed (a non-OK status)", "status OK")
-        if c["status"] != S["MALFORMED"]:
+        ctx.check(c["status"] != Status.OK, f"{what}: not executed (a non-OK status)", "status OK")
+        if c["status"] != Status.MALFORMED:
             ctx.note(f"{what}: answered {status_name(c['status'])}; the reference answers MALFORMED "
                      "(NOTES decision 4)")
     else:
@@ -55,7 +49,7 @@ async def _not_executed(ctx: Ctx, raw: Callable[[Initiator, int], bytes], what: 
 
 
 def _alloc_inline(ctx: Ctx, a: Initiator, h: int) -> bytes:
-    return ctx.encode(a, {"opcode": OP["ALLOC_STORE"], "handle": h, "inline_data": b"VERSION!"})
+    return ctx.encode(a, {"opcode": Opcode.ALLOC_STORE, "handle": h, "inline_data": b"VERSION!"})
 
 
 @case("ops.header.version", "Common Header", RULE, UNPARSEABLE)
@@ -68,14 +62,14 @@ async def version(ctx: Ctx) -> None:
 async def opcode(ctx: Ctx) -> None:
     await _not_executed(ctx, lambda a, h: (lambda m: m[:1] + b"\x7e" + m[2:])(_alloc_inline(ctx, a, h)),
                         "an ALLOC_STORE body under the unassigned opcode 0x7E")
-    await _not_executed(ctx, lambda a, h: ctx.encode(a, {"opcode": OP["COMPLETION"], "handle": h}),
+    await _not_executed(ctx, lambda a, h: ctx.encode(a, {"opcode": Opcode.COMPLETION, "handle": h}),
                         "a COMPLETION sent as a request")
 
 
 @case("ops.header.length", "Common Header", RULE, UNPARSEABLE)
 async def length(ctx: Ctx) -> None:
     await _not_executed(ctx, lambda a, h: ctx.encode(a, {
-        "opcode": OP["ALLOC_STORE"], "handle": h, "flags": F["INLINE"], "dd.length": 12,
+        "opcode": Opcode.ALLOC_STORE, "handle": h, "flags": RequestFlag.INLINE, "dd.length": 12,
         "inline_data": b"SHORT"}), "an inline ALLOC_STORE with fewer octets than its Length")
     await _not_executed(ctx, lambda a, h: _alloc_inline(ctx, a, h)[:30],
                         "an ALLOC_STORE truncated to 30 octets")
@@ -128,8 +122,8 @@ async def load_not_valid(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
     h = await ctx.handle(a)
     region = buffer(a, 64)
-    c = await ctx.answer(a, load_request(ctx, a, h, region, F["ALLOW_UNSEALED"]), "LOAD of an unbound handle")
-    ctx.check(c["status"] == S["NOT_VALID"], "LOAD of an unbound handle: NOT_VALID", status_name(c["status"]))
+    c = await ctx.answer(a, load_request(ctx, a, h, region, RequestFlag.ALLOW_UNSEALED), "LOAD of an unbound handle")
+    ctx.check(c["status"] == Status.NOT_VALID, "LOAD of an unbound handle: NOT_VALID", status_name(c["status"]))
     ctx.check(untouched(region), "the initiator's buffer untouched", "octets written into it")
 
 
@@ -141,7 +135,7 @@ async def load_not_sealed(ctx: Ctx) -> None:
     await bind(ctx, a, h, payload, seal=False)
     region = buffer(a, 64)
     c = await ctx.answer(a, load_request(ctx, a, h, region), "LOAD of an unsealed block")
-    ctx.check(c["status"] == S["NOT_SEALED"], "LOAD of an unsealed block: NOT_SEALED", status_name(c["status"]))
+    ctx.check(c["status"] == Status.NOT_SEALED, "LOAD of an unsealed block: NOT_SEALED", status_name(c["status"]))
     ctx.check(untouched(region), "the initiator's buffer untouched", "octets written into it")
     await holds(ctx, a, h, payload, "with ALLOW_UNSEALED")
 
@@ -154,7 +148,7 @@ async def load_too_large(ctx: Ctx) -> None:
     await bind(ctx, a, h, data(100))
     region = buffer(a, 60)
     c = await ctx.answer(a, load_request(ctx, a, h, region), "LOAD into a 60-octet buffer of 100 octets")
-    ctx.check(c["status"] == S["TOO_LARGE"], "TOO_LARGE", status_name(c["status"]))
+    ctx.check(c["status"] == Status.TOO_LARGE, "TOO_LARGE", status_name(c["status"]))
     ctx.check(untouched(region), "the initiator's buffer untouched", "octets written into it")
 
 
@@ -262,14 +256,15 @@ async def free_not_valid(ctx: Ctx) -> None:
       the Generation (skipping zero) in the table entry. It returns the block to the ring""")
 async def free_unbinds(ctx: Ctx) -> None:
     """Unbound to every request after FREE; with DIRECT_LOAD also in the entry itself."""
-    a = await ctx.connect(features=DIRECT_LOAD)
+    a = await ctx.connect(features=Feature.DIRECT_LOAD)
     h = await ctx.handle(a)
     await bind(ctx, a, h, data(10), seal=True)
     freed = await ctx.ok(a.free(h), "FREE")
     await unbound(ctx, a, h, "after FREE")
-    if a.target.features & DIRECT_LOAD:
+    if a.target.features & Feature.DIRECT_LOAD:
         entry = await ctx.wait(entry_of(a, h), "an RDMA Read of the freed entry")
-        ctx.check(not entry["entry.flags"] & (VALID | SEALED), "the freed entry without VALID and SEALED",
+        ctx.check(not entry["entry.flags"] & (EntryFlag.VALID | EntryFlag.SEALED),
+                  "the freed entry without VALID and SEALED",
                   f"Flags {entry['entry.flags']:#06x}")
         ctx.check(entry["entry.generation"] == freed.generation,
                   f"the freed entry's Generation {freed.generation}, as the FREE completion said",
@@ -349,9 +344,9 @@ async def no_side_effect_quota(ctx: Ctx) -> None:
     quota of ALLOC_STOREs still succeeds. Once in a default-mode session (shared ring),
     once with DIRECT_ALLOC when offered, where the session's own ring has exactly a quota
     of blocks, so a ticket taken and dropped leaves the last allocation without one."""
-    for features in (0, DIRECT_ALLOC) if ctx.info.features & DIRECT_ALLOC else (0,):
+    for features in (0, Feature.DIRECT_ALLOC) if ctx.info.features & Feature.DIRECT_ALLOC else (0,):
         a = await ctx.connect(features=features)
-        ring = "its own ring" if a.target.features & DIRECT_ALLOC else "the shared ring"
+        ring = "its own ring" if a.target.features & Feature.DIRECT_ALLOC else "the shared ring"
         q = _quota_of(ctx, a, 1)
         hs = await ctx.handles(a, q + 1)
         size, outside = a.target.block_size, 0xFFFF_FFFF_FFFF_FF00

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from ...initiator.client import ALL_FEATURES
+from ...vocab import Feature
 from ..context import Ctx
 from ..registry import MUST, RULE, SHOULD, case, untestable
-from .common import DIRECT_ALLOC, DIRECT_LOAD, bind, data
+from .common import bind, data
 from .direct import REFUSED, remote_access
 
 SECTION = "Security Considerations"
@@ -16,10 +17,10 @@ GRANTS = {"table": "read", "pool": "read", "ring": "read", "partition": "write",
       is performed by the target after validation.""")
 async def no_stag(ctx: Ctx) -> None:
     b = await ctx.connect(features=0)
-    ctx.check(not b.target.features & (DIRECT_LOAD | DIRECT_ALLOC) and not b.target.fields,
+    ctx.check(not b.target.features & (Feature.DIRECT_LOAD | Feature.DIRECT_ALLOC) and not b.target.fields,
               "a HELLO_ACK without direct modes or descriptors for a HELLO that requested none",
               f"Features {b.target.features:#06x}, descriptors {sorted(b.target.fields)}")
-    if not ctx.info.features & (DIRECT_LOAD | DIRECT_ALLOC):
+    if not ctx.info.features & (Feature.DIRECT_LOAD | Feature.DIRECT_ALLOC):
         return
     a = await ctx.connect(features=ALL_FEATURES)
     intruder = b
@@ -38,13 +39,13 @@ async def no_stag(ctx: Ctx) -> None:
 
 
 @case("security.clear_freed", SECTION, SHOULD, """targets SHOULD clear blocks when they are freed if
-      the blocks may be allocated to initiators of a different trust domain.""", features=DIRECT_LOAD)
+      the blocks may be allocated to initiators of a different trust domain.""", features=Feature.DIRECT_LOAD)
 async def clear_freed(ctx: Ctx) -> None:
     a = await ctx.connect(features=0)
     h, secret = await ctx.handle(a), data(64)
     r = await bind(ctx, a, h, secret)
     await ctx.ok(a.free(h), "FREE")
-    c = await ctx.connect(need=DIRECT_LOAD)
+    c = await ctx.connect(need=Feature.DIRECT_LOAD)
     pool = c.target.fields["pool.stag"]
     seen = await ctx.wait(c.qp.read(pool, r.block_offset, len(secret)), "an RDMA Read of the freed block")
     ctx.check(seen != secret, "the freed block cleared (read through the Pool STag)",

@@ -5,14 +5,13 @@ import asyncio
 
 from ... import codec
 from ...rnic import Access
-from ...tables.enums import GOODBYE_FLAGS, flag
+from ...vocab import GoodbyeFlag, Opcode
 from ..context import Ctx, status_name
 from ..hold import SETTLE
 from ..registry import MUST, RULE, case, untestable
-from .common import OP, bind, buffer, data, holds, load_request
+from .common import bind, buffer, data, holds, load_request
 
 SECTION = "Session Establishment"
-RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
 
 
 @case("session.hello_ack.header", SECTION, RULE, """the initiator sends HELLO and the target
@@ -20,14 +19,14 @@ RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
       in which Request ID, Block Handle, Generation, and Status are zero""")
 async def hello_ack_header(ctx: Ctx) -> None:
     qp = await ctx.raw_qp()
-    await ctx.wait(qp.send(codec.encode({"opcode": OP["HELLO"], "hello.completion_credits": 4,
+    await ctx.wait(qp.send(codec.encode({"opcode": Opcode.HELLO, "hello.completion_credits": 4,
                                          "hello.initiator_id": ctx.new_id()})), "the HELLO sent")
     msg = await ctx.wait(qp.recv(), "a HELLO_ACK")
     try:
         ack = codec.decode(msg.payload)
     except codec.Malformed as exc:
         ctx.check(False, "a well-formed HELLO_ACK", f"{exc}: {msg.payload.hex()}")
-    ctx.check(ack["opcode"] == OP["HELLO_ACK"], "opcode HELLO_ACK (0x02)", hex(ack["opcode"]))
+    ctx.check(ack["opcode"] == Opcode.HELLO_ACK, "opcode HELLO_ACK (0x02)", hex(ack["opcode"]))
     ctx.check(ack["version"] == 1, "Version 1", ack["version"])
     if ack["status"]:                # "Status reports an error in HELLO_ACK": a refusal is allowed
         ctx.note(f"the HELLO was refused ({status_name(ack['status'])}), so only Request ID, Block "
@@ -36,7 +35,7 @@ async def hello_ack_header(ctx: Ctx) -> None:
     ctx.check(not any(header.values()), "Request ID, Block Handle and Generation zero", header)
     if not ack["status"]:
         ctx.check(not ack["status"], "Status zero", ack["status"])
-        await ctx.wait(qp.send(codec.encode({"opcode": OP["GOODBYE"], "flags": RELEASE})), "GOODBYE sent")
+        await ctx.wait(qp.send(codec.encode({"opcode": Opcode.GOODBYE, "flags": GoodbyeFlag.RELEASE})), "GOODBYE sent")
 
 
 @case("session.initiator_id.active_rejected", SECTION, MUST, """a target MUST reject a HELLO whose
@@ -127,7 +126,7 @@ async def request_credits(ctx: Ctx) -> None:
     payload = data(min(a.target.block_size, 256))
     await bind(ctx, a, loaded, payload)
     source = a.memory.register(bytearray(payload), Access.REMOTE_READ)
-    first = ctx.encode(a, {"opcode": OP["ALLOC_STORE"], "handle": h, "dd.stag": source.stag,
+    first = ctx.encode(a, {"opcode": Opcode.ALLOC_STORE, "handle": h, "dd.stag": source.stag,
                            "dd.offset": 0, "dd.length": len(payload)})
     loads = [load_request(ctx, a, loaded, buffer(a, len(payload))) for _ in range(credits - 1)]
     hold = ctx.hold_reads(a)
