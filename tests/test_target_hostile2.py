@@ -23,12 +23,11 @@ import pytest
 from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic import cm
-from kbtp_scapy.tables.enums import FEATURES, STATUS, flag
+from kbtp_scapy.vocab import Feature, Opcode, Status
 from kbtp_scapy.wire import iwarp as w, roce as rw
 from kbtp_scapy.wire.iwarp_defs import DDP_TAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
 
 from .hostile import (
-    OP,
     SLACK,
     CmFlooder,
     RssWatch,
@@ -43,9 +42,6 @@ from .hostile import (
 from .kbtp_harness import fresh_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
-DIRECT_LOAD = flag(FEATURES, "DIRECT_LOAD")
-DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
-S_MALFORMED = STATUS.by_name()["MALFORMED"]
 POOL = ["-F", "1024", "-S", "4096"]          # a 4 MiB Pool
 IRD = 16                                     # what the target's MPA Reply advertises
 
@@ -58,14 +54,14 @@ def read_request(msn: int, stag: int, offset: int, size: int, sink: int = 0x77) 
 
 
 async def direct_session(host: str, port: int):
-    """A ready MPA stream with a session that was granted DIRECT_LOAD: (reader, writer,
+    """A ready MPA stream with a session that was granted Feature.DIRECT_LOAD: (reader, writer,
     the Pool's STag, its Tagged Offset)."""
     reader, writer = await mpa_peer(host, port)
-    writer.write(fpdu_send(codec.encode({**codec.decode(hello()), "hello.requested_features": DIRECT_LOAD}), 1))
+    writer.write(fpdu_send(codec.encode({**codec.decode(hello()), "hello.requested_features": Feature.DIRECT_LOAD}), 1))
     (opcode, payload), = await read_fpdus(reader, 5, limit=1)
     ack = codec.decode(payload)
-    assert opcode in (Op.SEND, Op.SEND_SE) and ack["opcode"] == OP["HELLO_ACK"], ack
-    assert "hello_ack.pool.stag" in ack, f"DIRECT_LOAD not granted to a loopback peer: {ack}"
+    assert opcode in (Op.SEND, Op.SEND_SE) and ack["opcode"] == Opcode.HELLO_ACK, ack
+    assert "hello_ack.pool.stag" in ack, f"Feature.DIRECT_LOAD not granted to a loopback peer: {ack}"
     return reader, writer, ack["hello_ack.pool.stag"], ack["hello_ack.pool.offset"]
 
 
@@ -157,7 +153,7 @@ def test_iwarp_reads_within_ird_are_answered_whole_and_in_order():
 
 
 def test_direct_modes_only_for_trusted_peers():
-    """Safe defaults: a peer outside --trust is granted neither DIRECT_LOAD nor its STags,
+    """Safe defaults: a peer outside --trust is granted neither Feature.DIRECT_LOAD nor its STags,
     though it asked; the two-sided operations still work for it."""
     host, = fresh_hosts(1)
     t = TargetProc("iwarp", host, *POOL, "--trust", "10.0.0.0/8", "--trust", "fd00::/8")
@@ -166,7 +162,7 @@ def test_direct_modes_only_for_trusted_peers():
     async def ask():
         reader, writer = await mpa_peer(host, port)
         writer.write(fpdu_send(codec.encode({**codec.decode(hello()),
-                                             "hello.requested_features": DIRECT_LOAD}), 1))
+                                             "hello.requested_features": Feature.DIRECT_LOAD}), 1))
         (_, payload), = await read_fpdus(reader, 5, limit=1)
         writer.close()
         return codec.decode(payload)
@@ -387,7 +383,7 @@ def test_idle_and_frozen_peers_give_way_to_a_newcomer(transport):
 
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_alloc_store_right_after_direct_tickets_is_charged_for_them(transport):
-    """Quota, raced: a DIRECT_ALLOC session takes its whole quota in tickets with FetchAdd
+    """Quota, raced: a Feature.DIRECT_ALLOC session takes its whole quota in tickets with FetchAdd
     and sends ALLOC_STORE at once. The target looks at Head before it answers, so the
     ALLOC_STORE is NO_SPACE, not a block beyond the quota."""
     host, local = fresh_hosts(2)
@@ -395,7 +391,7 @@ def test_alloc_store_right_after_direct_tickets_is_charged_for_them(transport):
 
     async def scenario():
         options = {"local": local} if transport == "roce" else {}
-        ini = await Initiator.connect(t.url, features=DIRECT_ALLOC, **options)
+        ini = await Initiator.connect(t.url, features=Feature.DIRECT_ALLOC, **options)
         for _ in range(ini.target.quota):
             await ini.take_ticket()
         try:
@@ -478,7 +474,7 @@ def test_hello_with_no_completion_credits_is_refused_malformed():
         writer.write(fpdu_send(hello(credits=0), 1))
         (_, payload), = await read_fpdus(reader, 5, limit=1)
         ack = codec.decode(payload)
-        writer.write(fpdu_send(codec.encode({"opcode": OP["FREE"], "request_id": 7,
+        writer.write(fpdu_send(codec.encode({"opcode": Opcode.FREE, "request_id": 7,
                                              "handle": ack.get("hello_ack.handle_base", 0)}), 2))
         after = await read_fpdus(reader, 1.5)
         writer.close()
@@ -488,8 +484,8 @@ def test_hello_with_no_completion_credits_is_refused_malformed():
         metrics = t.metrics()
     finally:
         t.stop()
-    assert ack["opcode"] == OP["HELLO_ACK"] and ack["status"] == S_MALFORMED, ack
-    assert not any(codec.decode(p).get("opcode") == OP["COMPLETION"] for op, p in after
+    assert ack["opcode"] == Opcode.HELLO_ACK and ack["status"] == Status.MALFORMED, ack
+    assert not any(codec.decode(p).get("opcode") == Opcode.COMPLETION for op, p in after
                    if op in (Op.SEND, Op.SEND_SE, Op.SEND_INV, Op.SEND_SE_INV)), after
     assert metrics['kbtp_hellos_total{status="MALFORMED"}'] == 1, metrics
 
