@@ -86,6 +86,11 @@ def limit_options(func):
               help="Seconds a departed initiator's bindings are kept for its reconnect (one "
                    "that holds none only until a new initiator needs its room).")
 @limit_options
+@click.option("--execution", type=click.Choice(["software", "chains"]), default="software",
+              show_default=True,
+              help="chains: LOAD runs as pre-posted work-request chains on the soft RNIC's chain "
+                   "engine, other requests in software (docs/CHAINS.md); the memory order "
+                   "follows the WQE order (big-endian, or little with --addr-le).")
 @click.option("--no-clear", is_flag=True,
               help="Do not clear freed blocks (all initiators share one trust domain).")
 @click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -96,8 +101,8 @@ def limit_options(func):
               help="Stop after this many seconds (default: run until interrupted).")
 @click.option("--verbose", "-v", is_flag=True, help="Log each malformed request too.")
 def target(transport, where, io, iface, raw_addr, device, blocks, block_size, feature_list, addr_le,
-           max_initiators, quota, handles, direct_partitions, credits, max_inline, ticket_timeout, retention, no_clear,
-           pcap, metrics_port, duration, verbose, **limits) -> None:
+           max_initiators, quota, handles, direct_partitions, credits, max_inline, ticket_timeout, retention,
+           execution, no_clear, pcap, metrics_port, duration, verbose, **limits) -> None:
     """Run the reference KBTP target: a pool of BLOCKS blocks in registered memory,
     served over a software RDMA NIC until interrupted (Ctrl-C), then print its counters.
 
@@ -109,6 +114,7 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
       kbtp target                                   # RoCEv2 on 127.0.0.1:4791
       kbtp target --transport iwarp --listen 127.0.0.1:5420 --blocks 4096 -S 32768
       kbtp target --addr-le --pcap target.pcap --metrics 9464
+      kbtp target --execution chains --duration 5     # LOAD as work-request chains
       kbtp target --probe-interval 2 --max-backlog 1048576 --hello-timeout 2 --max-half-open 16
     """
     addr = address(transport, where)
@@ -124,7 +130,7 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
                               handles_per_initiator=handles, direct_partitions=direct_partitions,
                               request_credits=credits, max_inline=max_inline,
                               ticket_timeout_ms=ticket_timeout, retention_s=retention,
-                              clear_freed=not no_clear, **limits)
+                              clear_freed=not no_clear, execution=execution, **limits)
         config.validate()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
