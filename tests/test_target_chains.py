@@ -10,8 +10,11 @@ import os
 
 import pytest
 
+from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
-from kbtp_scapy.tables.enums import OPCODES
+from kbtp_scapy.rnic.memory import Access
+from kbtp_scapy.rnic.qp import ConnectionLost, RemoteError
+from kbtp_scapy.tables.enums import OPCODES, REQUEST_FLAGS, STATUS, flag
 from kbtp_scapy.target import TargetConfig
 
 from .kbtp_harness import TargetThread
@@ -89,3 +92,52 @@ def test_failed_checks_go_to_software(chains):
     ended(chains)
     m = chains.target.metrics
     assert m.chain[OP["LOAD"]] == 1 and m.python[OP["LOAD"]] == 6
+
+
+# -- findings: where a chain's LOAD cannot make the software target's checks ------------------
+
+@pytest.fixture(params=["software", "chains"])
+def either(request):
+    config = TargetConfig(blocks=16, block_size=4096, max_initiators=2, request_credits=4,
+                          execution=request.param)
+    t = TargetThread("iwarp", config)
+    yield request.param, t
+    t.stop()
+
+
+def test_finding_a_load_longer_than_the_buffer(either):
+    """"Data Length MUST NOT exceed the descriptor Length": no primitive compares two
+    numbers for order, so the chain writes anyway and the initiator's RNIC refuses the
+    Write (a bounds violation ends the connection) instead of a TOO_LARGE completion."""
+    mode, t = either
+
+    async def main() -> str:
+        ini = await connect(t, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, os.urandom(3000), seal=True)
+        try:
+            await ini.load(h, length=100)
+        except KbtpError as exc:
+            return exc.name
+        except (ConnectionLost, RemoteError):
+            return "connection lost"
+        return "OK"
+    assert run(main()) == ("TOO_LARGE" if mode == "software" else "connection lost")
+
+
+def test_finding_a_load_with_trailing_octets(either):
+    """docs/NOTES.md decision 4 (a length that does not match the flags is MALFORMED): a
+    receive's scatter list takes whatever length comes, and no WQE sees it."""
+    mode, t = either
+
+    async def main() -> int:
+        ini = await connect(t, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"sealed block", seal=True)
+        buf = ini.memory.register(bytearray(4096), Access.REMOTE_WRITE)
+        request = codec.encode({"opcode": OP["LOAD"], "request_id": 99, "handle": h,
+                                "flags": flag(REQUEST_FLAGS, "INVALIDATE"), "dd.stag": buf.stag,
+                                "dd.offset": buf.base, "dd.length": 4096})
+        (answer,) = await ini.raw(request + bytes(8))
+        return codec.decode(answer.payload)["status"]
+    assert run(main()) == (STATUS.by_name()["MALFORMED"] if mode == "software" else 0)
