@@ -141,3 +141,4 @@ def test_finding_a_load_with_trailing_octets(either):
         (answer,) = await ini.raw(request + bytes(8))
         return codec.decode(answer.payload)["status"]
     assert run(main()) == (STATUS.by_name()["MALFORMED"] if mode == "software" else 0)
+

@@ -225,6 +225,7 @@ class Opts:
     pool_mib: int
     warmup: float
     profile_dir: str | None
+    target_args: tuple[str, ...] = ()   # more options for every target (--execution chains)
 
 
 async def workload(ini: Any, op: str, base: int, rounds: int, data: bytes, window: int
@@ -521,7 +522,7 @@ def target_argv(transport: str, size: int, o: Opts, name: str) -> list[str]:
                      "--listen", TARGET_HOST if transport == "roce" else f"{TARGET_HOST}:0",
                      "--blocks", str(blocks),
                      "--block-size", str(size), "--features", "none",
-                     "--credits", str(max(32, o.window))]
+                     "--credits", str(max(32, o.window)), *o.target_args]
 
 
 async def run_case(transport: str, op: str, size: int, o: Opts) -> dict[str, Any]:
@@ -654,6 +655,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="target pool in MiB (blocks = pool / size)")
     p.add_argument("--profile-target", metavar="DIR", default=None,
                    help="run each target under cProfile, writing DIR/TRANSPORT-OP-SIZE.prof")
+    p.add_argument("--target-args", default="", metavar="ARGS",
+                   help="more options for every target, e.g. '--execution chains'")
     p.add_argument("--json", metavar="FILE", help="write every result and counter here")
     p.add_argument("--readme", action="store_true", help="print the Markdown table for the README")
     p.add_argument("--serve-baseline", metavar="SPEC", help=argparse.SUPPRESS)
@@ -686,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve_baseline(json.loads(args.serve_baseline)))
         return 0
     o = Opts(args.seconds, args.window, args.round_ops, args.pool_mib, args.warmup,
-             args.profile_target)
+             args.profile_target, tuple(args.target_args.split()))
     if o.profile_dir:
         os.makedirs(o.profile_dir, exist_ok=True)
     cases = asyncio.run(run_all(args, o))

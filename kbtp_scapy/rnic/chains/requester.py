@@ -22,6 +22,9 @@ from .queues import Completion, WorkQueue
 from .wqe import ALL, Cond, Flag, Op, Sge, Wqe, byteorder
 
 _RIGHT = {Op.READ: 1, Op.WRITE: 2}   # Access.REMOTE_READ, REMOTE_WRITE as ints
+# flags as ints: IntFlag arithmetic on every work request is slow
+FENCE, LOOPBACK, SIGNALED = int(Flag.FENCE), int(Flag.LOOPBACK), int(Flag.SIGNALED)
+SOLICITED, INVALIDATE = int(Flag.SOLICITED), int(Flag.INVALIDATE)
 Done = Callable[[Any, BaseException | None], None]
 
 
@@ -96,7 +99,7 @@ class Requester:
             self.executed[name] = self.executed.get(name, 0) + 1
 
     def _start(self, q: WorkQueue, w: Wqe) -> None:
-        if w.flags & Flag.FENCE and q.inflight:
+        if w.flags & FENCE and q.inflight:
             raise Blocked("fence")
         op = w.op
         if op is Op.WAIT:
@@ -113,7 +116,7 @@ class Requester:
             self.wake(other)
         elif op is Op.NOP:
             pass
-        elif w.flags & Flag.LOOPBACK:
+        elif w.flags & LOOPBACK:
             self._loopback(w)
         else:
             self._remote(q, w)
@@ -121,7 +124,7 @@ class Requester:
         self._done(q, w)
 
     def _done(self, q: WorkQueue, w: Wqe, byte_len: int = 0) -> None:
-        if w.flags & Flag.SIGNALED:
+        if w.flags & SIGNALED:
             self.completer.complete(q.cq, Completion(w.wr_id, int(w.op), "ok", byte_len, q.number))
 
     def _loopback(self, w: Wqe) -> None:
@@ -145,8 +148,8 @@ class Requester:
 
     def _remote(self, q: WorkQueue, w: Wqe) -> None:
         if w.op is Op.SEND:
-            wr = WorkRequest(Verb.SEND, self.gather(w.sges), solicited=bool(w.flags & Flag.SOLICITED),
-                             invalidate=w.invalidate if w.flags & Flag.INVALIDATE else None)
+            wr = WorkRequest(Verb.SEND, self.gather(w.sges), solicited=bool(w.flags & SOLICITED),
+                             invalidate=w.invalidate if w.flags & INVALIDATE else None)
         elif w.op is Op.WRITE:
             data = self.gather(w.sges)
             wr = WorkRequest(Verb.WRITE, data, w.remote_stag, w.remote_offset, len(data))

@@ -20,10 +20,11 @@ little-endian as rxe's and siw's (then KBTP's ADDR_LE lets address fields land u
 from __future__ import annotations
 
 import enum
+import functools
+import struct
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ... import codec
 from ...tables.model import Field, Order, Struct
 
 A = Order.ADDRESS     # every WQE field follows the engine's byte order (codec's addr_le)
@@ -63,6 +64,15 @@ SGE = Struct(
     ),
 )
 
+def _packer(table: Struct, little: bool) -> struct.Struct:
+    """The table's fields as one precompiled struct (a WQE is decoded per work request)."""
+    codes = {1: "B", 2: "H", 4: "I", 8: "Q"}
+    return struct.Struct(("<" if little else ">") + "".join(codes[f.size] for f in table.items))
+
+
+_HEAD = {little: _packer(WQE_HEADER, little) for little in (False, True)}
+_SGE = {little: _packer(SGE, little) for little in (False, True)}
+
 HEADER_SIZE = WQE_HEADER.size
 SGE_SIZE = SGE.size
 MAX_SGE = 8
@@ -82,6 +92,9 @@ class Op(enum.IntEnum):
     ENABLE = 7             # let queue Target run Count more WQEs (mlx5 SEND_EN / RECV_EN)
     WAIT_DATA = 8          # until (word at remote & Operand 2) Cond Operand (wait-on-data)
     RECV = 9
+
+
+_OPS = {op.value: op for op in Op}
 
 
 class Flag(enum.IntFlag):
@@ -126,33 +139,25 @@ class Wqe:
     def encode(self, little: bool) -> bytes:
         if len(self.sges) > MAX_SGE:
             raise ValueError(f"a WQE has at most {MAX_SGE} scatter/gather entries")
-        head = codec.encode_struct(WQE_HEADER, {
-            "wqe.opcode": int(self.op), "wqe.flags": int(self.flags), "wqe.target": self.target,
-            "wqe.guard": self.guard, "wqe.remote_stag": self.remote_stag,
-            "wqe.remote_offset": self.remote_offset, "wqe.length": self.length,
-            "wqe.count": self.count, "wqe.sge_count": len(self.sges), "wqe.cond": self.cond,
-            "wqe.operand": self.operand, "wqe.operand2": self.operand2, "wqe.wr_id": self.wr_id,
-            "wqe.invalidate": self.invalidate, "wqe.reserved": 0}, little)
-        sges = b"".join(codec.encode_struct(SGE, {"sge.length": s.length, "sge.addr": s.addr,
-                                                  "sge.key": s.key}, little) for s in self.sges)
-        return (head + sges).ljust(STRIDE, b"\0")
+        head = _HEAD[little].pack(
+            int(self.op), int(self.flags), self.target, self.guard, self.remote_stag,
+            self.remote_offset, self.length, self.count, len(self.sges), self.cond, self.operand,
+            self.operand2, self.wr_id, self.invalidate, 0)
+        sge = _SGE[little]
+        return (head + b"".join(sge.pack(s.length, s.addr, s.key) for s in self.sges)).ljust(STRIDE, b"\0")
 
     @classmethod
     def decode(cls, raw: bytes | memoryview, little: bool) -> Wqe:
-        raw = bytes(raw)
-        d = codec.decode_struct(WQE_HEADER, raw[:HEADER_SIZE], little)
-        sges = []
-        for i in range(min(d["wqe.sge_count"], MAX_SGE)):
-            at = HEADER_SIZE + i * SGE_SIZE
-            s = codec.decode_struct(SGE, raw[at:at + SGE_SIZE], little)
-            sges.append(Sge(s["sge.key"], s["sge.addr"], s["sge.length"]))
-        try:
-            op = Op(d["wqe.opcode"])
-        except ValueError:
-            raise ValueError(f"unknown WQE opcode {d['wqe.opcode']}") from None
-        return cls(op, d["wqe.flags"], d["wqe.target"], d["wqe.guard"], d["wqe.remote_stag"],
-                   d["wqe.remote_offset"], d["wqe.length"], d["wqe.count"], d["wqe.cond"],
-                   d["wqe.operand"], d["wqe.operand2"], d["wqe.wr_id"], d["wqe.invalidate"], sges)
+        (opcode, flags, target, guard, stag, offset, length, count, sge_count, cond, operand,
+         operand2, wr_id, invalidate, _) = _HEAD[little].unpack_from(raw)
+        op = _OPS.get(opcode)
+        if op is None:
+            raise ValueError(f"unknown WQE opcode {opcode}")
+        sge = _SGE[little]
+        sges = [Sge(key, addr, n) for n, addr, key in
+                (sge.unpack_from(raw, HEADER_SIZE + i * SGE_SIZE) for i in range(min(sge_count, MAX_SGE)))]
+        return cls(op, flags, target, guard, stag, offset, length, count, cond, operand, operand2,
+                   wr_id, invalidate, sges)
 
     def control(self, little: bool) -> int:
         """The control word as the 64-bit value a CAS on it compares. The engine runs its
@@ -160,11 +165,13 @@ class Wqe:
         return int.from_bytes(self.encode(little)[:CONTROL_SIZE], byteorder(little))
 
 
+@functools.cache
 def offset_of(name: str) -> int:
     """Octet offset of a header field within a WQE (``remote_offset``, ``guard``, ...)."""
     return WQE_HEADER.offset(name)
 
 
+@functools.cache
 def sge_offset(index: int, name: str) -> int:
     """Octet offset of a field of scatter/gather entry ``index`` within a WQE."""
     return HEADER_SIZE + index * SGE_SIZE + SGE.offset(name)
