@@ -15,7 +15,7 @@ from kbtp_scapy.rnic.chains import Cond, Engine, Flag, Op, Sge, Wqe
 from kbtp_scapy.rnic.chains.alias import handle_offset, register_handle_alias
 from kbtp_scapy.rnic.chains.driver import QueuePairPort
 from kbtp_scapy.rnic.chains.wqe import ALL, offset_of
-from kbtp_scapy.rnic.memory import Access, MemoryTable
+from kbtp_scapy.rnic.memory import Access, AccessError, Fault, MemoryTable
 from kbtp_scapy.rnic.qp import QueuePair, Verb, WorkRequest
 from kbtp_scapy.tables import RING_COUNTER
 from kbtp_scapy.tables.messages import DATA_DESCRIPTOR
@@ -194,3 +194,14 @@ def test_the_engines_work_requests_are_the_qps_own() -> None:
                              wr.solicited, wr.imm, wr.future is None)
         assert [fields(w) for w in chained.posted_wrs] == [fields(w) for w in direct.posted_wrs]
     asyncio.run(main())
+
+
+def test_no_peer_reaches_the_engines_queues() -> None:
+    """WQE slots are the chain's to write, through its loopback QP only: a peer's RDMA
+    Write naming their STag is refused (a window bound to the loopback)."""
+    e, _, memory = engine()
+    sq = e.create_queue(2, e.create_cq())
+    peer = object()
+    with pytest.raises(AccessError) as refused:
+        memory.remote_write(sq.region.stag, sq.at(0), b"\0" * 8, peer)
+    assert refused.value.fault is Fault.WRONG_CONNECTION

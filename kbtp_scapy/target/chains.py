@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 from ..rnic.chains import Engine, Flag, Op, Sge, Wqe
 from ..rnic.chains.alias import register_handle_alias
 from ..rnic.chains.driver import QueuePairPort, attach
+from ..rnic.chains.engine import LOOPBACK_ACCESS
 from ..rnic.chains.queues import CompletionQueue, WorkQueue
 from ..rnic.chains.wqe import ALL, byteorder, offset_of, sge_offset
-from ..rnic.memory import Access
 from ..tables import memory as M
 from ..tables.enums import ENTRY_FLAGS, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, flag
 from ..tables.messages import COMPLETION, DATA_DESCRIPTOR, HEADER
@@ -88,13 +88,15 @@ class ChainRunner:
         self.ctl = e.create_queue(3 * self.slots, self.spare)
         self.chains = [Chain(e, j, self.sw_cq, self.done_cq, self.spare) for j in range(self.slots)]
         table = t.memory.table
+        loopback = e.loopback           # every region below: the chain's own, no peer's
         self.alias = register_handle_alias(memory, t.memory.table_buffer, table.base_handle,
-                                           table.count, M.ENTRY_SIZE)
-        self.pool = memory.register(t.memory.pool, Access.LOCAL, base=t.memory.pool_base)
+                                           table.count, M.ENTRY_SIZE, connection=loopback)
+        self.pool = memory.register(t.memory.pool, LOOPBACK_ACCESS, base=t.memory.pool_base,
+                                    connection=loopback)
         self.rest = t._recv_size() - _HEADER_SIZE - _DD_SIZE
         self.per = 64 + 16 + max(self.rest, 0)        # completion, scratch, rest of a request
-        self.buffers = memory.register(bytearray(self.slots * self.per),
-                                       Access.REMOTE_READ | Access.REMOTE_WRITE)
+        self.buffers = memory.register(bytearray(self.slots * self.per), LOOPBACK_ACCESS,
+                                       connection=loopback)
         self.built = 0             # chains built so far (ticket of the next one)
         self.refilled = 0          # completions already accounted for
         self.software: deque[int] = deque()

@@ -40,11 +40,12 @@ class HandleAlias(MemoryRegion):
 
 
 def register_handle_alias(memory: MemoryTable, table: Any, first_handle: int, entries: int,
-                          entry_size: int, access: Access = Access.REMOTE_READ | Access.REMOTE_WRITE
-                          ) -> HandleAlias:
-    """The alias key over ``table`` (a writable buffer of the entries), for loopback use."""
+                          entry_size: int, *, start: int = 0, connection: object | None = None,
+                          access: Access = Access.REMOTE_READ | Access.REMOTE_WRITE) -> HandleAlias:
+    """The alias key over the entries at ``table[start:]`` (the first is ``first_handle``'s),
+    bound to ``connection`` (the engine's loopback: no peer reaches it)."""
     def make(stag: int) -> MemoryRegion:
-        return HandleAlias(stag, table, access, 0, entries * entry_size, 0, None,
+        return HandleAlias(stag, table, access, start, entries * entry_size, 0, connection,
                            first_handle=first_handle, entries=entries, entry_size=entry_size)
     region = memory.register_indirect(make)
     assert isinstance(region, HandleAlias)

@@ -18,6 +18,13 @@ from .requester import Port, Requester
 from .responder import Responder
 from .wqe import STRIDE, Op, Wqe
 
+LOOPBACK_ACCESS = Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
+
+
+class Loopback:
+    """The engine's loopback QP, as far as memory protection goes: regions bound to it are
+    reachable by the chain's loopback work requests and by no peer."""
+
 
 class Engine:
     def __init__(self, memory: MemoryTable, port: Port, little: bool) -> None:
@@ -26,7 +33,10 @@ class Engine:
         self._ready: deque[WorkQueue] = deque()
         self._queued: set[int] = set()
         self.completer = Completer(self.wake)
-        self.requester = Requester(memory, port, self.completer, little, self.queues, self.wake)
+        # the engine's own regions are bound to its loopback QP: no peer can reach them
+        self.loopback = Loopback()
+        self.requester = Requester(memory, port, self.completer, little, self.queues, self.wake,
+                                   self.loopback)
         self.responder = Responder(self.requester, self.completer, little)
         self.seconds = 0.0               # time spent running work requests (the "RNIC")
         self._running = False
@@ -47,8 +57,8 @@ class Engine:
                      receive: bool = False) -> WorkQueue:
         """A queue of ``slots`` WQE slots in a region of its own, which loopback work
         requests may read and write (that is how a chain edits its later WQEs)."""
-        region = self.memory.register(bytearray(slots * STRIDE),
-                                      Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
+        region = self.memory.register(bytearray(slots * STRIDE), LOOPBACK_ACCESS,
+                                      connection=self.loopback)
         q = WorkQueue(len(self.queues), region, slots, cq, managed, receive)
         self.queues.append(q)
         return q

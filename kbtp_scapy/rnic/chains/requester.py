@@ -44,8 +44,9 @@ class Blocked(Exception):
 
 class Requester:
     def __init__(self, memory: MemoryTable, port: Port, completer: Completer, little: bool,
-                 queues: list[WorkQueue], wake: Callable[[WorkQueue], None]) -> None:
+                 queues: list[WorkQueue], wake: Callable[[WorkQueue], None], loopback: object) -> None:
         self.memory, self.port, self.completer = memory, port, completer
+        self.loopback = loopback        # the "connection" loopback work requests come on
         self.little, self.order = little, byteorder(little)
         self.memory_order = byteorder(memory.order == "little")
         self.queues, self.wake = queues, wake
@@ -106,7 +107,8 @@ class Requester:
             if self.completer.cqs[w.target].count < w.count:
                 raise Blocked("cq", w.target)
         elif op is Op.WAIT_DATA:
-            word = int.from_bytes(self.memory.remote(w.remote_stag, w.remote_offset, 8, 1), self.order)
+            word = int.from_bytes(self.memory.remote(w.remote_stag, w.remote_offset, 8, 1,
+                                                         self.loopback), self.order)
             equal = word & w.operand2 == w.operand & w.operand2
             if equal != (w.cond == Cond.EQ):
                 raise Blocked("data")
@@ -130,12 +132,13 @@ class Requester:
     def _loopback(self, w: Wqe) -> None:
         m = self.memory
         if w.op is Op.READ:
-            self.scatter(w.sges, m.remote(w.remote_stag, w.remote_offset, w.length, _RIGHT[Op.READ]))
+            self.scatter(w.sges, m.remote(w.remote_stag, w.remote_offset, w.length, _RIGHT[Op.READ],
+                                          self.loopback))
         elif w.op is Op.WRITE:
             m.remote(w.remote_stag, w.remote_offset, sum(s.length for s in w.sges),
-                     _RIGHT[Op.WRITE])[:] = self.gather(w.sges)
+                     _RIGHT[Op.WRITE], self.loopback)[:] = self.gather(w.sges)
         elif w.op in (Op.FETCH_ADD, Op.CAS):
-            view = m.atomic(w.remote_stag, w.remote_offset)
+            view = m.atomic(w.remote_stag, w.remote_offset, self.loopback)
             if w.op is Op.FETCH_ADD:
                 original = m.fetch_add(view, w.operand, w.operand2 or None)
             else:
