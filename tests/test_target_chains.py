@@ -73,6 +73,37 @@ def test_loads_run_without_kbtp_python(chains):
     assert m.python[OP["ALLOC_STORE"]] == 4 and m.operations[OP["LOAD"], 0] == 21
 
 
+def test_inline_stores_run_without_kbtp_python(chains):
+    """Mapped STOREs with inline data (with and without SEAL) by chains; the table entry, the
+    block and the completion as the software target leaves them."""
+    async def main():
+        ini = await connect(chains, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"first version")                     # unsealed, software
+        for i in range(6):
+            data = os.urandom(50 + 100 * i)
+            r = await ini.store(h, data, inline=True)
+            assert (r.status, r.generation, r.data_length) == (0, 1, len(data))
+            assert (await ini.load(h, allow_unsealed=True)).data == data   # software LOAD
+        r = await ini.store(h, b"sealed now", inline=True, seal=True, generation=1)
+        assert r.data_length == 10
+        assert (await ini.load(h)).data == b"sealed now"               # sealed: by chains
+        for name, coro in (("SEALED", ini.store(h, b"x", inline=True)),
+                           ("NOT_VALID", ini.store(h + 1, b"x", inline=True)),
+                           ("INVALID_HANDLE", ini.store(h + ini.target.handle_count, b"x", inline=True))):
+            with pytest.raises(KbtpError) as failed:
+                await coro
+            assert failed.value.name == name
+        await ini.close()
+        return h
+    h = run(main())
+    ended(chains)
+    m = chains.target.metrics
+    entry = chains.run(lambda: chains.target.memory.table.read(h))
+    assert (entry.flags, entry.generation, entry.data_length) == (3, 1, 10)
+    assert m.chain[OP["STORE"]] == 7 and m.python[OP["STORE"]] == 3 and m.chain[OP["LOAD"]] == 1
+
+
 def test_failed_checks_go_to_software(chains):
     async def main():
         ini = await connect(chains, 0, credits=4)
@@ -142,3 +173,27 @@ def test_finding_a_load_with_trailing_octets(either):
         return codec.decode(answer.payload)["status"]
     assert run(main()) == (STATUS.by_name()["MALFORMED"] if mode == "software" else 0)
 
+
+
+def test_finding_an_inline_store_longer_than_a_block(either):
+    """docs/NOTES.md decision 5 (INLINE Length above Max Inline or Block Size: TOO_LARGE):
+    nothing in a chain bounds the Length the descriptor claims. Through the block alias
+    the chain's Write of 5,000 octets ends in the null key: the next block is untouched,
+    but the entry records the Length and the STORE completes OK."""
+    mode, t = either
+
+    async def main() -> tuple[int, bytes]:
+        ini = await connect(t, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"mine")
+        neighbour = os.urandom(4096)
+        await ini.alloc_store(h + 1, neighbour, seal=True, inline=False)
+        request = codec.encode({"opcode": OP["STORE"], "request_id": 77, "handle": h,
+                                "flags": flag(REQUEST_FLAGS, "INLINE"), "dd.stag": 0,
+                                "dd.offset": 0, "dd.length": 5000})
+        (answer,) = await ini.raw(request + b"ten octets")
+        status = codec.decode(answer.payload)["status"]
+        assert (await ini.load(h + 1)).data == neighbour
+        return status, neighbour
+    status, _ = run(main())
+    assert status == (STATUS.by_name()["TOO_LARGE"] if mode == "software" else 0)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from ..rnic.chains import Engine, Flag, Op, Sge, Wqe
-from ..rnic.chains.alias import register_handle_alias
+from ..rnic.chains.alias import handle_offset, register_alias
 from ..rnic.chains.driver import QueuePairPort, attach
 from ..rnic.chains.engine import LOOPBACK_ACCESS
 from ..rnic.chains.queues import CompletionQueue, WorkQueue
@@ -38,25 +38,33 @@ log = logging.getLogger("kbtp.target")
 OP = OPCODES.by_name()
 VALID_SEALED = flag(ENTRY_FLAGS, "VALID") | flag(ENTRY_FLAGS, "SEALED")
 RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
-INVALIDATE = flag(REQUEST_FLAGS, "INVALIDATE")
+INVALIDATE, INLINE, SEAL = (flag(REQUEST_FLAGS, f) for f in ("INVALIDATE", "INLINE", "SEAL"))
+VALID = flag(ENTRY_FLAGS, "VALID")
 
 _H = {name: HEADER.offset(name) for name in ("request_id", "handle", "generation", "status")}
 _HEADER_SIZE = HEADER.size
 _DD_SIZE = DATA_DESCRIPTOR.size
 _COMPLETION_SIZE = HEADER.size + COMPLETION.size
 _C_LENGTH, _C_OFFSET = (HEADER.size + COMPLETION.offset(f) for f in ("data_length", "block_offset"))
+# a slot's buffer: the completion and a STORE's new entry octets, scratch, the rest of a request
+_SCRATCH_AT, _REST_AT = 64, 80
+_TAG = 56                  # wr_id of a chain's completion: opcode << 56 | request number
 
 
 class Chain:
-    """The queues and buffers of one chain slot (credit slot ``j``)."""
+    """The queues of one chain slot (credit slot ``j``): P guards the request, F and O are
+    LOAD's entry stage and output, FS and OS mapped STORE's, S hands a request to software."""
 
     def __init__(self, engine: Engine, j: int, sw_cq: CompletionQueue, done_cq: CompletionQueue,
                  spare: CompletionQueue) -> None:
         self.j = j
-        self.p = engine.create_queue(4, spare, managed=True)   # request guard
-        self.f = engine.create_queue(8, spare, managed=True)   # table entry, entry guard
-        self.o = engine.create_queue(4, done_cq, managed=True)  # WRITE, SEND (fast path)
-        self.s = engine.create_queue(2, sw_cq, managed=True)   # to software
+        self.p = engine.create_queue(8, spare, managed=True)
+        self.f = engine.create_queue(8, spare, managed=True)
+        self.o = engine.create_queue(4, done_cq, managed=True)
+        self.fs = engine.create_queue(16, spare, managed=True)
+        self.os = engine.create_queue(4, done_cq, managed=True)
+        self.s = engine.create_queue(2, sw_cq, managed=True)
+        self.queues = (self.p, self.f, self.o, self.fs, self.os, self.s)
 
 
 class ChainRunner:
@@ -89,20 +97,29 @@ class ChainRunner:
         self.chains = [Chain(e, j, self.sw_cq, self.done_cq, self.spare) for j in range(self.slots)]
         table = t.memory.table
         loopback = e.loopback           # every region below: the chain's own, no peer's
-        self.alias = register_handle_alias(memory, t.memory.table_buffer, table.base_handle,
-                                           table.count, M.ENTRY_SIZE, connection=loopback)
-        self.pool = memory.register(t.memory.pool, LOOPBACK_ACCESS, base=t.memory.pool_base,
-                                    connection=loopback)
+        self.alias = register_alias(memory, t.memory.table_buffer, table.base_handle,
+                                    table.count, M.ENTRY_SIZE, connection=loopback)
+        own = conn.state                # stores: the initiator's own range only
+        assert own is not None          # a session: its HELLO was answered
+        self.own = register_alias(memory, t.memory.table_buffer, own.handle_base, own.handle_count,
+                                  M.ENTRY_SIZE, start=(own.handle_base - table.base_handle) * M.ENTRY_SIZE,
+                                  connection=loopback)
+        size = t.memory.block_size      # blocks through an alias: no access spills over one
+        self.blocks = register_alias(memory, t.memory.pool, t.memory.pool_base, t.config.blocks, size,
+                                     unit=size, connection=loopback)
         self.rest = t._recv_size() - _HEADER_SIZE - _DD_SIZE
-        self.per = 64 + 16 + max(self.rest, 0)        # completion, scratch, rest of a request
+        self.per = _REST_AT + max(self.rest, 0)
         self.buffers = memory.register(bytearray(self.slots * self.per), LOOPBACK_ACCESS,
                                        connection=loopback)
+        # each slot's inline data, through an alias: a Length beyond what it holds reads zeros
+        self.staging = register_alias(memory, self.buffers.buffer, 0, self.slots, max(self.rest, 0),
+                                      unit=self.per, pitch=self.per, start=_REST_AT,
+                                      connection=loopback)
         self.built = 0             # chains built so far (ticket of the next one)
         self.refilled = 0          # completions already accounted for
         self.software: deque[int] = deque()
         self.wakeup = asyncio.Event()
         self.ended: BaseException | None = None
-        self.sw_seen = 0
         e.completer.on_polled = self._polled
 
     # -- addresses ------------------------------------------------------------------------
@@ -114,10 +131,10 @@ class ChainRunner:
         return self._buf(j)
 
     def _scratch(self, j: int) -> int:
-        return self._buf(j, 64)
+        return self._buf(j, _SCRATCH_AT)
 
     def _rest(self, j: int) -> int:
-        return self._buf(j, 80)
+        return self._buf(j, _REST_AT)
 
     @staticmethod
     def _field(q: WorkQueue, index: int, at: int) -> tuple[int, int]:
@@ -130,89 +147,101 @@ class ChainRunner:
 
     # -- building ------------------------------------------------------------------------
 
-    def receive_sges(self, c: Chain, ib1: int, ib2: int, iww: int) -> list[Sge]:
-        """The receive's scatter list (docs/CHAINS.md, "Block Load", receive)."""
-        b = self.buffers.stag
-        j = c.j
-        guard, gen = offset_of("guard"), offset_of("guard") + 2
-        return [
-            self._sge(c.p, ib1, guard, 4),                                    # version .. flags
-            Sge(b, self._completion(j) + _H["request_id"], 16),               # Request ID, handle
-            self._sge(c.f, ib2, gen, 2),                                      # Generation
-            Sge(b, self._scratch(j), 2),                                      # Status
-            self._sge(c.o, iww, offset_of("remote_stag"), _DD_SIZE),          # Data Descriptor
-            Sge(b, self._rest(j), max(self.rest, 0)),                         # anything after
-        ]
+    def _shifted(self, q: WorkQueue, index: int, at: int, top: Sge) -> list[Sge]:
+        """Scatter entries that place an 8-octet address-order value (a handle, a Block
+        Offset) shifted up one octet into the field at ``at`` (value * 256: an alias key's
+        Tagged Offset), its top octet into ``top``, in the order the octets come."""
+        low = self._sge(q, index, at + (1 if self.little else 0), 7)
+        return [low, top] if self.little else [top, low]
+
+    def _handle(self, j: int, q: WorkQueue, index: int, top: Sge) -> Wqe:
+        """A loopback Read of the request's handle (in the completion buffer) into the
+        address field of WQE ``index`` of ``q``, shifted (see ``_shifted``)."""
+        return Wqe(Op.READ, Flag.LOOPBACK, remote_stag=self.buffers.stag,
+                   remote_offset=self._completion(j) + _H["handle"], length=8,
+                   sges=self._shifted(q, index, offset_of("remote_offset"), top))
+
+    def _copy(self, key: int, addr: int, length: int, sges: list[Sge], fence: bool = False) -> Wqe:
+        """A loopback Read: ``length`` octets at (key, addr) into ``sges`` (a value needed in
+        a second place)."""
+        return Wqe(Op.READ, Flag.LOOPBACK | (Flag.FENCE if fence else 0), remote_stag=key,
+                   remote_offset=addr, length=length, sges=sges)
+
+    def _guard(self, q: WorkQueue, index: int, fail: Wqe, guard: bytes, passed: Wqe) -> Wqe:
+        """The CAS that turns branch WQE ``index`` of ``q`` from ``fail`` into ``passed``
+        when its Guard holds ``guard`` (the octets the chain placed there)."""
+        want = bytearray(fail.encode(self.little)[:8])
+        want[offset_of("guard"):offset_of("guard") + len(guard)] = guard
+        return Wqe(Op.CAS, Flag.LOOPBACK | Flag.FENCE, remote_stag=q.region.stag,
+                   remote_offset=q.at(index), operand=int.from_bytes(want, self.order),
+                   operand2=passed.control(self.little))
 
     def build(self) -> None:
-        """Post chain ``built`` into its slot: receive, control WQEs and the four queues."""
+        """Post chain ``built`` into its slot: the receive, the control WQEs, the request
+        guard and both operations' stages (docs/CHAINS.md, "Block Load", "Mapped Store")."""
         k = self.built
         c = self.chains[k % self.slots]
         e, b, j = self.engine, self.buffers.stag, c.j
-        for q in (c.p, c.f, c.o, c.s):
+        for q in c.queues:
             e.rewind(q)                 # the branches the last chain here did not take
-        # the completion as far as it is constant: Version, COMPLETION, the rest zero
-        done = bytearray(_COMPLETION_SIZE)
+        done = bytearray(_COMPLETION_SIZE + 8)   # the completion's constant part, entry buffer
         done[:2] = bytes((1, OP["COMPLETION"]))
-        self.buffers.local(self._completion(j), _COMPLETION_SIZE)[:] = done
-        ib1 = c.p.written + 3                        # A, X, c1, B1
-        ir1, ic2, ib2 = c.f.written, c.f.written + 3, c.f.written + 5   # WR1, WR2, WR3, c2a, c2b, B2
-        iww, isend = c.o.written, c.o.written + 1     # WRITE, SEND
-        # P: the handle's octets into WR1's address and B1's flags octet, then guard 1
-        handle = self._completion(j) + _H["handle"]
-        roff = offset_of("remote_offset") + (1 if self.little else 0)
-        pieces = [self._sge(c.f, ir1, roff, 7), self._sge(c.p, ib1, 1, 1)]
-        if not self.little:
-            pieces.reverse()             # octet 0 (the top one) comes first
-        e.post(c.p, Wqe(Op.READ, Flag.LOOPBACK, remote_stag=b, remote_offset=handle, length=8,
-                        sges=pieces), doorbell=False)
-        # X: the Data Descriptor's STag, which the completion invalidates
-        skey, saddr = self._field(c.o, iww, offset_of("remote_stag"))
-        e.post(c.p, Wqe(Op.READ, Flag.LOOPBACK, remote_stag=skey, remote_offset=saddr, length=4,
-                        sges=[self._sge(c.o, isend, offset_of("invalidate"), 4)]), doorbell=False)
-        expect = int.from_bytes(bytes((1, OP["LOAD"])) + INVALIDATE.to_bytes(2, "big"), self.order)
-        b1 = Wqe(Op.ENABLE, 0, target=c.s.number, guard=expect, count=ALL)
-        e.post(c.p, Wqe(Op.CAS, Flag.LOOPBACK | Flag.FENCE, remote_stag=c.p.region.stag,
-                        remote_offset=c.p.at(ib1), operand=b1.control(self.little),
-                        operand2=Wqe(Op.ENABLE, 0, target=c.f.number, guard=expect,
-                                     count=ALL).control(self.little)), doorbell=False)
-        e.post(c.p, b1, doorbell=False)
-        # F: the table entry, twice; the request's Generation; guard 2
+        self.buffers.local(self._completion(j), len(done))[:] = done
+        scratch = Sge(b, self._scratch(j), 1)
+        ib1 = c.p.written + 6                 # A, A2, X, three guard-1 CASes, then B1
+        iww, isend = c.o.written, c.o.written + 1                 # LOAD: WRITE, SEND
         guard = offset_of("guard")
+        # P: the handle for both entry Reads of LOAD, the STag to invalidate, guard 1
+        ir1, ir2, ic2, ib2 = c.f.written, c.f.written + 1, c.f.written + 2, c.f.written + 4
+        e.post(c.p, self._handle(j, c.f, ir1, self._sge(c.p, ib1, 1, 1)), doorbell=False)
+        e.post(c.p, self._handle(j, c.f, ir2, scratch), doorbell=False)
+        skey, saddr = self._field(c.o, iww, offset_of("remote_stag"))
+        e.post(c.p, self._copy(skey, saddr, 4, [self._sge(c.o, isend, offset_of("invalidate"), 4)]),
+               doorbell=False)
+        b1 = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
+        for opcode, flags, then in ((OP["LOAD"], INVALIDATE, c.f), (OP["STORE"], INLINE, c.fs),
+                                    (OP["STORE"], INLINE | SEAL, c.fs)):
+            word = bytes((1, opcode)) + flags.to_bytes(2, "big")
+            expect = int.from_bytes(word, self.order)
+            e.post(c.p, self._guard(c.p, ib1, b1, word,
+                                    Wqe(Op.ENABLE, 0, target=then.number, guard=expect, count=ALL)),
+                   doorbell=False)
+        e.post(c.p, b1, doorbell=False)
+        # F (LOAD): the entry into the WRITE and guard 2, the entry into the completion
         entry_sges = [self._sge(c.f, ib2, guard, 2),                          # Flags
                       self._sge(c.f, ic2, offset_of("operand") + 6, 2)]       # Generation
         entry_sges += self._number(c.o, iww, sge_offset(0, "length"))         # Data Length
-        entry_sges.append(self._sge(c.o, iww, sge_offset(0, "addr"), 8))      # Block Offset
+        entry_sges += self._shifted(c.o, iww, sge_offset(0, "addr"), scratch)  # Block Offset
         e.post(c.f, Wqe(Op.READ, Flag.LOOPBACK, remote_stag=self.alias.stag, length=M.ENTRY_SIZE,
                         sges=entry_sges), doorbell=False)
-        back = self._number_back(b, self._completion(j) + _C_LENGTH)
-        back.append(Sge(b, self._completion(j) + _C_OFFSET, 8))
-        wkey, waddr = self._field(c.o, iww, sge_offset(0, "length"))
-        e.post(c.f, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=wkey, remote_offset=waddr,
-                        length=12, sges=back), doorbell=False)
-        gkey, gaddr = self._field(c.f, ic2, offset_of("operand") + 6)      # the entry's Generation
-        e.post(c.f, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=gkey, remote_offset=gaddr,
-                        length=2, sges=[Sge(b, self._completion(j) + _H["generation"], 2)]),
-               doorbell=False)
+        e.post(c.f, Wqe(Op.READ, Flag.LOOPBACK, remote_stag=self.alias.stag, length=M.ENTRY_SIZE,
+                        sges=[Sge(b, self._scratch(j), 2),
+                              Sge(b, self._completion(j) + _H["generation"], 2),
+                              Sge(b, self._completion(j) + _C_LENGTH, 4),
+                              Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
         fail = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
-        want = bytearray(fail.encode(self.little)[:8])
-        want[guard:guard + 2] = VALID_SEALED.to_bytes(2, "big")
-        passed = Wqe(Op.ENABLE, 0, target=c.o.number, count=ALL).control(self.little)
+        out = Wqe(Op.ENABLE, 0, target=c.o.number, count=ALL)
         for _ in ("request Generation = entry's", "request Generation 0"):
-            e.post(c.f, Wqe(Op.CAS, Flag.LOOPBACK | Flag.FENCE, remote_stag=c.f.region.stag,
-                            remote_offset=c.f.at(ib2), operand=int.from_bytes(want, self.order),
-                            operand2=passed), doorbell=False)
+            e.post(c.f, self._guard(c.f, ib2, fail, VALID_SEALED.to_bytes(2, "big") + bytes(2), out),
+                   doorbell=False)
         e.post(c.f, fail, doorbell=False)
-        # O: the block to the initiator, then the completion
-        e.post(c.o, Wqe(Op.WRITE, 0, sges=[Sge(self.pool.stag, 0, 0)]), doorbell=False)
-        e.post(c.o, Wqe(Op.SEND, Flag.SIGNALED | Flag.INVALIDATE, wr_id=k,
+        # O (LOAD): the block to the initiator, then the completion with Invalidate
+        e.post(c.o, Wqe(Op.WRITE, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
+        e.post(c.o, Wqe(Op.SEND, Flag.SIGNALED | Flag.INVALIDATE, wr_id=OP["LOAD"] << _TAG | k,
                         sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
+        self._store(c, k, ib1, ib2, iww, scratch)
         # S: to software
         e.post(c.s, Wqe(Op.NOP, Flag.SIGNALED, wr_id=k), doorbell=False)
-        for q in (c.p, c.f, c.o, c.s):
+        for q in c.queues:
             e.ring(q)
         # the receive, and the control WQEs that start the chain
-        e.post(self.rq, Wqe(Op.RECV, wr_id=k, sges=self.receive_sges(c, ib1, ib2, iww)))
+        e.post(self.rq, Wqe(Op.RECV, wr_id=k, sges=[
+            self._sge(c.p, ib1, guard, 4),                                    # Version .. Flags
+            Sge(b, self._completion(j) + _H["request_id"], 16),               # Request ID, handle
+            self._sge(c.f, ib2, guard + 2, 2),                                # Generation
+            Sge(b, self._scratch(j), 2),                                      # Status
+            self._sge(c.o, iww, offset_of("remote_stag"), _DD_SIZE),          # Data Descriptor
+            Sge(b, self._rest(j), max(self.rest, 0))]))                       # inline data
         e.post(self.ctl, Wqe(Op.WAIT, target=self.recv_cq.number, count=k + 1), doorbell=False)
         e.post(self.ctl, Wqe(Op.WAIT, target=self.done_cq.number, count=k), doorbell=False)
         e.post(self.ctl, Wqe(Op.ENABLE, target=c.p.number, count=ALL))
@@ -221,6 +250,58 @@ class ChainRunner:
         else:
             self.qp.post_recv(1)
         self.built += 1
+
+    def _store(self, c: Chain, k: int, ib1: int, load_b2: int, iww: int, scratch: Sge) -> None:
+        """FS and OS: a mapped STORE with inline data (docs/CHAINS.md, "Mapped Store")."""
+        e, b, j = self.engine, self.buffers.stag, c.j
+        guard = offset_of("guard")
+        entry = self._completion(j) + _COMPLETION_SIZE      # the entry's new octets 0 to 8
+        fs = c.fs.written
+        ir1, ir2, ic2, ib2 = fs + 3, fs + 4, fs + 11, fs + 13
+        iwd, iwe = c.os.written, c.os.written + 1
+        # the handle into both entry Reads and the entry Write (own range: its own alias)
+        for q, index in ((c.fs, ir1), (c.fs, ir2), (c.os, iwe)):
+            e.post(c.fs, self._handle(j, q, index, scratch), doorbell=False)
+        e.post(c.fs, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
+                         length=M.ENTRY_SIZE, sges=[
+                             self._sge(c.fs, ib2, guard, 2),                     # Flags
+                             self._sge(c.fs, ic2, offset_of("operand") + 6, 2),  # Generation
+                             Sge(b, self._scratch(j), 4),
+                             *self._shifted(c.os, iwd, offset_of("remote_offset"), scratch)]),
+               doorbell=False)
+        e.post(c.fs, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
+                         length=M.ENTRY_SIZE, sges=[
+                             Sge(b, self._scratch(j), 2), Sge(b, entry + 2, 2),   # Generation
+                             Sge(b, self._scratch(j), 4),
+                             Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
+        # the Generation, the Length and the flags where the entry and the completion want them
+        e.post(c.fs, self._copy(b, entry + 2, 2, [Sge(b, self._completion(j) + _H["generation"], 2)],
+                                fence=True), doorbell=False)
+        lkey, laddr = self._field(c.o, iww, offset_of("length"))             # the DD's Length
+        e.post(c.fs, self._copy(lkey, laddr, 4, [self._sge(c.os, iwd, sge_offset(0, "length"), 4)]),
+               doorbell=False)
+        e.post(c.fs, self._copy(lkey, laddr, 4, self._number_back(b, entry + 4)), doorbell=False)
+        e.post(c.fs, self._copy(b, entry + 4, 4, [Sge(b, self._completion(j) + _C_LENGTH, 4)],
+                                fence=True), doorbell=False)
+        # INLINE and SEAL have VALID's and SEALED's bit positions: the request's flags are
+        # the entry's new Flags (guard 2 saw VALID without SEALED)
+        fkey, faddr = self._field(c.p, ib1, guard + 2)
+        e.post(c.fs, self._copy(fkey, faddr, 2, [Sge(b, entry, 2)]), doorbell=False)
+        rkey, raddr = self._field(c.f, load_b2, guard + 2)    # the request's Generation
+        e.post(c.fs, self._copy(rkey, raddr, 2, [self._sge(c.fs, ib2, guard + 2, 2)]), doorbell=False)
+        fail = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
+        out = Wqe(Op.ENABLE, 0, target=c.os.number, count=ALL)
+        for _ in ("request Generation = entry's", "request Generation 0"):
+            e.post(c.fs, self._guard(c.fs, ib2, fail, VALID.to_bytes(2, "big") + bytes(2), out),
+                   doorbell=False)
+        e.post(c.fs, fail, doorbell=False)
+        # OS: the data into the block (through the block alias), the entry, the completion
+        e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
+                         sges=[Sge(self.staging.stag, handle_offset(j * self.per), 0)]), doorbell=False)
+        e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.own.stag,
+                         sges=[Sge(b, entry, 8)]), doorbell=False)
+        e.post(c.os, Wqe(Op.SEND, Flag.SIGNALED, wr_id=OP["STORE"] << _TAG | k,
+                         sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
 
     def _number(self, q: WorkQueue, index: int, at: int) -> list[Sge]:
         """Scatter entries that put a 4-octet network-order number into a WQE field: one
@@ -262,11 +343,10 @@ class ChainRunner:
         finished = done - self.refilled
         if finished <= 0:
             return
-        sw = self.sw_seen
-        self.sw_seen = 0
-        chained = finished - sw
-        if chained > 0:
-            self.metrics.chained(OP["LOAD"], chained)
+        chained = Counter(entry.wr_id >> _TAG for entry in self.done_cq.entries)
+        chained.pop(0, None)                # software's own completions
+        for opcode, n in chained.items():
+            self.metrics.chained(opcode, n)
         self.refilled = done
         self.done_cq.entries.clear()
         received = self.recv_cq.entries
@@ -317,12 +397,11 @@ class ChainRunner:
         if outcome is None:
             return bool(req["flags"] & RELEASE)
         conn._complete(req, outcome, why)
-        self.sw_seen += 1
         self.engine.signal(self.done_cq, k)
         return None
 
     def close(self) -> None:
-        for region in (self.alias, self.pool, self.buffers):
+        for region in (self.alias, self.own, self.blocks, self.staging, self.buffers):
             self.memory.deregister(region.stag)
         for q in self.engine.queues:
             self.memory.deregister(q.region.stag)
