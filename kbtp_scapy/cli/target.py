@@ -88,9 +88,9 @@ def limit_options(func):
 @limit_options
 @click.option("--execution", type=click.Choice(["software", "chains"]), default="software",
               show_default=True,
-              help="chains: LOAD runs as pre-posted work-request chains on the soft RNIC's chain "
-                   "engine, other requests in software (docs/CHAINS.md); the memory order "
-                   "follows the WQE order (big-endian, or little with --addr-le).")
+              help="chains: LOAD and inline mapped STORE run as pre-posted work-request chains on "
+                   "the soft RNIC's chain engine, other requests in software (docs/CHAINS.md); "
+                   "the memory order follows the WQE order (big-endian, or little with --addr-le).")
 @click.option("--no-clear", is_flag=True,
               help="Do not clear freed blocks (all initiators share one trust domain).")
 @click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -114,7 +114,7 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
       kbtp target                                   # RoCEv2 on 127.0.0.1:4791
       kbtp target --transport iwarp --listen 127.0.0.1:5420 --blocks 4096 -S 32768
       kbtp target --addr-le --pcap target.pcap --metrics 9464
-      kbtp target --execution chains --duration 5     # LOAD as work-request chains
+      kbtp target --execution chains --duration 5     # LOAD, STORE as work-request chains
       kbtp target --probe-interval 2 --max-backlog 1048576 --hello-timeout 2 --max-half-open 16
     """
     addr = address(transport, where)

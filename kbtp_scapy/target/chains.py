@@ -1,16 +1,16 @@
-"""``kbtp target --execution chains``: LOAD runs as a pre-posted work-request chain.
+"""``kbtp target --execution chains``: LOAD and inline mapped STORE as pre-posted work-request chains.
 
 The target's Python builds, for each of twice the connection's request credits, a receive
-and the chain behind it (docs/CHAINS.md, "Block Load"), and refills finished chains in
-batches, woken once per batch by CQ moderation. The chain engine (``rnic/chains``) then
-executes a LOAD from its arrival to its COMPLETION without any KBTP code: the receive's
-scatter list places the request's fields into later WQEs, loopback Reads place the table
-entry there, Compare and Swap on two branch WQEs' control words decides between the fast
-path and software, and the fast path writes the block and sends the completion.
+and the chain behind it (docs/CHAINS.md), and refills finished chains in batches, woken
+once per batch by CQ moderation. The chain engine (``rnic/chains``) then executes a LOAD or
+an inline mapped STORE from its arrival to its COMPLETION without any KBTP code: the
+receive's scatter list places the request's fields into later WQEs, loopback Reads place
+the table entry there, Compare and Swap on branch WQEs' control words decides between the
+operations' paths and software, and the path moves the data and sends the completion.
 
-Every request the chain cannot finish (another opcode, LOAD flags, Generation zero, an
-entry that is not VALID and SEALED, a handle outside the table) takes the software branch:
-a completion on the software CQ, for which the Python reassembles the request from the
+Every request the chain cannot finish (another opcode, other flags, an entry that fails a
+check, a handle outside the table or the initiator's range) takes the software branch: a
+completion on the software CQ, for which the Python reassembles the request from the
 receive's scatter pieces and serves it as the software target does. Requests complete in
 order: each chain waits until the one before it (chain or software) has completed.
 """

@@ -50,7 +50,7 @@ class TargetConfig:
     cm_retries: int = 2              # RoCEv2: REP resends per REQ
     mpa_timeout_s: float = 5.0       # iWARP: MPA set-up deadline after the TCP handshake
     hello_timeout_s: float = 5.0     # a connection without a session is closed after this
-    execution: str = "software"      # or "chains": LOAD as work-request chains (target/chains.py)
+    execution: str = "software"      # or "chains": LOAD, inline STORE as chains (target/chains.py)
 
     def __post_init__(self) -> None:
         if not self.quota and self.max_initiators > 0:
