@@ -197,3 +197,11 @@ def test_finding_an_inline_store_longer_than_a_block(either):
         return status, neighbour
     status, _ = run(main())
     assert status == (STATUS.by_name()["TOO_LARGE"] if mode == "software" else 0)
+
+
+def test_the_cli_says_chains_need_the_soft_rnic() -> None:
+    from click.testing import CliRunner
+
+    from kbtp_scapy.cli import cli
+    result = CliRunner().invoke(cli, ["target", "--execution", "chains", "--io", "verbs"])
+    assert result.exit_code == 2 and "--execution chains runs the soft RNIC's chain engine" in result.output

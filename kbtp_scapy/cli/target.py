@@ -121,6 +121,9 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
     options = raw_io(transport, io, iface, raw_addr, device)
     if io == "raw":
         addr = replace(addr, host=raw_addr.split("/")[0])
+    if io == "verbs" and execution == "chains":
+        raise click.UsageError("--execution chains runs the soft RNIC's chain engine; an RDMA "
+                               "device runs its own work requests: leave out --io verbs")
     if io == "verbs" and pcap:
         raise click.UsageError("--pcap records the soft RNIC's frames; with --io verbs the "
                                "device sends them: capture with tcpdump on its interface")
