@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from doc_section import replace_section
+
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- chains-bench table -->", "<!-- /chains-bench table -->"
 PARTS = (("engine", ("kbtp_scapy/rnic/chains/",)),
@@ -93,13 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{parts['other']:.0f} |")
     text = "\n".join(lines)
     print(text)
-    if args.doc is not None:
-        doc = args.doc.read_text()
-        if BEGIN not in doc or END not in doc:
-            print(f"{args.doc}: no {BEGIN} ... {END} section to replace", file=sys.stderr)
-            return 2
-        args.doc.write_text(re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}",
-                                   lambda _: f"{BEGIN}\n{text}\n{END}", doc, flags=re.S))
+    if args.doc is not None and not replace_section(args.doc, BEGIN, END, text):
+        return 2
     return 0
 
 

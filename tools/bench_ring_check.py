@@ -14,11 +14,12 @@ to stdout. A violation prints its shortest trace and makes the exit status 1.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from doc_section import replace_section
 
 from kbtp_scapy.target.ring_check import Config, Result, check
 
@@ -71,14 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {result.violation}:\n    " + "\n    ".join(result.trace), file=sys.stderr)
     text = table(results)
     print(text)
-    if args.doc is not None:
-        doc = args.doc.read_text()
-        if BEGIN not in doc or END not in doc:
-            print(f"{args.doc}: no {BEGIN} ... {END} section to replace", file=sys.stderr)
-            return 2
-        doc = re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}",
-                     lambda _: f"{BEGIN}\n{text}\n{END}", doc, flags=re.S)
-        args.doc.write_text(doc)
+    if args.doc is not None and not replace_section(args.doc, BEGIN, END, text):
+        return 2
     return 1 if any(r.violation for r in results) else 0
 
 

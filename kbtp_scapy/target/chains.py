@@ -176,6 +176,17 @@ class ChainRunner:
                    remote_offset=q.at(index), operand=int.from_bytes(want, self.order),
                    operand2=passed.control(self.little))
 
+    def _entry_guard(self, c: Chain, q: WorkQueue, index: int, flags: int, out: WorkQueue) -> None:
+        """Guard 2 at WQE ``index`` of ``q``: the branch to ``out`` when the entry's Flags
+        are ``flags`` and the request's Generation is the entry's (the first CAS, whose
+        compare the entry Read completed) or zero (the second), else to software."""
+        fail = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
+        passed = Wqe(Op.ENABLE, 0, target=out.number, count=ALL)
+        for _ in ("request Generation = entry's", "request Generation 0"):
+            self.engine.post(q, self._guard(q, index, fail, flags.to_bytes(2, "big") + bytes(2), passed),
+                             doorbell=False)
+        self.engine.post(q, fail, doorbell=False)
+
     def build(self) -> None:
         """Post chain ``built`` into its slot: the receive, the control WQEs, the request
         guard and both operations' stages (docs/CHAINS.md, "Block Load", "Mapped Store")."""
@@ -219,12 +230,7 @@ class ChainRunner:
                               Sge(b, self._completion(j) + _H["generation"], 2),
                               Sge(b, self._completion(j) + _C_LENGTH, 4),
                               Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
-        fail = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
-        out = Wqe(Op.ENABLE, 0, target=c.o.number, count=ALL)
-        for _ in ("request Generation = entry's", "request Generation 0"):
-            e.post(c.f, self._guard(c.f, ib2, fail, VALID_SEALED.to_bytes(2, "big") + bytes(2), out),
-                   doorbell=False)
-        e.post(c.f, fail, doorbell=False)
+        self._entry_guard(c, c.f, ib2, VALID_SEALED, c.o)
         # O (LOAD): the block to the initiator, then the completion with Invalidate
         e.post(c.o, Wqe(Op.WRITE, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
         e.post(c.o, Wqe(Op.SEND, Flag.SIGNALED | Flag.INVALIDATE, wr_id=OP["LOAD"] << _TAG | k,
@@ -289,12 +295,7 @@ class ChainRunner:
         e.post(c.fs, self._copy(fkey, faddr, 2, [Sge(b, entry, 2)]), doorbell=False)
         rkey, raddr = self._field(c.f, load_b2, guard + 2)    # the request's Generation
         e.post(c.fs, self._copy(rkey, raddr, 2, [self._sge(c.fs, ib2, guard + 2, 2)]), doorbell=False)
-        fail = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
-        out = Wqe(Op.ENABLE, 0, target=c.os.number, count=ALL)
-        for _ in ("request Generation = entry's", "request Generation 0"):
-            e.post(c.fs, self._guard(c.fs, ib2, fail, VALID.to_bytes(2, "big") + bytes(2), out),
-                   doorbell=False)
-        e.post(c.fs, fail, doorbell=False)
+        self._entry_guard(c, c.fs, ib2, VALID, c.os)
         # OS: the data into the block (through the block alias), the entry, the completion
         e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
                          sges=[Sge(self.staging.stag, handle_offset(j * self.per), 0)]), doorbell=False)
