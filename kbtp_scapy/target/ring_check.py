@@ -23,9 +23,11 @@ connection, and so does a chain on one send queue):
   slot until it holds the ticket's block and consume it in the same step, as
   ``FreeRing.allocate`` does (``FreeRing.consume`` writes a deferred free at once), later
   FREE it.
-- ``chain``: the same allocation run by a work-request chain: it consumes the slot with a
-  Write of all ones to its Block Offset, behind ``FreeRing``'s back; the target's
-  software writes deferred frees at its next refill (``FreeRing.settle``, a step of its own).
+- ``chain``: the same allocation run by a work-request chain, its steps the chain engine's
+  own loopback work requests on the ring's bytes (``ChainSteps``): FetchAdd on Head, a
+  Read of the slot, and a Write of all ones to its Block Offset that consumes it behind
+  ``FreeRing``'s back; the target's software writes deferred frees at its next refill
+  (``FreeRing.settle``, a step of its own).
 - ``direct``: a DIRECT_ALLOC initiator on its partition ring: FetchAdd on Head, read the
   slot (and read it again) until it holds the ticket's block, BIND (the target checks the
   ticket, the slot and the quota as ``Executor.bind`` does, then consumes the slot), later
@@ -45,7 +47,12 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
+from .. import codec, ring as counters
+from ..rnic.chains import Engine, Flag, Op, Sge, Wqe
+from ..rnic.chains.engine import LOOPBACK_ACCESS
+from ..rnic.chains.wqe import byteorder
 from ..rnic.memory import MemoryTable
+from ..rnic.qp import WorkRequest
 from ..tables import memory as M
 from .ring import CONSUMED, FreeRing
 
@@ -108,6 +115,55 @@ class Actor:
     disabled: bool = False           # its STags were invalidated (an abandoned ticket)
 
 
+class _NoPeer:
+    """The chain steps are loopback work requests only."""
+
+    def transmit(self, wr: WorkRequest, done: object) -> None:
+        raise AssertionError(f"a ring step put a {wr.verb.value} on the wire")
+
+
+class ChainSteps:
+    """A chain actor's steps as the chain engine's own work requests on the ring's bytes:
+    masked (or unmasked) FetchAdd on Head, a Read of the slot, the Write of all ones that
+    consumes it, each a loopback WQE run to completion (``rnic/chains``)."""
+
+    def __init__(self, ring: FreeRing, memory: MemoryTable, slots: bytearray, heads: bytearray) -> None:
+        self.ring, self.memory = ring, memory
+        self.engine = Engine(memory, _NoPeer(), little=False)
+        self.sq = self.engine.create_queue(8, self.engine.create_cq())
+        loopback = self.engine.loopback
+        self.slots = memory.register(slots, LOOPBACK_ACCESS, connection=loopback)
+        self.heads = memory.register(heads, LOOPBACK_ACCESS, connection=loopback)
+        self.scratch = memory.register(bytearray(M.SLOT_SIZE), LOOPBACK_ACCESS, connection=loopback)
+        self.ones = memory.register(bytearray(CONSUMED.to_bytes(8, "big")), LOOPBACK_ACCESS,
+                                    connection=loopback)
+
+    def _run(self, wqe: Wqe) -> bytes:
+        self.engine.post(self.sq, wqe)
+        self.engine.run()
+        if self.sq.error is not None:
+            raise AssertionError(f"chain step failed: {self.sq.error}")
+        return bytes(self.scratch.local(0, M.SLOT_SIZE))
+
+    def take(self) -> tuple[int, int]:
+        ring = self.ring
+        raw = self._run(Wqe(Op.FETCH_ADD, Flag.LOOPBACK, remote_stag=self.heads.stag, operand=ring.add,
+                            operand2=ring.mask or 0, sges=[Sge(self.scratch.stag, 0, 8)]))
+        ticket, low = counters.split(int.from_bytes(raw[:8], byteorder(self.memory.order == "little")),
+                                     ring.n if ring.masked else None)
+        return ticket, low if ring.masked else ring.offset_of(ticket)
+
+    def read(self, offset: int) -> tuple[int, int]:
+        raw = self._run(Wqe(Op.READ, Flag.LOOPBACK, remote_stag=self.slots.stag, remote_offset=offset,
+                            length=M.SLOT_SIZE, sges=[Sge(self.scratch.stag, 0, M.SLOT_SIZE)]))
+        d = codec.decode_struct(M.RING_SLOT, raw, self.ring.addr_le)
+        return d["slot.sequence"], d["slot.block_offset"]
+
+    def consume(self, offset: int) -> None:
+        self._run(Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.slots.stag,
+                      remote_offset=offset + _BLOCK_AT, sges=[Sge(self.ones.stag, 0, 8)]))
+
+
 State = tuple[tuple, tuple[Actor, ...], tuple[int, ...]]
 """(ring snapshot, actors, tickets the target abandoned)."""
 Step = tuple[tuple[Actor, ...], tuple[int, ...]]
@@ -135,9 +191,11 @@ class Model:
         self.config = config
         size = 1 << config.n
         self.blocks = tuple(range(config.first, config.first + config.blocks))
-        self.ring = FreeRing(MemoryTable("little"), memoryview(bytearray(M.SLOT_SIZE * size)),
-                             memoryview(bytearray(16)), config.n, self.blocks,
+        memory = MemoryTable("little")
+        slots, heads = bytearray(M.SLOT_SIZE * size), bytearray(16)
+        self.ring = FreeRing(memory, memoryview(slots), memoryview(heads), config.n, self.blocks,
                              masked=config.masked, addr_le=False)
+        self.chain = ChainSteps(self.ring, memory, slots, heads)
 
     def initial(self) -> State:
         self.ring.reset(self.blocks)
@@ -181,12 +239,15 @@ class Model:
         if a.phase == IDLE and a.left and not a.disabled \
                 and self.usage(actors, self._initiator(i)) < quota:
             def take() -> Step:
-                ticket, offset = ring.take_ticket()
+                ticket, offset = self.chain.take() if kind == "chain" else ring.take_ticket()
                 return becomes(replace(a, phase=WAIT, ticket=ticket, offset=offset, left=a.left - 1))
             yield "FetchAdd Head", take
         ready = ring.ready(a.ticket, a.offset) if a.phase == WAIT else None
         if ready is not None and not a.disabled:
             def read(block: int = ready) -> Step:
+                if kind == "chain":        # the chain's Read of the slot, by the engine
+                    sequence, block = self.chain.read(a.offset)
+                    assert sequence == a.ticket & 0xFFFFFFFF and block != CONSUMED
                 if kind == "alloc":        # FreeRing.allocate: the read and consume at once
                     ring.consume(a.offset)
                     return becomes(self._holding(a, block))
@@ -200,8 +261,7 @@ class Model:
             yield f"allocation of ticket {a.ticket} times out", give_up
         if a.phase == GOT:
             def consume() -> Step:
-                at = a.offset + _BLOCK_AT  # the chain's Write of all ones to Block Offset
-                ring.slots[at:at + 8] = CONSUMED.to_bytes(8, "big")
+                self.chain.consume(a.offset)
                 return becomes(self._holding(a, a.block))
             yield f"consume slot {a.offset // M.SLOT_SIZE} (block {a.block})", consume
         if a.phase == SEEN:
