@@ -321,6 +321,7 @@ class ChainRunner:
     # -- completions ----------------------------------------------------------------------
 
     def _polled(self, cq: CompletionQueue) -> None:
+        self.conn.liveness.heard = True     # once per batch: the peer is alive
         if cq is self.sw_cq:
             while cq.entries:
                 self.software.append(cq.entries.popleft().wr_id)
