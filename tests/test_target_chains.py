@@ -71,6 +71,12 @@ def test_loads_run_without_kbtp_python(chains):
     m = chains.target.metrics
     assert m.python[OP["LOAD"]] == 0 and m.chain[OP["LOAD"]] == 21
     assert m.python[OP["ALLOC_STORE"]] == 4 and m.operations[OP["LOAD"], 0] == 21
+    # what --metrics serves
+    samples = {(s.name, s.labels.get("opcode")): s.value for family in m.collect()
+               for s in family.samples}
+    assert samples["kbtp_python_requests_total", "LOAD"] == 0
+    assert samples["kbtp_chain_requests_total", "LOAD"] == 21
+    assert "LOAD: KBTP Python per request 0, run by chains 21" in m.table()
 
 
 def test_inline_stores_run_without_kbtp_python(chains):
