@@ -6,6 +6,7 @@ target's counters say which requests ran KBTP Python code.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -211,3 +212,46 @@ def test_the_cli_says_chains_need_the_soft_rnic() -> None:
     from kbtp_scapy.cli import cli
     result = CliRunner().invoke(cli, ["target", "--execution", "chains", "--io", "verbs"])
     assert result.exit_code == 2 and "--execution chains runs the soft RNIC's chain engine" in result.output
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_a_session_recorded_against_software_replays_to_a_match_against_chains(
+        transport: str, tmp_path, capsys) -> None:
+    """``kbtp replay`` of a session the software target served (LOADs and inline STOREs the
+    chains take, and requests they give to software), against a fresh chains target."""
+    from kbtp_scapy.cli import main
+    from kbtp_scapy.rnic.pcap import PcapSink
+
+    capture = tmp_path / "session.pcap"
+    sink = PcapSink(capture)
+    software = TargetThread(transport, TargetConfig(blocks=64, max_initiators=4))
+
+    async def session() -> None:
+        ini = await Initiator.connect(software.url, frame_listeners=[sink],
+                                      **software.connect_options(0))
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"inline block", seal=True)
+        await ini.alloc_store(h + 1, bytes(range(200)) * 20, seal=True, inline=False)
+        await ini.alloc_store(h + 2, b"open")
+        await ini.store(h + 2, b"stored inline", inline=True)
+        await asyncio.gather(ini.load(h), ini.load(h + 1), ini.load(h + 2, allow_unsealed=True))
+        with pytest.raises(KbtpError):
+            await ini.load(h + 3)
+        await ini.goodbye()
+    try:
+        run(session(), 30)
+    finally:
+        software.stop()
+        sink.close()
+    chains = TargetThread(transport, TargetConfig(blocks=64, max_initiators=4, execution="chains"))
+    local = ["--local", chains.initiator_hosts[0]] if transport == "roce" else []
+    try:
+        rc = main(["replay", str(capture), "--target", chains.url, *local, "--timeout", "3", "--json"])
+        ended(chains)
+        m = chains.target.metrics
+    finally:
+        chains.stop()
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert rc == 0 and doc["result"] == "match", out + err
+    assert m.chain[OP["LOAD"]] == 2 and m.chain[OP["STORE"]] == 1
