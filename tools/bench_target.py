@@ -228,6 +228,7 @@ class Opts:
     pool_mib: int
     warmup: float
     profile_dir: str | None
+    target_args: tuple[str, ...] = ()   # more options for every target (--execution chains)
 
 
 async def workload(ini: Any, op: str, base: int, rounds: int, data: bytes, window: int
@@ -524,7 +525,7 @@ def target_argv(transport: str, size: int, o: Opts, name: str) -> list[str]:
                      "--listen", TARGET_HOST if transport == "roce" else f"{TARGET_HOST}:0",
                      "--blocks", str(blocks),
                      "--block-size", str(size), "--features", "none",
-                     "--credits", str(max(32, o.window))]
+                     "--credits", str(max(32, o.window)), *o.target_args]
 
 
 async def run_case(transport: str, op: str, size: int, o: Opts) -> dict[str, Any]:
@@ -657,6 +658,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="target pool in MiB (blocks = pool / size)")
     p.add_argument("--profile-target", metavar="DIR", default=None,
                    help="run each target under cProfile, writing DIR/TRANSPORT-OP-SIZE.prof")
+    p.add_argument("--target-args", default="", metavar="ARGS",
+                   help="more options for every target, e.g. '--execution chains'")
     p.add_argument("--json", metavar="FILE", help="write every result and counter here")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown too")
     perf_docs.add_write_docs(p)
@@ -690,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve_baseline(json.loads(args.serve_baseline)))
         return 0
     o = Opts(args.seconds, args.window, args.round_ops, args.pool_mib, args.warmup,
-             args.profile_target)
+             args.profile_target, tuple(args.target_args.split()))
     if o.profile_dir:
         os.makedirs(o.profile_dir, exist_ok=True)
     if args.write_docs:

@@ -99,6 +99,11 @@ def limit_options(func):
                    "to their RDMA Reads and atomics; repeat for more; 0.0.0.0/0 and ::/0 for "
                    "everyone. Others get the two-sided operations only.  [default: "
                    "127.0.0.0/8 and ::1, this host]")
+@click.option("--execution", type=click.Choice(["software", "chains"]), default="software",
+              show_default=True,
+              help="chains: LOAD and inline mapped STORE run as pre-posted work-request chains on "
+                   "the soft RNIC's chain engine, other requests in software (docs/CHAINS.md); "
+                   "the memory order follows the WQE order (big-endian, or little with --addr-le).")
 @click.option("--no-clear", is_flag=True,
               help="Do not clear freed blocks (all initiators share one trust domain).")
 @click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -110,8 +115,7 @@ def limit_options(func):
 @click.option("--verbose", "-v", is_flag=True, help="Log each malformed request too.")
 def target(transport, where, io, iface, raw_addr, device, blocks, block_size, feature_list, addr_le,
            max_initiators, quota, handles, direct_partitions, credits, max_inline, ticket_timeout, retention, trust,
-           no_clear,
-           pcap, metrics_port, duration, verbose, **limits) -> None:
+           execution, no_clear, pcap, metrics_port, duration, verbose, **limits) -> None:
     """Run the reference KBTP target: a pool of BLOCKS blocks in registered memory,
     served over a software RDMA NIC until interrupted (Ctrl-C), then print its counters.
 
@@ -124,12 +128,16 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
       kbtp target --transport iwarp --listen 127.0.0.1:5420 --blocks 4096 -S 32768
       kbtp target --addr-le --pcap target.pcap --metrics 9464
       kbtp target --listen 127.0.0.1 --trust 127.0.0.1/32   # direct modes for one peer only
+      kbtp target --execution chains --duration 5     # LOAD, STORE as work-request chains
       kbtp target --probe-interval 2 --max-backlog 1048576 --hello-timeout 2 --max-half-open 16
     """
     addr = address(transport, where)
     options = raw_io(transport, io, iface, raw_addr, device)
     if io == "raw":
         addr = replace(addr, host=raw_addr.split("/")[0])
+    if io == "verbs" and execution == "chains":
+        raise click.UsageError("--execution chains runs the soft RNIC's chain engine; an RDMA "
+                               "device runs its own work requests: leave out --io verbs")
     if io == "verbs" and pcap:
         raise click.UsageError("--pcap records the soft RNIC's frames; with --io verbs the "
                                "device sends them: capture with tcpdump on its interface")
@@ -139,7 +147,8 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
                               handles_per_initiator=handles, direct_partitions=direct_partitions,
                               request_credits=credits, max_inline=max_inline,
                               ticket_timeout_ms=ticket_timeout, retention_s=retention,
-                              clear_freed=not no_clear, trust=tuple(trust) or LOOPBACK, **limits)
+                              clear_freed=not no_clear, trust=tuple(trust) or LOOPBACK,
+                              execution=execution, **limits)
         config.validate()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -117,6 +117,15 @@ class MemoryTable:
             stag = next(_random)
         region = MemoryRegion(stag, buffer, access, start, length, base, connection)
         self._regions[stag] = region
+        return region
+
+    def register_indirect(self, make: Callable[[int], MemoryRegion]) -> MemoryRegion:
+        """Register a region that is not one run of one buffer (an indirect key, as mlx5's
+        KLM lists): ``make`` builds it for a fresh STag (rnic/chains/alias.py)."""
+        stag = None
+        while stag is None or stag in self._regions or stag == 0:
+            stag = next(_random)
+        region = self._regions[stag] = make(stag)
         return region
 
     def deregister(self, stag: int) -> None:

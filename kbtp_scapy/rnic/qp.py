@@ -221,6 +221,12 @@ class QueuePair:
     def posted(self) -> int:
         return self._posted
 
+    @property
+    def undelivered(self) -> int:
+        """Receive completions queued for ``recv`` and not yet taken."""
+        items: deque[Received | BaseException] = self._received._queue  # type: ignore[attr-defined]
+        return sum(not isinstance(item, BaseException) for item in items)
+
     def on_receive(self, callback: Callable[[Received | ConnectionLost], None]) -> None:
         """Hand every receive completion to ``callback`` as it happens, instead of queueing
         it for ``recv`` (an event-driven completion channel: no task hop per message);

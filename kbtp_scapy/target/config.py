@@ -54,6 +54,7 @@ class TargetConfig:
     cm_retries: int = 2              # RoCEv2: REP resends per REQ
     mpa_timeout_s: float = 5.0       # iWARP: MPA set-up deadline after the TCP handshake
     hello_timeout_s: float = 5.0     # a connection without a session is closed after this
+    execution: str = "software"      # or "chains": LOAD, inline STORE as chains (target/chains.py)
 
     def __post_init__(self) -> None:
         if not self.quota and self.max_initiators > 0:
@@ -63,6 +64,8 @@ class TargetConfig:
         if self.direct_partitions < 0:
             self.direct_partitions = self.max_initiators // 2 if self.features & Feature.DIRECT_ALLOC else 0
         self.max_inline = min(self.max_inline, self.block_size)
+        if self.execution == "chains":   # a chain's CAS compares octets in its WQE order
+            self.memory_order = "little" if self.addr_le else "big"
         self._trusted: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 
     def trusts(self, host: str) -> bool:
@@ -99,6 +102,8 @@ class TargetConfig:
             raise ValueError("--direct-partitions cannot exceed --max-initiators")
         if self.base_handle + self.max_initiators * self.handles_per_initiator >= 1 << 64:
             raise ValueError("handle ranges do not fit in 64 bits")
+        if self.execution not in ("software", "chains"):
+            raise ValueError("--execution is software or chains")
         if not 1 <= self.request_credits <= 0xFFFF:
             raise ValueError("--credits must be 1 to 65535")
         for name, value in self.limits().items():

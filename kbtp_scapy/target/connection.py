@@ -85,7 +85,15 @@ class Connection:
                      self.state.initiator_id.hex()[:8], self.peer, self.state.handle_base,
                      self.state.handle_count, self.state.quota, self.features, self.credits)
             watch = asyncio.create_task(self._watch())
-            release = await self._requests()
+            if t.config.execution == "chains":
+                from .chains import ChainRunner  # the chain engine only when asked for
+                runner = ChainRunner(self)
+                try:
+                    release = await runner.serve()
+                finally:
+                    runner.close()
+            else:
+                release = await self._requests()
         except (ConnectionLost, RemoteError) as exc:
             log.info("connection from %s lost: %s", self.peer, exc)
         finally:
@@ -236,33 +244,44 @@ class Connection:
             self.liveness.heard = True
             self.state.heard_at = loop.time()
             while msg is not None:
-                try:
-                    req, why = codec.decode(msg.payload, self.addr_le), ""
-                except codec.Malformed as bad:
-                    req, why = self._malformed(msg.payload, bad.fields), str(bad)
+                req, why = self.parse(msg.payload)
                 batch.append((req, None if why else t.executor.prefetch(self, req), why))
                 msg = self.qp.recv_nowait()
             while batch:
                 req, fetch, why = batch.popleft()
-                opcode = req["opcode"]
                 if self.backlog.over:
                     await self._throttle()
-                if why and req["flags"] & RequestFlag.INLINE:       # decision 5 before decision 4
-                    outcome, why = t.executor.failure(Status.TOO_LARGE, req["handle"]), ""
-                elif why:
-                    outcome = Outcome(Status.MALFORMED)
-                elif opcode == Opcode.GOODBYE:
-                    t.metrics.operation(opcode, 0)
+                t.metrics.python_request(req["opcode"])
+                outcome, why = await self.execute(req, fetch, why)
+                if outcome is None:
                     return bool(req["flags"] & GoodbyeFlag.RELEASE)
-                elif not Executor.handles(opcode):
-                    outcome, why = Outcome(Status.MALFORMED), "not a request opcode"
-                else:
-                    outcome = await t.executor.run(self, req, fetch)
                 # The receive buffer goes back before the completion that hands the credit
                 # back: on a real device the completion leaves at once, and the initiator's
                 # next request can arrive before the next line of ours runs.
                 self.qp.post_recv(1)
                 self._complete(req, outcome, why)
+
+    def parse(self, payload: bytes) -> tuple[AnyMessage, str]:
+        """A request and why it is malformed ("" when it is not)."""
+        try:
+            return codec.decode(payload, self.addr_le), ""
+        except codec.Malformed as bad:
+            return self._malformed(payload, bad.fields), str(bad)
+
+    async def execute(self, req: AnyMessage, fetch: asyncio.Future | None,
+                      why: str) -> tuple[Outcome | None, str]:
+        """Serve one parsed request: its outcome (None for GOODBYE) and why it is malformed."""
+        t, opcode = self.target, req["opcode"]
+        if why and req["flags"] & RequestFlag.INLINE:       # decision 5 before decision 4
+            return t.executor.failure(Status.TOO_LARGE, req["handle"]), ""
+        if why:
+            return Outcome(Status.MALFORMED), why
+        if opcode == Opcode.GOODBYE:
+            t.metrics.operation(opcode, 0)
+            return None, ""
+        if not Executor.handles(opcode):
+            return Outcome(Status.MALFORMED), "not a request opcode"
+        return await t.executor.run(self, req, fetch), why
 
     def _malformed(self, payload: bytes, fields: AnyMessage) -> AnyMessage:
         """Echo the Request ID and Block Handle of a request that cannot be parsed, as far

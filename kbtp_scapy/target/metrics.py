@@ -28,6 +28,18 @@ class Metrics:
         self.hellos: Counter[str] = Counter()
         self.terminated: Counter[str] = Counter()   # connections the target ended, by why
         self.probes = 0
+        # issue 25: KBTP Python code run per request, and requests a chain ran without any
+        self.python: Counter[int] = Counter()     # opcode: requests served by Python
+        self.chain: Counter[int] = Counter()      # opcode: requests run by a chain
+        self.refills = 0                          # batches of chains rebuilt
+
+    def python_request(self, opcode: int) -> None:
+        self.python[opcode] += 1
+
+    def chained(self, opcode: int, n: int) -> None:
+        """``n`` requests a chain executed and completed (counted once per refill batch)."""
+        self.chain[opcode] += n
+        self.operations[opcode, 0] += n
 
     def operation(self, opcode: int, status: int) -> None:
         """Counted by number on the data path; named when shown."""
@@ -105,6 +117,14 @@ class Metrics:
             quota.add_metric(label, state.quota)
             active.add_metric(label, int(state.active))
         yield from (usage, quota, active)
+        python = CounterMetricFamily("kbtp_python_requests", "Requests whose serving ran KBTP "
+                                     "Python code (zero for chain-executed ones)", labels=["opcode"])
+        chain = CounterMetricFamily("kbtp_chain_requests", "Requests a work-request chain ran "
+                                    "from receive to completion", labels=["opcode"])
+        for number in sorted(set(self.python) | set(self.chain)):
+            python.add_metric([OPCODES.describe(number)], self.python[number])
+            chain.add_metric([OPCODES.describe(number)], self.chain[number])
+        yield from (python, chain)
         yield from self._limits()
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
@@ -124,6 +144,11 @@ class Metrics:
             lines.append(f"connections refused ({reason}): {n}")
         for reason, n in sorted(self.terminated.items()):
             lines.append(f"connections terminated ({reason}): {n}")
+        for number in sorted(set(self.python) | set(self.chain)):
+            lines.append(f"{OPCODES.describe(number)}: KBTP Python per request "
+                         f"{self.python[number]}, run by chains {self.chain[number]}")
+        if self.target.config.execution == "chains":
+            lines.append(f"chain refills: {self.refills} batches")
         s = self.target.sessions
         lines.append(f"liveness probes: {self.probes}; sessions retained {s.retained}, "
                      f"evicted {s.evicted}, expired {s.expired}, ended idle {s.ended_idle}")

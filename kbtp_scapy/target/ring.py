@@ -126,6 +126,7 @@ class FreeRing:
             self._changed.clear()
             remaining = deadline - loop.time()
             if remaining <= 0:
+                self.give_up(ticket)
                 raise TimeoutError(f"ring slot for ticket {ticket} never filled")
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
@@ -133,6 +134,13 @@ class FreeRing:
                 pass
         self.consume(offset)
         return ticket, block
+
+    def give_up(self, ticket: int) -> None:
+        """An allocation that stops waiting for its slot gives its ticket up as an abandoned
+        one is: the block, once the slot is filled, goes straight back under a new ticket.
+        Left taken, the block would stay in the slot for good, and every later free to that
+        slot would be deferred behind it (the model check's counterexample, docs/RING_CHECK.md)."""
+        self.reclaim(ticket)
 
     def consume(self, offset: int) -> None:
         """Mark a slot consumed, then write a free that was waiting for it."""
@@ -145,8 +153,13 @@ class FreeRing:
     # -- free ----------------------------------------------------------------------------
 
     def free(self, block: int) -> None:
-        """FetchAdd on Tail, then write the slot, or defer while it is unconsumed."""
+        """FetchAdd on Tail, then write the slot, or defer while it is unconsumed.
+
+        A work-request chain consumes slots without ``consume``: a deferred free of a slot
+        it consumed is written first, else this free would take the slot over and the
+        allocation the deferred free is for would wait for good (docs/RING_CHECK.md)."""
         ticket, offset = self._fetch_add(self.tail)
+        self.settle()
         if self.slot(offset)[1] == CONSUMED:
             self._fill(offset, ticket, block)
         else:
@@ -159,6 +172,29 @@ class FreeRing:
             self._abandoned.discard(ticket)
             self.consume(offset)
             self.free(block)
+
+    def settle(self) -> int:
+        """Write the deferred frees whose slots were consumed behind the ring's back (by a
+        work-request chain's Write of all ones); returns how many were written."""
+        written = 0
+        while (offset := next((o for o in self._deferred if self.slot(o)[1] == CONSUMED),
+                              None)) is not None:
+            self._fill(offset, *self._deferred.pop(offset))   # may defer another free
+            written += 1
+        return written
+
+    def snapshot(self) -> tuple[bytes, bytes, tuple[tuple[int, tuple[int, int]], ...], tuple[int, ...]]:
+        """Everything the ring's behaviour depends on, hashable: slots, counters, deferred
+        frees and abandoned tickets (the state of the model checker, ``ring_check.py``)."""
+        return (bytes(self.slots[:self.size * M.SLOT_SIZE]), bytes(self.head) + bytes(self.tail),
+                tuple(sorted(self._deferred.items())), tuple(sorted(self._abandoned)))
+
+    def restore(self, snapshot: tuple[bytes, bytes, tuple[tuple[int, tuple[int, int]], ...],
+                                      tuple[int, ...]]) -> None:
+        slots, heads, deferred, abandoned = snapshot
+        self.slots[:len(slots)] = slots
+        self.head[:], self.tail[:] = heads[:8], heads[8:]
+        self._deferred, self._abandoned = dict(deferred), set(abandoned)
 
     @property
     def deferred(self) -> int:

@@ -1,0 +1,410 @@
+"""``kbtp target --execution chains``: LOAD and inline mapped STORE as pre-posted work-request chains.
+
+The target's Python builds, for each of twice the connection's request credits, a receive
+and the chain behind it (docs/CHAINS.md), and refills finished chains in batches, woken
+once per batch by CQ moderation. The chain engine (``rnic/chains``) then executes a LOAD or
+an inline mapped STORE from its arrival to its COMPLETION without any KBTP code: the
+receive's scatter list places the request's fields into later WQEs, loopback Reads place
+the table entry there, Compare and Swap on branch WQEs' control words decides between the
+operations' paths and software, and the path moves the data and sends the completion.
+
+Every request the chain cannot finish (another opcode, other flags, an entry that fails a
+check, a handle outside the table or the initiator's range) takes the software branch: a
+completion on the software CQ, for which the Python reassembles the request from the
+receive's scatter pieces and serves it as the software target does. Requests complete in
+order: each chain waits until the one before it (chain or software) has completed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from typing import TYPE_CHECKING
+
+from ..rnic.chains import Engine, Flag, Op, Sge, Wqe
+from ..rnic.chains.alias import handle_offset, register_alias
+from ..rnic.chains.driver import QueuePairPort, attach
+from ..rnic.chains.engine import LOOPBACK_ACCESS
+from ..rnic.chains.queues import CompletionQueue, WorkQueue
+from ..rnic.chains.wqe import ALL, byteorder, offset_of, sge_offset
+from ..tables import memory as M
+from ..tables.enums import ENTRY_FLAGS, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, flag
+from ..tables.messages import COMPLETION, DATA_DESCRIPTOR, HEADER
+
+if TYPE_CHECKING:
+    from .connection import Connection
+
+log = logging.getLogger("kbtp.target")
+OP = OPCODES.by_name()
+VALID_SEALED = flag(ENTRY_FLAGS, "VALID") | flag(ENTRY_FLAGS, "SEALED")
+RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
+INVALIDATE, INLINE, SEAL = (flag(REQUEST_FLAGS, f) for f in ("INVALIDATE", "INLINE", "SEAL"))
+VALID = flag(ENTRY_FLAGS, "VALID")
+
+_H = {name: HEADER.offset(name) for name in ("request_id", "handle", "generation", "status")}
+_HEADER_SIZE = HEADER.size
+_DD_SIZE = DATA_DESCRIPTOR.size
+_COMPLETION_SIZE = HEADER.size + COMPLETION.size
+_C_LENGTH, _C_OFFSET = (HEADER.size + COMPLETION.offset(f) for f in ("data_length", "block_offset"))
+# a slot's buffer: the completion and a STORE's new entry octets, scratch, the rest of a request
+_SCRATCH_AT, _REST_AT = 64, 80
+_TAG = 56                  # wr_id of a chain's completion: opcode << 56 | request number
+
+
+class Chain:
+    """The queues of one chain slot (credit slot ``j``): P guards the request, F and O are
+    LOAD's entry stage and output, FS and OS mapped STORE's, S hands a request to software."""
+
+    def __init__(self, engine: Engine, j: int, sw_cq: CompletionQueue, done_cq: CompletionQueue,
+                 spare: CompletionQueue) -> None:
+        self.j = j
+        self.p = engine.create_queue(8, spare, managed=True)
+        self.f = engine.create_queue(8, spare, managed=True)
+        self.o = engine.create_queue(4, done_cq, managed=True)
+        self.fs = engine.create_queue(16, spare, managed=True)
+        self.os = engine.create_queue(4, done_cq, managed=True)
+        self.s = engine.create_queue(2, sw_cq, managed=True)
+        self.queues = (self.p, self.f, self.o, self.fs, self.os, self.s)
+
+
+class ChainRunner:
+    """Serves one connection's requests with chains; ``serve`` returns GOODBYE's RELEASE."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.qp = conn, conn.qp
+        t = conn.target
+        self.target, self.metrics = t, t.metrics
+        self.little = conn.addr_le
+        self.order = byteorder(self.little)
+        memory = t.rnic_memory
+        if memory.order != self.order:
+            raise ValueError(f"chains need the target's memory order to be its WQE order "
+                             f"({self.order}); it is {memory.order}")
+        self.memory = memory
+        # receive buffers the transport posted already count as chains' receives
+        self.owed = self.qp.posted + self.qp.undelivered
+        self.slots = max(2 * max(conn.credits, 1), self.owed)
+        self.port = QueuePairPort(self.qp)
+        self.engine = Engine(memory, self.port, self.little)
+        self.port.engine = self.engine
+        e = self.engine
+        self.spare = e.create_cq()
+        self.recv_cq = e.create_cq(polled=True, moderation=1 << 62)   # entries, no events
+        self.done_cq = e.create_cq(polled=True, moderation=max(1, conn.credits))
+        self.sw_cq = e.create_cq(polled=True)
+        self.rq = e.create_queue(self.slots, self.recv_cq, receive=True)
+        self.ctl = e.create_queue(3 * self.slots, self.spare)
+        self.chains = [Chain(e, j, self.sw_cq, self.done_cq, self.spare) for j in range(self.slots)]
+        table = t.memory.table
+        loopback = e.loopback           # every region below: the chain's own, no peer's
+        self.alias = register_alias(memory, t.memory.table_buffer, table.base_handle,
+                                    table.count, M.ENTRY_SIZE, connection=loopback)
+        own = conn.state                # stores: the initiator's own range only
+        assert own is not None          # a session: its HELLO was answered
+        self.own = register_alias(memory, t.memory.table_buffer, own.handle_base, own.handle_count,
+                                  M.ENTRY_SIZE, start=(own.handle_base - table.base_handle) * M.ENTRY_SIZE,
+                                  connection=loopback)
+        size = t.memory.block_size      # blocks through an alias: no access spills over one
+        self.blocks = register_alias(memory, t.memory.pool, t.memory.pool_base, t.config.blocks, size,
+                                     unit=size, connection=loopback)
+        self.rest = t._recv_size() - _HEADER_SIZE - _DD_SIZE
+        self.per = _REST_AT + max(self.rest, 0)
+        self.buffers = memory.register(bytearray(self.slots * self.per), LOOPBACK_ACCESS,
+                                       connection=loopback)
+        # each slot's inline data, through an alias: a Length beyond what it holds reads zeros
+        self.staging = register_alias(memory, self.buffers.buffer, 0, self.slots, max(self.rest, 0),
+                                      unit=self.per, pitch=self.per, start=_REST_AT,
+                                      connection=loopback)
+        self.built = 0             # chains built so far (ticket of the next one)
+        self.refilled = 0          # completions already accounted for
+        self.software: deque[int] = deque()
+        self.wakeup = asyncio.Event()
+        self.ended: BaseException | None = None
+        e.completer.on_polled = self._polled
+
+    # -- addresses ------------------------------------------------------------------------
+
+    def _buf(self, j: int, at: int = 0) -> int:
+        return self.buffers.base + j * self.per + at
+
+    def _completion(self, j: int) -> int:
+        return self._buf(j)
+
+    def _scratch(self, j: int) -> int:
+        return self._buf(j, _SCRATCH_AT)
+
+    def _rest(self, j: int) -> int:
+        return self._buf(j, _REST_AT)
+
+    @staticmethod
+    def _field(q: WorkQueue, index: int, at: int) -> tuple[int, int]:
+        """(key, Tagged Offset) of octet ``at`` of WQE ``index`` of ``q``."""
+        return q.region.stag, q.at(index) + at
+
+    def _sge(self, q: WorkQueue, index: int, at: int, length: int) -> Sge:
+        key, addr = self._field(q, index, at)
+        return Sge(key, addr, length)
+
+    # -- building ------------------------------------------------------------------------
+
+    def _shifted(self, q: WorkQueue, index: int, at: int, top: Sge) -> list[Sge]:
+        """Scatter entries that place an 8-octet address-order value (a handle, a Block
+        Offset) shifted up one octet into the field at ``at`` (value * 256: an alias key's
+        Tagged Offset), its top octet into ``top``, in the order the octets come."""
+        low = self._sge(q, index, at + (1 if self.little else 0), 7)
+        return [low, top] if self.little else [top, low]
+
+    def _handle(self, j: int, q: WorkQueue, index: int, top: Sge) -> Wqe:
+        """A loopback Read of the request's handle (in the completion buffer) into the
+        address field of WQE ``index`` of ``q``, shifted (see ``_shifted``)."""
+        return Wqe(Op.READ, Flag.LOOPBACK, remote_stag=self.buffers.stag,
+                   remote_offset=self._completion(j) + _H["handle"], length=8,
+                   sges=self._shifted(q, index, offset_of("remote_offset"), top))
+
+    def _copy(self, key: int, addr: int, length: int, sges: list[Sge], fence: bool = False) -> Wqe:
+        """A loopback Read: ``length`` octets at (key, addr) into ``sges`` (a value needed in
+        a second place)."""
+        return Wqe(Op.READ, Flag.LOOPBACK | (Flag.FENCE if fence else 0), remote_stag=key,
+                   remote_offset=addr, length=length, sges=sges)
+
+    def _guard(self, q: WorkQueue, index: int, fail: Wqe, guard: bytes, passed: Wqe) -> Wqe:
+        """The CAS that turns branch WQE ``index`` of ``q`` from ``fail`` into ``passed``
+        when its Guard holds ``guard`` (the octets the chain placed there)."""
+        want = bytearray(fail.encode(self.little)[:8])
+        want[offset_of("guard"):offset_of("guard") + len(guard)] = guard
+        return Wqe(Op.CAS, Flag.LOOPBACK | Flag.FENCE, remote_stag=q.region.stag,
+                   remote_offset=q.at(index), operand=int.from_bytes(want, self.order),
+                   operand2=passed.control(self.little))
+
+    def _entry_guard(self, c: Chain, q: WorkQueue, index: int, flags: int, out: WorkQueue) -> None:
+        """Guard 2 at WQE ``index`` of ``q``: the branch to ``out`` when the entry's Flags
+        are ``flags`` and the request's Generation is the entry's (the first CAS, whose
+        compare the entry Read completed) or zero (the second), else to software."""
+        fail = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
+        passed = Wqe(Op.ENABLE, 0, target=out.number, count=ALL)
+        for _ in ("request Generation = entry's", "request Generation 0"):
+            self.engine.post(q, self._guard(q, index, fail, flags.to_bytes(2, "big") + bytes(2), passed),
+                             doorbell=False)
+        self.engine.post(q, fail, doorbell=False)
+
+    def build(self) -> None:
+        """Post chain ``built`` into its slot: the receive, the control WQEs, the request
+        guard and both operations' stages (docs/CHAINS.md, "Block Load", "Mapped Store")."""
+        k = self.built
+        c = self.chains[k % self.slots]
+        e, b, j = self.engine, self.buffers.stag, c.j
+        for q in c.queues:
+            e.rewind(q)                 # the branches the last chain here did not take
+        done = bytearray(_COMPLETION_SIZE + 8)   # the completion's constant part, entry buffer
+        done[:2] = bytes((1, OP["COMPLETION"]))
+        self.buffers.local(self._completion(j), len(done))[:] = done
+        scratch = Sge(b, self._scratch(j), 1)
+        ib1 = c.p.written + 6                 # A, A2, X, three guard-1 CASes, then B1
+        iww, isend = c.o.written, c.o.written + 1                 # LOAD: WRITE, SEND
+        guard = offset_of("guard")
+        # P: the handle for both entry Reads of LOAD, the STag to invalidate, guard 1
+        ir1, ir2, ic2, ib2 = c.f.written, c.f.written + 1, c.f.written + 2, c.f.written + 4
+        e.post(c.p, self._handle(j, c.f, ir1, self._sge(c.p, ib1, 1, 1)), doorbell=False)
+        e.post(c.p, self._handle(j, c.f, ir2, scratch), doorbell=False)
+        skey, saddr = self._field(c.o, iww, offset_of("remote_stag"))
+        e.post(c.p, self._copy(skey, saddr, 4, [self._sge(c.o, isend, offset_of("invalidate"), 4)]),
+               doorbell=False)
+        b1 = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
+        for opcode, flags, then in ((OP["LOAD"], INVALIDATE, c.f), (OP["STORE"], INLINE, c.fs),
+                                    (OP["STORE"], INLINE | SEAL, c.fs)):
+            word = bytes((1, opcode)) + flags.to_bytes(2, "big")
+            expect = int.from_bytes(word, self.order)
+            e.post(c.p, self._guard(c.p, ib1, b1, word,
+                                    Wqe(Op.ENABLE, 0, target=then.number, guard=expect, count=ALL)),
+                   doorbell=False)
+        e.post(c.p, b1, doorbell=False)
+        # F (LOAD): the entry into the WRITE and guard 2, the entry into the completion
+        entry_sges = [self._sge(c.f, ib2, guard, 2),                          # Flags
+                      self._sge(c.f, ic2, offset_of("operand") + 6, 2)]       # Generation
+        entry_sges += self._number(c.o, iww, sge_offset(0, "length"))         # Data Length
+        entry_sges += self._shifted(c.o, iww, sge_offset(0, "addr"), scratch)  # Block Offset
+        e.post(c.f, Wqe(Op.READ, Flag.LOOPBACK, remote_stag=self.alias.stag, length=M.ENTRY_SIZE,
+                        sges=entry_sges), doorbell=False)
+        e.post(c.f, Wqe(Op.READ, Flag.LOOPBACK, remote_stag=self.alias.stag, length=M.ENTRY_SIZE,
+                        sges=[Sge(b, self._scratch(j), 2),
+                              Sge(b, self._completion(j) + _H["generation"], 2),
+                              Sge(b, self._completion(j) + _C_LENGTH, 4),
+                              Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
+        self._entry_guard(c, c.f, ib2, VALID_SEALED, c.o)
+        # O (LOAD): the block to the initiator, then the completion with Invalidate
+        e.post(c.o, Wqe(Op.WRITE, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
+        e.post(c.o, Wqe(Op.SEND, Flag.SIGNALED | Flag.INVALIDATE, wr_id=OP["LOAD"] << _TAG | k,
+                        sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
+        self._store(c, k, ib1, ib2, iww, scratch)
+        # S: to software
+        e.post(c.s, Wqe(Op.NOP, Flag.SIGNALED, wr_id=k), doorbell=False)
+        for q in c.queues:
+            e.ring(q)
+        # the receive, and the control WQEs that start the chain
+        e.post(self.rq, Wqe(Op.RECV, wr_id=k, sges=[
+            self._sge(c.p, ib1, guard, 4),                                    # Version .. Flags
+            Sge(b, self._completion(j) + _H["request_id"], 16),               # Request ID, handle
+            self._sge(c.f, ib2, guard + 2, 2),                                # Generation
+            Sge(b, self._scratch(j), 2),                                      # Status
+            self._sge(c.o, iww, offset_of("remote_stag"), _DD_SIZE),          # Data Descriptor
+            Sge(b, self._rest(j), max(self.rest, 0))]))                       # inline data
+        e.post(self.ctl, Wqe(Op.WAIT, target=self.recv_cq.number, count=k + 1), doorbell=False)
+        e.post(self.ctl, Wqe(Op.WAIT, target=self.done_cq.number, count=k), doorbell=False)
+        e.post(self.ctl, Wqe(Op.ENABLE, target=c.p.number, count=ALL))
+        if self.owed:
+            self.owed -= 1
+        else:
+            self.qp.post_recv(1)
+        self.built += 1
+
+    def _store(self, c: Chain, k: int, ib1: int, load_b2: int, iww: int, scratch: Sge) -> None:
+        """FS and OS: a mapped STORE with inline data (docs/CHAINS.md, "Mapped Store")."""
+        e, b, j = self.engine, self.buffers.stag, c.j
+        guard = offset_of("guard")
+        entry = self._completion(j) + _COMPLETION_SIZE      # the entry's new octets 0 to 8
+        fs = c.fs.written
+        ir1, ir2, ic2, ib2 = fs + 3, fs + 4, fs + 11, fs + 13
+        iwd, iwe = c.os.written, c.os.written + 1
+        # the handle into both entry Reads and the entry Write (own range: its own alias)
+        for q, index in ((c.fs, ir1), (c.fs, ir2), (c.os, iwe)):
+            e.post(c.fs, self._handle(j, q, index, scratch), doorbell=False)
+        e.post(c.fs, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
+                         length=M.ENTRY_SIZE, sges=[
+                             self._sge(c.fs, ib2, guard, 2),                     # Flags
+                             self._sge(c.fs, ic2, offset_of("operand") + 6, 2),  # Generation
+                             Sge(b, self._scratch(j), 4),
+                             *self._shifted(c.os, iwd, offset_of("remote_offset"), scratch)]),
+               doorbell=False)
+        e.post(c.fs, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
+                         length=M.ENTRY_SIZE, sges=[
+                             Sge(b, self._scratch(j), 2), Sge(b, entry + 2, 2),   # Generation
+                             Sge(b, self._scratch(j), 4),
+                             Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
+        # the Generation, the Length and the flags where the entry and the completion want them
+        e.post(c.fs, self._copy(b, entry + 2, 2, [Sge(b, self._completion(j) + _H["generation"], 2)],
+                                fence=True), doorbell=False)
+        lkey, laddr = self._field(c.o, iww, offset_of("length"))             # the DD's Length
+        e.post(c.fs, self._copy(lkey, laddr, 4, [self._sge(c.os, iwd, sge_offset(0, "length"), 4)]),
+               doorbell=False)
+        e.post(c.fs, self._copy(lkey, laddr, 4, self._number_back(b, entry + 4)), doorbell=False)
+        e.post(c.fs, self._copy(b, entry + 4, 4, [Sge(b, self._completion(j) + _C_LENGTH, 4)],
+                                fence=True), doorbell=False)
+        # INLINE and SEAL have VALID's and SEALED's bit positions: the request's flags are
+        # the entry's new Flags (guard 2 saw VALID without SEALED)
+        fkey, faddr = self._field(c.p, ib1, guard + 2)
+        e.post(c.fs, self._copy(fkey, faddr, 2, [Sge(b, entry, 2)]), doorbell=False)
+        rkey, raddr = self._field(c.f, load_b2, guard + 2)    # the request's Generation
+        e.post(c.fs, self._copy(rkey, raddr, 2, [self._sge(c.fs, ib2, guard + 2, 2)]), doorbell=False)
+        self._entry_guard(c, c.fs, ib2, VALID, c.os)
+        # OS: the data into the block (through the block alias), the entry, the completion
+        e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
+                         sges=[Sge(self.staging.stag, handle_offset(j * self.per), 0)]), doorbell=False)
+        e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.own.stag,
+                         sges=[Sge(b, entry, 8)]), doorbell=False)
+        e.post(c.os, Wqe(Op.SEND, Flag.SIGNALED, wr_id=OP["STORE"] << _TAG | k,
+                         sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
+
+    def _number(self, q: WorkQueue, index: int, at: int) -> list[Sge]:
+        """Scatter entries that put a 4-octet network-order number into a WQE field: one
+        when the WQE order is big-endian, four one-octet ones reversing it otherwise (Data
+        Length is not an ADDR_LE field)."""
+        if not self.little:
+            return [self._sge(q, index, at, 4)]
+        return [self._sge(q, index, at + 3 - i, 1) for i in range(4)]
+
+    def _number_back(self, key: int, addr: int) -> list[Sge]:
+        """The reverse of ``_number``: a WQE-order field into a network-order one."""
+        if not self.little:
+            return [Sge(key, addr, 4)]
+        return [Sge(key, addr + 3 - i, 1) for i in range(4)]
+
+    # -- completions ----------------------------------------------------------------------
+
+    def _polled(self, cq: CompletionQueue) -> None:
+        self.conn.liveness.heard = True     # once per batch: the peer is alive
+        if cq is self.sw_cq:
+            while cq.entries:
+                self.software.append(cq.entries.popleft().wr_id)
+        self.wakeup.set()
+
+    def request_bytes(self, k: int) -> bytes:
+        """Software's copy of request ``k``: its receive's scatter pieces, in order."""
+        while self.recv_cq.entries:
+            entry = self.recv_cq.entries.popleft()
+            if entry.wr_id == k:
+                length = entry.byte_len
+                break
+        else:
+            raise RuntimeError(f"no receive completion for request {k}")
+        wqe = Wqe.decode(self.rq.slot(k), self.little)
+        return self.engine.requester.gather(wqe.sges)[:length]
+
+    def refill(self) -> None:
+        """Account for the chains that finished and build their successors (one batch)."""
+        done = self.done_cq.count
+        finished = done - self.refilled
+        if finished <= 0:
+            return
+        chained = Counter(entry.wr_id >> _TAG for entry in self.done_cq.entries)
+        chained.pop(0, None)                # software's own completions
+        for opcode, n in chained.items():
+            self.metrics.chained(opcode, n)
+        self.refilled = done
+        self.done_cq.entries.clear()
+        received = self.recv_cq.entries
+        while received and received[0].wr_id < done:
+            received.popleft()
+        while self.built < done + self.slots:
+            self.build()
+        self.metrics.refills += 1
+
+    # -- serving --------------------------------------------------------------------------
+
+    async def serve(self) -> bool:
+        try:
+            return await self._serve()
+        finally:
+            self.refill()               # the counters of the last, partial batch
+
+    async def _serve(self) -> bool:
+        for _ in range(self.slots):
+            self.build()
+        attach(self.engine, self.qp, self.rq, self._lost)
+        self.engine.run()
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            if self.ended is not None:
+                raise self.ended
+            if self.qp.error is not None:
+                raise self.qp.error
+            self.refill()
+            while self.software:
+                k = self.software.popleft()
+                release = await self._software(k)
+                if release is not None:
+                    return release
+            self.refill()
+
+    def _lost(self, error: BaseException) -> None:
+        self.ended = error
+        self.wakeup.set()
+
+    async def _software(self, k: int) -> bool | None:
+        """Serve request ``k`` as the software target does; GOODBYE's RELEASE, or None."""
+        conn = self.conn
+        req, why = conn.parse(self.request_bytes(k))
+        self.metrics.python_request(req["opcode"])
+        outcome, why = await conn.execute(req, None, why)
+        if outcome is None:
+            return bool(req["flags"] & RELEASE)
+        conn._complete(req, outcome, why)
+        self.engine.signal(self.done_cq, k)
+        return None
+
+    def close(self) -> None:
+        for region in (self.alias, self.own, self.blocks, self.staging, self.buffers):
+            self.memory.deregister(region.stag)
+        for q in self.engine.queues:
+            self.memory.deregister(q.region.stag)
+

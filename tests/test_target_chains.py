@@ -1,0 +1,257 @@
+"""``--execution chains``: LOAD run by the chain engine, everything else in software.
+
+The real initiator talks to the real target over loopback sockets on both bindings; the
+target's counters say which requests ran KBTP Python code.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+
+from kbtp_scapy import codec
+from kbtp_scapy.initiator import Initiator, KbtpError
+from kbtp_scapy.rnic.memory import Access
+from kbtp_scapy.rnic.qp import ConnectionLost, RemoteError
+from kbtp_scapy.tables.enums import OPCODES, REQUEST_FLAGS, STATUS, flag
+from kbtp_scapy.target import TargetConfig
+
+from .kbtp_harness import TargetThread
+
+OP = OPCODES.by_name()
+
+
+def run(coro, timeout: float = 60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@pytest.fixture(params=[("iwarp", False), ("roce", False), ("roce", True), ("iwarp", True)],
+                ids=["iwarp", "roce", "roce-addr_le", "iwarp-addr_le"])
+def chains(request):
+    transport, addr_le = request.param
+    config = TargetConfig(blocks=64, block_size=4096, max_initiators=4, ticket_timeout_ms=300,
+                          request_credits=4, addr_le=addr_le, execution="chains")
+    t = TargetThread(transport, config)
+    yield t
+    t.stop()
+
+
+async def connect(t: TargetThread, index: int = 0, **kw) -> Initiator:
+    return await Initiator.connect(t.url, **t.connect_options(index), **kw)
+
+
+def ended(t: TargetThread) -> None:
+    """Wait until the target has served the GOODBYE (its last batch is counted then)."""
+    for _ in range(500):
+        if not t.run(lambda: any(s.active for s in t.target.sessions.by_id.values())):
+            return
+        asyncio.run(asyncio.sleep(0.01))
+    raise AssertionError("the session did not end")
+
+
+def test_loads_run_without_kbtp_python(chains):
+    """Stores in software, then 20 LOADs (5 batches of refills) all by chains, right data."""
+    async def main():
+        ini = await connect(chains, 0, credits=4)
+        h = ini.target.handle_base
+        blocks = [os.urandom(100 + 37 * i) for i in range(4)]
+        for i, data in enumerate(blocks):
+            await ini.alloc_store(h + i, data, seal=True, inline=i % 2 == 0)
+        results = []
+        for _ in range(5):
+            results += await asyncio.gather(*(ini.load(h + i) for i in range(4)))
+        for i, r in enumerate(results):
+            assert r.data == blocks[i % 4] and r.generation == 1 and r.status == 0
+        stored = await ini.load(h + 1, generation=1)          # the Generation checked
+        assert stored.data == blocks[1]
+        await ini.close()
+    run(main())
+    ended(chains)
+    m = chains.target.metrics
+    assert m.python[OP["LOAD"]] == 0 and m.chain[OP["LOAD"]] == 21
+    assert m.python[OP["ALLOC_STORE"]] == 4 and m.operations[OP["LOAD"], 0] == 21
+    # what --metrics serves
+    samples = {(s.name, s.labels.get("opcode")): s.value for family in m.collect()
+               for s in family.samples}
+    assert samples["kbtp_python_requests_total", "LOAD"] == 0
+    assert samples["kbtp_chain_requests_total", "LOAD"] == 21
+    assert "LOAD: KBTP Python per request 0, run by chains 21" in m.table()
+
+
+def test_inline_stores_run_without_kbtp_python(chains):
+    """Mapped STOREs with inline data (with and without SEAL) by chains; the table entry, the
+    block and the completion as the software target leaves them."""
+    async def main():
+        ini = await connect(chains, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"first version")                     # unsealed, software
+        for i in range(6):
+            data = os.urandom(50 + 100 * i)
+            r = await ini.store(h, data, inline=True)
+            assert (r.status, r.generation, r.data_length) == (0, 1, len(data))
+            assert (await ini.load(h, allow_unsealed=True)).data == data   # software LOAD
+        r = await ini.store(h, b"sealed now", inline=True, seal=True, generation=1)
+        assert r.data_length == 10
+        assert (await ini.load(h)).data == b"sealed now"               # sealed: by chains
+        for name, coro in (("SEALED", ini.store(h, b"x", inline=True)),
+                           ("NOT_VALID", ini.store(h + 1, b"x", inline=True)),
+                           ("INVALID_HANDLE", ini.store(h + ini.target.handle_count, b"x", inline=True))):
+            with pytest.raises(KbtpError) as failed:
+                await coro
+            assert failed.value.name == name
+        await ini.close()
+        return h
+    h = run(main())
+    ended(chains)
+    m = chains.target.metrics
+    entry = chains.run(lambda: chains.target.memory.table.read(h))
+    assert (entry.flags, entry.generation, entry.data_length) == (3, 1, 10)
+    assert m.chain[OP["STORE"]] == 7 and m.python[OP["STORE"]] == 3 and m.chain[OP["LOAD"]] == 1
+
+
+def test_failed_checks_go_to_software(chains):
+    async def main():
+        ini = await connect(chains, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"sealed", seal=True)
+        await ini.alloc_store(h + 1, b"open")
+        for coro, name in ((ini.load(h + 1), "NOT_SEALED"), (ini.load(h + 2), "NOT_VALID"),
+                           (ini.load(h, generation=9), "STALE_GENERATION"),
+                           (ini.load(1), "INVALID_HANDLE"), (ini.load(h + (1 << 56)), "INVALID_HANDLE")):
+            with pytest.raises(KbtpError) as failed:
+                await coro
+            assert failed.value.name == name
+        assert (await ini.load(h + 1, allow_unsealed=True)).data == b"open"
+        assert (await ini.load(h)).data == b"sealed"
+        await ini.close()
+    run(main())
+    ended(chains)
+    m = chains.target.metrics
+    assert m.chain[OP["LOAD"]] == 1 and m.python[OP["LOAD"]] == 6
+
+
+# -- findings: where a chain's LOAD cannot make the software target's checks ------------------
+
+@pytest.fixture(params=["software", "chains"])
+def either(request):
+    config = TargetConfig(blocks=16, block_size=4096, max_initiators=2, request_credits=4,
+                          execution=request.param)
+    t = TargetThread("iwarp", config)
+    yield request.param, t
+    t.stop()
+
+
+def test_finding_a_load_longer_than_the_buffer(either):
+    """"Data Length MUST NOT exceed the descriptor Length": no primitive compares two
+    numbers for order, so the chain writes anyway and the initiator's RNIC refuses the
+    Write (a bounds violation ends the connection) instead of a TOO_LARGE completion."""
+    mode, t = either
+
+    async def main() -> str:
+        ini = await connect(t, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, os.urandom(3000), seal=True)
+        try:
+            await ini.load(h, length=100)
+        except KbtpError as exc:
+            return exc.name
+        except (ConnectionLost, RemoteError):
+            return "connection lost"
+        return "OK"
+    assert run(main()) == ("TOO_LARGE" if mode == "software" else "connection lost")
+
+
+def test_finding_a_load_with_trailing_octets(either):
+    """docs/NOTES.md decision 4 (a length that does not match the flags is MALFORMED): a
+    receive's scatter list takes whatever length comes, and no WQE sees it."""
+    mode, t = either
+
+    async def main() -> int:
+        ini = await connect(t, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"sealed block", seal=True)
+        buf = ini.memory.register(bytearray(4096), Access.REMOTE_WRITE)
+        request = codec.encode({"opcode": OP["LOAD"], "request_id": 99, "handle": h,
+                                "flags": flag(REQUEST_FLAGS, "INVALIDATE"), "dd.stag": buf.stag,
+                                "dd.offset": buf.base, "dd.length": 4096})
+        (answer,) = await ini.raw(request + bytes(8))
+        return codec.decode(answer.payload)["status"]
+    assert run(main()) == (STATUS.by_name()["MALFORMED"] if mode == "software" else 0)
+
+
+
+def test_finding_an_inline_store_longer_than_a_block(either):
+    """docs/NOTES.md decision 5 (INLINE Length above Max Inline or Block Size: TOO_LARGE):
+    nothing in a chain bounds the Length the descriptor claims. Through the block alias
+    the chain's Write of 5,000 octets ends in the null key: the next block is untouched,
+    but the entry records the Length and the STORE completes OK."""
+    mode, t = either
+
+    async def main() -> tuple[int, bytes]:
+        ini = await connect(t, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"mine")
+        neighbour = os.urandom(4096)
+        await ini.alloc_store(h + 1, neighbour, seal=True, inline=False)
+        request = codec.encode({"opcode": OP["STORE"], "request_id": 77, "handle": h,
+                                "flags": flag(REQUEST_FLAGS, "INLINE"), "dd.stag": 0,
+                                "dd.offset": 0, "dd.length": 5000})
+        (answer,) = await ini.raw(request + b"ten octets")
+        status = codec.decode(answer.payload)["status"]
+        assert (await ini.load(h + 1)).data == neighbour
+        return status, neighbour
+    status, _ = run(main())
+    assert status == (STATUS.by_name()["TOO_LARGE"] if mode == "software" else 0)
+
+
+def test_the_cli_says_chains_need_the_soft_rnic() -> None:
+    from click.testing import CliRunner
+
+    from kbtp_scapy.cli import cli
+    result = CliRunner().invoke(cli, ["target", "--execution", "chains", "--io", "verbs"])
+    assert result.exit_code == 2 and "--execution chains runs the soft RNIC's chain engine" in result.output
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_a_session_recorded_against_software_replays_to_a_match_against_chains(
+        transport: str, tmp_path, capsys) -> None:
+    """``kbtp replay`` of a session the software target served (LOADs and inline STOREs the
+    chains take, and requests they give to software), against a fresh chains target."""
+    from kbtp_scapy.cli import main
+    from kbtp_scapy.rnic.pcap import PcapSink
+
+    capture = tmp_path / "session.pcap"
+    sink = PcapSink(capture)
+    software = TargetThread(transport, TargetConfig(blocks=64, max_initiators=4))
+
+    async def session() -> None:
+        ini = await Initiator.connect(software.url, frame_listeners=[sink],
+                                      **software.connect_options(0))
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"inline block", seal=True)
+        await ini.alloc_store(h + 1, bytes(range(200)) * 20, seal=True, inline=False)
+        await ini.alloc_store(h + 2, b"open")
+        await ini.store(h + 2, b"stored inline", inline=True)
+        await asyncio.gather(ini.load(h), ini.load(h + 1), ini.load(h + 2, allow_unsealed=True))
+        with pytest.raises(KbtpError):
+            await ini.load(h + 3)
+        await ini.goodbye()
+    try:
+        run(session(), 30)
+    finally:
+        software.stop()
+        sink.close()
+    chains = TargetThread(transport, TargetConfig(blocks=64, max_initiators=4, execution="chains"))
+    local = ["--local", chains.initiator_hosts[0]] if transport == "roce" else []
+    try:
+        rc = main(["replay", str(capture), "--target", chains.url, *local, "--timeout", "3", "--json"])
+        ended(chains)
+        m = chains.target.metrics
+    finally:
+        chains.stop()
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert rc == 0 and doc["result"] == "match", out + err
+    assert m.chain[OP["LOAD"]] == 2 and m.chain[OP["STORE"]] == 1

@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""LOAD with ``--execution chains`` against the software target, on the same binding.
+
+Runs tools/bench_target.py twice per mode: once plain, for operations per second (the
+ratio chains / software), and once with the target under cProfile, for its CPU per
+operation split by where the time went: the chain engine (kbtp_scapy/rnic/chains), the
+chains' refills (kbtp_scapy/target/chains.py, run once per batch), KBTP code run per
+request (the rest of kbtp_scapy/target, the codec, the tables), the soft RNIC's transport
+(the rest of kbtp_scapy/rnic) and everything else (asyncio, the interpreter). The target's closing
+counters give the KBTP Python run per LOAD. The Markdown table goes to stdout and, with
+``--doc``, between the markers in docs/CHAINS.md.
+
+    python tools/bench_chains.py --transport iwarp --seconds 4
+    python tools/bench_chains.py --transport roce --doc docs/CHAINS.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pstats
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from doc_section import replace_section
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- chains-bench table -->", "<!-- /chains-bench table -->"
+PARTS = (("engine", ("kbtp_scapy/rnic/chains/",)),
+         ("refill", ("kbtp_scapy/target/chains.py",)),
+         ("KBTP", ("kbtp_scapy/target/", "kbtp_scapy/codec.py", "kbtp_scapy/tables/")),
+         ("transport", ("kbtp_scapy/rnic/",)))
+
+
+def bench(transport: str, mode: str, seconds: float, work: Path, profile: bool) -> dict:
+    out = work / f"{mode}{'-prof' if profile else ''}.json"
+    argv = [sys.executable, str(ROOT / "tools" / "bench_target.py"), "--transports", transport,
+            "--ops", "LOAD", "--sizes", "4096", "--seconds", str(seconds), "--pool-mib", "64",
+            "--target-args", f"--execution {mode}", "--json", str(out)]
+    if profile:
+        argv += ["--profile-target", str(work / f"prof-{mode}")]
+    subprocess.run(argv, check=False, stdout=subprocess.DEVNULL)
+    case = json.loads(out.read_text())["cases"][0]
+    if "error" in case:
+        raise SystemExit(f"bench_target ({mode}): {case['error']}")
+    return case
+
+
+def split(profile: Path, ops: int) -> dict[str, float]:
+    """Microseconds per operation by part (own time of the functions in each)."""
+    stats = pstats.Stats(str(profile))
+    total = {name: 0.0 for name, _ in PARTS}
+    total["other"] = 0.0
+    for (file, _, _), (_, _, tottime, _, _) in stats.stats.items():   # type: ignore[attr-defined]
+        where = file.replace("\\", "/")
+        part = next((name for name, prefixes in PARTS if any(p in where for p in prefixes)), "other")
+        total[part] += tottime
+    return {k: v / max(1, ops) * 1e6 for k, v in total.items()}
+
+
+def python_per_load(case: dict) -> str:
+    m = re.search(r"LOAD: KBTP Python per request (\d+), run by chains (\d+)", case["target_output"])
+    return f"{m.group(1)} of {int(m.group(1)) + int(m.group(2))}" if m else "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--transport", choices=["iwarp", "roce"], default="iwarp")
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--doc", type=Path, help="Markdown file whose table section to replace")
+    args = p.parse_args(argv)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for mode in ("software", "chains"):
+            print(f"{mode}: plain run ...", file=sys.stderr, flush=True)
+            plain = bench(args.transport, mode, args.seconds, work, False)
+            print(f"{mode}: profiled run ...", file=sys.stderr, flush=True)
+            prof = bench(args.transport, mode, args.seconds, work, True)
+            profile = work / f"prof-{mode}" / f"{args.transport}-LOAD-4096.prof"
+            rows[mode] = (plain, prof, split(profile, prof["kbtp"]["ops"]))
+    soft = rows["software"][0]["kbtp"]["ops_per_s"]
+    lines = [f"LOAD of 4096-octet blocks over {args.transport}, {args.seconds:g} s per run, "
+             "window 16 (tools/bench_chains.py).", "",
+             "| execution | LOAD/s | vs software | KBTP Python per LOAD | target CPU us/LOAD "
+             "(profiled): engine | chain refills | KBTP per request | transport | other |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for mode, (plain, _, parts) in rows.items():
+        rate = plain["kbtp"]["ops_per_s"]
+        lines.append(f"| {mode} | {rate:,.0f} | {rate / soft:.2f} | {python_per_load(plain)} | "
+                     f"{parts['engine']:.0f} | {parts['refill']:.0f} | {parts['KBTP']:.0f} | "
+                     f"{parts['transport']:.0f} | "
+                     f"{parts['other']:.0f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.doc is not None and not replace_section(args.doc, BEGIN, END, text):
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
