@@ -15,12 +15,10 @@ from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic.memory import Access
 from kbtp_scapy.rnic.qp import ConnectionLost, RemoteError
-from kbtp_scapy.tables.enums import OPCODES, REQUEST_FLAGS, STATUS, flag
 from kbtp_scapy.target import TargetConfig
+from kbtp_scapy.vocab import Opcode, RequestFlag, Status
 
 from .kbtp_harness import TargetThread
-
-OP = OPCODES.by_name()
 
 
 def run(coro, timeout: float = 60):
@@ -70,8 +68,8 @@ def test_loads_run_without_kbtp_python(chains):
     run(main())
     ended(chains)
     m = chains.target.metrics
-    assert m.python[OP["LOAD"]] == 0 and m.chain[OP["LOAD"]] == 21
-    assert m.python[OP["ALLOC_STORE"]] == 4 and m.operations[OP["LOAD"], 0] == 21
+    assert m.python[Opcode.LOAD] == 0 and m.chain[Opcode.LOAD] == 21
+    assert m.python[Opcode.ALLOC_STORE] == 4 and m.operations[Opcode.LOAD, 0] == 21
     # what --metrics serves
     samples = {(s.name, s.labels.get("opcode")): s.value for family in m.collect()
                for s in family.samples}
@@ -108,7 +106,7 @@ def test_inline_stores_run_without_kbtp_python(chains):
     m = chains.target.metrics
     entry = chains.run(lambda: chains.target.memory.table.read(h))
     assert (entry.flags, entry.generation, entry.data_length) == (3, 1, 10)
-    assert m.chain[OP["STORE"]] == 7 and m.python[OP["STORE"]] == 3 and m.chain[OP["LOAD"]] == 1
+    assert m.chain[Opcode.STORE] == 7 and m.python[Opcode.STORE] == 3 and m.chain[Opcode.LOAD] == 1
 
 
 def test_failed_checks_go_to_software(chains):
@@ -129,7 +127,7 @@ def test_failed_checks_go_to_software(chains):
     run(main())
     ended(chains)
     m = chains.target.metrics
-    assert m.chain[OP["LOAD"]] == 1 and m.python[OP["LOAD"]] == 6
+    assert m.chain[Opcode.LOAD] == 1 and m.python[Opcode.LOAD] == 6
 
 
 # -- findings: where a chain's LOAD cannot make the software target's checks ------------------
@@ -173,12 +171,12 @@ def test_finding_a_load_with_trailing_octets(either):
         h = ini.target.handle_base
         await ini.alloc_store(h, b"sealed block", seal=True)
         buf = ini.memory.register(bytearray(4096), Access.REMOTE_WRITE)
-        request = codec.encode({"opcode": OP["LOAD"], "request_id": 99, "handle": h,
-                                "flags": flag(REQUEST_FLAGS, "INVALIDATE"), "dd.stag": buf.stag,
+        request = codec.encode({"opcode": Opcode.LOAD, "request_id": 99, "handle": h,
+                                "flags": RequestFlag.INVALIDATE, "dd.stag": buf.stag,
                                 "dd.offset": buf.base, "dd.length": 4096})
         (answer,) = await ini.raw(request + bytes(8))
         return codec.decode(answer.payload)["status"]
-    assert run(main()) == (STATUS.by_name()["MALFORMED"] if mode == "software" else 0)
+    assert run(main()) == (Status.MALFORMED if mode == "software" else 0)
 
 
 
@@ -195,15 +193,15 @@ def test_finding_an_inline_store_longer_than_a_block(either):
         await ini.alloc_store(h, b"mine")
         neighbour = os.urandom(4096)
         await ini.alloc_store(h + 1, neighbour, seal=True, inline=False)
-        request = codec.encode({"opcode": OP["STORE"], "request_id": 77, "handle": h,
-                                "flags": flag(REQUEST_FLAGS, "INLINE"), "dd.stag": 0,
+        request = codec.encode({"opcode": Opcode.STORE, "request_id": 77, "handle": h,
+                                "flags": RequestFlag.INLINE, "dd.stag": 0,
                                 "dd.offset": 0, "dd.length": 5000})
         (answer,) = await ini.raw(request + b"ten octets")
         status = codec.decode(answer.payload)["status"]
         assert (await ini.load(h + 1)).data == neighbour
         return status, neighbour
     status, _ = run(main())
-    assert status == (STATUS.by_name()["TOO_LARGE"] if mode == "software" else 0)
+    assert status == (Status.TOO_LARGE if mode == "software" else 0)
 
 
 def test_the_cli_says_chains_need_the_soft_rnic() -> None:
@@ -254,4 +252,4 @@ def test_a_session_recorded_against_software_replays_to_a_match_against_chains(
     out, err = capsys.readouterr()
     doc = json.loads(out)
     assert rc == 0 and doc["result"] == "match", out + err
-    assert m.chain[OP["LOAD"]] == 2 and m.chain[OP["STORE"]] == 1
+    assert m.chain[Opcode.LOAD] == 2 and m.chain[Opcode.STORE] == 1

@@ -28,18 +28,13 @@ from ..rnic.chains.engine import LOOPBACK_ACCESS
 from ..rnic.chains.queues import CompletionQueue, WorkQueue
 from ..rnic.chains.wqe import ALL, byteorder, offset_of, sge_offset
 from ..tables import memory as M
-from ..tables.enums import ENTRY_FLAGS, GOODBYE_FLAGS, OPCODES, REQUEST_FLAGS, flag
 from ..tables.messages import COMPLETION, DATA_DESCRIPTOR, HEADER
+from ..vocab import EntryFlag, GoodbyeFlag, Opcode, RequestFlag
 
 if TYPE_CHECKING:
     from .connection import Connection
 
 log = logging.getLogger("kbtp.target")
-OP = OPCODES.by_name()
-VALID_SEALED = flag(ENTRY_FLAGS, "VALID") | flag(ENTRY_FLAGS, "SEALED")
-RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
-INVALIDATE, INLINE, SEAL = (flag(REQUEST_FLAGS, f) for f in ("INVALIDATE", "INLINE", "SEAL"))
-VALID = flag(ENTRY_FLAGS, "VALID")
 
 _H = {name: HEADER.offset(name) for name in ("request_id", "handle", "generation", "status")}
 _HEADER_SIZE = HEADER.size
@@ -100,7 +95,6 @@ class ChainRunner:
         self.alias = register_alias(memory, t.memory.table_buffer, table.base_handle,
                                     table.count, M.ENTRY_SIZE, connection=loopback)
         own = conn.state                # stores: the initiator's own range only
-        assert own is not None          # a session: its HELLO was answered
         self.own = register_alias(memory, t.memory.table_buffer, own.handle_base, own.handle_count,
                                   M.ENTRY_SIZE, start=(own.handle_base - table.base_handle) * M.ENTRY_SIZE,
                                   connection=loopback)
@@ -196,7 +190,7 @@ class ChainRunner:
         for q in c.queues:
             e.rewind(q)                 # the branches the last chain here did not take
         done = bytearray(_COMPLETION_SIZE + 8)   # the completion's constant part, entry buffer
-        done[:2] = bytes((1, OP["COMPLETION"]))
+        done[:2] = bytes((1, Opcode.COMPLETION))
         self.buffers.local(self._completion(j), len(done))[:] = done
         scratch = Sge(b, self._scratch(j), 1)
         ib1 = c.p.written + 6                 # A, A2, X, three guard-1 CASes, then B1
@@ -210,8 +204,9 @@ class ChainRunner:
         e.post(c.p, self._copy(skey, saddr, 4, [self._sge(c.o, isend, offset_of("invalidate"), 4)]),
                doorbell=False)
         b1 = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
-        for opcode, flags, then in ((OP["LOAD"], INVALIDATE, c.f), (OP["STORE"], INLINE, c.fs),
-                                    (OP["STORE"], INLINE | SEAL, c.fs)):
+        for opcode, flags, then in ((Opcode.LOAD, RequestFlag.INVALIDATE, c.f),
+                                    (Opcode.STORE, RequestFlag.INLINE, c.fs),
+                                    (Opcode.STORE, RequestFlag.INLINE | RequestFlag.SEAL, c.fs)):
             word = bytes((1, opcode)) + flags.to_bytes(2, "big")
             expect = int.from_bytes(word, self.order)
             e.post(c.p, self._guard(c.p, ib1, b1, word,
@@ -230,10 +225,10 @@ class ChainRunner:
                               Sge(b, self._completion(j) + _H["generation"], 2),
                               Sge(b, self._completion(j) + _C_LENGTH, 4),
                               Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
-        self._entry_guard(c, c.f, ib2, VALID_SEALED, c.o)
+        self._entry_guard(c, c.f, ib2, EntryFlag.VALID | EntryFlag.SEALED, c.o)
         # O (LOAD): the block to the initiator, then the completion with Invalidate
         e.post(c.o, Wqe(Op.WRITE, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
-        e.post(c.o, Wqe(Op.SEND, Flag.SIGNALED | Flag.INVALIDATE, wr_id=OP["LOAD"] << _TAG | k,
+        e.post(c.o, Wqe(Op.SEND, Flag.SIGNALED | Flag.INVALIDATE, wr_id=Opcode.LOAD << _TAG | k,
                         sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
         self._store(c, k, ib1, ib2, iww, scratch)
         # S: to software
@@ -295,13 +290,13 @@ class ChainRunner:
         e.post(c.fs, self._copy(fkey, faddr, 2, [Sge(b, entry, 2)]), doorbell=False)
         rkey, raddr = self._field(c.f, load_b2, guard + 2)    # the request's Generation
         e.post(c.fs, self._copy(rkey, raddr, 2, [self._sge(c.fs, ib2, guard + 2, 2)]), doorbell=False)
-        self._entry_guard(c, c.fs, ib2, VALID, c.os)
+        self._entry_guard(c, c.fs, ib2, EntryFlag.VALID, c.os)
         # OS: the data into the block (through the block alias), the entry, the completion
         e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
                          sges=[Sge(self.staging.stag, handle_offset(j * self.per), 0)]), doorbell=False)
         e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.own.stag,
                          sges=[Sge(b, entry, 8)]), doorbell=False)
-        e.post(c.os, Wqe(Op.SEND, Flag.SIGNALED, wr_id=OP["STORE"] << _TAG | k,
+        e.post(c.os, Wqe(Op.SEND, Flag.SIGNALED, wr_id=Opcode.STORE << _TAG | k,
                          sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
 
     def _number(self, q: WorkQueue, index: int, at: int) -> list[Sge]:
@@ -397,7 +392,7 @@ class ChainRunner:
         self.metrics.python_request(req["opcode"])
         outcome, why = await conn.execute(req, None, why)
         if outcome is None:
-            return bool(req["flags"] & RELEASE)
+            return bool(req["flags"] & GoodbyeFlag.RELEASE)
         conn._complete(req, outcome, why)
         self.engine.signal(self.done_cq, k)
         return None
