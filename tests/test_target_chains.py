@@ -253,3 +253,40 @@ def test_a_session_recorded_against_software_replays_to_a_match_against_chains(
     doc = json.loads(out)
     assert rc == 0 and doc["result"] == "match", out + err
     assert m.chain[Opcode.LOAD] == 2 and m.chain[Opcode.STORE] == 1
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_chain_executed_requests_count_for_the_idle_rule(transport):
+    """--idle-timeout with chains: a session whose only recent request was a LOAD a chain ran
+    (no KBTP Python, no batch wake-up) is not taken for silent by a newcomer who finds no
+    room; silent past the timeout, it gives way (docs/CHAINS.md, "The idle rule and the
+    other hostile-peer limits")."""
+    config = TargetConfig(blocks=16, block_size=4096, max_initiators=1, request_credits=4,
+                          idle_timeout_s=1.0, features=0, execution="chains")
+    t = TargetThread(transport, config)
+
+    async def main():
+        ini = await connect(t, 0, credits=4, features=0)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"held", seal=True)     # software: its wake-up sets heard_at
+        await asyncio.sleep(1.5)
+        assert (await ini.load(h)).data == b"held"       # a chain: 2 of 4 completions, no wake-up
+        with pytest.raises(KbtpError) as refused:
+            await connect(t, 1, features=0)
+        assert refused.value.name == "NO_SPACE"
+        assert t.run(lambda: t.target.sessions.ended_idle) == 0
+        await asyncio.sleep(1.5)                         # no request since that look
+        with pytest.raises(KbtpError) as refused:        # it holds a block: ended, retained
+            await connect(t, 1, features=0)
+        assert refused.value.name == "NO_SPACE"
+        assert t.run(lambda: t.target.sessions.ended_idle) == 1
+        try:
+            await ini.qp.close()
+        except (ConnectionLost, RemoteError):
+            pass
+    try:
+        run(main())
+        m = t.target.metrics
+        assert m.chain[Opcode.LOAD] == 1 and m.python[Opcode.LOAD] == 0
+    finally:
+        t.stop()

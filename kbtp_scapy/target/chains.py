@@ -115,6 +115,11 @@ class ChainRunner:
         self.wakeup = asyncio.Event()
         self.ended: BaseException | None = None
         e.completer.on_polled = self._polled
+        # the idle rule (sessions._quiet) reads the receive CQ's count: requests a chain
+        # ran reach no Python, so heard_at alone would age (docs/CHAINS.md, "The idle
+        # rule and the other hostile-peer limits")
+        self.loop = asyncio.get_running_loop()
+        own.received, own.received_seen = self._received, self.recv_cq.count
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -315,8 +320,13 @@ class ChainRunner:
 
     # -- completions ----------------------------------------------------------------------
 
+    def _received(self) -> int:
+        """Requests the RNIC has received on this connection (its receive completions)."""
+        return self.recv_cq.count
+
     def _polled(self, cq: CompletionQueue) -> None:
         self.conn.liveness.heard = True     # once per batch: the peer is alive
+        self.conn.state.heard_at = self.loop.time()     # and it sent requests
         if cq is self.sw_cq:
             while cq.entries:
                 self.software.append(cq.entries.popleft().wr_id)
@@ -398,6 +408,7 @@ class ChainRunner:
         return None
 
     def close(self) -> None:
+        self.conn.state.received = None
         for region in (self.alias, self.own, self.blocks, self.staging, self.buffers):
             self.memory.deregister(region.stag)
         for q in self.engine.queues:

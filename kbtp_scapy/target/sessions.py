@@ -51,9 +51,20 @@ class InitiatorState:
     expiry: asyncio.TimerHandle | None = None
     retained_at: float = 0.0       # loop time it was last retained
     heard_at: float = 0.0          # loop time of its last request (active sessions)
+    # --execution chains: the connection's count of received requests, read by the idle
+    # rule, since requests a chain runs reach no Python to set heard_at (docs/CHAINS.md)
+    received: Callable[[], int] | None = None
+    received_seen: int = 0
 
     def owns(self, handle: int) -> bool:
         return self.handle_base <= handle < self.handle_base + self.handle_count
+
+    def heard(self, now: float) -> float:
+        """``heard_at``, first brought up to date from ``received`` where the requests
+        reach no Python: a request received since the last look counts as heard ``now``."""
+        if self.received is not None and (count := self.received()) != self.received_seen:
+            self.received_seen, self.heard_at = count, now
+        return self.heard_at
 
     @property
     def usage(self) -> int:
@@ -140,9 +151,10 @@ class Sessions:
         """An active session silent for ``idle_timeout_s``, silent longest, with its
         connection ended; returned only if it holds nothing (else it is retained when its
         connection's task ends, and gives way after ``min_retention_s``)."""
-        cutoff = asyncio.get_running_loop().time() - self.config.idle_timeout_s
+        now = asyncio.get_running_loop().time()
+        cutoff = now - self.config.idle_timeout_s
         quiet = [s for s in self.by_id.values() if s.active and s.qp is not None
-                 and s.heard_at <= cutoff and (s.partition is not None or not with_partition)]
+                 and s.heard(now) <= cutoff and (s.partition is not None or not with_partition)]
         state = min(quiet, key=lambda s: s.heard_at, default=None)
         if state is None:
             return None
