@@ -8,10 +8,10 @@ chains' refills (kbtp_scapy/target/chains.py, run once per batch), KBTP code run
 request (the rest of kbtp_scapy/target, the codec, the tables), the soft RNIC's transport
 (the rest of kbtp_scapy/rnic) and everything else (asyncio, the interpreter). The target's closing
 counters give the KBTP Python run per LOAD. The Markdown table goes to stdout and, with
-``--doc``, between the markers in docs/CHAINS.md.
+``--write-docs``, between the markers in docs/CHAINS.md.
 
     python tools/bench_chains.py --transport iwarp --seconds 4
-    python tools/bench_chains.py --transport roce --doc docs/CHAINS.md
+    python tools/bench_chains.py --transport roce --write-docs
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from doc_section import replace_section
+import perf_docs
 
 ROOT = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- chains-bench table -->", "<!-- /chains-bench table -->"
+CHAINS = ROOT / "docs" / "CHAINS.md"
 PARTS = (("engine", ("kbtp_scapy/rnic/chains/",)),
          ("refill", ("kbtp_scapy/target/chains.py",)),
          ("KBTP", ("kbtp_scapy/target/", "kbtp_scapy/codec.py", "kbtp_scapy/tables/")),
@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--transport", choices=["iwarp", "roce"], default="iwarp")
     p.add_argument("--seconds", type=float, default=4.0)
-    p.add_argument("--doc", type=Path, help="Markdown file whose table section to replace")
+    perf_docs.add_write_docs(p, CHAINS)
     args = p.parse_args(argv)
+    if args.write_docs:
+        perf_docs.check_section(args.write_docs, "bench_chains")
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -95,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{parts['other']:.0f} |")
     text = "\n".join(lines)
     print(text)
-    if args.doc is not None and not replace_section(args.doc, BEGIN, END, text):
-        return 2
+    if args.write_docs:
+        perf_docs.write_section(args.write_docs, "bench_chains", text)
     return 0
 
 

@@ -4,11 +4,11 @@
 Each configuration is explored exhaustively by ``kbtp_scapy/target/ring_check.py`` (every
 interleaving of its actors' steps on the target's own ``FreeRing``); the suite runs the
 small ones (tests/test_ring_check.py). The table of states, transitions, end states and
-seconds replaces the one between the markers in docs/RING_CHECK.md (``--doc``), and goes
-to stdout. A violation prints its shortest trace and makes the exit status 1.
+seconds replaces the one between the markers in docs/RING_CHECK.md (``--write-docs``),
+and goes to stdout. A violation prints its shortest trace and makes the exit status 1.
 
     python tools/bench_ring_check.py                 # the table on stdout
-    python tools/bench_ring_check.py --doc docs/RING_CHECK.md
+    python tools/bench_ring_check.py --write-docs
     python tools/bench_ring_check.py --only 'N=2'    # configurations whose label has 'N=2'
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from doc_section import replace_section
+import perf_docs
 
 from kbtp_scapy.target.ring_check import Config, Result, check
 
@@ -40,7 +40,7 @@ CONFIGS = [
     C(3, 5, ("chain", "chain", "alloc"), (1, 2, 2), rounds=2, masked=False),
     C(3, 6, ("direct", "chain", "alloc"), (6,), rounds=(2, 2, 1), give_up=True),
 ]
-BEGIN, END = "<!-- ring-check table -->", "<!-- /ring-check table -->"
+RING_CHECK = Path(__file__).resolve().parents[1] / "docs" / "RING_CHECK.md"
 
 
 def table(results: list[Result]) -> str:
@@ -58,9 +58,11 @@ def table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--doc", type=Path, help="Markdown file whose table section to replace")
+    perf_docs.add_write_docs(p, RING_CHECK)
     p.add_argument("--only", default="", help="run the configurations whose label contains this")
     args = p.parse_args(argv)
+    if args.write_docs:
+        perf_docs.check_section(args.write_docs, "bench_ring_check")
     results = []
     for config in CONFIGS:
         if args.only not in config.label():
@@ -72,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {result.violation}:\n    " + "\n    ".join(result.trace), file=sys.stderr)
     text = table(results)
     print(text)
-    if args.doc is not None and not replace_section(args.doc, BEGIN, END, text):
-        return 2
+    if args.write_docs:
+        perf_docs.write_section(args.write_docs, "bench_ring_check", text)
     return 1 if any(r.violation for r in results) else 0
 
 

@@ -1,4 +1,4 @@
-"""Write a benchmark's table into its section of docs/PERFORMANCE.md.
+"""Write a benchmark's table into its section of docs/PERFORMANCE.md (or of its own page).
 
 Each table sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``, NAME being the
 script's (``bench_codec``); the text around the markers, which says what was measured and by
@@ -50,8 +50,9 @@ def write_section(path: Path, name: str, body: str) -> None:
     print(f"wrote the {name} table into {path}", file=sys.stderr)
 
 
-def add_write_docs(parser: argparse.ArgumentParser) -> None:
-    """The ``--write-docs [FILE]`` option every benchmark script shares."""
-    parser.add_argument("--write-docs", nargs="?", type=Path, const=PERFORMANCE, default=None,
-                        metavar="FILE", help="write the table into its section of "
-                        "docs/PERFORMANCE.md (or of FILE)")
+def add_write_docs(parser: argparse.ArgumentParser, page: Path = PERFORMANCE) -> None:
+    """The ``--write-docs [FILE]`` option every benchmark script shares; ``page``: where its
+    table lives (docs/PERFORMANCE.md, or the page of its own subject: docs/CHAINS.md)."""
+    parser.add_argument("--write-docs", nargs="?", type=Path, const=page, default=None,
+                        metavar="FILE", help=f"write the table into its section of "
+                        f"docs/{page.name} (or of FILE)")
