@@ -358,6 +358,7 @@ kbtp.prefs.addr_le = Pref.enum("Address byte order (auto: follow HELLO_ACK; on: 
 local X = {
     bth_opcode = Field.new("infiniband.bth.opcode"),
     bth_padcnt = Field.new("infiniband.bth.padcnt"),
+    ddp_tagged = Field.new("iwarp_ddp.tagged_flag"),
 }
 
 local byte, sub, format = string.byte, string.sub, string.format
@@ -404,9 +405,10 @@ local frames  -- frame number -> per-frame result (kept for revisits: -2, GUI)
 local reasm   -- RoCEv2 Send reassembly, per direction and QP
 local HOOKS = {}  -- functions(conn, st, values, msg, pinfo) run on first pass after a message
 local pref_addr_le  -- kbtp.prefs.addr_le, read once per dissection pass
+local deferred  -- frame number -> payloads claimed without a tree, for rdma.lua (see defer())
 
 local function reset()
-    conns, frames, reasm = {}, {}, {}
+    conns, frames, reasm, deferred = {}, {}, {}, {}
     pref_addr_le = kbtp.prefs.addr_le
     for _, hook in ipairs(HOOKS) do
         if hook.init then hook.init() end
@@ -828,8 +830,7 @@ end
 -- lengths, because a first pass without a tree (tshark -2) gets no BTH fields: FIRST and
 -- MIDDLE packets carry exactly one path MTU and no pad; LAST carries the rest plus the pad
 -- to 4 octets; ONLY the whole message plus its pad. BTH fields, when there, must agree.
-local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
-    local opcode = last(X.bth_opcode)
+local function classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode)
     local kind = opcode and send_kind(opcode)
     if kind == false then return nil end
     local dir = next(reasm) ~= nil and (src .. ">" .. dst .. "/" .. pinfo.dst_port)
@@ -887,28 +888,45 @@ local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
     return message_state(number, key, true, n - (pad or 0), pad == nil)
 end
 
--- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
--- FIRST/MIDDLE/LAST per direction and QP, and claim every fragment, so no other
--- heuristic misreads the continuation packets.
-local function heur_infiniband(tvb, pinfo, tree)
-    local n = Tvb_len(tvb)
-    if n == 0 then return false end
-    local number, visited = pinfo.number, pinfo.visited
-    local st = frames[number]
-    local s
-    if visited then
-        if not (st and st.kbtp) then return false end
-    else
-        s = octets(tvb, n)
-        -- Not a KBTP header and no Send being reassembled: not ours (RDMA Writes, other
-        -- protocols), before any further call into Wireshark.
-        if next(reasm) == nil and not header_ok(s, n) then return false end
+-- ---- the first pass without a protocol tree -------------------------------------------------
+-- Only Sends carry KBTP messages, never the data of an RDMA Write or Read Response, however
+-- it begins. With a tree the BTH opcode and the DDP Tagged flag say which; without one (the
+-- first pass of tshark -2, or tshark -r without a filter or -V) no field extractor answers,
+-- and the headers that say it lie before the tvb a heuristic is given. So the heuristic
+-- claims the payload for now and notes where it lies in the frame; rdma.lua's
+-- postdissector, which runs next on the same frame and sees all of it, reads the RDMA
+-- header there and decodes the payload with first_sight() or lets it go (resolve()).
+local function defer(tvb, pinfo, n, roce)
+    local number = pinfo.number
+    local list = deferred[number]
+    if not list then
+        list = {}
+        deferred[number] = list
+    end
+    list[#list + 1] = { roce = roce, off = tvb:offset(), n = n, head = octets(tvb, n), data = tvb:bytes() }
+end
+
+-- First pass: decide on ``tvb`` (``n`` octets, ``s`` its fixed part) as the RDMA header
+-- said (``opcode``: the BTH opcode, or nil on iWARP), and decode it when it is KBTP.
+local function first_sight(tvb, s, n, pinfo, tree, roce, opcode)
+    local number = pinfo.number
+    local st
+    if roce then
         local src, dst = tostring(pinfo.src), tostring(pinfo.dst)
         local key = roce_key(src, dst)
-        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst)
+        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode)
         if not st then return false end
         st.kbtp, st.key, st.roce = true, key, true  -- fragments too
+    else
+        local key = iwarp_key(pinfo)
+        if not recognise(s, n, conns[key]) then return false end
+        st = message_state(number, key, false)
     end
+    return st
+end
+
+-- Show a frame's KBTP message or fragment (both passes).
+local function show_roce(tvb, s, n, pinfo, visited, number, tree, st)
     if st.len then               -- one packet: dissect it in place
         local pad = st.pad_unknown and last(X.bth_padcnt)
         if pad and pad > 0 and pad < st.len then   -- first seen without BTH fields
@@ -930,24 +948,70 @@ local function heur_infiniband(tvb, pinfo, tree)
         set_columns(pinfo, "KBTP fragment" .. (st.fragment_in and (" (message in " .. st.fragment_in .. ")") or "")
                            .. (st.broken and " [reassembly failed]" or ""))
     end
+end
+
+-- rdma.lua, first pass: the payload a heuristic deferred (``tvb``, from the frame), now that
+-- the RDMA header says it is a Send (``opcode``: the BTH opcode on RoCE).
+local function resolve(tvb, pinfo, tree, roce, opcode)
+    local n = Tvb_len(tvb)
+    local s = octets(tvb, n)
+    local st = first_sight(tvb, s, n, pinfo, tree, roce, opcode)
+    if not st then return end
+    if roce then
+        show_roce(tvb, s, n, pinfo, false, pinfo.number, tree, st)
+    else
+        set_columns(pinfo, dissect_message(tvb, s, n, pinfo, false, pinfo.number, tree, st.key, st))
+    end
+end
+
+-- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
+-- FIRST/MIDDLE/LAST per direction and QP, and claim every fragment, so no other
+-- heuristic misreads the continuation packets.
+local function heur_infiniband(tvb, pinfo, tree)
+    local n = Tvb_len(tvb)
+    if n == 0 then return false end
+    local number, visited = pinfo.number, pinfo.visited
+    local st = frames[number]
+    local s
+    if visited then
+        if not (st and st.kbtp) then return false end
+    else
+        s = octets(tvb, n)
+        -- Not a KBTP header and no Send being reassembled: not ours (RDMA Writes, other
+        -- protocols), before any further call into Wireshark.
+        if next(reasm) == nil and not header_ok(s, n) then return false end
+        local opcode = last(X.bth_opcode)
+        if opcode == nil then
+            defer(tvb, pinfo, n, true)
+            return true
+        end
+        st = first_sight(tvb, s, n, pinfo, tree, true, opcode)
+        if not st then return false end
+    end
+    show_roce(tvb, s, n, pinfo, visited, number, tree, st)
     return true
 end
 
--- iWARP: Wireshark reassembles Sends; the heuristic sees whole messages.
+-- iWARP: Wireshark reassembles Sends; the heuristic sees whole messages, and the data of
+-- tagged RDMA Writes and Read Responses, which are never KBTP messages.
 local function heur_iwarp(tvb, pinfo, tree)
     local number, visited = pinfo.number, pinfo.visited
     local st = frames[number]
     local n = Tvb_len(tvb)
-    local s
+    local s = octets(tvb, n)
     if visited then
         if not st or not st.kbtp then return false end
-        s = octets(tvb, n)
     else
-        s = octets(tvb, n)
         if not header_ok(s, n) then return false end
-        local key = iwarp_key(pinfo)
-        if not recognise(s, n, conns[key]) then return false end
-        st = message_state(number, key, false)
+        local tagged = last(X.ddp_tagged)
+        if tagged then return false end
+        if tagged == nil then    -- no tree: see defer()
+            if not recognise(s, n, conns[iwarp_key(pinfo)]) then return false end
+            defer(tvb, pinfo, n, false)
+            return true
+        end
+        st = first_sight(tvb, s, n, pinfo, tree, false)
+        if not st then return false end
     end
     set_columns(pinfo, dissect_message(tvb, s, n, pinfo, visited, number, tree, st.key, st))
     return true
@@ -973,6 +1037,12 @@ end
 local function frame_info(number)
     local st = frames[number]
     return st and st.info
+end
+
+local function deferred_of(number)
+    local list = deferred[number]
+    if list then deferred[number] = nil end
+    return list
 end
 
 -- ---- hand-written runtime: kbtp_scapy/dissector/rdma.lua ----
@@ -1628,7 +1698,46 @@ local function more_sends(candidates, seen, tvb, pinfo, tree)
     pinfo.cols.info = table.concat(infos, "; ")
 end
 
+-- ---- payloads the heuristics deferred (runtime.lua's defer()) ---------------------------------
+local ROCEV1 = 0x8915
+
+-- The BTH opcode of a RoCEv2 or RoCEv1 frame, or nil.
+local function bth_opcode_of(tvb)
+    local proto, l4, stop = transport_of(tvb)
+    if proto == 17 and l4 + 9 <= stop and tvb:range(l4 + 2, 2):uint() == PORT_ROCEV2 then
+        return tvb:range(l4 + 8, 1):uint()
+    end
+    if proto == nil and Tvb_len(tvb) >= 14 + 40 + 12 and tvb:range(12, 2):uint() == ROCEV1 then
+        return tvb:range(14 + 40, 1):uint()      -- Ethernet, GRH, BTH
+    end
+end
+
+-- iWARP: whether an untagged Send's headers (DDP 6, RDMAP 12 octets) end at ``off``.
+local function after_send_header(tvb, off)
+    if off < 18 then return false end
+    local ctrl, rctrl = Tvb_raw(tvb, off - 18, 2):byte(1, 2)
+    return bit32.band(ctrl, 0xbf) == 0x01 and bit32.band(rctrl, 0xf0) == 0x40
+        and IW_SEND[bit32.band(rctrl, 0x0f)] == true
+end
+
+local function resolve_deferred(list, tvb, pinfo, tree)
+    for _, d in ipairs(list) do
+        local off, n = d.off, d.n
+        -- In the frame itself (not a reassembled Send): the headers before it say what it is.
+        local framed = off + n <= Tvb_len(tvb) and Tvb_raw(tvb, off, #d.head) == d.head
+        if d.roce then
+            resolve(tvb:range(off, n):tvb(), pinfo, tree, true, bth_opcode_of(tvb))
+        elseif not framed then     -- iWARP reassembles Sends only
+            resolve(d.data:tvb("Reassembled KBTP message"), pinfo, tree, false)
+        elseif after_send_header(tvb, off) then
+            resolve(tvb:range(off, n):tvb(), pinfo, tree, false)
+        end
+    end
+end
+
 function rdma_context.dissector(tvb, pinfo, tree)
+    local later = deferred_of(pinfo.number)
+    if later then resolve_deferred(later, tvb, pinfo, tree) end
     if not armed then return end  -- no KBTP session expecting RDMA: nothing marked either
     local n = pinfo.number
     if claimed == n then return end  -- a RoCEv2 frame that carried a KBTP message

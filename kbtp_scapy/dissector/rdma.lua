@@ -650,7 +650,46 @@ local function more_sends(candidates, seen, tvb, pinfo, tree)
     pinfo.cols.info = table.concat(infos, "; ")
 end
 
+-- ---- payloads the heuristics deferred (runtime.lua's defer()) ---------------------------------
+local ROCEV1 = 0x8915
+
+-- The BTH opcode of a RoCEv2 or RoCEv1 frame, or nil.
+local function bth_opcode_of(tvb)
+    local proto, l4, stop = transport_of(tvb)
+    if proto == 17 and l4 + 9 <= stop and tvb:range(l4 + 2, 2):uint() == PORT_ROCEV2 then
+        return tvb:range(l4 + 8, 1):uint()
+    end
+    if proto == nil and Tvb_len(tvb) >= 14 + 40 + 12 and tvb:range(12, 2):uint() == ROCEV1 then
+        return tvb:range(14 + 40, 1):uint()      -- Ethernet, GRH, BTH
+    end
+end
+
+-- iWARP: whether an untagged Send's headers (DDP 6, RDMAP 12 octets) end at ``off``.
+local function after_send_header(tvb, off)
+    if off < 18 then return false end
+    local ctrl, rctrl = Tvb_raw(tvb, off - 18, 2):byte(1, 2)
+    return bit32.band(ctrl, 0xbf) == 0x01 and bit32.band(rctrl, 0xf0) == 0x40
+        and IW_SEND[bit32.band(rctrl, 0x0f)] == true
+end
+
+local function resolve_deferred(list, tvb, pinfo, tree)
+    for _, d in ipairs(list) do
+        local off, n = d.off, d.n
+        -- In the frame itself (not a reassembled Send): the headers before it say what it is.
+        local framed = off + n <= Tvb_len(tvb) and Tvb_raw(tvb, off, #d.head) == d.head
+        if d.roce then
+            resolve(tvb:range(off, n):tvb(), pinfo, tree, true, bth_opcode_of(tvb))
+        elseif not framed then     -- iWARP reassembles Sends only
+            resolve(d.data:tvb("Reassembled KBTP message"), pinfo, tree, false)
+        elseif after_send_header(tvb, off) then
+            resolve(tvb:range(off, n):tvb(), pinfo, tree, false)
+        end
+    end
+end
+
 function rdma_context.dissector(tvb, pinfo, tree)
+    local later = deferred_of(pinfo.number)
+    if later then resolve_deferred(later, tvb, pinfo, tree) end
     if not armed then return end  -- no KBTP session expecting RDMA: nothing marked either
     local n = pinfo.number
     if claimed == n then return end  -- a RoCEv2 frame that carried a KBTP message

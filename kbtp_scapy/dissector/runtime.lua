@@ -38,6 +38,7 @@ kbtp.prefs.addr_le = Pref.enum("Address byte order (auto: follow HELLO_ACK; on: 
 local X = {
     bth_opcode = Field.new("infiniband.bth.opcode"),
     bth_padcnt = Field.new("infiniband.bth.padcnt"),
+    ddp_tagged = Field.new("iwarp_ddp.tagged_flag"),
 }
 
 local byte, sub, format = string.byte, string.sub, string.format
@@ -84,9 +85,10 @@ local frames  -- frame number -> per-frame result (kept for revisits: -2, GUI)
 local reasm   -- RoCEv2 Send reassembly, per direction and QP
 local HOOKS = {}  -- functions(conn, st, values, msg, pinfo) run on first pass after a message
 local pref_addr_le  -- kbtp.prefs.addr_le, read once per dissection pass
+local deferred  -- frame number -> payloads claimed without a tree, for rdma.lua (see defer())
 
 local function reset()
-    conns, frames, reasm = {}, {}, {}
+    conns, frames, reasm, deferred = {}, {}, {}, {}
     pref_addr_le = kbtp.prefs.addr_le
     for _, hook in ipairs(HOOKS) do
         if hook.init then hook.init() end
@@ -508,8 +510,7 @@ end
 -- lengths, because a first pass without a tree (tshark -2) gets no BTH fields: FIRST and
 -- MIDDLE packets carry exactly one path MTU and no pad; LAST carries the rest plus the pad
 -- to 4 octets; ONLY the whole message plus its pad. BTH fields, when there, must agree.
-local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
-    local opcode = last(X.bth_opcode)
+local function classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode)
     local kind = opcode and send_kind(opcode)
     if kind == false then return nil end
     local dir = next(reasm) ~= nil and (src .. ">" .. dst .. "/" .. pinfo.dst_port)
@@ -567,28 +568,45 @@ local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
     return message_state(number, key, true, n - (pad or 0), pad == nil)
 end
 
--- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
--- FIRST/MIDDLE/LAST per direction and QP, and claim every fragment, so no other
--- heuristic misreads the continuation packets.
-local function heur_infiniband(tvb, pinfo, tree)
-    local n = Tvb_len(tvb)
-    if n == 0 then return false end
-    local number, visited = pinfo.number, pinfo.visited
-    local st = frames[number]
-    local s
-    if visited then
-        if not (st and st.kbtp) then return false end
-    else
-        s = octets(tvb, n)
-        -- Not a KBTP header and no Send being reassembled: not ours (RDMA Writes, other
-        -- protocols), before any further call into Wireshark.
-        if next(reasm) == nil and not header_ok(s, n) then return false end
+-- ---- the first pass without a protocol tree -------------------------------------------------
+-- Only Sends carry KBTP messages, never the data of an RDMA Write or Read Response, however
+-- it begins. With a tree the BTH opcode and the DDP Tagged flag say which; without one (the
+-- first pass of tshark -2, or tshark -r without a filter or -V) no field extractor answers,
+-- and the headers that say it lie before the tvb a heuristic is given. So the heuristic
+-- claims the payload for now and notes where it lies in the frame; rdma.lua's
+-- postdissector, which runs next on the same frame and sees all of it, reads the RDMA
+-- header there and decodes the payload with first_sight() or lets it go (resolve()).
+local function defer(tvb, pinfo, n, roce)
+    local number = pinfo.number
+    local list = deferred[number]
+    if not list then
+        list = {}
+        deferred[number] = list
+    end
+    list[#list + 1] = { roce = roce, off = tvb:offset(), n = n, head = octets(tvb, n), data = tvb:bytes() }
+end
+
+-- First pass: decide on ``tvb`` (``n`` octets, ``s`` its fixed part) as the RDMA header
+-- said (``opcode``: the BTH opcode, or nil on iWARP), and decode it when it is KBTP.
+local function first_sight(tvb, s, n, pinfo, tree, roce, opcode)
+    local number = pinfo.number
+    local st
+    if roce then
         local src, dst = tostring(pinfo.src), tostring(pinfo.dst)
         local key = roce_key(src, dst)
-        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst)
+        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode)
         if not st then return false end
         st.kbtp, st.key, st.roce = true, key, true  -- fragments too
+    else
+        local key = iwarp_key(pinfo)
+        if not recognise(s, n, conns[key]) then return false end
+        st = message_state(number, key, false)
     end
+    return st
+end
+
+-- Show a frame's KBTP message or fragment (both passes).
+local function show_roce(tvb, s, n, pinfo, visited, number, tree, st)
     if st.len then               -- one packet: dissect it in place
         local pad = st.pad_unknown and last(X.bth_padcnt)
         if pad and pad > 0 and pad < st.len then   -- first seen without BTH fields
@@ -610,24 +628,70 @@ local function heur_infiniband(tvb, pinfo, tree)
         set_columns(pinfo, "KBTP fragment" .. (st.fragment_in and (" (message in " .. st.fragment_in .. ")") or "")
                            .. (st.broken and " [reassembly failed]" or ""))
     end
+end
+
+-- rdma.lua, first pass: the payload a heuristic deferred (``tvb``, from the frame), now that
+-- the RDMA header says it is a Send (``opcode``: the BTH opcode on RoCE).
+local function resolve(tvb, pinfo, tree, roce, opcode)
+    local n = Tvb_len(tvb)
+    local s = octets(tvb, n)
+    local st = first_sight(tvb, s, n, pinfo, tree, roce, opcode)
+    if not st then return end
+    if roce then
+        show_roce(tvb, s, n, pinfo, false, pinfo.number, tree, st)
+    else
+        set_columns(pinfo, dissect_message(tvb, s, n, pinfo, false, pinfo.number, tree, st.key, st))
+    end
+end
+
+-- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
+-- FIRST/MIDDLE/LAST per direction and QP, and claim every fragment, so no other
+-- heuristic misreads the continuation packets.
+local function heur_infiniband(tvb, pinfo, tree)
+    local n = Tvb_len(tvb)
+    if n == 0 then return false end
+    local number, visited = pinfo.number, pinfo.visited
+    local st = frames[number]
+    local s
+    if visited then
+        if not (st and st.kbtp) then return false end
+    else
+        s = octets(tvb, n)
+        -- Not a KBTP header and no Send being reassembled: not ours (RDMA Writes, other
+        -- protocols), before any further call into Wireshark.
+        if next(reasm) == nil and not header_ok(s, n) then return false end
+        local opcode = last(X.bth_opcode)
+        if opcode == nil then
+            defer(tvb, pinfo, n, true)
+            return true
+        end
+        st = first_sight(tvb, s, n, pinfo, tree, true, opcode)
+        if not st then return false end
+    end
+    show_roce(tvb, s, n, pinfo, visited, number, tree, st)
     return true
 end
 
--- iWARP: Wireshark reassembles Sends; the heuristic sees whole messages.
+-- iWARP: Wireshark reassembles Sends; the heuristic sees whole messages, and the data of
+-- tagged RDMA Writes and Read Responses, which are never KBTP messages.
 local function heur_iwarp(tvb, pinfo, tree)
     local number, visited = pinfo.number, pinfo.visited
     local st = frames[number]
     local n = Tvb_len(tvb)
-    local s
+    local s = octets(tvb, n)
     if visited then
         if not st or not st.kbtp then return false end
-        s = octets(tvb, n)
     else
-        s = octets(tvb, n)
         if not header_ok(s, n) then return false end
-        local key = iwarp_key(pinfo)
-        if not recognise(s, n, conns[key]) then return false end
-        st = message_state(number, key, false)
+        local tagged = last(X.ddp_tagged)
+        if tagged then return false end
+        if tagged == nil then    -- no tree: see defer()
+            if not recognise(s, n, conns[iwarp_key(pinfo)]) then return false end
+            defer(tvb, pinfo, n, false)
+            return true
+        end
+        st = first_sight(tvb, s, n, pinfo, tree, false)
+        if not st then return false end
     end
     set_columns(pinfo, dissect_message(tvb, s, n, pinfo, visited, number, tree, st.key, st))
     return true
@@ -653,4 +717,10 @@ end
 local function frame_info(number)
     local st = frames[number]
     return st and st.info
+end
+
+local function deferred_of(number)
+    local list = deferred[number]
+    if list then deferred[number] = nil end
+    return list
 end
