@@ -69,10 +69,14 @@ def test_generated_files_are_fresh_and_check_catches_staleness(tmp_path):
     run = [sys.executable, "-m", "kbtp_scapy", "dissector", "generate"]
     assert subprocess.run([*run, "--check"], capture_output=True, timeout=120).returncode == 0
     assert subprocess.run([*run, "--out", str(tmp_path)], capture_output=True, timeout=120).returncode == 0
-    lua = tmp_path / "kbtp.lua"
-    lua.write_text(lua.read_text().replace('"kbtp.dd.stag"', '"kbtp.dd.stag2"'))
-    proc = subprocess.run([*run, "--check", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "stale" in proc.stderr
+    assert subprocess.run([*run, "--check", "--out", str(tmp_path)], capture_output=True, timeout=120).returncode == 0
+    for name in ("kbtp.lua", "packet-kbtp.c", "plugin.c"):     # either form stale fails the check
+        path = tmp_path / name
+        fresh = path.read_text()
+        path.write_text(fresh.replace('"kbtp.dd.stag"', '"kbtp.dd.stag2"').replace("plugin_version", "plugin_versio"))
+        proc = subprocess.run([*run, "--check", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and "stale" in proc.stderr and name in proc.stderr
+        path.write_text(fresh)
 
 
 def test_installed_plugin_registers_every_table_field(tmp_path):

@@ -253,5 +253,6 @@ def fields_markdown() -> str:
 
 
 def outputs(outdir: Path) -> dict[Path, str]:
-    """The files the generator writes, with their contents."""
-    return {outdir / "kbtp.lua": lua_source(), outdir / "FIELDS.md": fields_markdown()}
+    """The files the generator writes, with their contents: both forms and the reference."""
+    from .generate_c import outputs as c_outputs
+    return {outdir / "kbtp.lua": lua_source(), outdir / "FIELDS.md": fields_markdown(), **c_outputs(outdir)}
