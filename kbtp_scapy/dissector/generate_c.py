@@ -13,7 +13,8 @@ from pathlib import Path
 from .. import __version__, tables as T
 from .generate import EXTRA_FIELDS, _flag_sets_of, subtrees
 
-RUNTIME_C = Path(__file__).with_name("runtime.c")
+#: Hand-written C appended after the generated declarations, in this order.
+RUNTIME_PARTS = tuple(Path(__file__).with_name(n) for n in ("runtime.c", "rdma.c"))
 
 #: First line of packet-kbtp.c and plugin.c: how the CLI knows a file is this plugin's.
 HEADER_LINE = "/* KBTP (KV Cache Block Transfer Protocol) dissector for Wireshark 4.0 and newer."
@@ -196,6 +197,15 @@ def _constants() -> list[str]:
            f"#define KBTP_STATUS_OK {T.STATUS.by_name()['OK']}"]
     out += [f"#define KBTP_OP_{m.name} {m.opcode:#04x}" for m in T.MESSAGES]
     out += [f"#define KBTP_FEATURE_{f.name} {f.value:#06x}" for f in T.FEATURES.flags]
+    out += [f"#define KBTP_FLAG_{fs.name.upper()}_{f.name} {f.value:#06x}" for fs in T.FLAG_SETS for f in fs.flags
+            if fs is not T.FEATURES]
+    rc = T.RING_COUNTER
+    out += [f"#define KBTP_RING_TICKET_SHIFT {rc.ticket_shift}", f"#define KBTP_RING_SLOT_SIZE {rc.slot_size}",
+            f"#define KBTP_RING_MASKED_ADD G_GUINT64_CONSTANT({rc.masked_add_data:#018x})",
+            f"#define KBTP_RING_UNMASKED_ADD G_GUINT64_CONSTANT({rc.unmasked_add_data:#018x})",
+            "/* RFC 7306 Add Mask of a ring counter: bits 63, 31 and n + 3 (kbtp-draft, Free-Block Ring) */",
+            "#define KBTP_RING_MASK_BITS ((G_GUINT64_CONSTANT(1) << 63) | (G_GUINT64_CONSTANT(1) << 31))",
+            "#define KBTP_RING_MASK_N_OFFSET 3"]
     return out
 
 
@@ -297,9 +307,9 @@ def c_source() -> str:
         "",
         *_layouts(),
         "",
-        f"/* ---- hand-written runtime: kbtp_scapy/dissector/{RUNTIME_C.name} ---- */",
-        RUNTIME_C.read_text(),
     ]
+    for part in RUNTIME_PARTS:
+        lines += [f"/* ---- hand-written runtime: kbtp_scapy/dissector/{part.name} ---- */", part.read_text()]
     return "\n".join(lines)
 
 

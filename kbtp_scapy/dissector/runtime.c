@@ -19,6 +19,8 @@ static gint kbtp_pref_addr_le = KBTP_ADDR_LE_AUTO;
 
 /* ---- state: filled only when not visited; file scope ------------------------------------- */
 typedef struct kbtp_frame {
+    gboolean more;              /* a further Send of an iWARP segment (rdma.c) */
+    const char *info;           /* its Info text */
     gboolean kbtp, roce, le, pad_unknown, fragment, broken, unanswered, has_len, has_delta;
     guint len;                  /* octets of the message in this packet (has_len) */
     const char *key;            /* its connection */
@@ -36,8 +38,11 @@ typedef struct {
     int answer;
 } kbtp_req_t;
 
+struct kbtp_rdma;
+
 typedef struct {
-    gboolean kbtp, le_known, le, has_credits;
+    gboolean kbtp, roce, le_known, le, has_credits;
+    struct kbtp_rdma *rdma;     /* what its KBTP messages announced (rdma.c) */
     guint32 credits;
     gint outstanding;
     wmem_map_t *pending;        /* Request ID -> kbtp_req_t */
@@ -52,12 +57,13 @@ typedef struct {
 static wmem_map_t *kbtp_conns;  /* connection key -> kbtp_conn_t */
 static wmem_map_t *kbtp_reasm;  /* direction and QP -> kbtp_reasm_t */
 
-static kbtp_conn_t *conn_of(const char *key)
+static kbtp_conn_t *conn_of(const char *key, gboolean roce)
 {
     kbtp_conn_t *c = (kbtp_conn_t *)wmem_map_lookup(kbtp_conns, key);
     if (!c) {
         c = wmem_new0(wmem_file_scope(), kbtp_conn_t);
         c->pending = wmem_map_new(wmem_file_scope(), g_int64_hash, g_int64_equal);
+        c->roce = roce;
         wmem_map_insert(kbtp_conns, wmem_strdup(wmem_file_scope(), key), c);
     }
     return c;
@@ -89,8 +95,14 @@ static const char *iwarp_key(packet_info *pinfo)
                     endpoint(pinfo, &pinfo->dst, pinfo->destport));
 }
 
+typedef struct kbtp_ctx kbtp_ctx_t;
+static void rdma_on_message(packet_info *pinfo, kbtp_conn_t *conn, kbtp_frame_t *st, const kbtp_ctx_t *ctx,
+                            const kbtp_msg_t *msg);
+static void rdma_register(void);
+static void rdma_handoff(void);
+
 /* ---- reading a message ------------------------------------------------------------------- */
-typedef struct {
+struct kbtp_ctx {
     tvbuff_t *tvb;
     guint len;
     gboolean le, truncated;
@@ -101,7 +113,7 @@ typedef struct {
     guint8 has[V_COUNT];
     guint size[V_COUNT];        /* octets of each value read */
     proto_item *at[V_COUNT];    /* items an expert info may go under */
-} kbtp_ctx_t;
+};
 
 static const kbtp_msg_t *message_of(int opcode)
 {
@@ -391,6 +403,7 @@ static void track(packet_info *pinfo, kbtp_conn_t *conn, kbtp_frame_t *st, const
             st->unanswered = TRUE;
         }
     }
+    rdma_on_message(pinfo, conn, st, ctx, msg);
 }
 
 static proto_item *at_or(const kbtp_ctx_t *ctx, int vid, proto_item *root)
@@ -402,7 +415,7 @@ static proto_item *at_or(const kbtp_ctx_t *ctx, int vid, proto_item *root)
 static const char *dissect_message(tvbuff_t *tvb, guint len, packet_info *pinfo, proto_tree *tree,
                                    kbtp_frame_t *st)
 {
-    kbtp_conn_t *conn = conn_of(st->key);
+    kbtp_conn_t *conn = conn_of(st->key, st->roce);
     int op = tvb_get_guint8(tvb, 1);
     const kbtp_msg_t *msg = message_of(op);
     gboolean visited = PINFO_FD_VISITED(pinfo);
@@ -454,6 +467,8 @@ static const char *dissect_message(tvbuff_t *tvb, guint len, packet_info *pinfo,
     if (problem)
         info = wmem_strconcat(pinfo->pool, info, " [Malformed]", NULL);
     proto_item_append_text(root, ", %s", info);
+    if (!st->info)
+        st->info = wmem_strdup(wmem_file_scope(), info);
     return info;
 }
 
@@ -705,6 +720,7 @@ void proto_register_kbtp(void)
         &kbtp_pref_addr_le, addr_le_values, FALSE);
     kbtp_conns = wmem_map_new_autoreset(wmem_epan_scope(), wmem_file_scope(), g_str_hash, g_str_equal);
     kbtp_reasm = wmem_map_new_autoreset(wmem_epan_scope(), wmem_file_scope(), g_str_hash, g_str_equal);
+    rdma_register();
 }
 
 void proto_reg_handoff_kbtp(void)
@@ -715,4 +731,5 @@ void proto_reg_handoff_kbtp(void)
                        "kbtp_infiniband", proto_kbtp, HEURISTIC_ENABLE);
     heur_dissector_add("iwarp_ddp_rdmap", dissect_kbtp_iwarp, "KBTP over iWARP", "kbtp_iwarp", proto_kbtp,
                        HEURISTIC_ENABLE);
+    rdma_handoff();
 }
