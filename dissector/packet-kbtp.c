@@ -13,9 +13,12 @@
 #include <epan/expert.h>
 #include <epan/prefs.h>
 #include <epan/proto_data.h>
+#include <epan/srt_table.h>
+#include <epan/tap.h>
 #include <epan/to_str.h>
 #include <epan/dissectors/packet-infiniband.h>
 #include <epan/dissectors/packet-iwarp-ddp-rdmap.h>
+#include <wsutil/crc32.h>
 #include <wsutil/str_util.h>
 #include <wsutil/wmem/wmem.h>
 
@@ -26,7 +29,7 @@ void proto_reg_handoff_kbtp(void);
 typedef struct { guint32 mask; const char *name; } kbtp_bit_t;
 typedef struct { guint32 defined; const kbtp_bit_t *bits; } kbtp_flagset_t;
 enum { KBTP_FMT_DEC, KBTP_FMT_HEX, KBTP_FMT_ENUM, KBTP_FMT_FLAGS, KBTP_FMT_BYTES };
-typedef struct { int kind; int flagset; const range_string *names; } kbtp_fmt_t;
+typedef struct { int kind; int flagset; const range_string *names; gboolean hex; } kbtp_fmt_t;
 typedef struct kbtp_item kbtp_item_t;
 struct kbtp_item {
     int *hf;                   /* the field, or the subtree of a member */
@@ -88,6 +91,18 @@ typedef struct {
 #define KBTP_RING_MASK_BITS ((G_GUINT64_CONSTANT(1) << 63) | (G_GUINT64_CONSTANT(1) << 31))
 #define KBTP_RING_MASK_N_OFFSET 3
 
+static const value_string vs_kbtp_opcode[] = {
+    { 0x1, "HELLO" },
+    { 0x2, "HELLO_ACK" },
+    { 0x10, "LOAD" },
+    { 0x11, "STORE" },
+    { 0x12, "ALLOC_STORE" },
+    { 0x13, "FREE" },
+    { 0x14, "BIND" },
+    { 0x20, "COMPLETION" },
+    { 0x30, "GOODBYE" },
+    { 0, NULL }
+};
 static const range_string rs_kbtp_opcode[] = {
     { 0x1, 0x1, "HELLO" },
     { 0x2, 0x2, "HELLO_ACK" },
@@ -100,6 +115,21 @@ static const range_string rs_kbtp_opcode[] = {
     { 0x30, 0x30, "GOODBYE" },
     { 0xc0, 0xff, "Private Use" },
     { 0, 0, NULL }
+};
+static const value_string vs_kbtp_status[] = {
+    { 0x0, "OK" },
+    { 0x1, "INVALID_HANDLE" },
+    { 0x2, "STALE_GENERATION" },
+    { 0x3, "NOT_VALID" },
+    { 0x4, "ALREADY_BOUND" },
+    { 0x5, "NO_SPACE" },
+    { 0x6, "SEALED" },
+    { 0x7, "NOT_SEALED" },
+    { 0x8, "TOO_LARGE" },
+    { 0x9, "MALFORMED" },
+    { 0xa, "INTERNAL" },
+    { 0xb, "TICKET_ABANDONED" },
+    { 0, NULL }
 };
 static const range_string rs_kbtp_status[] = {
     { 0x0, 0x0, "OK" },
@@ -186,54 +216,54 @@ enum {
     V_COUNT
 };
 static const kbtp_fmt_t kbtp_fmt[V_COUNT] = {
-    [V_VERSION] = { KBTP_FMT_DEC, 0, NULL },
-    [V_OPCODE] = { KBTP_FMT_ENUM, 0, rs_kbtp_opcode },
-    [V_FLAGS] = { KBTP_FMT_HEX, 0, NULL },
-    [V_REQUEST_ID] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HANDLE] = { KBTP_FMT_HEX, 0, NULL },
-    [V_GENERATION] = { KBTP_FMT_DEC, 0, NULL },
-    [V_STATUS] = { KBTP_FMT_ENUM, 0, rs_kbtp_status },
-    [V_HELLO_REQUESTED_FEATURES] = { KBTP_FMT_FLAGS, KBTP_FS_FEATURES, NULL },
-    [V_HELLO_COMPLETION_CREDITS] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_INITIATOR_ID] = { KBTP_FMT_BYTES, 0, NULL },
-    [V_HELLO_ACK_FEATURES] = { KBTP_FMT_FLAGS, KBTP_FS_FEATURES, NULL },
-    [V_HELLO_ACK_REQUEST_CREDITS] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_ACK_BLOCK_SIZE] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_ACK_MAX_INLINE] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_ACK_ALLOCATION_QUOTA] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_ACK_HANDLE_BASE] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_HANDLE_COUNT] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_ACK_TICKET_TIMEOUT] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_ACK_TABLE_STAG] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_TABLE_OFFSET] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_TABLE_COUNT] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_ACK_TABLE_BASE_HANDLE] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_RESERVED] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_POOL_STAG] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_POOL_OFFSET] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_POOL_COUNT] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_ACK_PARTITION_STAG] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_PARTITION_OFFSET] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_PARTITION_COUNT] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_ACK_RING_STAG] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_RING_OFFSET] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_RING_COUNT] = { KBTP_FMT_DEC, 0, NULL },
-    [V_HELLO_ACK_HEAD_STAG] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_HEAD_OFFSET] = { KBTP_FMT_HEX, 0, NULL },
-    [V_HELLO_ACK_HEAD_COUNT] = { KBTP_FMT_DEC, 0, NULL },
-    [V_DD_STAG] = { KBTP_FMT_HEX, 0, NULL },
-    [V_DD_OFFSET] = { KBTP_FMT_HEX, 0, NULL },
-    [V_DD_LENGTH] = { KBTP_FMT_DEC, 0, NULL },
-    [V_CD_STAG] = { KBTP_FMT_HEX, 0, NULL },
-    [V_CD_OFFSET] = { KBTP_FMT_HEX, 0, NULL },
-    [V_CD_RESERVED] = { KBTP_FMT_HEX, 0, NULL },
-    [V_INLINE_DATA] = { KBTP_FMT_BYTES, 0, NULL },
-    [V_BIND_TICKET] = { KBTP_FMT_DEC, 0, NULL },
-    [V_BIND_DATA_LENGTH] = { KBTP_FMT_DEC, 0, NULL },
-    [V_BIND_BLOCK_OFFSET] = { KBTP_FMT_HEX, 0, NULL },
-    [V_COMPLETION_DATA_LENGTH] = { KBTP_FMT_DEC, 0, NULL },
-    [V_COMPLETION_RESERVED] = { KBTP_FMT_HEX, 0, NULL },
-    [V_COMPLETION_BLOCK_OFFSET] = { KBTP_FMT_HEX, 0, NULL },
+    [V_VERSION] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_OPCODE] = { KBTP_FMT_ENUM, 0, rs_kbtp_opcode, TRUE },
+    [V_FLAGS] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_REQUEST_ID] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HANDLE] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_GENERATION] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_STATUS] = { KBTP_FMT_ENUM, 0, rs_kbtp_status, FALSE },
+    [V_HELLO_REQUESTED_FEATURES] = { KBTP_FMT_FLAGS, KBTP_FS_FEATURES, NULL, FALSE },
+    [V_HELLO_COMPLETION_CREDITS] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_INITIATOR_ID] = { KBTP_FMT_BYTES, 0, NULL, FALSE },
+    [V_HELLO_ACK_FEATURES] = { KBTP_FMT_FLAGS, KBTP_FS_FEATURES, NULL, FALSE },
+    [V_HELLO_ACK_REQUEST_CREDITS] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_ACK_BLOCK_SIZE] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_ACK_MAX_INLINE] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_ACK_ALLOCATION_QUOTA] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_ACK_HANDLE_BASE] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_HANDLE_COUNT] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_ACK_TICKET_TIMEOUT] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_ACK_TABLE_STAG] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_TABLE_OFFSET] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_TABLE_COUNT] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_ACK_TABLE_BASE_HANDLE] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_RESERVED] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_POOL_STAG] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_POOL_OFFSET] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_POOL_COUNT] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_ACK_PARTITION_STAG] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_PARTITION_OFFSET] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_PARTITION_COUNT] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_ACK_RING_STAG] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_RING_OFFSET] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_RING_COUNT] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_HELLO_ACK_HEAD_STAG] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_HEAD_OFFSET] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_HELLO_ACK_HEAD_COUNT] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_DD_STAG] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_DD_OFFSET] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_DD_LENGTH] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_CD_STAG] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_CD_OFFSET] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_CD_RESERVED] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_INLINE_DATA] = { KBTP_FMT_BYTES, 0, NULL, FALSE },
+    [V_BIND_TICKET] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_BIND_DATA_LENGTH] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_BIND_BLOCK_OFFSET] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_COMPLETION_DATA_LENGTH] = { KBTP_FMT_DEC, 0, NULL, FALSE },
+    [V_COMPLETION_RESERVED] = { KBTP_FMT_HEX, 0, NULL, FALSE },
+    [V_COMPLETION_BLOCK_OFFSET] = { KBTP_FMT_HEX, 0, NULL, FALSE },
 };
 
 static int hf_kbtp_version = -1;
@@ -309,6 +339,7 @@ static int hf_kbtp_response_in = -1;
 static int hf_kbtp_request_in = -1;
 static int hf_kbtp_time = -1;
 static int hf_kbtp_data_for = -1;
+static int hf_kbtp_data_in = -1;
 static int hf_kbtp_ring_ticket = -1;
 static int hf_kbtp_ring_slot_offset = -1;
 static int hf_kbtp_session_addr_le = -1;
@@ -336,7 +367,7 @@ static void kbtp_register_fields(int proto)
 {
     static hf_register_info hf[] = {
         { &hf_kbtp_version, { "Version", "kbtp.version", FT_UINT8, BASE_DEC, NULL, 0x0, "Protocol version; 1 for this specification", HFILL } },
-        { &hf_kbtp_opcode, { "Opcode", "kbtp.opcode", FT_UINT8, BASE_HEX|BASE_RANGE_STRING, RVALS(rs_kbtp_opcode), 0x0, "Message type", HFILL } },
+        { &hf_kbtp_opcode, { "Opcode", "kbtp.opcode", FT_UINT8, BASE_HEX, VALS(vs_kbtp_opcode), 0x0, "Message type", HFILL } },
         { &hf_kbtp_flags, { "Flags", "kbtp.flags", FT_UINT16, BASE_HEX, NULL, 0x0, "Per-opcode flags", HFILL } },
         { &hf_kbtp_flags_inline, { "INLINE", "kbtp.flags.inline", FT_BOOLEAN, 16, NULL, 0x0001, "Data follows the request", HFILL } },
         { &hf_kbtp_flags_seal, { "SEAL", "kbtp.flags.seal", FT_BOOLEAN, 16, NULL, 0x0002, "Seal the block after the store", HFILL } },
@@ -347,7 +378,7 @@ static void kbtp_register_fields(int proto)
         { &hf_kbtp_request_id, { "Request ID", "kbtp.request_id", FT_UINT64, BASE_DEC, NULL, 0x0, "Chosen by the initiator, echoed in the completion", HFILL } },
         { &hf_kbtp_handle, { "Block Handle", "kbtp.handle", FT_UINT64, BASE_HEX, NULL, 0x0, "64-bit name of a block in the initiator's handle range", HFILL } },
         { &hf_kbtp_generation, { "Generation", "kbtp.generation", FT_UINT16, BASE_DEC, NULL, 0x0, "In a request the expected generation (0 = any); in a completion the entry's", HFILL } },
-        { &hf_kbtp_status, { "Status", "kbtp.status", FT_UINT16, BASE_DEC|BASE_RANGE_STRING, RVALS(rs_kbtp_status), 0x0, "Zero in requests; the outcome in completions", HFILL } },
+        { &hf_kbtp_status, { "Status", "kbtp.status", FT_UINT16, BASE_DEC, VALS(vs_kbtp_status), 0x0, "Zero in requests; the outcome in completions", HFILL } },
         { &hf_kbtp_hello_requested_features, { "Requested Features", "kbtp.hello.requested_features", FT_UINT16, BASE_HEX, NULL, 0x0, "Features the initiator asks for", HFILL } },
         { &hf_kbtp_hello_requested_features_direct_load, { "DIRECT_LOAD", "kbtp.hello.requested_features.direct_load", FT_BOOLEAN, 16, NULL, 0x0001, "Table and Pool STags for one-sided loads", HFILL } },
         { &hf_kbtp_hello_requested_features_direct_alloc, { "DIRECT_ALLOC", "kbtp.hello.requested_features.direct_alloc", FT_BOOLEAN, 16, NULL, 0x0002, "Partition, Ring and Head STags for one-sided allocation", HFILL } },
@@ -408,6 +439,7 @@ static void kbtp_register_fields(int proto)
         { &hf_kbtp_request_in, { "Request in", "kbtp.request_in", FT_FRAMENUM, BASE_NONE, FRAMENUM_TYPE(FT_FRAMENUM_REQUEST), 0x0, "Frame of the request this message answers", HFILL } },
         { &hf_kbtp_time, { "Response time", "kbtp.time", FT_RELATIVE_TIME, BASE_NONE, NULL, 0x0, "Time from the request to this answer", HFILL } },
         { &hf_kbtp_data_for, { "Data for request in", "kbtp.data_for", FT_FRAMENUM, BASE_NONE, FRAMENUM_TYPE(FT_FRAMENUM_REQUEST), 0x0, "This RDMA transfer carries the block data of the KBTP request in that frame", HFILL } },
+        { &hf_kbtp_data_in, { "Data in", "kbtp.data_in", FT_FRAMENUM, BASE_NONE, NULL, 0x0, "An RDMA transfer in that frame carries this request's block data", HFILL } },
         { &hf_kbtp_ring_ticket, { "Ring Ticket", "kbtp.ring.ticket", FT_UINT32, BASE_DEC, NULL, 0x0, "Ticket of a FetchAdd on a ring counter advertised in HELLO_ACK", HFILL } },
         { &hf_kbtp_ring_slot_offset, { "Ring Slot Offset", "kbtp.ring.slot_offset", FT_UINT32, BASE_DEC, NULL, 0x0, "Slot Offset of a FetchAdd on a ring counter advertised in HELLO_ACK", HFILL } },
         { &hf_kbtp_session_addr_le, { "ADDR_LE session", "kbtp.session.addr_le", FT_BOOLEAN, BASE_NONE, NULL, 0x0, "Address fields decoded little-endian", HFILL } },
@@ -583,12 +615,14 @@ static const kbtp_msg_t kbtp_messages[] = {
  */
 
 static int proto_kbtp = -1;
+static int kbtp_tap = -1;
 
 static expert_field ei_kbtp_status = EI_INIT;
 static expert_field ei_kbtp_malformed = EI_INIT;
 static expert_field ei_kbtp_undefined_flags = EI_INIT;
 static expert_field ei_kbtp_no_request = EI_INIT;
 static expert_field ei_kbtp_credits = EI_INIT;
+static expert_field ei_kbtp_icrc = EI_INIT;
 
 /* kbtp.addr_le: byte order of address fields for sessions whose HELLO_ACK is not seen. */
 enum { KBTP_ADDR_LE_AUTO = 1, KBTP_ADDR_LE_ON = 2, KBTP_ADDR_LE_OFF = 3 };
@@ -606,13 +640,23 @@ typedef struct kbtp_frame {
     guint message_len;
     guint32 request_in, response_in, fragment_in, over_credits;
     double delta;               /* response time, seconds */
+    int req_opcode;             /* an answer: its request's opcode, time and this status */
+    nstime_t req_ts;
+    guint32 status;
+    wmem_array_t *data_in;      /* a request: frames of the RDMA transfers of its data (rdma.c) */
+    int icrc;                   /* RoCE: ICRC_UNKNOWN, ICRC_OK or ICRC_BAD (first pass) */
+    proto_item *root;           /* its kbtp item, while this packet is dissected */
+    guint32 icrc_got, icrc_want;
 } kbtp_frame_t;
+
+enum { ICRC_UNKNOWN, ICRC_OK, ICRC_BAD };
 
 typedef struct {
     guint32 frame;
     kbtp_frame_t *st;
     double ts;
-    int answer;
+    nstime_t abs_ts;
+    int opcode, answer;
 } kbtp_req_t;
 
 struct kbtp_rdma;
@@ -718,6 +762,32 @@ static guint64 value_at(tvbuff_t *tvb, guint off, guint size, gboolean le)
     }
 }
 
+/* The Private Use row of an enumeration ``value`` falls in, or NULL: the value string
+ * names only the defined codes, so those values get a label of their own. */
+static const range_string *private_range(int vid, guint64 value)
+{
+    const kbtp_fmt_t *fmt = &kbtp_fmt[vid];
+    if (fmt->kind != KBTP_FMT_ENUM)
+        return NULL;
+    for (const range_string *r = fmt->names; r->strptr; r++) {
+        if (r->value_min != r->value_max && value >= r->value_min && value <= r->value_max)
+            return r;
+    }
+    return NULL;
+}
+
+static proto_item *add_private(proto_tree *tree, const kbtp_item_t *item, const kbtp_ctx_t *ctx,
+                               const range_string *r)
+{
+    guint32 v = (guint32)ctx->v[item->vid];
+    const char *title = proto_registrar_get_name(*item->hf);
+    if (kbtp_fmt[item->vid].hex)
+        return proto_tree_add_uint_format(tree, *item->hf, ctx->tvb, ctx->off, item->size, v, "%s: %s (0x%0*x)",
+                                          title, r->strptr, (int)(2 * item->size), v);
+    return proto_tree_add_uint_format(tree, *item->hf, ctx->tvb, ctx->off, item->size, v, "%s: %s (%u)",
+                                      title, r->strptr, v);
+}
+
 /* Walk ``items`` from ctx->off over the first ctx->len octets; add to ``tree`` when
  * ``build``. Sets ctx->truncated when the message ends before a fixed field does. */
 static void walk(const kbtp_item_t *items, guint n, proto_tree *tree, gboolean build, kbtp_ctx_t *ctx)
@@ -759,7 +829,10 @@ static void walk(const kbtp_item_t *items, guint n, proto_tree *tree, gboolean b
             ctx->size[item->vid] = item->size;
             if (build) {
                 guint enc = item->size > 8 ? ENC_NA : le ? ENC_LITTLE_ENDIAN : ENC_BIG_ENDIAN;
-                proto_item *ti = proto_tree_add_item(tree, *item->hf, ctx->tvb, ctx->off, item->size, enc);
+                const range_string *private = private_range(item->vid, ctx->v[item->vid]);
+                proto_item *ti = private
+                    ? add_private(tree, item, ctx, private)
+                    : proto_tree_add_item(tree, *item->hf, ctx->tvb, ctx->off, item->size, enc);
                 if (item->keep)
                     ctx->at[item->vid] = ti;
                 int fs = item->flagset == -2 ? (ctx->msg ? ctx->msg->flagset : -1) : item->flagset;
@@ -957,6 +1030,8 @@ static void track(packet_info *pinfo, kbtp_conn_t *conn, kbtp_frame_t *st, const
         req->frame = pinfo->num;
         req->st = st;
         req->ts = abs_seconds(pinfo);
+        req->abs_ts = pinfo->abs_ts;
+        req->opcode = op;
         req->answer = msg->answer;
         guint64 *k = wmem_new(wmem_file_scope(), guint64);
         *k = rid;
@@ -973,6 +1048,9 @@ static void track(packet_info *pinfo, kbtp_conn_t *conn, kbtp_frame_t *st, const
             st->request_in = req->frame;
             st->has_delta = TRUE;
             st->delta = abs_seconds(pinfo) - req->ts;
+            st->req_opcode = req->opcode;
+            st->req_ts = req->abs_ts;
+            st->status = (guint32)ctx->v[V_STATUS];
             req->st->response_in = pinfo->num;
             if (op == KBTP_OP_COMPLETION)
                 conn->outstanding--;
@@ -1021,6 +1099,11 @@ static const char *dissect_message(tvbuff_t *tvb, guint len, packet_info *pinfo,
     }
     if (st->response_in)
         proto_item_set_generated(proto_tree_add_uint(rt, hf_kbtp_response_in, tvb, 0, 0, st->response_in));
+    for (guint i = 0; st->data_in && i < wmem_array_get_count(st->data_in); i++)
+        proto_item_set_generated(proto_tree_add_uint(rt, hf_kbtp_data_in, tvb, 0, 0,
+                                                     *(guint32 *)wmem_array_index(st->data_in, i)));
+    if (st->request_in)
+        tap_queue_packet(kbtp_tap, pinfo, st);     /* -z kbtp,srt and Statistics menu */
     if (problem)
         expert_add_info_format(pinfo, root, &ei_kbtp_malformed, "%s", problem);
     if (msg && msg->flagset >= 0 && ctx->has[V_FLAGS]) {
@@ -1044,6 +1127,7 @@ static const char *dissect_message(tvbuff_t *tvb, guint len, packet_info *pinfo,
     if (problem)
         info = wmem_strconcat(pinfo->pool, info, " [Malformed]", NULL);
     proto_item_append_text(root, ", %s", info);
+    st->root = root;
     if (!st->info)
         st->info = wmem_strdup(wmem_file_scope(), info);
     return info;
@@ -1187,6 +1271,74 @@ static kbtp_frame_t *classify_roce(tvbuff_t *tvb, guint n, packet_info *pinfo, c
     return message_state(pinfo, key, TRUE, TRUE, n - pad, !pad_known);
 }
 
+/* ---- the ICRC (tshark 4.0 shows infiniband.invariant.crc but never checks it) ----------
+ * A packet whose ICRC is wrong is one the receiving NIC dropped. CRC-32 over 8 octets of
+ * ones (the absent LRH), the network header with its variant fields set to ones, the UDP
+ * header with its checksum set to ones (RoCEv2), the BTH with its reserved octet set to
+ * ones, and the rest up to the ICRC (IBA vol. 1, 7.8.1; annexes A16.8.1 and A17.4.5).
+ * Read from the frame's own octets: Ethernet (802.1Q, 802.1ad), then IPv4 or IPv6 and
+ * UDP 4791, or the RoCEv1 GRH; unknown when the frame is cut short or not that. */
+static void check_icrc(packet_info *pinfo, kbtp_frame_t *st)
+{
+    tvbuff_t *frame = get_data_source_tvb((const struct data_source *)pinfo->data_src->data);
+    guint len = tvb_captured_length(frame), off = 12, net, bth, end;
+    if (len < 14 || tvb_reported_length(frame) != len)
+        return;
+    guint et = tvb_get_ntohs(frame, off);
+    while ((et == 0x8100 || et == 0x88a8) && off + 6 <= len) {
+        off += 4;
+        et = tvb_get_ntohs(frame, off);
+    }
+    net = off + 2;
+    if (et == 0x0800 && net + 20 <= len) {
+        guint ihl = 4 * (tvb_get_guint8(frame, net) & 0x0f);
+        if ((tvb_get_guint8(frame, net) >> 4) != 4 || tvb_get_guint8(frame, net + 9) != 17 || ihl < 20)
+            return;
+        bth = net + ihl + 8;
+        end = net + tvb_get_ntohs(frame, net + 2);
+    } else if (et == 0x86dd && net + 40 <= len) {
+        if (tvb_get_guint8(frame, net + 6) != 17)
+            return;
+        bth = net + 48;
+        end = net + 40 + tvb_get_ntohs(frame, net + 4);
+    } else if (et == 0x8915 && net + 40 <= len) {
+        bth = net + 40;
+        end = net + 40 + tvb_get_ntohs(frame, net + 4);
+    } else {
+        return;
+    }
+    if (end > len || end < bth + 16 || (et != 0x8915 && tvb_get_ntohs(frame, bth - 6) != 4791))
+        return;
+    guint n = end - 4 - net;
+    guint8 *buf = (guint8 *)wmem_alloc(pinfo->pool, 8 + n);
+    memset(buf, 0xff, 8);
+    tvb_memcpy(frame, buf + 8, net, n);
+    guint8 *h = buf + 8;
+    if (et == 0x0800) {
+        h[1] = 0xff;                        /* Type of Service */
+        h[8] = 0xff;                        /* Time to Live */
+        h[10] = h[11] = 0xff;               /* header checksum */
+    } else {                                /* IPv6 or GRH: Traffic Class, Flow Label, Hop Limit */
+        h[0] |= 0x0f;
+        h[1] = h[2] = h[3] = 0xff;
+        h[7] = 0xff;
+    }
+    if (et != 0x8915)
+        h[bth - net - 2] = h[bth - net - 1] = 0xff;     /* UDP checksum */
+    h[bth - net + 4] = 0xff;                /* BTH reserved octet */
+    st->icrc_want = crc32_ccitt(buf, 8 + n);
+    st->icrc_got = tvb_get_letohl(frame, end - 4);
+    st->icrc = st->icrc_want == st->icrc_got ? ICRC_OK : ICRC_BAD;
+}
+
+static void show_icrc(packet_info *pinfo, proto_item *item, const kbtp_frame_t *st)
+{
+    if (st->icrc == ICRC_BAD)
+        expert_add_info_format(pinfo, item, &ei_kbtp_icrc,
+                               "ICRC 0x%08x is wrong (0x%08x is right): the receiving NIC drops this packet",
+                               st->icrc_got, st->icrc_want);
+}
+
 static gboolean dissect_kbtp_infiniband(tvbuff_t *tvb, packet_info *pinfo, proto_tree *tree, void *data)
 {
     const struct infinibandinfo *info = (const struct infinibandinfo *)data;
@@ -1211,6 +1363,7 @@ static gboolean dissect_kbtp_infiniband(tvbuff_t *tvb, packet_info *pinfo, proto
         st->roce = TRUE;
         if (!st->key)
             st->key = wmem_strdup(wmem_file_scope(), key);
+        check_icrc(pinfo, st);
     }
     if (st->has_len) {
         if (st->pad_unknown && info && info->pad_count > 0 && info->pad_count < st->len) {
@@ -1218,10 +1371,12 @@ static gboolean dissect_kbtp_infiniband(tvbuff_t *tvb, packet_info *pinfo, proto
             st->pad_unknown = FALSE;
         }
         set_columns(pinfo, dissect_message(tvb, st->len, pinfo, tree, st));
+        show_icrc(pinfo, st->root, st);
     } else if (st->message) {
         tvbuff_t *msg_tvb = tvb_new_child_real_data(tvb, st->message, st->message_len, st->message_len);
         add_new_data_source(pinfo, msg_tvb, "Reassembled KBTP message");
         set_columns(pinfo, dissect_message(msg_tvb, st->message_len, pinfo, tree, st));
+        show_icrc(pinfo, st->root, st);
     } else {
         proto_item *item = proto_tree_add_protocol_format(tree, proto_kbtp, tvb, 0, n, "KBTP fragment");
         proto_tree *ft = proto_item_add_subtree(item, ett_kbtp);
@@ -1230,6 +1385,7 @@ static gboolean dissect_kbtp_infiniband(tvbuff_t *tvb, packet_info *pinfo, proto
         if (st->broken)
             expert_add_info_format(pinfo, item, &ei_kbtp_malformed,
                                    "Send fragment that does not continue the message as its header said");
+        show_icrc(pinfo, item, st);
         char *text = wmem_strdup(pinfo->pool, "KBTP fragment");
         if (st->fragment_in)
             text = wmem_strdup_printf(pinfo->pool, "%s (message in %u)", text, st->fragment_in);
@@ -1261,6 +1417,69 @@ static gboolean dissect_kbtp_iwarp(tvbuff_t *tvb, packet_info *pinfo, proto_tree
     return TRUE;
 }
 
+/* ---- Service Response Time: -z kbtp,srt, Statistics > Service Response Time > KBTP ---- */
+/* Table 0: per request opcode. Table 1: per request opcode and the status of its answer
+ * (the defined statuses, then one row for the others). */
+#define KBTP_N_STATUS G_N_ELEMENTS(vs_kbtp_status)   /* the defined ones and one more */
+
+static int answered_index(int opcode)
+{
+    int i = 0;
+    for (guint m = 0; m < G_N_ELEMENTS(kbtp_messages); m++) {
+        if (kbtp_messages[m].answer < 0)
+            continue;
+        if (kbtp_messages[m].opcode == opcode)
+            return i;
+        i++;
+    }
+    return -1;
+}
+
+static int status_index(guint32 status)
+{
+    for (guint i = 0; vs_kbtp_status[i].strptr; i++) {
+        if (vs_kbtp_status[i].value == status)
+            return (int)i;
+    }
+    return KBTP_N_STATUS - 1;
+}
+
+static void kbtp_srt_init(struct register_srt *srt, GArray *srt_array)
+{
+    (void)srt;
+    srt_stat_table *ops = init_srt_table("KBTP requests", NULL, srt_array, 256, "Opcode", "kbtp.opcode", NULL);
+    srt_stat_table *sts = init_srt_table("KBTP requests by status of the answer", NULL, srt_array,
+                                         (int)(G_N_ELEMENTS(kbtp_messages) * KBTP_N_STATUS), "Opcode Status",
+                                         NULL, NULL);
+    for (guint m = 0; m < G_N_ELEMENTS(kbtp_messages); m++) {
+        const kbtp_msg_t *msg = &kbtp_messages[m];
+        if (msg->answer < 0)
+            continue;
+        init_srt_table_row(ops, msg->opcode, msg->name);
+        int base = answered_index(msg->opcode) * (int)KBTP_N_STATUS;
+        for (guint s = 0; s < KBTP_N_STATUS; s++) {
+            const char *status = vs_kbtp_status[s].strptr ? vs_kbtp_status[s].strptr : "other";
+            init_srt_table_row(sts, base + (int)s, wmem_strdup_printf(wmem_epan_scope(), "%s %s", msg->name, status));
+        }
+    }
+}
+
+static tap_packet_status kbtp_srt_packet(void *pss, packet_info *pinfo, epan_dissect_t *edt, const void *prv,
+                                         tap_flags_t flags)
+{
+    (void)edt;
+    (void)flags;
+    srt_data_t *data = (srt_data_t *)pss;
+    const kbtp_frame_t *st = (const kbtp_frame_t *)prv;
+    int i = answered_index(st->req_opcode);
+    if (i < 0)
+        return TAP_PACKET_DONT_REDRAW;
+    add_srt_table_data(g_array_index(data->srt_array, srt_stat_table *, 0), st->req_opcode, &st->req_ts, pinfo);
+    add_srt_table_data(g_array_index(data->srt_array, srt_stat_table *, 1),
+                       i * (int)KBTP_N_STATUS + status_index(st->status), &st->req_ts, pinfo);
+    return TAP_PACKET_REDRAW;
+}
+
 /* ---- registration --------------------------------------------------------------------------- */
 void proto_register_kbtp(void)
 {
@@ -1272,6 +1491,8 @@ void proto_register_kbtp(void)
         { &ei_kbtp_no_request, { "kbtp.expert.no_request", PI_SEQUENCE, PI_NOTE, "Answer to a request not seen", EXPFILL } },
         { &ei_kbtp_credits, { "kbtp.expert.credits", PI_SEQUENCE, PI_WARN,
                               "More requests outstanding than Request Credits", EXPFILL } },
+        { &ei_kbtp_icrc, { "kbtp.expert.icrc", PI_CHECKSUM, PI_ERROR,
+                           "Wrong RoCE ICRC: the receiving NIC drops this packet", EXPFILL } },
     };
     static const enum_val_t addr_le_values[] = {
         { "auto", "auto", KBTP_ADDR_LE_AUTO },
@@ -1287,6 +1508,8 @@ void proto_register_kbtp(void)
         return;
     }
     proto_kbtp = proto_register_protocol("KV Cache Block Transfer Protocol", "KBTP", "kbtp");
+    kbtp_tap = register_tap("kbtp");
+    register_srt_table(proto_kbtp, NULL, 2, kbtp_srt_packet, kbtp_srt_init, NULL);
     kbtp_register_fields(proto_kbtp);
     expert_module_t *em = expert_register_protocol(proto_kbtp);
     expert_register_field_array(em, ei, array_length(ei));
@@ -1336,6 +1559,7 @@ typedef struct {
     int ring;                   /* R_DATA: data_for req; R_REQUEST / R_RESPONSE: the ring Head */
     guint32 req, ticket, slot;
     const char *text, *info, *problem;
+    kbtp_frame_t *st;           /* R_DATA: the request, which lists its data frames */
 } kbtp_label_t;
 
 typedef struct {
@@ -1344,6 +1568,7 @@ typedef struct {
     int kind;                   /* K_WRITE or K_READ_REQ: what the target does with the buffer */
     guint32 stag;
     guint64 lo, hi;             /* lo <= TO < hi */
+    kbtp_frame_t *st;           /* the request's state */
     kbtp_label_t *labels[K_READ_RESP + 1];
 } kbtp_expect_t;
 
@@ -1429,10 +1654,12 @@ static kbtp_expect_t *find(wmem_list_t *list, guint32 stag, guint64 to, int kind
     return NULL;
 }
 
-static kbtp_expect_t *expectation(guint32 req, const char *name, guint32 stag, guint64 lo, guint64 len)
+static kbtp_expect_t *expectation(guint32 req, const char *name, guint32 stag, guint64 lo, guint64 len,
+                                  kbtp_frame_t *st)
 {
     kbtp_expect_t *e = wmem_new0(wmem_file_scope(), kbtp_expect_t);
     e->req = req;
+    e->st = st;
     e->name = name;
     e->stag = stag;
     e->lo = lo;
@@ -1555,7 +1782,7 @@ static void rdma_on_message(packet_info *pinfo, kbtp_conn_t *conn, kbtp_frame_t 
             return;
         kbtp_rdma_t *r = arm(rdma_state(conn, pinfo, TRUE));
         kbtp_expect_t *e = expectation(pinfo->num, msg->name, (guint32)ctx->v[V_DD_STAG], ctx->v[V_DD_OFFSET],
-                                       ctx->v[V_DD_LENGTH]);
+                                       ctx->v[V_DD_LENGTH], st);
         e->kind = op == KBTP_OP_LOAD ? K_WRITE : K_READ_REQ;
         push(r->xfers, e);
     } else if (op == KBTP_OP_HELLO_ACK && ctx->v[V_STATUS] == KBTP_STATUS_OK) {
@@ -1603,9 +1830,10 @@ static gboolean roce_interesting(int opcode)
 /* The BTH at ``b`` of ``tvb`` and what follows it. */
 static gboolean read_bth(tvbuff_t *tvb, guint b, kbtp_op_t *o)
 {
-    guint have = tvb_captured_length_remaining(tvb, b);
-    if (have < 12)
+    gint remaining = tvb_captured_length_remaining(tvb, b);   /* -1 past the end */
+    if (remaining < 12)
         return FALSE;
+    guint have = (guint)remaining;
     int opcode = tvb_get_guint8(tvb, b);
     int service = opcode & 0xe0, op = opcode & 0x1f;
     int ext = service_ext(service);
@@ -1666,9 +1894,10 @@ static gboolean iw_send(int op)
 /* iWARP: DDP (RFC 5041 s4) and RDMAP (RFC 5040 s4, RFC 7306 s5), the DDP header at ``d``. */
 static gboolean read_ddp(tvbuff_t *tvb, guint d, kbtp_op_t *o)
 {
-    guint have = tvb_captured_length_remaining(tvb, d);
-    if (have < 14)
+    gint remaining = tvb_captured_length_remaining(tvb, d);   /* -1 past the end */
+    if (remaining < 14)
         return FALSE;
+    guint have = (guint)remaining;
     int ctrl = tvb_get_guint8(tvb, d), rctrl = tvb_get_guint8(tvb, d + 1);
     if ((ctrl & 0x3f) != 0x01 || (rctrl & 0xf0) != 0x40)
         return FALSE;
@@ -1759,7 +1988,7 @@ static int ops_of(packet_info *pinfo, tvbuff_t *tvb, proto_tree *tree, kbtp_op_t
         field_info *fi = (field_info *)g_ptr_array_index(fis, 0);
         if (!iw_interesting((int)fvalue_get_uinteger(&fi->value)))
             return 0;
-        return read_ddp(fi->ds_tvb, (guint)fi->start - 1, &ops[0]) ? 1 : 0;
+        return fi->start > 0 && read_ddp(fi->ds_tvb, (guint)fi->start - 1, &ops[0]) ? 1 : 0;
     }
     int n = 0;
     guint seen_off[64];
@@ -1769,6 +1998,8 @@ static int ops_of(packet_info *pinfo, tvbuff_t *tvb, proto_tree *tree, kbtp_op_t
         field_info *fi = (field_info *)g_ptr_array_index(fis, i);
         int v = (int)fvalue_get_uinteger(&fi->value);
         if (!iw_interesting(v) && !iw_send(v))
+            continue;
+        if (fi->start < 1)
             continue;
         guint off = (guint)fi->start - 1;
         gboolean dup = FALSE;   /* fields added twice name one FPDU */
@@ -1803,6 +2034,7 @@ static kbtp_label_t *data_label(kbtp_expect_t *e, int kind)
         kbtp_label_t *m = wmem_new0(wmem_file_scope(), kbtp_label_t);
         m->ring = R_DATA;
         m->req = e->req;
+        m->st = e->st;
         m->text = wmem_strdup_printf(wmem_file_scope(), ", %s for %s in frame %u", what(kind), e->name, e->req);
         m->info = wmem_strdup_printf(wmem_file_scope(), "KBTP data for %u", e->req);
         e->labels[kind] = m;
@@ -1870,7 +2102,7 @@ static kbtp_label_t *match_iwarp(kbtp_rdma_t *r, const kbtp_op_t *o, gboolean to
         if (!e)
             return NULL;
         /* The Read Response is tagged with the request's sink STag and TO. */
-        push(r->sinks, expectation(e->req, e->name, o->sink_stag, o->sink_to, o->size));
+        push(r->sinks, expectation(e->req, e->name, o->sink_stag, o->sink_to, o->size, e->st));
         return data_label(e, K_READ_REQ);
     } else if (o->kind == K_READ_RESP && !to_ini) {
         kbtp_expect_t *e = find(r->sinks, o->stag, o->to, K_NONE);
@@ -2055,6 +2287,14 @@ static int dissect_kbtp_rdma(tvbuff_t *tvb, packet_info *pinfo, proto_tree *tree
             continue;
         }
         kbtp_label_t *m = label(flow, o, n);
+        if (m && m->st) {       /* the request lists its data frames, once each */
+            wmem_array_t *list = m->st->data_in;
+            if (!list)
+                list = m->st->data_in = wmem_array_new(wmem_file_scope(), sizeof(guint32));
+            guint count = wmem_array_get_count(list);
+            if (!count || *(guint32 *)wmem_array_index(list, count - 1) != n)
+                wmem_array_append_one(list, n);
+        }
         if (m) {
             if (!marks)
                 marks = wmem_array_new(wmem_file_scope(), sizeof(kbtp_label_t *));

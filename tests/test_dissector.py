@@ -83,7 +83,7 @@ def test_installed_plugin_registers_every_table_field(tmp_path):
     """`kbtp dissector install` puts the plugin where tshark looks; tshark then knows a
     filter name for every field and flag bit of the tables."""
     env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "dissector", "install"],
+    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "dissector", "install", "--lua"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     proc = subprocess.run([TSHARK, "-G", "fields"], capture_output=True, text=True, timeout=120, env=env)

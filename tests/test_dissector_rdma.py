@@ -12,8 +12,8 @@ specification, not by the project's ring module.
 from __future__ import annotations
 
 import os
-import sys
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -359,3 +359,19 @@ def test_write_data_that_looks_like_kbtp_is_not_a_message(tmp_path, transport, t
     # Without a tree in the first pass (tshark -2, no filter) the Info column says the same.
     info = tshark_text(pcap, *PLUGIN, *args)
     assert "rid=90" not in info and info.count("[KBTP data for") == len(want)
+
+
+def test_requests_list_their_data_frames(capture):
+    """Request to data: on a second pass each LOAD / ALLOC_STORE names the frames of the
+    RDMA transfers that carried its block (kbtp.data_in), the inverse of kbtp.data_for."""
+    pcap, want = capture
+    inverse: dict[int, list[int]] = {}
+    for data, request in sorted(want.data_for.items()):
+        inverse.setdefault(request, []).append(data)
+    proc = subprocess.run([TSHARK, "-n", "-r", str(pcap), *PLUGIN, "-2", "-Y", "kbtp.data_in", "-T", "fields",
+                           "-E", "occurrence=a", "-E", "aggregator=,", "-e", "frame.number", "-e", "kbtp.data_in"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = (line.split("\t") for line in proc.stdout.splitlines())
+    got = {int(n): [int(v) for v in data.split(",")] for n, data in rows}
+    assert got == inverse

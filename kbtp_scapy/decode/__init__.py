@@ -51,7 +51,7 @@ def rdma_messages(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMe
             continue
         kind = where[0]
         if kind == ROCE:
-            done = roce.packet(number, time, where[1], where[2], data, where[3], where[4])
+            done = roce.packet(number, time, where[1], where[2], data, where[3], where[4], where[5])
         elif kind == TCP:
             done = iwarp.segment(number, time, *where[1:8], data, where[8], where[9])
         else:

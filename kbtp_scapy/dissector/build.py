@@ -38,7 +38,8 @@ class BuildError(Exception):
 def _pkg_config(*args: str) -> str:
     proc = subprocess.run(["pkg-config", *args, "wireshark"], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
-        raise BuildError(f"pkg-config wireshark failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}"
+        said = proc.stderr.strip().splitlines()
+        raise BuildError(f"pkg-config wireshark failed: {said[-1] if said else 'no output'}"
                          " (Debian: apt-get install libwireshark-dev libglib2.0-dev)")
     return proc.stdout.strip()
 
@@ -63,7 +64,8 @@ def version_folder() -> str:
 
 def build(outdir: Path, sanitize: bool = False, preload: bool = False, srcdir: Path = REPO_DISSECTOR) -> Path:
     """Compile the committed sources (or ones generated afresh when the checkout has none)
-    into ``outdir/kbtp.so`` (``kbtp-preload.so`` with ``preload``); returns its path."""
+    into ``outdir/kbtp.so`` (``kbtp-preload.so`` with ``preload``; ``-asan`` before ``.so``
+    with ``sanitize``); returns its path."""
     missing = toolchain_missing()
     if missing:
         raise BuildError(missing)
@@ -80,6 +82,8 @@ def build(outdir: Path, sanitize: bool = False, preload: bool = False, srcdir: P
             (inc / "preload.c").write_text(_PRELOAD_C)
             sources.append(inc / "preload.c")
         target = outdir / (PRELOAD_NAME if preload else PLUGIN_NAME)
+        if sanitize:
+            target = target.with_name(target.stem + "-asan.so")
         cmd = ["gcc", "-shared", "-fPIC", "-O2", "-g", *WARNINGS, *(SANITIZERS if sanitize else ()),
                f"-I{inc}", *_pkg_config("--cflags").split(), *map(str, sources), "-o", str(target),
                *_pkg_config("--libs").split()]
@@ -87,3 +91,13 @@ def build(outdir: Path, sanitize: bool = False, preload: bool = False, srcdir: P
         if proc.returncode != 0:
             raise BuildError("gcc failed: " + (proc.stderr.strip() or "no output"))
     return target
+
+
+def sanitizer_preload(plugin: Path) -> str:
+    """LD_PRELOAD for a sanitized plugin in Debian's (unsanitized) tshark: the ASan and
+    UBSan runtimes first, as ASan requires, then the plugin."""
+    runtimes = []
+    for lib in ("libasan.so", "libubsan.so"):
+        proc = subprocess.run(["gcc", f"-print-file-name={lib}"], capture_output=True, text=True, timeout=60)
+        runtimes.append(str(Path(proc.stdout.strip()).resolve()))
+    return " ".join([*runtimes, str(plugin)])

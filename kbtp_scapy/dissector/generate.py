@@ -26,6 +26,7 @@ EXTRA_FIELDS = (
     ("request_in", "framenum", "Request in", "Frame of the request this message answers", "REQUEST"),
     ("time", "relative_time", "Response time", "Time from the request to this answer", None),
     ("data_for", "framenum", "Data for request in", "This RDMA transfer carries the block data of the KBTP request in that frame", "REQUEST"),
+    ("data_in", "framenum", "Data in", "An RDMA transfer in that frame carries this request's block data", None),
     ("ring.ticket", "uint32", "Ring Ticket", "Ticket of a FetchAdd on a ring counter advertised in HELLO_ACK", None),
     ("ring.slot_offset", "uint32", "Ring Slot Offset", "Slot Offset of a FetchAdd on a ring counter advertised in HELLO_ACK", None),
     ("session.addr_le", "bool", "ADDR_LE session", "Address fields decoded little-endian", None),
@@ -43,6 +44,12 @@ def _range_string(enum: T.Enumeration) -> str:
         lo, hi = enum.private_use
         rows.append(f"{{{lo:#x}, {hi:#x}, \"Private Use\"}}")
     return "{ " + ", ".join(rows) + " }"
+
+
+def _value_string(enum: T.Enumeration) -> str:
+    """The defined codes as a value string: display filters accept their names
+    (``kbtp.opcode == LOAD``); tshark 4.0 refuses names for range strings."""
+    return "{ " + ", ".join(f"[{v.value:#x}] = {_lua_str(v.name)}" for v in enum.values) + " }"
 
 
 def _flag_sets_of(f: T.Field) -> list[T.FlagSet]:
@@ -83,8 +90,8 @@ def _protofields() -> list[str]:
                        f'base.NONE, {_lua_str(f.doc)})')
             continue
         if f.enum is not None:
-            base = "base.RANGE_STRING + base.HEX" if f.hex else "base.RANGE_STRING"
-            vs = f"RS_{f.enum.name.upper()}"
+            base = "base.HEX" if f.hex else "base.DEC"
+            vs = f"VS_{f.enum.name.upper()}"
         else:
             base, vs = ("base.HEX" if f.hex else "base.DEC"), "nil"
         out.append(f'F[{_lua_str(key)}] = ProtoField.{_UINT[f.size]}({_lua_str(abbr)}, '
@@ -146,6 +153,15 @@ def _formats() -> list[str]:
         out.append(f"  [{_lua_str(key)}] = {_lua_str(fmt)},")
     out.append("}")
     out.append("local ENUMS = { " + ", ".join(f"{e.name} = RS_{e.name.upper()}" for e in T.ENUMERATIONS) + " }")
+    out.append("-- Fields whose Private Use values get a label of their own (the value string names only")
+    out.append("-- the defined codes): { lo, hi, label format }")
+    out.append("local PRIVATE = {")
+    for key, (f, _) in T.wire_fields().items():
+        if f.enum is not None and f.enum.private_use:
+            lo, hi = f.enum.private_use
+            shown = f"0x%0{2 * f.size}x" if f.hex else "%d"
+            out.append(f"  [{_lua_str(key)}] = {{ {lo:#x}, {hi:#x}, {_lua_str(f.title + ': Private Use (' + shown + ')')} }},")
+    out.append("}")
     return out
 
 
@@ -204,13 +220,17 @@ def lua_source() -> str:
         "-- Layouts: kbtp-draft section names are given beside each group of fields.",
         "",
         "-- Load once: Wireshark may be given this file twice (the copy `kbtp dissector install`",
-        "-- put in the personal plugin folder, and -X lua_script:). Each script has globals of",
-        "-- its own, but protocols are Wireshark's: the second Proto() fails, and that copy",
-        "-- returns before it registers anything.",
+        "-- put in the personal plugin folder, and -X lua_script:), or have the C plugin",
+        "-- (packet-kbtp.c) too, which registers before any Lua script runs. Each script has",
+        "-- globals of its own, but protocols are Wireshark's: the second Proto() fails, and",
+        "-- that copy returns before it registers anything. It says nothing: Lua's print()",
+        "-- writes to tshark's standard output, and 4.0 gives Lua no log call; `kbtp dissector",
+        "-- install` says which form wins when both are installed.",
         'local registered, kbtp = pcall(Proto, "kbtp", "KV Cache Block Transfer Protocol")',
         "if not registered then return end",
         "",
         *(f"local RS_{e.name.upper()} = {_range_string(e)}" for e in T.ENUMERATIONS),
+        *(f"local VS_{e.name.upper()} = {_value_string(e)}" for e in T.ENUMERATIONS),
         "",
         "local F = {}",
         *_protofields(),

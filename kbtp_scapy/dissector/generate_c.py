@@ -51,11 +51,9 @@ def _hf_rows() -> tuple[list[str], list[str]]:
         if f.is_bytes:
             add(key, f.title, "FT_BYTES", "BASE_NONE", "NULL", "0x0", f.doc)
             continue
-        if f.enum is not None:
-            base = ("BASE_HEX" if f.hex else "BASE_DEC") + "|BASE_RANGE_STRING"
-            strings = f"RVALS(rs_kbtp_{f.enum.name})"
-            if f.size == 8:
-                base += "|BASE_VAL64_STRING"
+        if f.enum is not None:     # value strings: display filters accept the names
+            base = "BASE_HEX" if f.hex else "BASE_DEC"
+            strings = f"VALS(vs_kbtp_{f.enum.name})"
         else:
             base, strings = ("BASE_HEX" if f.hex else "BASE_DEC"), "NULL"
         add(key, f.title, _FT[f.size], base, strings, "0x0", f.doc)
@@ -80,6 +78,9 @@ def _hf_rows() -> tuple[list[str], list[str]]:
 def _enums() -> list[str]:
     out = []
     for e in T.ENUMERATIONS:
+        out.append(f"static const value_string vs_kbtp_{e.name}[] = {{")
+        out += [f"    {{ {v.value:#x}, {c_str(v.name)} }}," for v in e.values]
+        out.append("    { 0, NULL }\n};")
         out.append(f"static const range_string rs_kbtp_{e.name}[] = {{")
         for v in e.values:
             out.append(f"    {{ {v.value:#x}, {v.value:#x}, {c_str(v.name)} }},")
@@ -92,7 +93,7 @@ def _enums() -> list[str]:
 
 def _flagsets() -> list[str]:
     out = []
-    for i, fs in enumerate(T.FLAG_SETS):
+    for fs in T.FLAG_SETS:
         bits = ", ".join(f"{{ {f.value:#06x}, {c_str(f.name)} }}" for f in fs.flags)
         out.append(f"static const kbtp_bit_t kbtp_bits_{fs.name}[] = {{ {bits}, {{ 0, NULL }} }};")
     out.append("static const kbtp_flagset_t kbtp_flagsets[] = {")
@@ -131,13 +132,13 @@ def _values() -> list[str]:
     out.append("static const kbtp_fmt_t kbtp_fmt[V_COUNT] = {")
     for key, (f, _) in T.wire_fields().items():
         if f.enum:
-            fmt = f"{{ KBTP_FMT_ENUM, 0, rs_kbtp_{f.enum.name} }}"
+            fmt = f"{{ KBTP_FMT_ENUM, 0, rs_kbtp_{f.enum.name}, {'TRUE' if f.hex else 'FALSE'} }}"
         elif f.is_bytes:
-            fmt = "{ KBTP_FMT_BYTES, 0, NULL }"
+            fmt = "{ KBTP_FMT_BYTES, 0, NULL, FALSE }"
         elif f.flags:
-            fmt = f"{{ KBTP_FMT_FLAGS, {_flagset_index(f.flags)}, NULL }}"
+            fmt = f"{{ KBTP_FMT_FLAGS, {_flagset_index(f.flags)}, NULL, FALSE }}"
         else:
-            fmt = f"{{ {'KBTP_FMT_HEX' if f.hex else 'KBTP_FMT_DEC'}, 0, NULL }}"
+            fmt = f"{{ {'KBTP_FMT_HEX' if f.hex else 'KBTP_FMT_DEC'}, 0, NULL, FALSE }}"
         out.append(f"    [V_{ident(key).upper()}] = {fmt},")
     out.append("};")
     return out
@@ -240,9 +241,12 @@ _PRELUDE = """\
 #include <epan/expert.h>
 #include <epan/prefs.h>
 #include <epan/proto_data.h>
+#include <epan/srt_table.h>
+#include <epan/tap.h>
 #include <epan/to_str.h>
 #include <epan/dissectors/packet-infiniband.h>
 #include <epan/dissectors/packet-iwarp-ddp-rdmap.h>
+#include <wsutil/crc32.h>
 #include <wsutil/str_util.h>
 #include <wsutil/wmem/wmem.h>
 
@@ -253,7 +257,7 @@ void proto_reg_handoff_kbtp(void);
 typedef struct { guint32 mask; const char *name; } kbtp_bit_t;
 typedef struct { guint32 defined; const kbtp_bit_t *bits; } kbtp_flagset_t;
 enum { KBTP_FMT_DEC, KBTP_FMT_HEX, KBTP_FMT_ENUM, KBTP_FMT_FLAGS, KBTP_FMT_BYTES };
-typedef struct { int kind; int flagset; const range_string *names; } kbtp_fmt_t;
+typedef struct { int kind; int flagset; const range_string *names; gboolean hex; } kbtp_fmt_t;
 typedef struct kbtp_item kbtp_item_t;
 struct kbtp_item {
     int *hf;                   /* the field, or the subtree of a member */

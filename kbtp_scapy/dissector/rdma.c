@@ -22,6 +22,7 @@ typedef struct {
     int ring;                   /* R_DATA: data_for req; R_REQUEST / R_RESPONSE: the ring Head */
     guint32 req, ticket, slot;
     const char *text, *info, *problem;
+    kbtp_frame_t *st;           /* R_DATA: the request, which lists its data frames */
 } kbtp_label_t;
 
 typedef struct {
@@ -30,6 +31,7 @@ typedef struct {
     int kind;                   /* K_WRITE or K_READ_REQ: what the target does with the buffer */
     guint32 stag;
     guint64 lo, hi;             /* lo <= TO < hi */
+    kbtp_frame_t *st;           /* the request's state */
     kbtp_label_t *labels[K_READ_RESP + 1];
 } kbtp_expect_t;
 
@@ -115,10 +117,12 @@ static kbtp_expect_t *find(wmem_list_t *list, guint32 stag, guint64 to, int kind
     return NULL;
 }
 
-static kbtp_expect_t *expectation(guint32 req, const char *name, guint32 stag, guint64 lo, guint64 len)
+static kbtp_expect_t *expectation(guint32 req, const char *name, guint32 stag, guint64 lo, guint64 len,
+                                  kbtp_frame_t *st)
 {
     kbtp_expect_t *e = wmem_new0(wmem_file_scope(), kbtp_expect_t);
     e->req = req;
+    e->st = st;
     e->name = name;
     e->stag = stag;
     e->lo = lo;
@@ -241,7 +245,7 @@ static void rdma_on_message(packet_info *pinfo, kbtp_conn_t *conn, kbtp_frame_t 
             return;
         kbtp_rdma_t *r = arm(rdma_state(conn, pinfo, TRUE));
         kbtp_expect_t *e = expectation(pinfo->num, msg->name, (guint32)ctx->v[V_DD_STAG], ctx->v[V_DD_OFFSET],
-                                       ctx->v[V_DD_LENGTH]);
+                                       ctx->v[V_DD_LENGTH], st);
         e->kind = op == KBTP_OP_LOAD ? K_WRITE : K_READ_REQ;
         push(r->xfers, e);
     } else if (op == KBTP_OP_HELLO_ACK && ctx->v[V_STATUS] == KBTP_STATUS_OK) {
@@ -289,9 +293,10 @@ static gboolean roce_interesting(int opcode)
 /* The BTH at ``b`` of ``tvb`` and what follows it. */
 static gboolean read_bth(tvbuff_t *tvb, guint b, kbtp_op_t *o)
 {
-    guint have = tvb_captured_length_remaining(tvb, b);
-    if (have < 12)
+    gint remaining = tvb_captured_length_remaining(tvb, b);   /* -1 past the end */
+    if (remaining < 12)
         return FALSE;
+    guint have = (guint)remaining;
     int opcode = tvb_get_guint8(tvb, b);
     int service = opcode & 0xe0, op = opcode & 0x1f;
     int ext = service_ext(service);
@@ -352,9 +357,10 @@ static gboolean iw_send(int op)
 /* iWARP: DDP (RFC 5041 s4) and RDMAP (RFC 5040 s4, RFC 7306 s5), the DDP header at ``d``. */
 static gboolean read_ddp(tvbuff_t *tvb, guint d, kbtp_op_t *o)
 {
-    guint have = tvb_captured_length_remaining(tvb, d);
-    if (have < 14)
+    gint remaining = tvb_captured_length_remaining(tvb, d);   /* -1 past the end */
+    if (remaining < 14)
         return FALSE;
+    guint have = (guint)remaining;
     int ctrl = tvb_get_guint8(tvb, d), rctrl = tvb_get_guint8(tvb, d + 1);
     if ((ctrl & 0x3f) != 0x01 || (rctrl & 0xf0) != 0x40)
         return FALSE;
@@ -445,7 +451,7 @@ static int ops_of(packet_info *pinfo, tvbuff_t *tvb, proto_tree *tree, kbtp_op_t
         field_info *fi = (field_info *)g_ptr_array_index(fis, 0);
         if (!iw_interesting((int)fvalue_get_uinteger(&fi->value)))
             return 0;
-        return read_ddp(fi->ds_tvb, (guint)fi->start - 1, &ops[0]) ? 1 : 0;
+        return fi->start > 0 && read_ddp(fi->ds_tvb, (guint)fi->start - 1, &ops[0]) ? 1 : 0;
     }
     int n = 0;
     guint seen_off[64];
@@ -455,6 +461,8 @@ static int ops_of(packet_info *pinfo, tvbuff_t *tvb, proto_tree *tree, kbtp_op_t
         field_info *fi = (field_info *)g_ptr_array_index(fis, i);
         int v = (int)fvalue_get_uinteger(&fi->value);
         if (!iw_interesting(v) && !iw_send(v))
+            continue;
+        if (fi->start < 1)
             continue;
         guint off = (guint)fi->start - 1;
         gboolean dup = FALSE;   /* fields added twice name one FPDU */
@@ -489,6 +497,7 @@ static kbtp_label_t *data_label(kbtp_expect_t *e, int kind)
         kbtp_label_t *m = wmem_new0(wmem_file_scope(), kbtp_label_t);
         m->ring = R_DATA;
         m->req = e->req;
+        m->st = e->st;
         m->text = wmem_strdup_printf(wmem_file_scope(), ", %s for %s in frame %u", what(kind), e->name, e->req);
         m->info = wmem_strdup_printf(wmem_file_scope(), "KBTP data for %u", e->req);
         e->labels[kind] = m;
@@ -556,7 +565,7 @@ static kbtp_label_t *match_iwarp(kbtp_rdma_t *r, const kbtp_op_t *o, gboolean to
         if (!e)
             return NULL;
         /* The Read Response is tagged with the request's sink STag and TO. */
-        push(r->sinks, expectation(e->req, e->name, o->sink_stag, o->sink_to, o->size));
+        push(r->sinks, expectation(e->req, e->name, o->sink_stag, o->sink_to, o->size, e->st));
         return data_label(e, K_READ_REQ);
     } else if (o->kind == K_READ_RESP && !to_ini) {
         kbtp_expect_t *e = find(r->sinks, o->stag, o->to, K_NONE);
@@ -741,6 +750,14 @@ static int dissect_kbtp_rdma(tvbuff_t *tvb, packet_info *pinfo, proto_tree *tree
             continue;
         }
         kbtp_label_t *m = label(flow, o, n);
+        if (m && m->st) {       /* the request lists its data frames, once each */
+            wmem_array_t *list = m->st->data_in;
+            if (!list)
+                list = m->st->data_in = wmem_array_new(wmem_file_scope(), sizeof(guint32));
+            guint count = wmem_array_get_count(list);
+            if (!count || *(guint32 *)wmem_array_index(list, count - 1) != n)
+                wmem_array_append_one(list, n);
+        }
         if (m) {
             if (!marks)
                 marks = wmem_array_new(wmem_file_scope(), sizeof(kbtp_label_t *));

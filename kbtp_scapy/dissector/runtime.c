@@ -6,12 +6,14 @@
  */
 
 static int proto_kbtp = -1;
+static int kbtp_tap = -1;
 
 static expert_field ei_kbtp_status = EI_INIT;
 static expert_field ei_kbtp_malformed = EI_INIT;
 static expert_field ei_kbtp_undefined_flags = EI_INIT;
 static expert_field ei_kbtp_no_request = EI_INIT;
 static expert_field ei_kbtp_credits = EI_INIT;
+static expert_field ei_kbtp_icrc = EI_INIT;
 
 /* kbtp.addr_le: byte order of address fields for sessions whose HELLO_ACK is not seen. */
 enum { KBTP_ADDR_LE_AUTO = 1, KBTP_ADDR_LE_ON = 2, KBTP_ADDR_LE_OFF = 3 };
@@ -29,13 +31,23 @@ typedef struct kbtp_frame {
     guint message_len;
     guint32 request_in, response_in, fragment_in, over_credits;
     double delta;               /* response time, seconds */
+    int req_opcode;             /* an answer: its request's opcode, time and this status */
+    nstime_t req_ts;
+    guint32 status;
+    wmem_array_t *data_in;      /* a request: frames of the RDMA transfers of its data (rdma.c) */
+    int icrc;                   /* RoCE: ICRC_UNKNOWN, ICRC_OK or ICRC_BAD (first pass) */
+    proto_item *root;           /* its kbtp item, while this packet is dissected */
+    guint32 icrc_got, icrc_want;
 } kbtp_frame_t;
+
+enum { ICRC_UNKNOWN, ICRC_OK, ICRC_BAD };
 
 typedef struct {
     guint32 frame;
     kbtp_frame_t *st;
     double ts;
-    int answer;
+    nstime_t abs_ts;
+    int opcode, answer;
 } kbtp_req_t;
 
 struct kbtp_rdma;
@@ -141,6 +153,32 @@ static guint64 value_at(tvbuff_t *tvb, guint off, guint size, gboolean le)
     }
 }
 
+/* The Private Use row of an enumeration ``value`` falls in, or NULL: the value string
+ * names only the defined codes, so those values get a label of their own. */
+static const range_string *private_range(int vid, guint64 value)
+{
+    const kbtp_fmt_t *fmt = &kbtp_fmt[vid];
+    if (fmt->kind != KBTP_FMT_ENUM)
+        return NULL;
+    for (const range_string *r = fmt->names; r->strptr; r++) {
+        if (r->value_min != r->value_max && value >= r->value_min && value <= r->value_max)
+            return r;
+    }
+    return NULL;
+}
+
+static proto_item *add_private(proto_tree *tree, const kbtp_item_t *item, const kbtp_ctx_t *ctx,
+                               const range_string *r)
+{
+    guint32 v = (guint32)ctx->v[item->vid];
+    const char *title = proto_registrar_get_name(*item->hf);
+    if (kbtp_fmt[item->vid].hex)
+        return proto_tree_add_uint_format(tree, *item->hf, ctx->tvb, ctx->off, item->size, v, "%s: %s (0x%0*x)",
+                                          title, r->strptr, (int)(2 * item->size), v);
+    return proto_tree_add_uint_format(tree, *item->hf, ctx->tvb, ctx->off, item->size, v, "%s: %s (%u)",
+                                      title, r->strptr, v);
+}
+
 /* Walk ``items`` from ctx->off over the first ctx->len octets; add to ``tree`` when
  * ``build``. Sets ctx->truncated when the message ends before a fixed field does. */
 static void walk(const kbtp_item_t *items, guint n, proto_tree *tree, gboolean build, kbtp_ctx_t *ctx)
@@ -182,7 +220,10 @@ static void walk(const kbtp_item_t *items, guint n, proto_tree *tree, gboolean b
             ctx->size[item->vid] = item->size;
             if (build) {
                 guint enc = item->size > 8 ? ENC_NA : le ? ENC_LITTLE_ENDIAN : ENC_BIG_ENDIAN;
-                proto_item *ti = proto_tree_add_item(tree, *item->hf, ctx->tvb, ctx->off, item->size, enc);
+                const range_string *private = private_range(item->vid, ctx->v[item->vid]);
+                proto_item *ti = private
+                    ? add_private(tree, item, ctx, private)
+                    : proto_tree_add_item(tree, *item->hf, ctx->tvb, ctx->off, item->size, enc);
                 if (item->keep)
                     ctx->at[item->vid] = ti;
                 int fs = item->flagset == -2 ? (ctx->msg ? ctx->msg->flagset : -1) : item->flagset;
@@ -380,6 +421,8 @@ static void track(packet_info *pinfo, kbtp_conn_t *conn, kbtp_frame_t *st, const
         req->frame = pinfo->num;
         req->st = st;
         req->ts = abs_seconds(pinfo);
+        req->abs_ts = pinfo->abs_ts;
+        req->opcode = op;
         req->answer = msg->answer;
         guint64 *k = wmem_new(wmem_file_scope(), guint64);
         *k = rid;
@@ -396,6 +439,9 @@ static void track(packet_info *pinfo, kbtp_conn_t *conn, kbtp_frame_t *st, const
             st->request_in = req->frame;
             st->has_delta = TRUE;
             st->delta = abs_seconds(pinfo) - req->ts;
+            st->req_opcode = req->opcode;
+            st->req_ts = req->abs_ts;
+            st->status = (guint32)ctx->v[V_STATUS];
             req->st->response_in = pinfo->num;
             if (op == KBTP_OP_COMPLETION)
                 conn->outstanding--;
@@ -444,6 +490,11 @@ static const char *dissect_message(tvbuff_t *tvb, guint len, packet_info *pinfo,
     }
     if (st->response_in)
         proto_item_set_generated(proto_tree_add_uint(rt, hf_kbtp_response_in, tvb, 0, 0, st->response_in));
+    for (guint i = 0; st->data_in && i < wmem_array_get_count(st->data_in); i++)
+        proto_item_set_generated(proto_tree_add_uint(rt, hf_kbtp_data_in, tvb, 0, 0,
+                                                     *(guint32 *)wmem_array_index(st->data_in, i)));
+    if (st->request_in)
+        tap_queue_packet(kbtp_tap, pinfo, st);     /* -z kbtp,srt and Statistics menu */
     if (problem)
         expert_add_info_format(pinfo, root, &ei_kbtp_malformed, "%s", problem);
     if (msg && msg->flagset >= 0 && ctx->has[V_FLAGS]) {
@@ -467,6 +518,7 @@ static const char *dissect_message(tvbuff_t *tvb, guint len, packet_info *pinfo,
     if (problem)
         info = wmem_strconcat(pinfo->pool, info, " [Malformed]", NULL);
     proto_item_append_text(root, ", %s", info);
+    st->root = root;
     if (!st->info)
         st->info = wmem_strdup(wmem_file_scope(), info);
     return info;
@@ -610,6 +662,74 @@ static kbtp_frame_t *classify_roce(tvbuff_t *tvb, guint n, packet_info *pinfo, c
     return message_state(pinfo, key, TRUE, TRUE, n - pad, !pad_known);
 }
 
+/* ---- the ICRC (tshark 4.0 shows infiniband.invariant.crc but never checks it) ----------
+ * A packet whose ICRC is wrong is one the receiving NIC dropped. CRC-32 over 8 octets of
+ * ones (the absent LRH), the network header with its variant fields set to ones, the UDP
+ * header with its checksum set to ones (RoCEv2), the BTH with its reserved octet set to
+ * ones, and the rest up to the ICRC (IBA vol. 1, 7.8.1; annexes A16.8.1 and A17.4.5).
+ * Read from the frame's own octets: Ethernet (802.1Q, 802.1ad), then IPv4 or IPv6 and
+ * UDP 4791, or the RoCEv1 GRH; unknown when the frame is cut short or not that. */
+static void check_icrc(packet_info *pinfo, kbtp_frame_t *st)
+{
+    tvbuff_t *frame = get_data_source_tvb((const struct data_source *)pinfo->data_src->data);
+    guint len = tvb_captured_length(frame), off = 12, net, bth, end;
+    if (len < 14 || tvb_reported_length(frame) != len)
+        return;
+    guint et = tvb_get_ntohs(frame, off);
+    while ((et == 0x8100 || et == 0x88a8) && off + 6 <= len) {
+        off += 4;
+        et = tvb_get_ntohs(frame, off);
+    }
+    net = off + 2;
+    if (et == 0x0800 && net + 20 <= len) {
+        guint ihl = 4 * (tvb_get_guint8(frame, net) & 0x0f);
+        if ((tvb_get_guint8(frame, net) >> 4) != 4 || tvb_get_guint8(frame, net + 9) != 17 || ihl < 20)
+            return;
+        bth = net + ihl + 8;
+        end = net + tvb_get_ntohs(frame, net + 2);
+    } else if (et == 0x86dd && net + 40 <= len) {
+        if (tvb_get_guint8(frame, net + 6) != 17)
+            return;
+        bth = net + 48;
+        end = net + 40 + tvb_get_ntohs(frame, net + 4);
+    } else if (et == 0x8915 && net + 40 <= len) {
+        bth = net + 40;
+        end = net + 40 + tvb_get_ntohs(frame, net + 4);
+    } else {
+        return;
+    }
+    if (end > len || end < bth + 16 || (et != 0x8915 && tvb_get_ntohs(frame, bth - 6) != 4791))
+        return;
+    guint n = end - 4 - net;
+    guint8 *buf = (guint8 *)wmem_alloc(pinfo->pool, 8 + n);
+    memset(buf, 0xff, 8);
+    tvb_memcpy(frame, buf + 8, net, n);
+    guint8 *h = buf + 8;
+    if (et == 0x0800) {
+        h[1] = 0xff;                        /* Type of Service */
+        h[8] = 0xff;                        /* Time to Live */
+        h[10] = h[11] = 0xff;               /* header checksum */
+    } else {                                /* IPv6 or GRH: Traffic Class, Flow Label, Hop Limit */
+        h[0] |= 0x0f;
+        h[1] = h[2] = h[3] = 0xff;
+        h[7] = 0xff;
+    }
+    if (et != 0x8915)
+        h[bth - net - 2] = h[bth - net - 1] = 0xff;     /* UDP checksum */
+    h[bth - net + 4] = 0xff;                /* BTH reserved octet */
+    st->icrc_want = crc32_ccitt(buf, 8 + n);
+    st->icrc_got = tvb_get_letohl(frame, end - 4);
+    st->icrc = st->icrc_want == st->icrc_got ? ICRC_OK : ICRC_BAD;
+}
+
+static void show_icrc(packet_info *pinfo, proto_item *item, const kbtp_frame_t *st)
+{
+    if (st->icrc == ICRC_BAD)
+        expert_add_info_format(pinfo, item, &ei_kbtp_icrc,
+                               "ICRC 0x%08x is wrong (0x%08x is right): the receiving NIC drops this packet",
+                               st->icrc_got, st->icrc_want);
+}
+
 static gboolean dissect_kbtp_infiniband(tvbuff_t *tvb, packet_info *pinfo, proto_tree *tree, void *data)
 {
     const struct infinibandinfo *info = (const struct infinibandinfo *)data;
@@ -634,6 +754,7 @@ static gboolean dissect_kbtp_infiniband(tvbuff_t *tvb, packet_info *pinfo, proto
         st->roce = TRUE;
         if (!st->key)
             st->key = wmem_strdup(wmem_file_scope(), key);
+        check_icrc(pinfo, st);
     }
     if (st->has_len) {
         if (st->pad_unknown && info && info->pad_count > 0 && info->pad_count < st->len) {
@@ -641,10 +762,12 @@ static gboolean dissect_kbtp_infiniband(tvbuff_t *tvb, packet_info *pinfo, proto
             st->pad_unknown = FALSE;
         }
         set_columns(pinfo, dissect_message(tvb, st->len, pinfo, tree, st));
+        show_icrc(pinfo, st->root, st);
     } else if (st->message) {
         tvbuff_t *msg_tvb = tvb_new_child_real_data(tvb, st->message, st->message_len, st->message_len);
         add_new_data_source(pinfo, msg_tvb, "Reassembled KBTP message");
         set_columns(pinfo, dissect_message(msg_tvb, st->message_len, pinfo, tree, st));
+        show_icrc(pinfo, st->root, st);
     } else {
         proto_item *item = proto_tree_add_protocol_format(tree, proto_kbtp, tvb, 0, n, "KBTP fragment");
         proto_tree *ft = proto_item_add_subtree(item, ett_kbtp);
@@ -653,6 +776,7 @@ static gboolean dissect_kbtp_infiniband(tvbuff_t *tvb, packet_info *pinfo, proto
         if (st->broken)
             expert_add_info_format(pinfo, item, &ei_kbtp_malformed,
                                    "Send fragment that does not continue the message as its header said");
+        show_icrc(pinfo, item, st);
         char *text = wmem_strdup(pinfo->pool, "KBTP fragment");
         if (st->fragment_in)
             text = wmem_strdup_printf(pinfo->pool, "%s (message in %u)", text, st->fragment_in);
@@ -684,6 +808,69 @@ static gboolean dissect_kbtp_iwarp(tvbuff_t *tvb, packet_info *pinfo, proto_tree
     return TRUE;
 }
 
+/* ---- Service Response Time: -z kbtp,srt, Statistics > Service Response Time > KBTP ---- */
+/* Table 0: per request opcode. Table 1: per request opcode and the status of its answer
+ * (the defined statuses, then one row for the others). */
+#define KBTP_N_STATUS G_N_ELEMENTS(vs_kbtp_status)   /* the defined ones and one more */
+
+static int answered_index(int opcode)
+{
+    int i = 0;
+    for (guint m = 0; m < G_N_ELEMENTS(kbtp_messages); m++) {
+        if (kbtp_messages[m].answer < 0)
+            continue;
+        if (kbtp_messages[m].opcode == opcode)
+            return i;
+        i++;
+    }
+    return -1;
+}
+
+static int status_index(guint32 status)
+{
+    for (guint i = 0; vs_kbtp_status[i].strptr; i++) {
+        if (vs_kbtp_status[i].value == status)
+            return (int)i;
+    }
+    return KBTP_N_STATUS - 1;
+}
+
+static void kbtp_srt_init(struct register_srt *srt, GArray *srt_array)
+{
+    (void)srt;
+    srt_stat_table *ops = init_srt_table("KBTP requests", NULL, srt_array, 256, "Opcode", "kbtp.opcode", NULL);
+    srt_stat_table *sts = init_srt_table("KBTP requests by status of the answer", NULL, srt_array,
+                                         (int)(G_N_ELEMENTS(kbtp_messages) * KBTP_N_STATUS), "Opcode Status",
+                                         NULL, NULL);
+    for (guint m = 0; m < G_N_ELEMENTS(kbtp_messages); m++) {
+        const kbtp_msg_t *msg = &kbtp_messages[m];
+        if (msg->answer < 0)
+            continue;
+        init_srt_table_row(ops, msg->opcode, msg->name);
+        int base = answered_index(msg->opcode) * (int)KBTP_N_STATUS;
+        for (guint s = 0; s < KBTP_N_STATUS; s++) {
+            const char *status = vs_kbtp_status[s].strptr ? vs_kbtp_status[s].strptr : "other";
+            init_srt_table_row(sts, base + (int)s, wmem_strdup_printf(wmem_epan_scope(), "%s %s", msg->name, status));
+        }
+    }
+}
+
+static tap_packet_status kbtp_srt_packet(void *pss, packet_info *pinfo, epan_dissect_t *edt, const void *prv,
+                                         tap_flags_t flags)
+{
+    (void)edt;
+    (void)flags;
+    srt_data_t *data = (srt_data_t *)pss;
+    const kbtp_frame_t *st = (const kbtp_frame_t *)prv;
+    int i = answered_index(st->req_opcode);
+    if (i < 0)
+        return TAP_PACKET_DONT_REDRAW;
+    add_srt_table_data(g_array_index(data->srt_array, srt_stat_table *, 0), st->req_opcode, &st->req_ts, pinfo);
+    add_srt_table_data(g_array_index(data->srt_array, srt_stat_table *, 1),
+                       i * (int)KBTP_N_STATUS + status_index(st->status), &st->req_ts, pinfo);
+    return TAP_PACKET_REDRAW;
+}
+
 /* ---- registration --------------------------------------------------------------------------- */
 void proto_register_kbtp(void)
 {
@@ -695,6 +882,8 @@ void proto_register_kbtp(void)
         { &ei_kbtp_no_request, { "kbtp.expert.no_request", PI_SEQUENCE, PI_NOTE, "Answer to a request not seen", EXPFILL } },
         { &ei_kbtp_credits, { "kbtp.expert.credits", PI_SEQUENCE, PI_WARN,
                               "More requests outstanding than Request Credits", EXPFILL } },
+        { &ei_kbtp_icrc, { "kbtp.expert.icrc", PI_CHECKSUM, PI_ERROR,
+                           "Wrong RoCE ICRC: the receiving NIC drops this packet", EXPFILL } },
     };
     static const enum_val_t addr_le_values[] = {
         { "auto", "auto", KBTP_ADDR_LE_AUTO },
@@ -710,6 +899,8 @@ void proto_register_kbtp(void)
         return;
     }
     proto_kbtp = proto_register_protocol("KV Cache Block Transfer Protocol", "KBTP", "kbtp");
+    kbtp_tap = register_tap("kbtp");
+    register_srt_table(proto_kbtp, NULL, 2, kbtp_srt_packet, kbtp_srt_init, NULL);
     kbtp_register_fields(proto_kbtp);
     expert_module_t *em = expert_register_protocol(proto_kbtp);
     expert_register_field_array(em, ei, array_length(ei));

@@ -23,8 +23,10 @@ local E = {
                               expert.group.SEQUENCE, expert.severity.WARN),
     ring = ProtoExpert.new("kbtp.expert.ring", "FetchAdd on a ring counter with the wrong Add Data or Add Mask",
                            expert.group.PROTOCOL, expert.severity.WARN),
+    icrc = ProtoExpert.new("kbtp.expert.icrc", "Wrong RoCE ICRC: the receiving NIC drops this packet",
+                           expert.group.CHECKSUM, expert.severity.ERROR),
 }
-kbtp.experts = { E.status, E.malformed, E.undefined_flags, E.unanswered, E.credits, E.ring }
+kbtp.experts = { E.status, E.malformed, E.undefined_flags, E.unanswered, E.credits, E.ring, E.icrc }
 
 local fieldlist = {}
 for _, f in pairs(F) do fieldlist[#fieldlist + 1] = f end
@@ -138,6 +140,7 @@ local function prepare(items)
         else
             item.field = F[item.key]
             item.keep = EXPERT_AT[item.key]
+            item.private = PRIVATE[item.key]
         end
     end
 end
@@ -221,7 +224,13 @@ local function walk(items, tvb, s, off, tree, ctx)
                 values[item.key] = value_at(s, off + 1, size, le)
                 if tree then
                     local range = Tvb_range(tvb, off, size)
-                    local ti = (le and Tree_add_le or Tree_add)(tree, item.field, range)
+                    local ti
+                    local private, v = item.private, values[item.key]
+                    if private and v >= private[1] and v <= private[2] then
+                        ti = Tree_add(tree, item.field, range, v, format(private[3], v))
+                    else
+                        ti = (le and Tree_add_le or Tree_add)(tree, item.field, range)
+                    end
                     if item.keep then ctx.items[item.key] = ti end
                     local set = item.flagset
                     if set == true then set = ctx.msg and ctx.msg.flagset end
@@ -439,6 +448,10 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
         Tree_set_generated(Tree_add(root, F.time, nstime(st.delta)))
     end
     if st.response_in then Tree_set_generated(Tree_add(root, F.response_in, st.response_in)) end
+    local data_in = st.data_in   -- filled by rdma.lua as the transfers are seen
+    if data_in then
+        for i = 1, #data_in do Tree_set_generated(Tree_add(root, F.data_in, data_in[i])) end
+    end
     -- Each expert under the item it is about (the message itself for a malformed layout).
     local items = ctx.items
     if problem then root:add_proto_expert_info(E.malformed, problem) end
@@ -460,6 +473,7 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
     if problem then info = info .. " [Malformed]" end
     Tree_append_text(root, ", " .. info)
     st.info = info
+    st.root = root   -- for rdma.lua's ICRC check, while this packet is dissected
     return info
 end
 
@@ -510,7 +524,7 @@ end
 -- lengths, because a first pass without a tree (tshark -2) gets no BTH fields: FIRST and
 -- MIDDLE packets carry exactly one path MTU and no pad; LAST carries the rest plus the pad
 -- to 4 octets; ONLY the whole message plus its pad. BTH fields, when there, must agree.
-local function classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode)
+local function classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode, padcnt)
     local kind = opcode and send_kind(opcode)
     if kind == false then return nil end
     local dir = next(reasm) ~= nil and (src .. ">" .. dst .. "/" .. pinfo.dst_port)
@@ -547,7 +561,7 @@ local function classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode)
     if not op then return nil end
     local conn = conns[key]
     local msg = MESSAGES[op]
-    local pad = kind == "only" and last(X.bth_padcnt) or nil
+    local pad = kind == "only" and padcnt or nil
     if pad == nil and msg then     -- a first packet, or no BTH fields: the header decides
         local ctx = read_message(nil, s, n, msg, (conn and conn.le) or pref_addr_le == 2)
         local declared = declared_of(ctx)
@@ -588,13 +602,13 @@ end
 
 -- First pass: decide on ``tvb`` (``n`` octets, ``s`` its fixed part) as the RDMA header
 -- said (``opcode``: the BTH opcode, or nil on iWARP), and decode it when it is KBTP.
-local function first_sight(tvb, s, n, pinfo, tree, roce, opcode)
+local function first_sight(tvb, s, n, pinfo, tree, roce, opcode, padcnt)
     local number = pinfo.number
     local st
     if roce then
         local src, dst = tostring(pinfo.src), tostring(pinfo.dst)
         local key = roce_key(src, dst)
-        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode)
+        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode, padcnt)
         if not st then return false end
         st.kbtp, st.key, st.roce = true, key, true  -- fragments too
     else
@@ -621,6 +635,7 @@ local function show_roce(tvb, s, n, pinfo, visited, number, tree, st)
                                            tree, st.key, st))
     else
         local item = tree:add(kbtp, tvb:range(0, n), "KBTP fragment")
+        st.root = item
         if st.fragment_in then item:add(F.fragment_in, st.fragment_in):set_generated() end
         if st.broken then
             item:add_proto_expert_info(E.malformed, "Send fragment that does not continue the message as its header said")
@@ -631,11 +646,11 @@ local function show_roce(tvb, s, n, pinfo, visited, number, tree, st)
 end
 
 -- rdma.lua, first pass: the payload a heuristic deferred (``tvb``, from the frame), now that
--- the RDMA header says it is a Send (``opcode``: the BTH opcode on RoCE).
-local function resolve(tvb, pinfo, tree, roce, opcode)
+-- the RDMA header says it is a Send (``opcode``, ``padcnt``: the BTH's on RoCE).
+local function resolve(tvb, pinfo, tree, roce, opcode, padcnt)
     local n = Tvb_len(tvb)
     local s = octets(tvb, n)
-    local st = first_sight(tvb, s, n, pinfo, tree, roce, opcode)
+    local st = first_sight(tvb, s, n, pinfo, tree, roce, opcode, padcnt)
     if not st then return end
     if roce then
         show_roce(tvb, s, n, pinfo, false, pinfo.number, tree, st)
@@ -665,7 +680,7 @@ local function heur_infiniband(tvb, pinfo, tree)
             defer(tvb, pinfo, n, true)
             return true
         end
-        st = first_sight(tvb, s, n, pinfo, tree, true, opcode)
+        st = first_sight(tvb, s, n, pinfo, tree, true, opcode, last(X.bth_padcnt))
         if not st then return false end
     end
     show_roce(tvb, s, n, pinfo, visited, number, tree, st)
