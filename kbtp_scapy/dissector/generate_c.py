@@ -44,8 +44,9 @@ def _hf_rows() -> tuple[list[str], list[str]]:
 
     def add(key: str, title: str, ft: str, base: str, strings: str, mask: str, doc: str) -> None:
         decls.append(f"static int hf_kbtp_{ident(key)} = -1;")
+        blurb = c_str(doc) if doc else "NULL"
         rows.append(f"        {{ &hf_kbtp_{ident(key)}, {{ {c_str(title)}, {c_str('kbtp.' + key)}, {ft}, {base}, "
-                    f"{strings}, {mask}, {c_str(doc)}, HFILL }} }},")
+                    f"{strings}, {mask}, {blurb}, HFILL }} }},")
 
     for key, (f, _) in T.wire_fields().items():
         if f.is_bytes:
