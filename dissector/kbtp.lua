@@ -118,6 +118,7 @@ F["fragment_in"] = ProtoField.framenum("kbtp.fragment_in", "Reassembled in", bas
 
 local VERSION = 1
 local HEADER_SIZE = 24
+local AT = { version = 0, opcode = 1, request_id = 4 }  -- offsets in the header
 local PRIVATE_OPCODES = { 0xc0, 0xff }
 local OPCODE = { HELLO = 0x01, HELLO_ACK = 0x02, LOAD = 0x10, STORE = 0x11, ALLOC_STORE = 0x12, FREE = 0x13, BIND = 0x14, COMPLETION = 0x20, GOODBYE = 0x30 }
 local STATUS_OK = 0
@@ -367,6 +368,8 @@ kbtp.fields = fieldlist
 kbtp.prefs.addr_le = Pref.enum("Address byte order (auto: follow HELLO_ACK; on: ADDR_LE; off: network)",
     1, "Byte order of address fields for sessions whose HELLO_ACK is not in the capture",
     { { 1, "auto", 1 }, { 2, "on", 2 }, { 3, "off", 3 } }, false)
+kbtp.prefs.check_icrc = Pref.bool("Check the RoCE ICRC", true,
+    "Mark KBTP frames whose RoCEv2 or RoCEv1 ICRC is wrong (kbtp.expert.icrc); off saves its cost")
 
 -- RDMA context, read with field extractors (the C structs do not reach Lua).
 local X = {
@@ -419,17 +422,18 @@ local frames  -- frame number -> per-frame result (kept for revisits: -2, GUI)
 local reasm   -- RoCEv2 Send reassembly, per direction and QP
 local HOOKS = {}  -- functions(conn, st, values, msg, pinfo) run on first pass after a message
 local pref_addr_le  -- kbtp.prefs.addr_le, read once per dissection pass
+local pref_check_icrc  -- kbtp.prefs.check_icrc, likewise
 local deferred  -- frame number -> payloads claimed without a tree, for rdma.lua (see defer())
 
 local function reset()
     conns, frames, reasm, deferred = {}, {}, {}, {}
-    pref_addr_le = kbtp.prefs.addr_le
+    pref_addr_le, pref_check_icrc = kbtp.prefs.addr_le, kbtp.prefs.check_icrc
     for _, hook in ipairs(HOOKS) do
         if hook.init then hook.init() end
     end
 end
 kbtp.init = reset
-kbtp.prefs_changed = function() pref_addr_le = kbtp.prefs.addr_le end
+kbtp.prefs_changed = function() pref_addr_le, pref_check_icrc = kbtp.prefs.addr_le, kbtp.prefs.check_icrc end
 reset()
 
 local function endpoint(addr, port)
@@ -1403,7 +1407,8 @@ local function send_of(tvb, d)
     local ctrl, rctrl = s:byte(3, 4)
     if bit32.band(ctrl, 0xff) ~= 0x41 or bit32.band(rctrl, 0xf0) ~= 0x40 or u32(s, 17) ~= 0 then return end
     if ulen < 18 + HEADER_SIZE or d + ulen > tvb:len() then return end
-    local key = send_key(s:byte(22), s:sub(25, 32))
+    local m = 21                               -- where the message starts in ``s``, 1-based
+    local key = send_key(s:byte(m + AT.opcode), s:sub(m + AT.request_id, m + AT.request_id + 7))
     return { t = "iwarp", kind = "send", off = d + 18, len = ulen - 18, key = key }
 end
 
@@ -1806,32 +1811,33 @@ local function set(s, i, octets)  -- ``s`` with the octets at 0-based ``i`` repl
 end
 
 -- { got, want } of a RoCE frame's ICRC, or nil when the frame is cut short or not RoCE.
+-- One read of the frame's octets; the rest is string arithmetic.
 local function icrc_of(tvb)
     local len = Tvb_len(tvb)
     if len < 14 or tvb:reported_len() ~= len then return nil end
-    local off, et = 12, tvb:range(12, 2):uint()
+    local s = Tvb_raw(tvb, 0, len)
+    local function u16(i) local a, b = s:byte(i + 1, i + 2) return a * 256 + b end
+    local off, et = 12, u16(12)
     while (et == 0x8100 or et == 0x88a8) and off + 6 <= len do
         off = off + 4
-        et = tvb:range(off, 2):uint()
+        et = u16(off)
     end
     local net, bth, stop = off + 2
     if et == 0x0800 and net + 20 <= len then
-        local vihl = tvb:range(net, 1):uint()
-        local ihl = 4 * bit32.band(vihl, 0x0f)
-        if bit32.rshift(vihl, 4) ~= 4 or tvb:range(net + 9, 1):uint() ~= 17 or ihl < 20 then return nil end
-        bth, stop = net + ihl + 8, net + tvb:range(net + 2, 2):uint()
+        local vihl = s:byte(net + 1)
+        local ihl = 4 * (vihl % 16)
+        if vihl - vihl % 16 ~= 0x40 or s:byte(net + 10) ~= 17 or ihl < 20 then return nil end
+        bth, stop = net + ihl + 8, net + u16(net + 2)
     elseif et == 0x86dd and net + 40 <= len then
-        if tvb:range(net + 6, 1):uint() ~= 17 then return nil end
-        bth, stop = net + 48, net + 40 + tvb:range(net + 4, 2):uint()
+        if s:byte(net + 7) ~= 17 then return nil end
+        bth, stop = net + 48, net + 40 + u16(net + 4)
     elseif et == ROCEV1 and net + 40 <= len then
-        bth, stop = net + 40, net + 40 + tvb:range(net + 4, 2):uint()
+        bth, stop = net + 40, net + 40 + u16(net + 4)
     else
         return nil
     end
-    if stop > len or stop < bth + 16 or (et ~= ROCEV1 and tvb:range(bth - 6, 2):uint() ~= PORT_ROCEV2) then
-        return nil
-    end
-    local h = Tvb_raw(tvb, net, bth + 12 - net)
+    if stop > len or stop < bth + 16 or (et ~= ROCEV1 and u16(bth - 6) ~= PORT_ROCEV2) then return nil end
+    local h = s:sub(net + 1, bth + 12)
     if et == 0x0800 then
         h = set(set(set(h, 1, "\255"), 8, "\255"), 10, "\255\255")
     else
@@ -1839,8 +1845,9 @@ local function icrc_of(tvb)
     end
     if et ~= ROCEV1 then h = set(h, bth - net - 2, "\255\255") end
     h = set(h, bth - net + 4, "\255")
-    local want = crc32(Tvb_raw(tvb, bth + 12, stop - 4 - bth - 12), crc32(h, LRH_CRC))
-    return { got = tvb:range(stop - 4, 4):le_uint(), want = want }
+    local want = crc32(s:sub(bth + 13, stop - 4), crc32(h, LRH_CRC))
+    local a, b, c, d = s:byte(stop - 3, stop)
+    return { got = ((d * 256 + c) * 256 + b) * 256 + a, want = want }
 end
 
 local function show_icrc(st)
@@ -1874,7 +1881,7 @@ function rdma_context.dissector(tvb, pinfo, tree)
     if later then resolve_deferred(later, tvb, pinfo, tree) end
     local st = frames[pinfo.number]
     if st and st.roce and st.kbtp then
-        if not pinfo.visited then st.icrc = icrc_of(tvb) or false end
+        if not pinfo.visited then st.icrc = pref_check_icrc and icrc_of(tvb) or false end
         show_icrc(st)
     end
     if not armed then return end  -- no KBTP session expecting RDMA: nothing marked either

@@ -59,6 +59,9 @@ typedef struct {
 
 #define KBTP_VERSION 1
 #define KBTP_HEADER_SIZE 24
+#define KBTP_AT_VERSION 0
+#define KBTP_AT_OPCODE 1
+#define KBTP_AT_REQUEST_ID 4
 #define KBTP_PRIVATE_LO 0xc0
 #define KBTP_PRIVATE_HI 0xff
 #define KBTP_STATUS_OK 0
@@ -627,6 +630,7 @@ static expert_field ei_kbtp_icrc = EI_INIT;
 /* kbtp.addr_le: byte order of address fields for sessions whose HELLO_ACK is not seen. */
 enum { KBTP_ADDR_LE_AUTO = 1, KBTP_ADDR_LE_ON = 2, KBTP_ADDR_LE_OFF = 3 };
 static gint kbtp_pref_addr_le = KBTP_ADDR_LE_AUTO;
+static gboolean kbtp_pref_check_icrc = TRUE;
 
 /* ---- state: filled only when not visited; file scope ------------------------------------- */
 typedef struct kbtp_frame {
@@ -899,9 +903,9 @@ static gboolean declared_of(const kbtp_ctx_t *ctx, guint64 *out)
 /* Version 1 and a known or Private Use opcode: the cheap test before any other. */
 static int header_ok(tvbuff_t *tvb, guint len)
 {
-    if (len < KBTP_HEADER_SIZE || tvb_get_guint8(tvb, 0) != KBTP_VERSION)
+    if (len < KBTP_HEADER_SIZE || tvb_get_guint8(tvb, KBTP_AT_VERSION) != KBTP_VERSION)
         return -1;
-    int op = tvb_get_guint8(tvb, 1);
+    int op = tvb_get_guint8(tvb, KBTP_AT_OPCODE);
     return opcode_known(op) ? op : -1;
 }
 
@@ -1071,7 +1075,7 @@ static const char *dissect_message(tvbuff_t *tvb, guint len, packet_info *pinfo,
                                    kbtp_frame_t *st)
 {
     kbtp_conn_t *conn = conn_of(st->key, st->roce);
-    int op = tvb_get_guint8(tvb, 1);
+    int op = tvb_get_guint8(tvb, KBTP_AT_OPCODE);
     const kbtp_msg_t *msg = message_of(op);
     gboolean visited = PINFO_FD_VISITED(pinfo);
     if (!visited) {
@@ -1280,6 +1284,8 @@ static kbtp_frame_t *classify_roce(tvbuff_t *tvb, guint n, packet_info *pinfo, c
  * UDP 4791, or the RoCEv1 GRH; unknown when the frame is cut short or not that. */
 static void check_icrc(packet_info *pinfo, kbtp_frame_t *st)
 {
+    if (!kbtp_pref_check_icrc)
+        return;
     tvbuff_t *frame = get_data_source_tvb((const struct data_source *)pinfo->data_src->data);
     guint len = tvb_captured_length(frame), off = 12, net, bth, end;
     if (len < 14 || tvb_reported_length(frame) != len)
@@ -1518,6 +1524,9 @@ void proto_register_kbtp(void)
         "Address byte order (auto: follow HELLO_ACK; on: ADDR_LE; off: network)",
         "Byte order of address fields for sessions whose HELLO_ACK is not in the capture",
         &kbtp_pref_addr_le, addr_le_values, FALSE);
+    prefs_register_bool_preference(m, "check_icrc", "Check the RoCE ICRC",
+        "Mark KBTP frames whose RoCEv2 or RoCEv1 ICRC is wrong (kbtp.expert.icrc); off saves its cost",
+        &kbtp_pref_check_icrc);
     kbtp_conns = wmem_map_new_autoreset(wmem_epan_scope(), wmem_file_scope(), g_str_hash, g_str_equal);
     kbtp_reasm = wmem_map_new_autoreset(wmem_epan_scope(), wmem_file_scope(), g_str_hash, g_str_equal);
     rdma_register();
@@ -1960,8 +1969,8 @@ static gboolean send_of(tvbuff_t *tvb, guint d, kbtp_op_t *o)
     o->kind = K_SEND;
     o->off = d + 18;
     o->len = ulen - 18;
-    o->send_op = tvb_get_guint8(tvb, d + 19);
-    o->send_rid = tvb_get_ntoh64(tvb, d + 22);
+    o->send_op = tvb_get_guint8(tvb, o->off + KBTP_AT_OPCODE);
+    o->send_rid = tvb_get_ntoh64(tvb, o->off + KBTP_AT_REQUEST_ID);
     return TRUE;
 }
 

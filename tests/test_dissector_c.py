@@ -306,6 +306,8 @@ def test_a_wrong_icrc_is_an_expert_info_on_rocev2_and_rocev1(c_plugin, form, tmp
         assert flagged == bad, (args, flagged ^ bad)
         assert all(rows[n][0] for n in bad | masked)     # still decoded as KBTP messages
         assert all("the receiving NIC drops this packet" in rows[n][1] for n in bad)
+    off = run_form(form, c_plugin, pcap, "-o", "kbtp.check_icrc:FALSE", "-Y", "kbtp.expert.icrc").stdout
+    assert off == ""                                     # the preference turns the check off
 
 
 def test_kbtp_decode_says_which_frames_have_a_wrong_icrc(tmp_path):

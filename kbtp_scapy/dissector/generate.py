@@ -199,6 +199,8 @@ def _constants() -> list[str]:
     return [
         f"local VERSION = {T.VERSION}",
         f"local HEADER_SIZE = {T.HEADER_SIZE}",
+        "local AT = { " + ", ".join(f"{n} = {T.HEADER.offset(n)}" for n in ("version", "opcode", "request_id"))
+        + " }  -- offsets in the header",
         f"local PRIVATE_OPCODES = {{ {lo:#x}, {hi:#x} }}",
         f"local OPCODE = {{ {', '.join(f'{m.name} = {m.opcode:#04x}' for m in T.MESSAGES)} }}",
         f"local STATUS_OK = {T.STATUS.by_name()['OK']}",

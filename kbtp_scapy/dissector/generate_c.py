@@ -195,6 +195,7 @@ def _layouts() -> list[str]:
 def _constants() -> list[str]:
     lo, hi = T.OPCODES.private_use
     out = [f"#define KBTP_VERSION {T.VERSION}", f"#define KBTP_HEADER_SIZE {T.HEADER_SIZE}",
+           *(f"#define KBTP_AT_{name.upper()} {T.HEADER.offset(name)}" for name in ("version", "opcode", "request_id")),
            f"#define KBTP_PRIVATE_LO {lo:#x}", f"#define KBTP_PRIVATE_HI {hi:#x}",
            f"#define KBTP_STATUS_OK {T.STATUS.by_name()['OK']}"]
     out += [f"#define KBTP_OP_{m.name} {m.opcode:#04x}" for m in T.MESSAGES]

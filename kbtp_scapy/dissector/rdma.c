@@ -423,8 +423,8 @@ static gboolean send_of(tvbuff_t *tvb, guint d, kbtp_op_t *o)
     o->kind = K_SEND;
     o->off = d + 18;
     o->len = ulen - 18;
-    o->send_op = tvb_get_guint8(tvb, d + 19);
-    o->send_rid = tvb_get_ntoh64(tvb, d + 22);
+    o->send_op = tvb_get_guint8(tvb, o->off + KBTP_AT_OPCODE);
+    o->send_rid = tvb_get_ntoh64(tvb, o->off + KBTP_AT_REQUEST_ID);
     return TRUE;
 }
 

@@ -35,6 +35,8 @@ kbtp.fields = fieldlist
 kbtp.prefs.addr_le = Pref.enum("Address byte order (auto: follow HELLO_ACK; on: ADDR_LE; off: network)",
     1, "Byte order of address fields for sessions whose HELLO_ACK is not in the capture",
     { { 1, "auto", 1 }, { 2, "on", 2 }, { 3, "off", 3 } }, false)
+kbtp.prefs.check_icrc = Pref.bool("Check the RoCE ICRC", true,
+    "Mark KBTP frames whose RoCEv2 or RoCEv1 ICRC is wrong (kbtp.expert.icrc); off saves its cost")
 
 -- RDMA context, read with field extractors (the C structs do not reach Lua).
 local X = {
@@ -87,17 +89,18 @@ local frames  -- frame number -> per-frame result (kept for revisits: -2, GUI)
 local reasm   -- RoCEv2 Send reassembly, per direction and QP
 local HOOKS = {}  -- functions(conn, st, values, msg, pinfo) run on first pass after a message
 local pref_addr_le  -- kbtp.prefs.addr_le, read once per dissection pass
+local pref_check_icrc  -- kbtp.prefs.check_icrc, likewise
 local deferred  -- frame number -> payloads claimed without a tree, for rdma.lua (see defer())
 
 local function reset()
     conns, frames, reasm, deferred = {}, {}, {}, {}
-    pref_addr_le = kbtp.prefs.addr_le
+    pref_addr_le, pref_check_icrc = kbtp.prefs.addr_le, kbtp.prefs.check_icrc
     for _, hook in ipairs(HOOKS) do
         if hook.init then hook.init() end
     end
 end
 kbtp.init = reset
-kbtp.prefs_changed = function() pref_addr_le = kbtp.prefs.addr_le end
+kbtp.prefs_changed = function() pref_addr_le, pref_check_icrc = kbtp.prefs.addr_le, kbtp.prefs.check_icrc end
 reset()
 
 local function endpoint(addr, port)
