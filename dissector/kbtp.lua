@@ -4,20 +4,25 @@
 -- Layouts: kbtp-draft section names are given beside each group of fields.
 
 -- Load once: Wireshark may be given this file twice (the copy `kbtp dissector install`
--- put in the personal plugin folder, and -X lua_script:). Each script has globals of
--- its own, but protocols are Wireshark's: the second Proto() fails, and that copy
--- returns before it registers anything.
+-- put in the personal plugin folder, and -X lua_script:), or have the C plugin
+-- (packet-kbtp.c) too, which registers before any Lua script runs. Each script has
+-- globals of its own, but protocols are Wireshark's: the second Proto() fails, and
+-- that copy returns before it registers anything. It says nothing: Lua's print()
+-- writes to tshark's standard output, and 4.0 gives Lua no log call; `kbtp dissector
+-- install` says which form wins when both are installed.
 local registered, kbtp = pcall(Proto, "kbtp", "KV Cache Block Transfer Protocol")
 if not registered then return end
 
 local RS_OPCODE = { {0x1, 0x1, "HELLO"}, {0x2, 0x2, "HELLO_ACK"}, {0x10, 0x10, "LOAD"}, {0x11, 0x11, "STORE"}, {0x12, 0x12, "ALLOC_STORE"}, {0x13, 0x13, "FREE"}, {0x14, 0x14, "BIND"}, {0x20, 0x20, "COMPLETION"}, {0x30, 0x30, "GOODBYE"}, {0xc0, 0xff, "Private Use"} }
 local RS_STATUS = { {0x0, 0x0, "OK"}, {0x1, 0x1, "INVALID_HANDLE"}, {0x2, 0x2, "STALE_GENERATION"}, {0x3, 0x3, "NOT_VALID"}, {0x4, 0x4, "ALREADY_BOUND"}, {0x5, 0x5, "NO_SPACE"}, {0x6, 0x6, "SEALED"}, {0x7, 0x7, "NOT_SEALED"}, {0x8, 0x8, "TOO_LARGE"}, {0x9, 0x9, "MALFORMED"}, {0xa, 0xa, "INTERNAL"}, {0xb, 0xb, "TICKET_ABANDONED"}, {0xc000, 0xffff, "Private Use"} }
+local VS_OPCODE = { [0x1] = "HELLO", [0x2] = "HELLO_ACK", [0x10] = "LOAD", [0x11] = "STORE", [0x12] = "ALLOC_STORE", [0x13] = "FREE", [0x14] = "BIND", [0x20] = "COMPLETION", [0x30] = "GOODBYE" }
+local VS_STATUS = { [0x0] = "OK", [0x1] = "INVALID_HANDLE", [0x2] = "STALE_GENERATION", [0x3] = "NOT_VALID", [0x4] = "ALREADY_BOUND", [0x5] = "NO_SPACE", [0x6] = "SEALED", [0x7] = "NOT_SEALED", [0x8] = "TOO_LARGE", [0x9] = "MALFORMED", [0xa] = "INTERNAL", [0xb] = "TICKET_ABANDONED" }
 
 local F = {}
 
 -- KBTP Common Header (kbtp-draft, Messages / Common Header)
 F["version"] = ProtoField.uint8("kbtp.version", "Version", base.DEC, nil, nil, "Protocol version; 1 for this specification")
-F["opcode"] = ProtoField.uint8("kbtp.opcode", "Opcode", base.RANGE_STRING + base.HEX, RS_OPCODE, nil, "Message type")
+F["opcode"] = ProtoField.uint8("kbtp.opcode", "Opcode", base.HEX, VS_OPCODE, nil, "Message type")
 F["flags"] = ProtoField.uint16("kbtp.flags", "Flags", base.HEX, nil, nil, "Per-opcode flags")
 F["flags.inline"] = ProtoField.bool("kbtp.flags.inline", "INLINE", 16, nil, 0x0001, "Data follows the request")
 F["flags.seal"] = ProtoField.bool("kbtp.flags.seal", "SEAL", 16, nil, 0x0002, "Seal the block after the store")
@@ -28,7 +33,7 @@ F["flags.release"] = ProtoField.bool("kbtp.flags.release", "RELEASE", 16, nil, 0
 F["request_id"] = ProtoField.uint64("kbtp.request_id", "Request ID", base.DEC, nil, nil, "Chosen by the initiator, echoed in the completion")
 F["handle"] = ProtoField.uint64("kbtp.handle", "Block Handle", base.HEX, nil, nil, "64-bit name of a block in the initiator's handle range")
 F["generation"] = ProtoField.uint16("kbtp.generation", "Generation", base.DEC, nil, nil, "In a request the expected generation (0 = any); in a completion the entry's")
-F["status"] = ProtoField.uint16("kbtp.status", "Status", base.RANGE_STRING, RS_STATUS, nil, "Zero in requests; the outcome in completions")
+F["status"] = ProtoField.uint16("kbtp.status", "Status", base.DEC, VS_STATUS, nil, "Zero in requests; the outcome in completions")
 
 -- HELLO Body (kbtp-draft, Session Establishment)
 F["hello.requested_features"] = ProtoField.uint16("kbtp.hello.requested_features", "Requested Features", base.HEX, nil, nil, "Features the initiator asks for")
@@ -105,6 +110,7 @@ F["response_in"] = ProtoField.framenum("kbtp.response_in", "Response in", base.N
 F["request_in"] = ProtoField.framenum("kbtp.request_in", "Request in", base.NONE, frametype.REQUEST, nil, "Frame of the request this message answers")
 F["time"] = ProtoField.relative_time("kbtp.time", "Response time", "Time from the request to this answer")
 F["data_for"] = ProtoField.framenum("kbtp.data_for", "Data for request in", base.NONE, frametype.REQUEST, nil, "This RDMA transfer carries the block data of the KBTP request in that frame")
+F["data_in"] = ProtoField.framenum("kbtp.data_in", "Data in", base.NONE, nil, nil, "An RDMA transfer in that frame carries this request's block data")
 F["ring.ticket"] = ProtoField.uint32("kbtp.ring.ticket", "Ring Ticket", base.DEC, nil, nil, "Ticket of a FetchAdd on a ring counter advertised in HELLO_ACK")
 F["ring.slot_offset"] = ProtoField.uint32("kbtp.ring.slot_offset", "Ring Slot Offset", base.DEC, nil, nil, "Slot Offset of a FetchAdd on a ring counter advertised in HELLO_ACK")
 F["session.addr_le"] = ProtoField.bool("kbtp.session.addr_le", "ADDR_LE session", base.NONE, nil, nil, "Address fields decoded little-endian")
@@ -112,6 +118,7 @@ F["fragment_in"] = ProtoField.framenum("kbtp.fragment_in", "Reassembled in", bas
 
 local VERSION = 1
 local HEADER_SIZE = 24
+local AT = { version = 0, opcode = 1, request_id = 4 }  -- offsets in the header
 local PRIVATE_OPCODES = { 0xc0, 0xff }
 local OPCODE = { HELLO = 0x01, HELLO_ACK = 0x02, LOAD = 0x10, STORE = 0x11, ALLOC_STORE = 0x12, FREE = 0x13, BIND = 0x14, COMPLETION = 0x20, GOODBYE = 0x30 }
 local STATUS_OK = 0
@@ -178,6 +185,12 @@ local FMT = {
   ["completion.block_offset"] = "hex",
 }
 local ENUMS = { opcode = RS_OPCODE, status = RS_STATUS }
+-- Fields whose Private Use values get a label of their own (the value string names only
+-- the defined codes): { lo, hi, label format }
+local PRIVATE = {
+  ["opcode"] = { 0xc0, 0xff, "Opcode: Private Use (0x%02x)" },
+  ["status"] = { 0xc000, 0xffff, "Status: Private Use (%d)" },
+}
 
 local HEADER = {
   { key = "version", size = 1, order = "N" },
@@ -344,8 +357,10 @@ local E = {
                               expert.group.SEQUENCE, expert.severity.WARN),
     ring = ProtoExpert.new("kbtp.expert.ring", "FetchAdd on a ring counter with the wrong Add Data or Add Mask",
                            expert.group.PROTOCOL, expert.severity.WARN),
+    icrc = ProtoExpert.new("kbtp.expert.icrc", "Wrong RoCE ICRC: the receiving NIC drops this packet",
+                           expert.group.CHECKSUM, expert.severity.ERROR),
 }
-kbtp.experts = { E.status, E.malformed, E.undefined_flags, E.unanswered, E.credits, E.ring }
+kbtp.experts = { E.status, E.malformed, E.undefined_flags, E.unanswered, E.credits, E.ring, E.icrc }
 
 local fieldlist = {}
 for _, f in pairs(F) do fieldlist[#fieldlist + 1] = f end
@@ -354,11 +369,14 @@ kbtp.fields = fieldlist
 kbtp.prefs.addr_le = Pref.enum("Address byte order (auto: follow HELLO_ACK; on: ADDR_LE; off: network)",
     1, "Byte order of address fields for sessions whose HELLO_ACK is not in the capture",
     { { 1, "auto", 1 }, { 2, "on", 2 }, { 3, "off", 3 } }, false)
+kbtp.prefs.check_icrc = Pref.bool("Check the RoCE ICRC", true,
+    "Mark KBTP frames whose RoCEv2 or RoCEv1 ICRC is wrong (kbtp.expert.icrc); off saves its cost")
 
 -- RDMA context, read with field extractors (the C structs do not reach Lua).
 local X = {
     bth_opcode = Field.new("infiniband.bth.opcode"),
     bth_padcnt = Field.new("infiniband.bth.padcnt"),
+    ddp_tagged = Field.new("iwarp_ddp.tagged_flag"),
 }
 
 local byte, sub, format = string.byte, string.sub, string.format
@@ -405,16 +423,18 @@ local frames  -- frame number -> per-frame result (kept for revisits: -2, GUI)
 local reasm   -- RoCEv2 Send reassembly, per direction and QP
 local HOOKS = {}  -- functions(conn, st, values, msg, pinfo) run on first pass after a message
 local pref_addr_le  -- kbtp.prefs.addr_le, read once per dissection pass
+local pref_check_icrc  -- kbtp.prefs.check_icrc, likewise
+local deferred  -- frame number -> payloads claimed without a tree, for rdma.lua (see defer())
 
 local function reset()
-    conns, frames, reasm = {}, {}, {}
-    pref_addr_le = kbtp.prefs.addr_le
+    conns, frames, reasm, deferred = {}, {}, {}, {}
+    pref_addr_le, pref_check_icrc = kbtp.prefs.addr_le, kbtp.prefs.check_icrc
     for _, hook in ipairs(HOOKS) do
         if hook.init then hook.init() end
     end
 end
 kbtp.init = reset
-kbtp.prefs_changed = function() pref_addr_le = kbtp.prefs.addr_le end
+kbtp.prefs_changed = function() pref_addr_le, pref_check_icrc = kbtp.prefs.addr_le, kbtp.prefs.check_icrc end
 reset()
 
 local function endpoint(addr, port)
@@ -457,6 +477,7 @@ local function prepare(items)
         else
             item.field = F[item.key]
             item.keep = EXPERT_AT[item.key]
+            item.private = PRIVATE[item.key]
         end
     end
 end
@@ -540,7 +561,13 @@ local function walk(items, tvb, s, off, tree, ctx)
                 values[item.key] = value_at(s, off + 1, size, le)
                 if tree then
                     local range = Tvb_range(tvb, off, size)
-                    local ti = (le and Tree_add_le or Tree_add)(tree, item.field, range)
+                    local ti
+                    local private, v = item.private, values[item.key]
+                    if private and v >= private[1] and v <= private[2] then
+                        ti = Tree_add(tree, item.field, range, v, format(private[3], v))
+                    else
+                        ti = (le and Tree_add_le or Tree_add)(tree, item.field, range)
+                    end
                     if item.keep then ctx.items[item.key] = ti end
                     local set = item.flagset
                     if set == true then set = ctx.msg and ctx.msg.flagset end
@@ -758,6 +785,10 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
         Tree_set_generated(Tree_add(root, F.time, nstime(st.delta)))
     end
     if st.response_in then Tree_set_generated(Tree_add(root, F.response_in, st.response_in)) end
+    local data_in = st.data_in   -- filled by rdma.lua as the transfers are seen
+    if data_in then
+        for i = 1, #data_in do Tree_set_generated(Tree_add(root, F.data_in, data_in[i])) end
+    end
     -- Each expert under the item it is about (the message itself for a malformed layout).
     local items = ctx.items
     if problem then root:add_proto_expert_info(E.malformed, problem) end
@@ -779,6 +810,7 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
     if problem then info = info .. " [Malformed]" end
     Tree_append_text(root, ", " .. info)
     st.info = info
+    st.root = root   -- for rdma.lua's ICRC check, while this packet is dissected
     return info
 end
 
@@ -829,8 +861,7 @@ end
 -- lengths, because a first pass without a tree (tshark -2) gets no BTH fields: FIRST and
 -- MIDDLE packets carry exactly one path MTU and no pad; LAST carries the rest plus the pad
 -- to 4 octets; ONLY the whole message plus its pad. BTH fields, when there, must agree.
-local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
-    local opcode = last(X.bth_opcode)
+local function classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode, padcnt)
     local kind = opcode and send_kind(opcode)
     if kind == false then return nil end
     local dir = next(reasm) ~= nil and (src .. ">" .. dst .. "/" .. pinfo.dst_port)
@@ -867,7 +898,7 @@ local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
     if not op then return nil end
     local conn = conns[key]
     local msg = MESSAGES[op]
-    local pad = kind == "only" and last(X.bth_padcnt) or nil
+    local pad = kind == "only" and padcnt or nil
     if pad == nil and msg then     -- a first packet, or no BTH fields: the header decides
         local ctx = read_message(nil, s, n, msg, (conn and conn.le) or pref_addr_le == 2)
         local declared = declared_of(ctx)
@@ -888,6 +919,83 @@ local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
     return message_state(number, key, true, n - (pad or 0), pad == nil)
 end
 
+-- ---- the first pass without a protocol tree -------------------------------------------------
+-- Only Sends carry KBTP messages, never the data of an RDMA Write or Read Response, however
+-- it begins. With a tree the BTH opcode and the DDP Tagged flag say which; without one (the
+-- first pass of tshark -2, or tshark -r without a filter or -V) no field extractor answers,
+-- and the headers that say it lie before the tvb a heuristic is given. So the heuristic
+-- claims the payload for now and notes where it lies in the frame; rdma.lua's
+-- postdissector, which runs next on the same frame and sees all of it, reads the RDMA
+-- header there and decodes the payload with first_sight() or lets it go (resolve()).
+local function defer(tvb, pinfo, n, roce)
+    local number = pinfo.number
+    local list = deferred[number]
+    if not list then
+        list = {}
+        deferred[number] = list
+    end
+    list[#list + 1] = { roce = roce, off = tvb:offset(), n = n, head = octets(tvb, n), data = tvb:bytes() }
+end
+
+-- First pass: decide on ``tvb`` (``n`` octets, ``s`` its fixed part) as the RDMA header
+-- said (``opcode``: the BTH opcode, or nil on iWARP), and decode it when it is KBTP.
+local function first_sight(tvb, s, n, pinfo, tree, roce, opcode, padcnt)
+    local number = pinfo.number
+    local st
+    if roce then
+        local src, dst = tostring(pinfo.src), tostring(pinfo.dst)
+        local key = roce_key(src, dst)
+        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode, padcnt)
+        if not st then return false end
+        st.kbtp, st.key, st.roce = true, key, true  -- fragments too
+    else
+        local key = iwarp_key(pinfo)
+        if not recognise(s, n, conns[key]) then return false end
+        st = message_state(number, key, false)
+    end
+    return st
+end
+
+-- Show a frame's KBTP message or fragment (both passes).
+local function show_roce(tvb, s, n, pinfo, visited, number, tree, st)
+    if st.len then               -- one packet: dissect it in place
+        local pad = st.pad_unknown and last(X.bth_padcnt)
+        if pad and pad > 0 and pad < st.len then   -- first seen without BTH fields
+            st.len, st.pad_unknown = st.len - pad, false
+        end
+        set_columns(pinfo, dissect_message(tvb, s or octets(tvb, st.len), st.len, pinfo, visited, number,
+                                           tree, st.key, st))
+    elseif st.message then       -- reassembled: a new data source
+        local msg_tvb = st.message:tvb("Reassembled KBTP message")
+        local len = msg_tvb:len()
+        set_columns(pinfo, dissect_message(msg_tvb, octets(msg_tvb, len), len, pinfo, visited, number,
+                                           tree, st.key, st))
+    else
+        local item = tree:add(kbtp, tvb:range(0, n), "KBTP fragment")
+        st.root = item
+        if st.fragment_in then item:add(F.fragment_in, st.fragment_in):set_generated() end
+        if st.broken then
+            item:add_proto_expert_info(E.malformed, "Send fragment that does not continue the message as its header said")
+        end
+        set_columns(pinfo, "KBTP fragment" .. (st.fragment_in and (" (message in " .. st.fragment_in .. ")") or "")
+                           .. (st.broken and " [reassembly failed]" or ""))
+    end
+end
+
+-- rdma.lua, first pass: the payload a heuristic deferred (``tvb``, from the frame), now that
+-- the RDMA header says it is a Send (``opcode``, ``padcnt``: the BTH's on RoCE).
+local function resolve(tvb, pinfo, tree, roce, opcode, padcnt)
+    local n = Tvb_len(tvb)
+    local s = octets(tvb, n)
+    local st = first_sight(tvb, s, n, pinfo, tree, roce, opcode, padcnt)
+    if not st then return end
+    if roce then
+        show_roce(tvb, s, n, pinfo, false, pinfo.number, tree, st)
+    else
+        set_columns(pinfo, dissect_message(tvb, s, n, pinfo, false, pinfo.number, tree, st.key, st))
+    end
+end
+
 -- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
 -- FIRST/MIDDLE/LAST per direction and QP, and claim every fragment, so no other
 -- heuristic misreads the continuation packets.
@@ -904,51 +1012,38 @@ local function heur_infiniband(tvb, pinfo, tree)
         -- Not a KBTP header and no Send being reassembled: not ours (RDMA Writes, other
         -- protocols), before any further call into Wireshark.
         if next(reasm) == nil and not header_ok(s, n) then return false end
-        local src, dst = tostring(pinfo.src), tostring(pinfo.dst)
-        local key = roce_key(src, dst)
-        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst)
+        local opcode = last(X.bth_opcode)
+        if opcode == nil then
+            defer(tvb, pinfo, n, true)
+            return true
+        end
+        st = first_sight(tvb, s, n, pinfo, tree, true, opcode, last(X.bth_padcnt))
         if not st then return false end
-        st.kbtp, st.key, st.roce = true, key, true  -- fragments too
     end
-    if st.len then               -- one packet: dissect it in place
-        local pad = st.pad_unknown and last(X.bth_padcnt)
-        if pad and pad > 0 and pad < st.len then   -- first seen without BTH fields
-            st.len, st.pad_unknown = st.len - pad, false
-        end
-        set_columns(pinfo, dissect_message(tvb, s or octets(tvb, st.len), st.len, pinfo, visited, number,
-                                           tree, st.key, st))
-    elseif st.message then       -- reassembled: a new data source
-        local msg_tvb = st.message:tvb("Reassembled KBTP message")
-        local len = msg_tvb:len()
-        set_columns(pinfo, dissect_message(msg_tvb, octets(msg_tvb, len), len, pinfo, visited, number,
-                                           tree, st.key, st))
-    else
-        local item = tree:add(kbtp, tvb:range(0, n), "KBTP fragment")
-        if st.fragment_in then item:add(F.fragment_in, st.fragment_in):set_generated() end
-        if st.broken then
-            item:add_proto_expert_info(E.malformed, "Send fragment that does not continue the message as its header said")
-        end
-        set_columns(pinfo, "KBTP fragment" .. (st.fragment_in and (" (message in " .. st.fragment_in .. ")") or "")
-                           .. (st.broken and " [reassembly failed]" or ""))
-    end
+    show_roce(tvb, s, n, pinfo, visited, number, tree, st)
     return true
 end
 
--- iWARP: Wireshark reassembles Sends; the heuristic sees whole messages.
+-- iWARP: Wireshark reassembles Sends; the heuristic sees whole messages, and the data of
+-- tagged RDMA Writes and Read Responses, which are never KBTP messages.
 local function heur_iwarp(tvb, pinfo, tree)
     local number, visited = pinfo.number, pinfo.visited
     local st = frames[number]
     local n = Tvb_len(tvb)
-    local s
+    local s = octets(tvb, n)
     if visited then
         if not st or not st.kbtp then return false end
-        s = octets(tvb, n)
     else
-        s = octets(tvb, n)
         if not header_ok(s, n) then return false end
-        local key = iwarp_key(pinfo)
-        if not recognise(s, n, conns[key]) then return false end
-        st = message_state(number, key, false)
+        local tagged = last(X.ddp_tagged)
+        if tagged then return false end
+        if tagged == nil then    -- no tree: see defer()
+            if not recognise(s, n, conns[iwarp_key(pinfo)]) then return false end
+            defer(tvb, pinfo, n, false)
+            return true
+        end
+        st = first_sight(tvb, s, n, pinfo, tree, false)
+        if not st then return false end
     end
     set_columns(pinfo, dissect_message(tvb, s, n, pinfo, visited, number, tree, st.key, st))
     return true
@@ -974,6 +1069,12 @@ end
 local function frame_info(number)
     local st = frames[number]
     return st and st.info
+end
+
+local function deferred_of(number)
+    local list = deferred[number]
+    if list then deferred[number] = nil end
+    return list
 end
 
 -- ---- hand-written runtime: kbtp_scapy/dissector/rdma.lua ----
@@ -1092,10 +1193,11 @@ local function find(list, stag, th, tl, kind)
     end
 end
 
-local function expectation(req, name, stag, h, l, len)
+-- ``st``: the request's per-message state, which lists the frames of its data (data_in).
+local function expectation(req, name, stag, h, l, len, st)
     local hh, hl = add64(h, l, len)
     if not le64(h, l, hh, hl) then hh, hl = TWO32 - 1, TWO32 - 1 end  -- wrapped: to the top
-    return { req = req, name = name, stag = stag, loh = h, lol = l, hih = hh, hil = hl }
+    return { req = req, name = name, stag = stag, loh = h, lol = l, hih = hh, hil = hl, st = st }
 end
 
 -- ---- the ring counter rule (kbtp-draft "Free-Block Ring"; RFC 7306 masked FetchAdd) --------
@@ -1179,7 +1281,7 @@ HOOKS[#HOOKS + 1] = {
             if not (stag and off and len) or len == 0 then return end
             local r = arm(rdma_state(conn, pinfo, true))
             local h, l = hl64(off)
-            local e = expectation(number, msg.name, stag, h, l, len)
+            local e = expectation(number, msg.name, stag, h, l, len, st)
             e.kind = op == OPCODE.LOAD and "write" or "read"
             push(r.xfers, e)
         elseif op == OPCODE.HELLO_ACK and values.status == STATUS_OK then
@@ -1305,7 +1407,8 @@ local function send_of(tvb, d)
     local ctrl, rctrl = s:byte(3, 4)
     if bit32.band(ctrl, 0xff) ~= 0x41 or bit32.band(rctrl, 0xf0) ~= 0x40 or u32(s, 17) ~= 0 then return end
     if ulen < 18 + HEADER_SIZE or d + ulen > tvb:len() then return end
-    local key = send_key(s:byte(22), s:sub(25, 32))
+    local m = 21                               -- where the message starts in ``s``, 1-based
+    local key = send_key(s:byte(m + AT.opcode), s:sub(m + AT.request_id, m + AT.request_id + 7))
     return { t = "iwarp", kind = "send", off = d + 18, len = ulen - 18, key = key }
 end
 
@@ -1366,13 +1469,15 @@ local function transport_of(tvb)
         et = tvb:range(off, 2):uint()
     end
     off = off + 2
+    -- The fourth value: the frame is cut short of the length its IP header gives.
     if et == 0x0800 and off + 20 <= len then
         local vihl = tvb:range(off, 1):uint()
         if bit32.rshift(vihl, 4) ~= 4 or bit32.band(tvb:range(off + 6, 2):uint(), 0x3fff) ~= 0 then return end
-        return tvb:range(off + 9, 1):uint(), off + 4 * bit32.band(vihl, 0xf),
-               math.min(len, off + tvb:range(off + 2, 2):uint())
+        local stop = off + tvb:range(off + 2, 2):uint()
+        return tvb:range(off + 9, 1):uint(), off + 4 * bit32.band(vihl, 0xf), math.min(len, stop), stop > len
     elseif et == 0x86dd and off + 40 <= len then
-        return tvb:range(off + 6, 1):uint(), off + 40, math.min(len, off + 40 + tvb:range(off + 4, 2):uint())
+        local stop = off + 40 + tvb:range(off + 4, 2):uint()
+        return tvb:range(off + 6, 1):uint(), off + 40, math.min(len, stop), stop > len
     end
 end
 
@@ -1390,12 +1495,14 @@ local function fpdus(s, crc)
 end
 
 local function ops_from_bytes(tvb, pinfo)
-    local proto, l4, stop = transport_of(tvb)
+    local proto, l4, stop, cut = transport_of(tvb)
     if proto == 17 and armed_roce and l4 + 8 <= stop and tvb:range(l4 + 2, 2):uint() == PORT_ROCEV2 then
         local s = raw(tvb, l4 + 8, 44)
         if #s < 12 or not ROCE_INTERESTING[s:byte(1)] then return end
         return read_bth(s), true
-    elseif proto == 6 and armed_iwarp and l4 + 20 <= stop then
+    elseif proto == 6 and armed_iwarp and l4 + 20 <= stop and not cut then
+        -- A segment cut short by the snap length: tshark's MPA does not decode its FPDUs
+        -- either (so with a tree, no field would be there).
         local p = l4 + 4 * bit32.rshift(tvb:range(l4 + 12, 1):uint(), 4)
         if p >= stop then return end
         local s, d = endpoints(pinfo, false)
@@ -1433,7 +1540,7 @@ local function data_label(e, kind)
     local m = memo[kind]
     if not m then
         m = { req = e.req, text = ", " .. WHAT[kind] .. " for " .. e.name .. " in frame " .. e.req,
-              info = "KBTP data for " .. e.req }
+              info = "KBTP data for " .. e.req, st = e.st }
         memo[kind] = m
     end
     return m
@@ -1486,7 +1593,7 @@ local function match_iwarp(r, o, to_ini)
         local e = to_ini and find(r.xfers, o.stag, o.th, o.tl, "read")
         if not e then return end
         -- The Read Response is tagged with the request's sink STag and TO.
-        push(r.sinks, expectation(e.req, e.name, o.sink_stag, o.sh, o.sl, o.size))
+        push(r.sinks, expectation(e.req, e.name, o.sink_stag, o.sh, o.sl, o.size, e.st))
         return data_label(e, kind)
     elseif kind == "read_resp" and not to_ini then
         local e = find(r.sinks, o.stag, o.th, o.tl)
@@ -1628,7 +1735,155 @@ local function more_sends(candidates, seen, tvb, pinfo, tree)
     pinfo.cols.info = table.concat(infos, "; ")
 end
 
+-- ---- payloads the heuristics deferred (runtime.lua's defer()) ---------------------------------
+local ROCEV1 = 0x8915
+
+-- The BTH opcode and PadCnt of a RoCEv2 or RoCEv1 frame, or nil.
+local function bth_of(tvb)
+    local proto, l4, stop = transport_of(tvb)
+    local b
+    if proto == 17 and l4 + 12 <= stop and tvb:range(l4 + 2, 2):uint() == PORT_ROCEV2 then
+        b = l4 + 8
+    elseif proto == nil and Tvb_len(tvb) >= 14 + 40 + 12 and tvb:range(12, 2):uint() == ROCEV1 then
+        b = 14 + 40                              -- Ethernet, GRH, BTH
+    else
+        return nil
+    end
+    local opcode, flags = Tvb_raw(tvb, b, 2):byte(1, 2)
+    return opcode, bit32.band(bit32.rshift(flags, 4), 3)
+end
+
+-- iWARP: whether an untagged Send's headers (DDP 6, RDMAP 12 octets) end at ``off``.
+local function after_send_header(tvb, off)
+    if off < 18 then return false end
+    local ctrl, rctrl = Tvb_raw(tvb, off - 18, 2):byte(1, 2)
+    return bit32.band(ctrl, 0xbf) == 0x01 and bit32.band(rctrl, 0xf0) == 0x40
+        and IW_SEND[bit32.band(rctrl, 0x0f)] == true
+end
+
+-- ---- the ICRC (tshark 4.0 shows infiniband.invariant.crc but never checks it) -------------
+-- As runtime.c's check_icrc: CRC-32 over 8 octets of ones, the network header with its
+-- variant fields set to ones, the UDP header with its checksum set to ones (RoCEv2), the
+-- BTH with its reserved octet set to ones, and the rest up to the ICRC. First pass only.
+-- Slicing by 4 (four tables): per 4 octets one string.byte and two bit32.bxor calls, the
+-- octets split with arithmetic, which costs next to nothing beside a call into C.
+local CRC0, CRC1, CRC2, CRC3 = {}, {}, {}, {}
+for i = 0, 255 do
+    local c = i
+    for _ = 1, 8 do
+        if c % 2 == 1 then c = bit32.bxor((c - 1) / 2, 0xEDB88320) else c = c / 2 end
+    end
+    CRC0[i] = c
+end
+for i = 0, 255 do
+    local c1 = bit32.bxor(CRC0[CRC0[i] % 256], (CRC0[i] - CRC0[i] % 256) / 256)
+    local c2 = bit32.bxor(CRC0[c1 % 256], (c1 - c1 % 256) / 256)
+    CRC1[i], CRC2[i] = c1, c2
+    CRC3[i] = bit32.bxor(CRC0[c2 % 256], (c2 - c2 % 256) / 256)
+end
+
+local function crc32(s, crc)
+    local bxor, byte = bit32.bxor, string.byte
+    crc = bit32.bnot(crc or 0)
+    local n = #s
+    local i = 1
+    while i + 3 <= n do
+        local a, b, c, d = byte(s, i, i + 3)
+        local x = bxor(crc, a + b * 256 + c * 65536 + d * 16777216)
+        local x0 = x % 256
+        x = (x - x0) / 256
+        local x1 = x % 256
+        x = (x - x1) / 256
+        local x2 = x % 256
+        crc = bxor(CRC3[x0], CRC2[x1], CRC1[x2], CRC0[(x - x2) / 256])
+        i = i + 4
+    end
+    for j = i, n do
+        local x = bxor(crc, byte(s, j)) % 256
+        crc = bxor(CRC0[x], (crc - crc % 256) / 256)
+    end
+    return bit32.bnot(crc)
+end
+local LRH_CRC = crc32(string.rep("\255", 8))
+
+local function set(s, i, octets)  -- ``s`` with the octets at 0-based ``i`` replaced
+    return s:sub(1, i) .. octets .. s:sub(i + #octets + 1)
+end
+
+-- { got, want } of a RoCE frame's ICRC, or nil when the frame is cut short or not RoCE.
+-- One read of the frame's octets; the rest is string arithmetic.
+local function icrc_of(tvb)
+    local len = Tvb_len(tvb)
+    if len < 14 or tvb:reported_len() ~= len then return nil end
+    local s = Tvb_raw(tvb, 0, len)
+    local function u16(i) local a, b = s:byte(i + 1, i + 2) return a * 256 + b end
+    local off, et = 12, u16(12)
+    while (et == 0x8100 or et == 0x88a8) and off + 6 <= len do
+        off = off + 4
+        et = u16(off)
+    end
+    local net, bth, stop = off + 2
+    if et == 0x0800 and net + 20 <= len then
+        local vihl = s:byte(net + 1)
+        local ihl = 4 * (vihl % 16)
+        if vihl - vihl % 16 ~= 0x40 or s:byte(net + 10) ~= 17 or ihl < 20 then return nil end
+        bth, stop = net + ihl + 8, net + u16(net + 2)
+    elseif et == 0x86dd and net + 40 <= len then
+        if s:byte(net + 7) ~= 17 then return nil end
+        bth, stop = net + 48, net + 40 + u16(net + 4)
+    elseif et == ROCEV1 and net + 40 <= len then
+        bth, stop = net + 40, net + 40 + u16(net + 4)
+    else
+        return nil
+    end
+    if stop > len or stop < bth + 16 or (et ~= ROCEV1 and u16(bth - 6) ~= PORT_ROCEV2) then return nil end
+    local h = s:sub(net + 1, bth + 12)
+    if et == 0x0800 then
+        h = set(set(set(h, 1, "\255"), 8, "\255"), 10, "\255\255")
+    else
+        h = set(set(h, 0, string.char(bit32.bor(h:byte(1), 0x0f)) .. "\255\255\255"), 7, "\255")
+    end
+    if et ~= ROCEV1 then h = set(h, bth - net - 2, "\255\255") end
+    h = set(h, bth - net + 4, "\255")
+    local want = crc32(s:sub(bth + 13, stop - 4), crc32(h, LRH_CRC))
+    local a, b, c, d = s:byte(stop - 3, stop)
+    return { got = ((d * 256 + c) * 256 + b) * 256 + a, want = want }
+end
+
+local function show_icrc(st)
+    local v = st.icrc
+    if v and v.got ~= v.want and st.root then
+        Tree_add_expert(st.root, E.icrc, string.format(
+            "ICRC 0x%08x is wrong (0x%08x is right): the receiving NIC drops this packet", v.got, v.want))
+    end
+end
+
+local function resolve_deferred(list, tvb, pinfo, tree)
+    for _, d in ipairs(list) do
+        local off, n = d.off, d.n
+        -- In the frame itself (not a reassembled Send): the headers before it say what it is.
+        local framed = off + n <= Tvb_len(tvb) and Tvb_raw(tvb, off, #d.head) == d.head
+        if d.roce then
+            resolve(tvb:range(off, n):tvb(), pinfo, tree, true, bth_of(tvb))
+        elseif not framed then
+            -- Reassembled: by iWARP (Sends only; the message starts its tvb) or by TCP for
+            -- MPA (the FPDU starts its tvb: 2 octets of ULPDU Length, then 18 octets of
+            -- untagged or 14 of tagged headers). A tagged payload starts at 16.
+            if off ~= 2 + 14 then resolve(d.data:tvb("Reassembled KBTP message"), pinfo, tree, false) end
+        elseif after_send_header(tvb, off) then
+            resolve(tvb:range(off, n):tvb(), pinfo, tree, false)
+        end
+    end
+end
+
 function rdma_context.dissector(tvb, pinfo, tree)
+    local later = deferred_of(pinfo.number)
+    if later then resolve_deferred(later, tvb, pinfo, tree) end
+    local st = frames[pinfo.number]
+    if st and st.roce and st.kbtp then
+        if not pinfo.visited then st.icrc = pref_check_icrc and icrc_of(tvb) or false end
+        show_icrc(st)
+    end
     if not armed then return end  -- no KBTP session expecting RDMA: nothing marked either
     local n = pinfo.number
     if claimed == n then return end  -- a RoCEv2 frame that carried a KBTP message
@@ -1660,6 +1915,12 @@ function rdma_context.dissector(tvb, pinfo, tree)
             m = label(flow, o, n)
         end
         if m then
+            local req = m.st   -- the request lists its data frames, once each
+            if req then
+                local list = req.data_in or {}
+                req.data_in = list
+                if list[#list] ~= n then list[#list + 1] = n end
+            end
             if not mark then
                 mark = m
             elseif mark.many then

@@ -48,6 +48,7 @@ class Found:
     connection: int | None = None
     payload: bytes = b""
     addr_le: bool = False
+    icrc_bad: tuple[int, ...] = ()      # RoCE frames of the message with a wrong ICRC
 
 
 def read_packets(path: str | Path) -> list[Packet]:
@@ -101,7 +102,7 @@ def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) 
         if fields.get("opcode") == _HELLO_ACK and not fields.get("status"):
             sessions[key] = bool(fields.get("hello_ack.features", 0) & Feature.ADDR_LE)
         yield Found(frame, msg.transport, msg.conn, fields, error, msg.time, number,
-                    msg.payload, le)
+                    msg.payload, le, tuple(msg.info.get("icrc_bad", ())))
 
 
 @cache
@@ -134,8 +135,9 @@ def endpoints(found: Found) -> dict[str, Any]:
 def to_json(found: Found) -> dict[str, Any]:
     """JSON object: frame, time (seconds since the epoch), transport, connection number
     and endpoints, then the fields keyed by display-filter names, numeric values, bytes as
-    hex, one 0/1 key per named bit of every flags word (``kbtp.flags.inline``), and
-    ``malformed`` with the reason when the message is."""
+    hex, one 0/1 key per named bit of every flags word (``kbtp.flags.inline``),
+    ``malformed`` with the reason when the message is, and ``icrc_bad`` with the frames
+    whose RoCE ICRC is wrong (the receiving NIC dropped them)."""
     out: dict[str, Any] = {"frame": found.frame}
     if found.time is not None:
         out["time"] = round(found.time, 6)     # a double holds no finer time this far from 1970
@@ -154,4 +156,6 @@ def to_json(found: Found) -> dict[str, Any]:
             out[bit_key] = int(bool(value & mask))
     if found.error:
         out["malformed"] = found.error
+    if found.icrc_bad:
+        out["icrc_bad"] = list(found.icrc_bad)
     return out

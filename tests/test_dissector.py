@@ -71,7 +71,10 @@ def test_generated_files_are_fresh_and_check_catches_staleness(tmp_path):
     assert subprocess.run([*run, "--check"], capture_output=True, timeout=120).returncode == 0
     to_tmp = ["--out", str(tmp_path), "--vocab", str(tmp_path / "vocab.py")]
     assert subprocess.run([*run, *to_tmp], capture_output=True, timeout=120).returncode == 0
-    edits = {"kbtp.lua": ('"kbtp.dd.stag"', '"kbtp.dd.stag2"'),
+    assert subprocess.run([*run, "--check", *to_tmp], capture_output=True, timeout=120).returncode == 0
+    edits = {"kbtp.lua": ('"kbtp.dd.stag"', '"kbtp.dd.stag2"'),         # either form stale fails the check
+             "packet-kbtp.c": ('"kbtp.dd.stag"', '"kbtp.dd.stag2"'),
+             "plugin.c": ("plugin_version", "plugin_versio"),
              "vocab.py": ("    NOT_VALID = 3\n", "    NOT_VALID = 4\n")}
     for name, (old, new) in edits.items():
         path = tmp_path / name
@@ -86,7 +89,7 @@ def test_installed_plugin_registers_every_table_field(tmp_path):
     """`kbtp dissector install` puts the plugin where tshark looks; tshark then knows a
     filter name for every field and flag bit of the tables."""
     env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "dissector", "install"],
+    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "dissector", "install", "--lua"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     proc = subprocess.run([TSHARK, "-G", "fields"], capture_output=True, text=True, timeout=120, env=env)

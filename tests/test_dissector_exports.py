@@ -164,7 +164,7 @@ def test_installed_plugin_and_lua_script_together_load_once(tmp_path):
     pcap = ROOT / "pcaps" / "iwarp_session.pcap"
     args = ("-o", "tcp.try_heuristic_first:TRUE", "-V")
     alone = run(pcap, *PLUGIN, "-V").stdout
-    proc = subprocess.run([*kbtp, "install"], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([*kbtp, "install", "--lua"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("installed "), proc.stderr
     installed = Path(proc.stdout.split(" ", 1)[1].strip())
     assert installed.read_text() == LUA.read_text()

@@ -186,6 +186,8 @@ def fix(d: bytearray, lengths: bool = False) -> None:
         d[w.ip_end - 4:w.ip_end] = struct.pack("<I", zlib.crc32(bytes(pseudo)))
     if w.roce and not w.v6:
         return  # RoCEv2 over IPv4 carries UDP checksum 0
+    if w.ip_end < w.l4:
+        return  # a mutated IP length that ends the datagram inside its own headers
     ck = w.l4 + (6 if w.roce else 16)
     d[ck:ck + 2] = b"\0\0"
     src = d[w.l3 + 8:w.l3 + 40] if w.v6 else d[w.l3 + 12:w.l3 + 20]

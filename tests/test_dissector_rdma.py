@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from kbtp_scapy.builders.iwarp import segment_message
 from kbtp_scapy.builders.recorder import recorder
 from kbtp_scapy.layers.iwarp import Op
 from kbtp_scapy.vocab import Feature, Opcode, RequestFlag
-from tests.tshark import TSHARK, needs_tshark, tshark_frames
+from tests.tshark import TSHARK, needs_tshark, tshark_frames, tshark_text
 
 pytestmark = needs_tshark
 
@@ -313,3 +314,61 @@ def test_second_send_of_a_tcp_segment_is_decoded(tmp_path):
         assert not any("not seen" in r["_ws.expert.message"] for r in rows)
         if args:
             assert load["kbtp.response_in"] == "|".join(str(c) for c in done)
+
+
+def _decode_count(pcap: Path) -> int:
+    """Messages `kbtp decode --json` finds: only untagged Sends carry them."""
+    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--json", str(pcap)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return len(proc.stdout.splitlines())
+
+
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one-pass", "two-pass"])
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_write_data_that_looks_like_kbtp_is_not_a_message(tmp_path, transport, two_pass):
+    """Every RDMA Write's data begins with a valid KBTP header (a COMPLETION, a LOAD, a
+    HELLO_ACK): only Sends carry KBTP messages, so tshark counts what `kbtp decode`
+    counts, and each Write stays a data frame of its LOAD."""
+    s = Session(transport)
+    s.send(True, {"opcode": Opcode.HELLO, "hello.completion_credits": 16})
+    s.send(False, {"opcode": Opcode.HELLO_ACK, "hello_ack.request_credits": 16, "hello_ack.block_size": 4096})
+    lookalikes = [codec.encode(_completion(900, 64)), codec.encode(_request(901, "LOAD", dd__stag=1, dd__length=8)),
+                  codec.encode({"opcode": Opcode.HELLO_ACK, "hello_ack.request_credits": 1})]
+    want: dict[int, int] = {}
+    for rid, fake in enumerate(lookalikes, 1):
+        load = s.send(True, _request(rid, "LOAD", dd__stag=BUF_STAG, dd__offset=0x10000 * rid, dd__length=4096))
+        for frame in s.write(False, fake + bytes(64), BUF_STAG, 0x10000 * rid):
+            want[frame] = load
+        s.send(False, _completion(rid, len(fake) + 64))
+    pcap = tmp_path / f"{transport}_lookalike.pcap"
+    s.write_pcap(pcap)
+    args = ("-2",) if two_pass else ()
+    proc = subprocess.run([TSHARK, "-n", "-r", str(pcap), *PLUGIN, *args, "-T", "fields",
+                           "-E", "occurrence=a", "-E", "aggregator=|", "-e", "kbtp.request_id",
+                           "-e", "kbtp.data_for"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("\t") for line in proc.stdout.splitlines()]
+    rids = [int(v) for rid, _ in rows if rid for v in rid.split("|")]
+    assert len(rids) == _decode_count(pcap) == 2 + 2 * len(lookalikes)
+    assert not {900, 901} & set(rids)
+    assert {n: int(d) for n, (_, d) in enumerate(rows, 1) if d} == want
+    # Without a tree in the first pass (tshark -2, no filter) the Info column says the same.
+    info = tshark_text(pcap, *PLUGIN, *args)
+    assert "rid=90" not in info and info.count("[KBTP data for") == len(want)
+
+
+def test_requests_list_their_data_frames(capture):
+    """Request to data: on a second pass each LOAD / ALLOC_STORE names the frames of the
+    RDMA transfers that carried its block (kbtp.data_in), the inverse of kbtp.data_for."""
+    pcap, want = capture
+    inverse: dict[int, list[int]] = {}
+    for data, request in sorted(want.data_for.items()):
+        inverse.setdefault(request, []).append(data)
+    proc = subprocess.run([TSHARK, "-n", "-r", str(pcap), *PLUGIN, "-2", "-Y", "kbtp.data_in", "-T", "fields",
+                           "-E", "occurrence=a", "-E", "aggregator=,", "-e", "frame.number", "-e", "kbtp.data_in"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = (line.split("\t") for line in proc.stdout.splitlines())
+    got = {int(n): [int(v) for v in data.split(",")] for n, data in rows}
+    assert got == inverse

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""tshark with and without the KBTP Lua plugin, over captures of 100,000+ KBTP messages.
+"""tshark with and without the KBTP plugins (C and Lua), over captures of 100,000+ KBTP messages.
 
 Captures (generated once, cached in ``--capture DIR``): one RoCEv2 and one iWARP
 connection, each a HELLO/HELLO_ACK then request/completion pairs as a KV cache client
@@ -18,7 +18,11 @@ built and printed (to /dev/null):
 
 * ``tshark``: no plugin. Built-in heuristics still run on every Send (on RoCEv2 and
   iWARP, rpcordma and smb_direct among them) and reject KBTP payloads.
-* ``tshark + kbtp.lua``: the plugin. **Ratio to ``tshark``: the target is at most 1.5.**
+* ``tshark + C plugin``: packet-kbtp.c built as a plugin (``kbtp_scapy.dissector.build``,
+  -O2), loaded with LD_PRELOAD (the same library Wireshark's loader opens from the plugin
+  folder, which tshark ignores when run as root). **Ratio to ``tshark``: the target is at
+  most 1.2.**
+* ``tshark + kbtp.lua``: the Lua plugin. **Ratio to ``tshark``: the target is at most 1.5.**
 * ``no rpcrdma heuristic``: no plugin, ``--disable-heuristic rpcrdma_infiniband`` /
   ``rpcrdma_iwarp``; shows what a C heuristic that rejects the payload costs (close to 1).
 * The C reference: a capture with the same frames, where each KBTP message is replaced by
@@ -65,6 +69,7 @@ import perf_docs
 from kbtp_scapy import codec, tables as T
 from kbtp_scapy.builders.iwarp import IwarpConversation
 from kbtp_scapy.builders.roce import RcConnection, RoceEndpoint
+from kbtp_scapy.dissector.build import BuildError, build as build_plugin
 from kbtp_scapy.layers.iwarp import MPA, Op, crc32c
 from kbtp_scapy.layers.roce import icrc_ok
 
@@ -306,12 +311,18 @@ def captures(directory: Path, ops: int, regenerate: bool) -> dict[tuple[str, str
     return out
 
 
+#: The C plugin's LD_PRELOAD build, made once by main().
+C_PLUGIN: list[Path] = []
+C_NAME = "tshark + C plugin"
+
+
 def configs(binding: str, lua: Path) -> list[tuple[str, str, list[str]]]:
     """(name, payload capture, tshark options) for one binding."""
     tcp = ["-o", "tcp.try_heuristic_first:TRUE"] if binding == "iwarp" else []
     heur = "rpcrdma_infiniband" if binding == "roce" else "rpcrdma_iwarp"
     return [
         ("tshark", "kbtp", tcp),
+        (C_NAME, "kbtp", tcp),
         ("tshark + kbtp.lua", "kbtp", [*tcp, "-X", f"lua_script:{lua}"]),
         ("no rpcrdma heuristic", "kbtp", [*tcp, "--disable-heuristic", heur]),
         ("RPC capture, rpcordma off", "rpc", [*tcp, "--disable-protocol", "rpcordma"]),
@@ -322,12 +333,13 @@ def configs(binding: str, lua: Path) -> list[tuple[str, str, list[str]]]:
 OUTPUTS = {"fields": ["-T", "fields", "-e", "frame.number"], "-V": ["-V"]}
 
 
-def run_once(pcap: Path, options: list[str], output: str) -> float:
+def run_once(pcap: Path, options: list[str], output: str, preload: Path | None = None) -> float:
     """CPU seconds (user + system) of one tshark run: steadier than the wall clock when
     other work shares the machine, and the same thing for a single-threaded tshark."""
     cmd = ["tshark", "-n", "-r", str(pcap), *options, *OUTPUTS[output]]
+    env = dict(os.environ, LD_PRELOAD=str(preload)) if preload else None
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
@@ -347,7 +359,8 @@ def measure(caps, rounds: int, lua: Path, extra=(), outputs=("fields", "-V")) ->
             for output in outputs:
                 for name, payload, options in runs:
                     key = (binding, output, name)
-                    seconds = run_once(caps[(binding, payload)], options, output)
+                    preload = C_PLUGIN[0] if name == C_NAME else None
+                    seconds = run_once(caps[(binding, payload)], options, output, preload)
                     best[key] = min(best.get(key, float("inf")), seconds)
                     print(f"round {r + 1}/{rounds} {binding:5} {output:6} {name:34} {seconds:7.2f} s",
                           file=sys.stderr, flush=True)
@@ -358,25 +371,29 @@ def table(best, messages: int, frames: dict[str, int], outputs) -> str:
     lines = [f"Captures of {messages:,} KBTP messages each (requests and completions, with the RDMA "
              "Writes and ACKs between them); tshark CPU seconds, best of interleaved rounds.",
              "",
-             "| binding, output | tshark (s) | + kbtp.lua (s) | plugin ratio | plugin µs per message "
-             "| C reference: RPC-over-RDMA ratio | no rpcrdma heuristic ratio |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    worst = 0.0
+             "| binding, output | tshark (s) | + C plugin (s) | C ratio | + kbtp.lua (s) | Lua ratio "
+             "| Lua µs per message | C reference: RPC-over-RDMA ratio | no rpcrdma heuristic ratio |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    worst = worst_c = 0.0
     for binding in ("roce", "iwarp"):
         for output in outputs:
             def g(name, binding=binding, output=output):
                 return best[(binding, output, name)]
             ratio = g("tshark + kbtp.lua") / g("tshark")
-            worst = max(worst, ratio)
+            c_ratio = g(C_NAME) / g("tshark")
+            worst, worst_c = max(worst, ratio), max(worst_c, c_ratio)
             label = "RoCEv2" if binding == "roce" else "iWARP"
             mode = "-T fields" if output == "fields" else "-V"
             lines.append(f"| {label} ({frames[binding]:,} frames), {mode} | {g('tshark'):.2f} "
+                         f"| {g(C_NAME):.2f} | **{c_ratio:.2f}** "
                          f"| {g('tshark + kbtp.lua'):.2f} | **{ratio:.2f}** "
                          f"| {(g('tshark + kbtp.lua') - g('tshark')) / messages * 1e6:.0f} "
                          f"| {g('RPC capture') / g('RPC capture, rpcordma off'):.2f} "
                          f"| {g('no rpcrdma heuristic') / g('tshark'):.2f} |")
     verdict = "met" if worst <= 1.5 else "**not met**"
-    lines += ["", f"Largest plugin ratio: **{worst:.2f}** (target: at most 1.5; {verdict}). The C "
+    c_verdict = "met" if worst_c <= 1.2 else "**not met**"
+    lines += ["", f"Largest C plugin ratio: **{worst_c:.2f}** (target: at most 1.2; {c_verdict}). "
+              f"Largest Lua plugin ratio: **{worst:.2f}** (target: at most 1.5; {verdict}). The C "
               "reference is tshark's RPC-over-RDMA dissector (with ONC RPC and NFS) decoding a "
               "capture of the same frames carrying RPC-over-RDMA messages where this one carries "
               "KBTP, against that capture with rpcordma disabled (`tools/bench_dissector.py` says why)."]
@@ -456,6 +473,11 @@ def main() -> int:
         perf_docs.check_section(args.write_docs, "bench_dissector")
     ops = max(1, -(-(args.messages - 2) // 2))
     caps = captures(args.capture, ops, args.regenerate)
+    try:
+        C_PLUGIN.append(build_plugin(args.capture, preload=True))
+    except BuildError as exc:
+        print(f"cannot build the C plugin: {exc}", file=sys.stderr)
+        return 1
     frames = {b: _count(caps[(b, "kbtp")]) for b in ("roce", "iwarp")}
     extra = doctored(args.lua, args.capture) if args.profile else []
     outputs = ("fields",) if args.fields_only else ("fields", "-V")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the project needs on Debian 12 (as root) into ./.venv, idempotently:
-# tshark and python3-venv from Debian's packages, the package and its test extras from PyPI.
+# tshark, python3-venv and the C dissector's build tools (gcc, pkg-config, Wireshark's and
+# GLib's headers) from Debian's packages, the package and its test extras from PyPI.
 # Fast when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,12 +9,17 @@ cd "$(dirname "$0")/.."
 missing=()
 command -v tshark >/dev/null 2>&1 || missing+=(tshark)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
+command -v gcc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+[ -f /usr/include/wireshark/epan/packet.h ] || missing+=(libwireshark-dev)
+[ -f /usr/include/glib-2.0/glib.h ] || missing+=(libglib2.0-dev)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "install.sh: installing ${missing[*]} from Debian's packages" >&2
   export DEBIAN_FRONTEND=noninteractive
   echo "wireshark-common wireshark-common/install-setuid boolean false" | debconf-set-selections
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Another apt run may hold the lock for a while: wait for it rather than fail.
+  apt-get -o DPkg::Lock::Timeout=600 update -qq
+  apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv

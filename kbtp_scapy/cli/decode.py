@@ -111,6 +111,8 @@ def _line(found: Found, origin: float) -> str:
     text = describe(found.fields)
     if found.error:
         text += f" [malformed: {found.error}]"
+    if found.icrc_bad:
+        text += f" [bad ICRC in frame {', '.join(map(str, found.icrc_bad))}: the receiving NIC dropped it]"
     elapsed = (found.time or origin) - origin
     return (f"{found.frame:>7} {elapsed:11.6f} {found.transport:<5} #{found.connection:<3} "
             f"{where}  {text}\n")

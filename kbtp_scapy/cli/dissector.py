@@ -1,15 +1,23 @@
-"""``kbtp dissector``: generate, check, locate, install and uninstall the Wireshark Lua dissector."""
+"""``kbtp dissector``: generate, check, build, locate, install and uninstall the Wireshark
+dissector, in either form: the C plugin (native speed) or the Lua plugin (no compiler)."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from ..dissector import REPO_DISSECTOR, lua_path as _lua_path
+from ..dissector.build import PLUGIN_NAME, BuildError, build as _build, toolchain_missing, version_folder
 from ..dissector.generate import HEADER_LINE, outputs
 from ..tables import generate as vocab
+
+#: Marks a compiled plugin as this dissector's: the protocol it registers.
+_C_MARK = b"KV Cache Block Transfer Protocol\0"
 
 
 def _outputs(outdir: Path, vocab_path: Path) -> dict[Path, str]:
@@ -24,30 +32,36 @@ def _stale(outdir: Path, vocab_path: Path) -> list[Path]:
 
 @click.group()
 def dissector() -> None:
-    """The KBTP Wireshark dissector (Lua, Wireshark 4.0 and newer), generated from the
-    field tables.
+    """The KBTP Wireshark dissector (Wireshark 4.0 and newer), generated from the field
+    tables in two forms: a C plugin (packet-kbtp.c, native speed) and a Lua plugin
+    (kbtp.lua, no compiler needed). Both show the same fields, tree and Info column.
 
     \b
     Examples:
-      kbtp dissector generate            # rewrite dissector/kbtp.lua, FIELDS.md, kbtp_scapy/vocab.py
+      kbtp dissector generate            # rewrite dissector/ (kbtp.lua, packet-kbtp.c, plugin.c,
+                                         # FIELDS.md) and kbtp_scapy/vocab.py
       kbtp dissector generate --check    # exit 1 if the committed files are stale
-      kbtp dissector install             # copy kbtp.lua into your personal Lua plugin folder
-      kbtp dissector uninstall           # remove it from there
+      kbtp dissector build --out /tmp/kbtp-plugin   # compile the C plugin (gcc, pkg-config, libwireshark-dev)
+      kbtp dissector install             # the C plugin if it builds here, else kbtp.lua
+      kbtp dissector install --lua       # kbtp.lua into your personal Lua plugin folder
+      kbtp dissector uninstall           # remove whichever is installed
       tshark -X lua_script:$(kbtp dissector path) -r pcaps/roce_session.pcap
 
-    The installed copy and -X lua_script: may be given together: the plugin loads once.
+    With both installed, the C plugin registers first and kbtp.lua steps aside: the
+    protocol is registered once. The installed copy and -X lua_script: may be given
+    together too: the Lua plugin loads once.
     """
 
 
 @dissector.command()
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if the files differ from the tables.")
 @click.option("--out", "outdir", type=click.Path(file_okay=False, path_type=Path), default=REPO_DISSECTOR,
-              show_default=True, help="Folder for kbtp.lua and FIELDS.md.")
+              show_default=True, help="Folder for kbtp.lua, packet-kbtp.c, plugin.c and FIELDS.md.")
 @click.option("--vocab", "vocab_path", type=click.Path(dir_okay=False, path_type=Path),
               default=vocab.VOCAB_PATH, show_default=True,
               help="The Python vocabulary: enums and message records.")
 def generate(check: bool, outdir: Path, vocab_path: Path) -> None:
-    """Write kbtp.lua, FIELDS.md and the Python vocabulary from the field tables."""
+    """Write kbtp.lua, packet-kbtp.c, plugin.c, FIELDS.md and the Python vocabulary from the field tables."""
     if check:
         stale = _stale(outdir, vocab_path)
         if stale:
@@ -67,35 +81,107 @@ def path() -> None:
     click.echo(_lua_path())
 
 
-def _personal_plugin_folder() -> Path:
+@dissector.command(name="build")
+@click.option("--out", "outdir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Folder to write kbtp.so into.")
+@click.option("--sanitize", is_flag=True, help="With AddressSanitizer and UBSan (for the fuzz test).")
+def build_cmd(outdir: Path, sanitize: bool) -> None:
+    """Compile the C plugin (kbtp.so) with gcc and pkg-config wireshark, warnings as errors."""
+    try:
+        click.echo(f"built {_build(outdir, sanitize=sanitize)}")
+    except BuildError as exc:
+        raise click.ClickException(f"cannot build the C plugin: {exc}") from None
+
+
+def _folders() -> dict[str, Path]:
     tshark = shutil.which("tshark")
     if tshark is None:
         raise click.ClickException("tshark is not installed (Debian: apt-get install tshark)")
     proc = subprocess.run([tshark, "-G", "folders"], capture_output=True, text=True, timeout=60)
+    out = {}
     for line in proc.stdout.splitlines():
         name, _, value = line.partition(":")
-        if name.strip() == "Personal Lua Plugins":
-            return Path(value.strip())
-    raise click.ClickException("tshark -G folders names no personal Lua plugin folder")
+        if value.strip():
+            out[name.strip()] = Path(value.strip())
+    return out
 
 
-@dissector.command()
-@click.option("--folder", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Install here instead of the folder 'tshark -G folders' reports.")
-def install(folder: Path | None) -> None:
-    """Copy kbtp.lua into the personal Lua plugin folder, so Wireshark and tshark load it."""
-    folder = folder or _personal_plugin_folder()
-    target = folder / "kbtp.lua"
-    if target.exists() and not _ours(target):
+def _personal_plugin_folder() -> Path:
+    folder = _folders().get("Personal Lua Plugins")
+    if folder is None:
+        raise click.ClickException("tshark -G folders names no personal Lua plugin folder")
+    return folder
+
+
+def _personal_c_folder() -> Path:
+    """Where Wireshark looks for personal epan plugins: Personal Plugins (which ends in the
+    version folder, 4.0), then epan."""
+    folder = _folders().get("Personal Plugins")
+    if folder is None:
+        raise click.ClickException("tshark -G folders names no personal plugin folder")
+    return folder / "epan"
+
+
+def _copy(source: Path, target: Path, ours: Callable[[Path], bool]) -> str:
+    if target.exists() and not ours(target):
         raise click.ClickException(f"{target} exists and is not this dissector; move it away "
                                    "or install with --folder")
     replaced = target.exists()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(_lua_path(), target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
     except OSError as exc:
         raise click.ClickException(f"cannot write {target}: {exc.strerror}") from None
-    click.echo(f"{'updated' if replaced else 'installed'} {target}")
+    return f"{'updated' if replaced else 'installed'} {target}"
+
+
+def _ours_c(path: Path) -> bool:
+    """Whether ``path`` is a kbtp.so that registers KBTP (as the one this command builds)."""
+    try:
+        return _C_MARK in path.read_bytes()
+    except OSError:
+        return False
+
+
+@dissector.command()
+@click.option("--c", "form", flag_value="c", help="The C plugin (builds it; needs gcc, pkg-config, libwireshark-dev).")
+@click.option("--lua", "form", flag_value="lua", help="The Lua plugin.")
+@click.option("--folder", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Install here instead of the folder 'tshark -G folders' reports "
+                   "(for --c: the folder that holds the epan plugins).")
+def install(form: str | None, folder: Path | None) -> None:
+    """Install the dissector where Wireshark and tshark load it: the C plugin when a compiler
+    and the Wireshark headers are here, else kbtp.lua (--c and --lua choose)."""
+    missing = toolchain_missing()
+    if form is None:
+        form = "lua" if missing else "c"
+        why = (f"the C plugin cannot be built here: {missing}" if missing
+               else "gcc and the Wireshark headers are here, so the C plugin (native speed)")
+        click.echo(f"installing the {'Lua' if form == 'lua' else 'C'} plugin: {why}")
+    if form == "lua":
+        target = (folder or _personal_plugin_folder()) / "kbtp.lua"
+        click.echo(_copy(_lua_path(), target, _ours))
+        c_target = None if folder else _personal_c_folder() / PLUGIN_NAME
+        if c_target is not None and c_target.exists() and _ours_c(c_target):
+            click.echo(f"note: the C plugin {c_target} is installed too; it registers first and kbtp.lua "
+                       "steps aside ('kbtp dissector uninstall --c' removes it)")
+        return
+    if missing:
+        raise click.ClickException(f"cannot build the C plugin: {missing}")
+    target = (folder or _personal_c_folder()) / PLUGIN_NAME
+    with tempfile.TemporaryDirectory(prefix="kbtp-plugin-") as tmp:
+        try:
+            built = _build(Path(tmp))
+        except BuildError as exc:
+            raise click.ClickException(f"cannot build the C plugin: {exc}") from None
+        click.echo(_copy(built, target, _ours_c))
+    lua = None if folder else _personal_plugin_folder() / "kbtp.lua"
+    if lua is not None and lua.exists() and _ours(lua):
+        click.echo(f"note: kbtp.lua is installed too ({lua}); the C plugin registers first and kbtp.lua "
+                   "steps aside ('kbtp dissector uninstall --lua' removes it)")
+    if os.geteuid() == 0 and folder is None:
+        click.echo(f"note: Wireshark {version_folder()} reads no personal plugin folder when run as root; "
+                   "run it as your own user")
 
 
 def _ours(path: Path) -> bool:
@@ -108,19 +194,25 @@ def _ours(path: Path) -> bool:
 
 
 @dissector.command()
+@click.option("--c", "form", flag_value="c", help="Only the C plugin.")
+@click.option("--lua", "form", flag_value="lua", help="Only the Lua plugin.")
 @click.option("--folder", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Uninstall from here instead of the folder 'tshark -G folders' reports.")
-def uninstall(folder: Path | None) -> None:
-    """Remove the kbtp.lua that 'kbtp dissector install' put in the personal plugin folder."""
-    folder = folder or _personal_plugin_folder()
-    target = folder / "kbtp.lua"
-    if not target.exists():
-        click.echo(f"not installed: no {target}")
-        return
-    if not _ours(target):
-        raise click.ClickException(f"{target} is not this dissector; left it alone")
-    try:
-        target.unlink()
-    except OSError as exc:
-        raise click.ClickException(f"cannot remove {target}: {exc.strerror}") from None
-    click.echo(f"removed {target}")
+              help="Uninstall from here instead of the folders 'tshark -G folders' reports.")
+def uninstall(form: str | None, folder: Path | None) -> None:
+    """Remove what 'kbtp dissector install' put in the personal plugin folders."""
+    targets: list[tuple[Path, Callable[[Path], bool]]] = []
+    if form in (None, "lua"):
+        targets.append(((folder or _personal_plugin_folder()) / "kbtp.lua", _ours))
+    if form in (None, "c"):
+        targets.append(((folder or _personal_c_folder()) / PLUGIN_NAME, _ours_c))
+    for target, ours in targets:
+        if not target.exists():
+            click.echo(f"not installed: no {target}")
+            continue
+        if not ours(target):
+            raise click.ClickException(f"{target} is not this dissector; left it alone")
+        try:
+            target.unlink()
+        except OSError as exc:
+            raise click.ClickException(f"cannot remove {target}: {exc.strerror}") from None
+        click.echo(f"removed {target}")

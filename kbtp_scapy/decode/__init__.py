@@ -51,7 +51,7 @@ def rdma_messages(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMe
             continue
         kind = where[0]
         if kind == ROCE:
-            done = roce.packet(number, time, where[1], where[2], data, where[3], where[4])
+            done = roce.packet(number, time, where[1], where[2], data, where[3], where[4], where[5])
         elif kind == TCP:
             _, src, dst, sport, dport, seq, ack, flags, start, end = where
             done = iwarp.segment(number, time, src, dst, sport, dport, seq, ack, flags, data, start, end)

@@ -58,8 +58,9 @@ def _network(linktype: int, data: bytes) -> tuple[int, int]:
 def locate(linktype: int, data: bytes) -> tuple | None:
     """Where the frame's RoCE or TCP payload is, or None for anything else:
 
-    * ``(ROCE, src, dst, start, end)``: the BTH starts at ``data[start]``, the ICRC ends
-      at ``end``; ``src``/``dst`` are the IP addresses (GIDs for RoCEv1);
+    * ``(ROCE, src, dst, start, end, net)``: the BTH starts at ``data[start]``, the ICRC
+      ends at ``end``; ``src``/``dst`` are the IP addresses (GIDs for RoCEv1), whose
+      header (the GRH for RoCEv1) starts at ``net``;
     * ``(TCP, src, dst, sport, dport, seq, ack, flags, start, end)``: TCP payload
       ``data[start:end]``;
     * ``(CUT,)``: the IP datagram is longer than what was captured (snap length).
@@ -94,7 +95,7 @@ def locate(linktype: int, data: bytes) -> tuple | None:
         end = off + 40 + (data[off + 4] << 8 | data[off + 5])
         if end > n:
             return (CUT,)
-        return ROCE, data[off + 8:off + 24], data[off + 24:off + 40], off + 40, end
+        return ROCE, data[off + 8:off + 24], data[off + 24:off + 40], off + 40, end, off
     else:
         return None
     if end > n:
@@ -102,7 +103,7 @@ def locate(linktype: int, data: bytes) -> tuple | None:
     if proto == 17:
         if end < start + 8 + 16 or (data[start + 2] << 8 | data[start + 3]) != ROCE_PORT:
             return None
-        return ROCE, src, dst, start + 8, end
+        return ROCE, src, dst, start + 8, end, off
     if proto == 6 and end >= start + 20:
         head = data[start:start + 20]
         return (TCP, src, dst, head[0] << 8 | head[1], head[2] << 8 | head[3],

@@ -16,6 +16,7 @@ from ..codec import looks_like_kbtp
 from ..wire import roce as W
 from ..wire.message import RdmaMessage
 from .frames import address
+from .icrc import icrc_ok
 
 MAX_MESSAGE = 16 << 20          # octets kept of one Send; the rest is cut (and reported)
 
@@ -44,8 +45,8 @@ SENDS[W.UD_SEND_ONLY + 1] = (_ONLY, W.EXT_LEN[W.UD_SEND_ONLY] + 4, False, "UD_SE
 class _Part:
     """A Send being put together."""
 
-    __slots__ = ("chunks", "complete", "first_psn", "frames", "inv", "keep", "name", "psn",
-                 "size", "time")
+    __slots__ = ("bad_icrc", "chunks", "complete", "first_psn", "frames", "inv", "keep", "name",
+                 "psn", "size", "time")
 
     def __init__(self, psn: int, name: str, complete: bool, keep: bool) -> None:
         self.chunks: list[bytes] = []
@@ -53,6 +54,7 @@ class _Part:
         self.first_psn = self.psn = psn
         self.name, self.complete, self.keep, self.size = name, complete, keep, 0
         self.inv, self.time = False, 0.0
+        self.bad_icrc: list[int] = []
 
 
 class RoceSends:
@@ -62,9 +64,11 @@ class RoceSends:
         self._open: dict[tuple, _Part] = {}
 
     def packet(self, frame: int, time: float, src: bytes, dst: bytes, data: bytes,
-               start: int, end: int) -> list[RdmaMessage] | None:
-        """One RoCE packet (BTH at ``data[start]``, ICRC ending at ``end``); the messages it
-        ends, if any."""
+               start: int, end: int, net: int | None = None) -> list[RdmaMessage] | None:
+        """One RoCE packet (BTH at ``data[start]``, ICRC ending at ``end``, network header
+        at ``net`` when known); the messages it ends, if any. A message whose packets have
+        a wrong ICRC lists their frames in ``info["icrc_bad"]``: the receiving NIC dropped
+        them, so the message never arrived as the capture shows it."""
         spec = SENDS.get(data[start])
         if spec is None:
             return None
@@ -90,11 +94,15 @@ class RoceSends:
                 msg = self._message(key, [frame], chunk, name, inv, True,
                                     {"psn": psn, "last_psn": psn, "packets": 1})
                 msg.time = time
+                if net is not None and not icrc_ok(data, net, start, end):
+                    msg.info["icrc_bad"] = [frame]
                 return [*done, msg] if done else [msg]
             part = _Part(psn, name, position == _FIRST, looks_like_kbtp(chunk))
         part.psn, part.inv, part.time = psn, inv, time
         if part.keep:
             part.frames.append(frame)
+            if net is not None and not icrc_ok(data, net, start, end):
+                part.bad_icrc.append(frame)
             if part.size + len(chunk) <= MAX_MESSAGE:
                 part.chunks.append(chunk)
                 part.size += len(chunk)
@@ -121,6 +129,8 @@ class RoceSends:
                             complete, {"psn": part.first_psn, "last_psn": part.psn,
                                        "packets": len(part.frames)})
         msg.time = part.time
+        if part.bad_icrc:
+            msg.info["icrc_bad"] = part.bad_icrc
         return [msg]
 
     @staticmethod

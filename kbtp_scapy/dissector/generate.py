@@ -27,6 +27,7 @@ EXTRA_FIELDS = (
     ("request_in", "framenum", "Request in", "Frame of the request this message answers", "REQUEST"),
     ("time", "relative_time", "Response time", "Time from the request to this answer", None),
     ("data_for", "framenum", "Data for request in", "This RDMA transfer carries the block data of the KBTP request in that frame", "REQUEST"),
+    ("data_in", "framenum", "Data in", "An RDMA transfer in that frame carries this request's block data", None),
     ("ring.ticket", "uint32", "Ring Ticket", "Ticket of a FetchAdd on a ring counter advertised in HELLO_ACK", None),
     ("ring.slot_offset", "uint32", "Ring Slot Offset", "Slot Offset of a FetchAdd on a ring counter advertised in HELLO_ACK", None),
     ("session.addr_le", "bool", "ADDR_LE session", "Address fields decoded little-endian", None),
@@ -44,6 +45,12 @@ def _range_string(enum: T.Enumeration) -> str:
         lo, hi = enum.private_use
         rows.append(f"{{{lo:#x}, {hi:#x}, \"Private Use\"}}")
     return "{ " + ", ".join(rows) + " }"
+
+
+def _value_string(enum: T.Enumeration) -> str:
+    """The defined codes as a value string: display filters accept their names
+    (``kbtp.opcode == LOAD``); tshark 4.0 refuses names for range strings."""
+    return "{ " + ", ".join(f"[{v.value:#x}] = {_lua_str(v.name)}" for v in enum.values) + " }"
 
 
 def _flag_sets_of(f: T.Field) -> list[T.FlagSet]:
@@ -84,8 +91,8 @@ def _protofields() -> list[str]:
                        f'base.NONE, {_lua_str(f.doc)})')
             continue
         if f.enum is not None:
-            base = "base.RANGE_STRING + base.HEX" if f.hex else "base.RANGE_STRING"
-            vs = f"RS_{f.enum.name.upper()}"
+            base = "base.HEX" if f.hex else "base.DEC"
+            vs = f"VS_{f.enum.name.upper()}"
         else:
             base, vs = ("base.HEX" if f.hex else "base.DEC"), "nil"
         out.append(f'F[{_lua_str(key)}] = ProtoField.{_UINT[f.size]}({_lua_str(abbr)}, '
@@ -147,6 +154,15 @@ def _formats() -> list[str]:
         out.append(f"  [{_lua_str(key)}] = {_lua_str(fmt)},")
     out.append("}")
     out.append("local ENUMS = { " + ", ".join(f"{e.name} = RS_{e.name.upper()}" for e in T.ENUMERATIONS) + " }")
+    out.append("-- Fields whose Private Use values get a label of their own (the value string names only")
+    out.append("-- the defined codes): { lo, hi, label format }")
+    out.append("local PRIVATE = {")
+    for key, (f, _) in T.wire_fields().items():
+        if f.enum is not None and f.enum.private_use:
+            lo, hi = f.enum.private_use
+            shown = f"0x%0{2 * f.size}x" if f.hex else "%d"
+            out.append(f"  [{_lua_str(key)}] = {{ {lo:#x}, {hi:#x}, {_lua_str(f.title + ': Private Use (' + shown + ')')} }},")
+    out.append("}")
     return out
 
 
@@ -184,6 +200,8 @@ def _constants() -> list[str]:
     return [
         f"local VERSION = {T.VERSION}",
         f"local HEADER_SIZE = {T.HEADER_SIZE}",
+        "local AT = { " + ", ".join(f"{n} = {T.HEADER.offset(n)}" for n in ("version", "opcode", "request_id"))
+        + " }  -- offsets in the header",
         f"local PRIVATE_OPCODES = {{ {lo:#x}, {hi:#x} }}",
         f"local OPCODE = {{ {', '.join(f'{m.name} = {m.opcode:#04x}' for m in T.MESSAGES)} }}",
         f"local STATUS_OK = {T.STATUS.by_name()['OK']}",
@@ -206,13 +224,17 @@ def lua_source() -> str:
         "-- Layouts: kbtp-draft section names are given beside each group of fields.",
         "",
         "-- Load once: Wireshark may be given this file twice (the copy `kbtp dissector install`",
-        "-- put in the personal plugin folder, and -X lua_script:). Each script has globals of",
-        "-- its own, but protocols are Wireshark's: the second Proto() fails, and that copy",
-        "-- returns before it registers anything.",
+        "-- put in the personal plugin folder, and -X lua_script:), or have the C plugin",
+        "-- (packet-kbtp.c) too, which registers before any Lua script runs. Each script has",
+        "-- globals of its own, but protocols are Wireshark's: the second Proto() fails, and",
+        "-- that copy returns before it registers anything. It says nothing: Lua's print()",
+        "-- writes to tshark's standard output, and 4.0 gives Lua no log call; `kbtp dissector",
+        "-- install` says which form wins when both are installed.",
         'local registered, kbtp = pcall(Proto, "kbtp", "KV Cache Block Transfer Protocol")',
         "if not registered then return end",
         "",
         *(f"local RS_{e.name.upper()} = {_range_string(e)}" for e in T.ENUMERATIONS),
+        *(f"local VS_{e.name.upper()} = {_value_string(e)}" for e in T.ENUMERATIONS),
         "",
         "local F = {}",
         *_protofields(),
@@ -263,5 +285,6 @@ def fields_markdown() -> str:
 
 
 def outputs(outdir: Path) -> dict[Path, str]:
-    """The files the generator writes, with their contents."""
-    return {outdir / "kbtp.lua": lua_source(), outdir / "FIELDS.md": fields_markdown()}
+    """The files the generator writes, with their contents: both forms and the reference."""
+    from .generate_c import outputs as c_outputs
+    return {outdir / "kbtp.lua": lua_source(), outdir / "FIELDS.md": fields_markdown(), **c_outputs(outdir)}

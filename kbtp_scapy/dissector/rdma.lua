@@ -113,10 +113,11 @@ local function find(list, stag, th, tl, kind)
     end
 end
 
-local function expectation(req, name, stag, h, l, len)
+-- ``st``: the request's per-message state, which lists the frames of its data (data_in).
+local function expectation(req, name, stag, h, l, len, st)
     local hh, hl = add64(h, l, len)
     if not le64(h, l, hh, hl) then hh, hl = TWO32 - 1, TWO32 - 1 end  -- wrapped: to the top
-    return { req = req, name = name, stag = stag, loh = h, lol = l, hih = hh, hil = hl }
+    return { req = req, name = name, stag = stag, loh = h, lol = l, hih = hh, hil = hl, st = st }
 end
 
 -- ---- the ring counter rule (kbtp-draft "Free-Block Ring"; RFC 7306 masked FetchAdd) --------
@@ -200,7 +201,7 @@ HOOKS[#HOOKS + 1] = {
             if not (stag and off and len) or len == 0 then return end
             local r = arm(rdma_state(conn, pinfo, true))
             local h, l = hl64(off)
-            local e = expectation(number, msg.name, stag, h, l, len)
+            local e = expectation(number, msg.name, stag, h, l, len, st)
             e.kind = op == OPCODE.LOAD and "write" or "read"
             push(r.xfers, e)
         elseif op == OPCODE.HELLO_ACK and values.status == STATUS_OK then
@@ -326,7 +327,8 @@ local function send_of(tvb, d)
     local ctrl, rctrl = s:byte(3, 4)
     if bit32.band(ctrl, 0xff) ~= 0x41 or bit32.band(rctrl, 0xf0) ~= 0x40 or u32(s, 17) ~= 0 then return end
     if ulen < 18 + HEADER_SIZE or d + ulen > tvb:len() then return end
-    local key = send_key(s:byte(22), s:sub(25, 32))
+    local m = 21                               -- where the message starts in ``s``, 1-based
+    local key = send_key(s:byte(m + AT.opcode), s:sub(m + AT.request_id, m + AT.request_id + 7))
     return { t = "iwarp", kind = "send", off = d + 18, len = ulen - 18, key = key }
 end
 
@@ -387,13 +389,15 @@ local function transport_of(tvb)
         et = tvb:range(off, 2):uint()
     end
     off = off + 2
+    -- The fourth value: the frame is cut short of the length its IP header gives.
     if et == 0x0800 and off + 20 <= len then
         local vihl = tvb:range(off, 1):uint()
         if bit32.rshift(vihl, 4) ~= 4 or bit32.band(tvb:range(off + 6, 2):uint(), 0x3fff) ~= 0 then return end
-        return tvb:range(off + 9, 1):uint(), off + 4 * bit32.band(vihl, 0xf),
-               math.min(len, off + tvb:range(off + 2, 2):uint())
+        local stop = off + tvb:range(off + 2, 2):uint()
+        return tvb:range(off + 9, 1):uint(), off + 4 * bit32.band(vihl, 0xf), math.min(len, stop), stop > len
     elseif et == 0x86dd and off + 40 <= len then
-        return tvb:range(off + 6, 1):uint(), off + 40, math.min(len, off + 40 + tvb:range(off + 4, 2):uint())
+        local stop = off + 40 + tvb:range(off + 4, 2):uint()
+        return tvb:range(off + 6, 1):uint(), off + 40, math.min(len, stop), stop > len
     end
 end
 
@@ -411,12 +415,14 @@ local function fpdus(s, crc)
 end
 
 local function ops_from_bytes(tvb, pinfo)
-    local proto, l4, stop = transport_of(tvb)
+    local proto, l4, stop, cut = transport_of(tvb)
     if proto == 17 and armed_roce and l4 + 8 <= stop and tvb:range(l4 + 2, 2):uint() == PORT_ROCEV2 then
         local s = raw(tvb, l4 + 8, 44)
         if #s < 12 or not ROCE_INTERESTING[s:byte(1)] then return end
         return read_bth(s), true
-    elseif proto == 6 and armed_iwarp and l4 + 20 <= stop then
+    elseif proto == 6 and armed_iwarp and l4 + 20 <= stop and not cut then
+        -- A segment cut short by the snap length: tshark's MPA does not decode its FPDUs
+        -- either (so with a tree, no field would be there).
         local p = l4 + 4 * bit32.rshift(tvb:range(l4 + 12, 1):uint(), 4)
         if p >= stop then return end
         local s, d = endpoints(pinfo, false)
@@ -454,7 +460,7 @@ local function data_label(e, kind)
     local m = memo[kind]
     if not m then
         m = { req = e.req, text = ", " .. WHAT[kind] .. " for " .. e.name .. " in frame " .. e.req,
-              info = "KBTP data for " .. e.req }
+              info = "KBTP data for " .. e.req, st = e.st }
         memo[kind] = m
     end
     return m
@@ -507,7 +513,7 @@ local function match_iwarp(r, o, to_ini)
         local e = to_ini and find(r.xfers, o.stag, o.th, o.tl, "read")
         if not e then return end
         -- The Read Response is tagged with the request's sink STag and TO.
-        push(r.sinks, expectation(e.req, e.name, o.sink_stag, o.sh, o.sl, o.size))
+        push(r.sinks, expectation(e.req, e.name, o.sink_stag, o.sh, o.sl, o.size, e.st))
         return data_label(e, kind)
     elseif kind == "read_resp" and not to_ini then
         local e = find(r.sinks, o.stag, o.th, o.tl)
@@ -649,7 +655,155 @@ local function more_sends(candidates, seen, tvb, pinfo, tree)
     pinfo.cols.info = table.concat(infos, "; ")
 end
 
+-- ---- payloads the heuristics deferred (runtime.lua's defer()) ---------------------------------
+local ROCEV1 = 0x8915
+
+-- The BTH opcode and PadCnt of a RoCEv2 or RoCEv1 frame, or nil.
+local function bth_of(tvb)
+    local proto, l4, stop = transport_of(tvb)
+    local b
+    if proto == 17 and l4 + 12 <= stop and tvb:range(l4 + 2, 2):uint() == PORT_ROCEV2 then
+        b = l4 + 8
+    elseif proto == nil and Tvb_len(tvb) >= 14 + 40 + 12 and tvb:range(12, 2):uint() == ROCEV1 then
+        b = 14 + 40                              -- Ethernet, GRH, BTH
+    else
+        return nil
+    end
+    local opcode, flags = Tvb_raw(tvb, b, 2):byte(1, 2)
+    return opcode, bit32.band(bit32.rshift(flags, 4), 3)
+end
+
+-- iWARP: whether an untagged Send's headers (DDP 6, RDMAP 12 octets) end at ``off``.
+local function after_send_header(tvb, off)
+    if off < 18 then return false end
+    local ctrl, rctrl = Tvb_raw(tvb, off - 18, 2):byte(1, 2)
+    return bit32.band(ctrl, 0xbf) == 0x01 and bit32.band(rctrl, 0xf0) == 0x40
+        and IW_SEND[bit32.band(rctrl, 0x0f)] == true
+end
+
+-- ---- the ICRC (tshark 4.0 shows infiniband.invariant.crc but never checks it) -------------
+-- As runtime.c's check_icrc: CRC-32 over 8 octets of ones, the network header with its
+-- variant fields set to ones, the UDP header with its checksum set to ones (RoCEv2), the
+-- BTH with its reserved octet set to ones, and the rest up to the ICRC. First pass only.
+-- Slicing by 4 (four tables): per 4 octets one string.byte and two bit32.bxor calls, the
+-- octets split with arithmetic, which costs next to nothing beside a call into C.
+local CRC0, CRC1, CRC2, CRC3 = {}, {}, {}, {}
+for i = 0, 255 do
+    local c = i
+    for _ = 1, 8 do
+        if c % 2 == 1 then c = bit32.bxor((c - 1) / 2, 0xEDB88320) else c = c / 2 end
+    end
+    CRC0[i] = c
+end
+for i = 0, 255 do
+    local c1 = bit32.bxor(CRC0[CRC0[i] % 256], (CRC0[i] - CRC0[i] % 256) / 256)
+    local c2 = bit32.bxor(CRC0[c1 % 256], (c1 - c1 % 256) / 256)
+    CRC1[i], CRC2[i] = c1, c2
+    CRC3[i] = bit32.bxor(CRC0[c2 % 256], (c2 - c2 % 256) / 256)
+end
+
+local function crc32(s, crc)
+    local bxor, byte = bit32.bxor, string.byte
+    crc = bit32.bnot(crc or 0)
+    local n = #s
+    local i = 1
+    while i + 3 <= n do
+        local a, b, c, d = byte(s, i, i + 3)
+        local x = bxor(crc, a + b * 256 + c * 65536 + d * 16777216)
+        local x0 = x % 256
+        x = (x - x0) / 256
+        local x1 = x % 256
+        x = (x - x1) / 256
+        local x2 = x % 256
+        crc = bxor(CRC3[x0], CRC2[x1], CRC1[x2], CRC0[(x - x2) / 256])
+        i = i + 4
+    end
+    for j = i, n do
+        local x = bxor(crc, byte(s, j)) % 256
+        crc = bxor(CRC0[x], (crc - crc % 256) / 256)
+    end
+    return bit32.bnot(crc)
+end
+local LRH_CRC = crc32(string.rep("\255", 8))
+
+local function set(s, i, octets)  -- ``s`` with the octets at 0-based ``i`` replaced
+    return s:sub(1, i) .. octets .. s:sub(i + #octets + 1)
+end
+
+-- { got, want } of a RoCE frame's ICRC, or nil when the frame is cut short or not RoCE.
+-- One read of the frame's octets; the rest is string arithmetic.
+local function icrc_of(tvb)
+    local len = Tvb_len(tvb)
+    if len < 14 or tvb:reported_len() ~= len then return nil end
+    local s = Tvb_raw(tvb, 0, len)
+    local function u16(i) local a, b = s:byte(i + 1, i + 2) return a * 256 + b end
+    local off, et = 12, u16(12)
+    while (et == 0x8100 or et == 0x88a8) and off + 6 <= len do
+        off = off + 4
+        et = u16(off)
+    end
+    local net, bth, stop = off + 2
+    if et == 0x0800 and net + 20 <= len then
+        local vihl = s:byte(net + 1)
+        local ihl = 4 * (vihl % 16)
+        if vihl - vihl % 16 ~= 0x40 or s:byte(net + 10) ~= 17 or ihl < 20 then return nil end
+        bth, stop = net + ihl + 8, net + u16(net + 2)
+    elseif et == 0x86dd and net + 40 <= len then
+        if s:byte(net + 7) ~= 17 then return nil end
+        bth, stop = net + 48, net + 40 + u16(net + 4)
+    elseif et == ROCEV1 and net + 40 <= len then
+        bth, stop = net + 40, net + 40 + u16(net + 4)
+    else
+        return nil
+    end
+    if stop > len or stop < bth + 16 or (et ~= ROCEV1 and u16(bth - 6) ~= PORT_ROCEV2) then return nil end
+    local h = s:sub(net + 1, bth + 12)
+    if et == 0x0800 then
+        h = set(set(set(h, 1, "\255"), 8, "\255"), 10, "\255\255")
+    else
+        h = set(set(h, 0, string.char(bit32.bor(h:byte(1), 0x0f)) .. "\255\255\255"), 7, "\255")
+    end
+    if et ~= ROCEV1 then h = set(h, bth - net - 2, "\255\255") end
+    h = set(h, bth - net + 4, "\255")
+    local want = crc32(s:sub(bth + 13, stop - 4), crc32(h, LRH_CRC))
+    local a, b, c, d = s:byte(stop - 3, stop)
+    return { got = ((d * 256 + c) * 256 + b) * 256 + a, want = want }
+end
+
+local function show_icrc(st)
+    local v = st.icrc
+    if v and v.got ~= v.want and st.root then
+        Tree_add_expert(st.root, E.icrc, string.format(
+            "ICRC 0x%08x is wrong (0x%08x is right): the receiving NIC drops this packet", v.got, v.want))
+    end
+end
+
+local function resolve_deferred(list, tvb, pinfo, tree)
+    for _, d in ipairs(list) do
+        local off, n = d.off, d.n
+        -- In the frame itself (not a reassembled Send): the headers before it say what it is.
+        local framed = off + n <= Tvb_len(tvb) and Tvb_raw(tvb, off, #d.head) == d.head
+        if d.roce then
+            resolve(tvb:range(off, n):tvb(), pinfo, tree, true, bth_of(tvb))
+        elseif not framed then
+            -- Reassembled: by iWARP (Sends only; the message starts its tvb) or by TCP for
+            -- MPA (the FPDU starts its tvb: 2 octets of ULPDU Length, then 18 octets of
+            -- untagged or 14 of tagged headers). A tagged payload starts at 16.
+            if off ~= 2 + 14 then resolve(d.data:tvb("Reassembled KBTP message"), pinfo, tree, false) end
+        elseif after_send_header(tvb, off) then
+            resolve(tvb:range(off, n):tvb(), pinfo, tree, false)
+        end
+    end
+end
+
 function rdma_context.dissector(tvb, pinfo, tree)
+    local later = deferred_of(pinfo.number)
+    if later then resolve_deferred(later, tvb, pinfo, tree) end
+    local st = frames[pinfo.number]
+    if st and st.roce and st.kbtp then
+        if not pinfo.visited then st.icrc = pref_check_icrc and icrc_of(tvb) or false end
+        show_icrc(st)
+    end
     if not armed then return end  -- no KBTP session expecting RDMA: nothing marked either
     local n = pinfo.number
     if claimed == n then return end  -- a RoCEv2 frame that carried a KBTP message
@@ -681,6 +835,12 @@ function rdma_context.dissector(tvb, pinfo, tree)
             m = label(flow, o, n)
         end
         if m then
+            local req = m.st   -- the request lists its data frames, once each
+            if req then
+                local list = req.data_in or {}
+                req.data_in = list
+                if list[#list] ~= n then list[#list + 1] = n end
+            end
             if not mark then
                 mark = m
             elseif mark.many then

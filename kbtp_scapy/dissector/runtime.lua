@@ -23,8 +23,10 @@ local E = {
                               expert.group.SEQUENCE, expert.severity.WARN),
     ring = ProtoExpert.new("kbtp.expert.ring", "FetchAdd on a ring counter with the wrong Add Data or Add Mask",
                            expert.group.PROTOCOL, expert.severity.WARN),
+    icrc = ProtoExpert.new("kbtp.expert.icrc", "Wrong RoCE ICRC: the receiving NIC drops this packet",
+                           expert.group.CHECKSUM, expert.severity.ERROR),
 }
-kbtp.experts = { E.status, E.malformed, E.undefined_flags, E.unanswered, E.credits, E.ring }
+kbtp.experts = { E.status, E.malformed, E.undefined_flags, E.unanswered, E.credits, E.ring, E.icrc }
 
 local fieldlist = {}
 for _, f in pairs(F) do fieldlist[#fieldlist + 1] = f end
@@ -33,11 +35,14 @@ kbtp.fields = fieldlist
 kbtp.prefs.addr_le = Pref.enum("Address byte order (auto: follow HELLO_ACK; on: ADDR_LE; off: network)",
     1, "Byte order of address fields for sessions whose HELLO_ACK is not in the capture",
     { { 1, "auto", 1 }, { 2, "on", 2 }, { 3, "off", 3 } }, false)
+kbtp.prefs.check_icrc = Pref.bool("Check the RoCE ICRC", true,
+    "Mark KBTP frames whose RoCEv2 or RoCEv1 ICRC is wrong (kbtp.expert.icrc); off saves its cost")
 
 -- RDMA context, read with field extractors (the C structs do not reach Lua).
 local X = {
     bth_opcode = Field.new("infiniband.bth.opcode"),
     bth_padcnt = Field.new("infiniband.bth.padcnt"),
+    ddp_tagged = Field.new("iwarp_ddp.tagged_flag"),
 }
 
 local byte, sub, format = string.byte, string.sub, string.format
@@ -84,16 +89,18 @@ local frames  -- frame number -> per-frame result (kept for revisits: -2, GUI)
 local reasm   -- RoCEv2 Send reassembly, per direction and QP
 local HOOKS = {}  -- functions(conn, st, values, msg, pinfo) run on first pass after a message
 local pref_addr_le  -- kbtp.prefs.addr_le, read once per dissection pass
+local pref_check_icrc  -- kbtp.prefs.check_icrc, likewise
+local deferred  -- frame number -> payloads claimed without a tree, for rdma.lua (see defer())
 
 local function reset()
-    conns, frames, reasm = {}, {}, {}
-    pref_addr_le = kbtp.prefs.addr_le
+    conns, frames, reasm, deferred = {}, {}, {}, {}
+    pref_addr_le, pref_check_icrc = kbtp.prefs.addr_le, kbtp.prefs.check_icrc
     for _, hook in ipairs(HOOKS) do
         if hook.init then hook.init() end
     end
 end
 kbtp.init = reset
-kbtp.prefs_changed = function() pref_addr_le = kbtp.prefs.addr_le end
+kbtp.prefs_changed = function() pref_addr_le, pref_check_icrc = kbtp.prefs.addr_le, kbtp.prefs.check_icrc end
 reset()
 
 local function endpoint(addr, port)
@@ -136,6 +143,7 @@ local function prepare(items)
         else
             item.field = F[item.key]
             item.keep = EXPERT_AT[item.key]
+            item.private = PRIVATE[item.key]
         end
     end
 end
@@ -219,7 +227,13 @@ local function walk(items, tvb, s, off, tree, ctx)
                 values[item.key] = value_at(s, off + 1, size, le)
                 if tree then
                     local range = Tvb_range(tvb, off, size)
-                    local ti = (le and Tree_add_le or Tree_add)(tree, item.field, range)
+                    local ti
+                    local private, v = item.private, values[item.key]
+                    if private and v >= private[1] and v <= private[2] then
+                        ti = Tree_add(tree, item.field, range, v, format(private[3], v))
+                    else
+                        ti = (le and Tree_add_le or Tree_add)(tree, item.field, range)
+                    end
                     if item.keep then ctx.items[item.key] = ti end
                     local set = item.flagset
                     if set == true then set = ctx.msg and ctx.msg.flagset end
@@ -437,6 +451,10 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
         Tree_set_generated(Tree_add(root, F.time, nstime(st.delta)))
     end
     if st.response_in then Tree_set_generated(Tree_add(root, F.response_in, st.response_in)) end
+    local data_in = st.data_in   -- filled by rdma.lua as the transfers are seen
+    if data_in then
+        for i = 1, #data_in do Tree_set_generated(Tree_add(root, F.data_in, data_in[i])) end
+    end
     -- Each expert under the item it is about (the message itself for a malformed layout).
     local items = ctx.items
     if problem then root:add_proto_expert_info(E.malformed, problem) end
@@ -458,6 +476,7 @@ local function dissect_message(tvb, s, len, pinfo, visited, number, tree, key, s
     if problem then info = info .. " [Malformed]" end
     Tree_append_text(root, ", " .. info)
     st.info = info
+    st.root = root   -- for rdma.lua's ICRC check, while this packet is dissected
     return info
 end
 
@@ -508,8 +527,7 @@ end
 -- lengths, because a first pass without a tree (tshark -2) gets no BTH fields: FIRST and
 -- MIDDLE packets carry exactly one path MTU and no pad; LAST carries the rest plus the pad
 -- to 4 octets; ONLY the whole message plus its pad. BTH fields, when there, must agree.
-local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
-    local opcode = last(X.bth_opcode)
+local function classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode, padcnt)
     local kind = opcode and send_kind(opcode)
     if kind == false then return nil end
     local dir = next(reasm) ~= nil and (src .. ">" .. dst .. "/" .. pinfo.dst_port)
@@ -546,7 +564,7 @@ local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
     if not op then return nil end
     local conn = conns[key]
     local msg = MESSAGES[op]
-    local pad = kind == "only" and last(X.bth_padcnt) or nil
+    local pad = kind == "only" and padcnt or nil
     if pad == nil and msg then     -- a first packet, or no BTH fields: the header decides
         local ctx = read_message(nil, s, n, msg, (conn and conn.le) or pref_addr_le == 2)
         local declared = declared_of(ctx)
@@ -567,6 +585,83 @@ local function classify_roce(tvb, s, n, pinfo, number, key, src, dst)
     return message_state(number, key, true, n - (pad or 0), pad == nil)
 end
 
+-- ---- the first pass without a protocol tree -------------------------------------------------
+-- Only Sends carry KBTP messages, never the data of an RDMA Write or Read Response, however
+-- it begins. With a tree the BTH opcode and the DDP Tagged flag say which; without one (the
+-- first pass of tshark -2, or tshark -r without a filter or -V) no field extractor answers,
+-- and the headers that say it lie before the tvb a heuristic is given. So the heuristic
+-- claims the payload for now and notes where it lies in the frame; rdma.lua's
+-- postdissector, which runs next on the same frame and sees all of it, reads the RDMA
+-- header there and decodes the payload with first_sight() or lets it go (resolve()).
+local function defer(tvb, pinfo, n, roce)
+    local number = pinfo.number
+    local list = deferred[number]
+    if not list then
+        list = {}
+        deferred[number] = list
+    end
+    list[#list + 1] = { roce = roce, off = tvb:offset(), n = n, head = octets(tvb, n), data = tvb:bytes() }
+end
+
+-- First pass: decide on ``tvb`` (``n`` octets, ``s`` its fixed part) as the RDMA header
+-- said (``opcode``: the BTH opcode, or nil on iWARP), and decode it when it is KBTP.
+local function first_sight(tvb, s, n, pinfo, tree, roce, opcode, padcnt)
+    local number = pinfo.number
+    local st
+    if roce then
+        local src, dst = tostring(pinfo.src), tostring(pinfo.dst)
+        local key = roce_key(src, dst)
+        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst, opcode, padcnt)
+        if not st then return false end
+        st.kbtp, st.key, st.roce = true, key, true  -- fragments too
+    else
+        local key = iwarp_key(pinfo)
+        if not recognise(s, n, conns[key]) then return false end
+        st = message_state(number, key, false)
+    end
+    return st
+end
+
+-- Show a frame's KBTP message or fragment (both passes).
+local function show_roce(tvb, s, n, pinfo, visited, number, tree, st)
+    if st.len then               -- one packet: dissect it in place
+        local pad = st.pad_unknown and last(X.bth_padcnt)
+        if pad and pad > 0 and pad < st.len then   -- first seen without BTH fields
+            st.len, st.pad_unknown = st.len - pad, false
+        end
+        set_columns(pinfo, dissect_message(tvb, s or octets(tvb, st.len), st.len, pinfo, visited, number,
+                                           tree, st.key, st))
+    elseif st.message then       -- reassembled: a new data source
+        local msg_tvb = st.message:tvb("Reassembled KBTP message")
+        local len = msg_tvb:len()
+        set_columns(pinfo, dissect_message(msg_tvb, octets(msg_tvb, len), len, pinfo, visited, number,
+                                           tree, st.key, st))
+    else
+        local item = tree:add(kbtp, tvb:range(0, n), "KBTP fragment")
+        st.root = item
+        if st.fragment_in then item:add(F.fragment_in, st.fragment_in):set_generated() end
+        if st.broken then
+            item:add_proto_expert_info(E.malformed, "Send fragment that does not continue the message as its header said")
+        end
+        set_columns(pinfo, "KBTP fragment" .. (st.fragment_in and (" (message in " .. st.fragment_in .. ")") or "")
+                           .. (st.broken and " [reassembly failed]" or ""))
+    end
+end
+
+-- rdma.lua, first pass: the payload a heuristic deferred (``tvb``, from the frame), now that
+-- the RDMA header says it is a Send (``opcode``, ``padcnt``: the BTH's on RoCE).
+local function resolve(tvb, pinfo, tree, roce, opcode, padcnt)
+    local n = Tvb_len(tvb)
+    local s = octets(tvb, n)
+    local st = first_sight(tvb, s, n, pinfo, tree, roce, opcode, padcnt)
+    if not st then return end
+    if roce then
+        show_roce(tvb, s, n, pinfo, false, pinfo.number, tree, st)
+    else
+        set_columns(pinfo, dissect_message(tvb, s, n, pinfo, false, pinfo.number, tree, st.key, st))
+    end
+end
+
 -- RoCEv2 / InfiniBand: Sends reach us packet by packet with their pad; reassemble
 -- FIRST/MIDDLE/LAST per direction and QP, and claim every fragment, so no other
 -- heuristic misreads the continuation packets.
@@ -583,51 +678,38 @@ local function heur_infiniband(tvb, pinfo, tree)
         -- Not a KBTP header and no Send being reassembled: not ours (RDMA Writes, other
         -- protocols), before any further call into Wireshark.
         if next(reasm) == nil and not header_ok(s, n) then return false end
-        local src, dst = tostring(pinfo.src), tostring(pinfo.dst)
-        local key = roce_key(src, dst)
-        st = classify_roce(tvb, s, n, pinfo, number, key, src, dst)
+        local opcode = last(X.bth_opcode)
+        if opcode == nil then
+            defer(tvb, pinfo, n, true)
+            return true
+        end
+        st = first_sight(tvb, s, n, pinfo, tree, true, opcode, last(X.bth_padcnt))
         if not st then return false end
-        st.kbtp, st.key, st.roce = true, key, true  -- fragments too
     end
-    if st.len then               -- one packet: dissect it in place
-        local pad = st.pad_unknown and last(X.bth_padcnt)
-        if pad and pad > 0 and pad < st.len then   -- first seen without BTH fields
-            st.len, st.pad_unknown = st.len - pad, false
-        end
-        set_columns(pinfo, dissect_message(tvb, s or octets(tvb, st.len), st.len, pinfo, visited, number,
-                                           tree, st.key, st))
-    elseif st.message then       -- reassembled: a new data source
-        local msg_tvb = st.message:tvb("Reassembled KBTP message")
-        local len = msg_tvb:len()
-        set_columns(pinfo, dissect_message(msg_tvb, octets(msg_tvb, len), len, pinfo, visited, number,
-                                           tree, st.key, st))
-    else
-        local item = tree:add(kbtp, tvb:range(0, n), "KBTP fragment")
-        if st.fragment_in then item:add(F.fragment_in, st.fragment_in):set_generated() end
-        if st.broken then
-            item:add_proto_expert_info(E.malformed, "Send fragment that does not continue the message as its header said")
-        end
-        set_columns(pinfo, "KBTP fragment" .. (st.fragment_in and (" (message in " .. st.fragment_in .. ")") or "")
-                           .. (st.broken and " [reassembly failed]" or ""))
-    end
+    show_roce(tvb, s, n, pinfo, visited, number, tree, st)
     return true
 end
 
--- iWARP: Wireshark reassembles Sends; the heuristic sees whole messages.
+-- iWARP: Wireshark reassembles Sends; the heuristic sees whole messages, and the data of
+-- tagged RDMA Writes and Read Responses, which are never KBTP messages.
 local function heur_iwarp(tvb, pinfo, tree)
     local number, visited = pinfo.number, pinfo.visited
     local st = frames[number]
     local n = Tvb_len(tvb)
-    local s
+    local s = octets(tvb, n)
     if visited then
         if not st or not st.kbtp then return false end
-        s = octets(tvb, n)
     else
-        s = octets(tvb, n)
         if not header_ok(s, n) then return false end
-        local key = iwarp_key(pinfo)
-        if not recognise(s, n, conns[key]) then return false end
-        st = message_state(number, key, false)
+        local tagged = last(X.ddp_tagged)
+        if tagged then return false end
+        if tagged == nil then    -- no tree: see defer()
+            if not recognise(s, n, conns[iwarp_key(pinfo)]) then return false end
+            defer(tvb, pinfo, n, false)
+            return true
+        end
+        st = first_sight(tvb, s, n, pinfo, tree, false)
+        if not st then return false end
     end
     set_columns(pinfo, dissect_message(tvb, s, n, pinfo, visited, number, tree, st.key, st))
     return true
@@ -653,4 +735,10 @@ end
 local function frame_info(number)
     local st = frames[number]
     return st and st.info
+end
+
+local function deferred_of(number)
+    local list = deferred[number]
+    if list then deferred[number] = nil end
+    return list
 end
