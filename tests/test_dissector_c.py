@@ -127,12 +127,20 @@ def test_plugin_builds_at_wall_wextra_without_a_warning(c_plugin, tmp_path):  # 
     assert c_plugin.exists()
 
 
-def test_install_chooses_the_c_plugin_and_says_why(tmp_path):
+def test_install_chooses_a_form_and_says_why(tmp_path):
+    """The C plugin when it builds and Wireshark will load it; as root (Wireshark then reads
+    no personal plugin folder) kbtp.lua, unless --c says otherwise."""
     env = private_home(tmp_path)
     kbtp = [sys.executable, "-m", "kbtp_scapy", "dissector"]
     proc = subprocess.run([*kbtp, "install"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("installing the C plugin: gcc and the Wireshark headers are here")
+    if os.geteuid() == 0:
+        assert proc.stdout.startswith("installing the Lua plugin: Wireshark 4.0 reads no personal plugin folder "
+                                      "when run as root"), proc.stdout
+        proc = subprocess.run([*kbtp, "install", "--c"], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0 and "registers first and kbtp.lua steps aside" in proc.stdout, proc.stdout
+    else:
+        assert proc.stdout.startswith("installing the C plugin: gcc and the Wireshark headers are here")
     installed = [Path(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("installed ")]
     assert len(installed) == 1 and installed[0].name == "kbtp.so" and installed[0].parent.name == "epan"
     proc = subprocess.run([*kbtp, "install", "--lua"], capture_output=True, text=True, env=env, timeout=120)
