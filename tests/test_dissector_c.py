@@ -249,10 +249,12 @@ def _srt_rows(text: str) -> dict[str, dict[str, tuple[int, float, float]]]:
     return tables
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("pcap", [p for p in PCAPS if "session" in p.name], ids=lambda p: p.name)
-def test_service_response_time_per_opcode_and_status(c_plugin, pcap):  # noqa: F811
-    """-z kbtp,srt (the C form): count, min and max per request opcode, and per opcode and
-    status of the answer, against the pairs `kbtp decode` finds and their frame times."""
+def test_service_response_time_per_opcode_and_status(c_plugin, pcap, form):  # noqa: F811
+    """-z kbtp,srt (the C form; the Lua form prints the same tables with -o kbtp.srt:TRUE):
+    count, min and max per request opcode, and per opcode and status of the answer,
+    against the pairs `kbtp decode` finds and their frame times."""
     from kbtp_scapy import tables as T
     pending, pairs = {}, []
     for m in _decoded(pcap):
@@ -271,7 +273,8 @@ def test_service_response_time_per_opcode_and_status(c_plugin, pcap):  # noqa: F
     for op, status, dt in pairs:
         want_ops.setdefault(op, []).append(dt)
         want_status.setdefault(f"{op} {status}", []).append(dt)
-    got = _srt_rows(run_form("c", c_plugin, pcap, "-q", "-z", "kbtp,srt").stdout)
+    stats = ("-z", "kbtp,srt") if form == "c" else ("-o", "kbtp.srt:TRUE")
+    got = _srt_rows(run_form(form, c_plugin, pcap, "-q", *stats).stdout)
     for table, want in (("Opcode", want_ops), ("status", want_status)):
         assert set(got[table]) == set(want), table
         for name, times in want.items():
