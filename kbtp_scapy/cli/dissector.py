@@ -42,7 +42,7 @@ def dissector() -> None:
                                          # FIELDS.md) and kbtp_scapy/vocab.py
       kbtp dissector generate --check    # exit 1 if the committed files are stale
       kbtp dissector build --out /tmp/kbtp-plugin   # compile the C plugin (gcc, pkg-config, libwireshark-dev)
-      kbtp dissector install             # the C plugin if it builds here, else kbtp.lua
+      kbtp dissector install             # the C plugin if it builds here (kbtp.lua as root)
       kbtp dissector install --lua       # kbtp.lua into your personal Lua plugin folder
       kbtp dissector uninstall           # remove whichever is installed
       tshark -X lua_script:$(kbtp dissector path) -r pcaps/roce_session.pcap
@@ -151,11 +151,15 @@ def _ours_c(path: Path) -> bool:
                    "(for --c: the folder that holds the epan plugins).")
 def install(form: str | None, folder: Path | None) -> None:
     """Install the dissector where Wireshark and tshark load it: the C plugin when a compiler
-    and the Wireshark headers are here, else kbtp.lua (--c and --lua choose)."""
+    and the Wireshark headers are here, else kbtp.lua (--c and --lua choose). As root,
+    kbtp.lua: Wireshark reads no personal plugin folder then, but it does load Lua plugins."""
     missing = toolchain_missing()
     if form is None:
-        form = "lua" if missing else "c"
+        as_root = os.geteuid() == 0 and folder is None
+        form = "lua" if missing or as_root else "c"
         why = (f"the C plugin cannot be built here: {missing}" if missing
+               else f"Wireshark {version_folder()} reads no personal plugin folder when run as root, so the "
+                    "C plugin would not load (--c installs it anyway)" if as_root
                else "gcc and the Wireshark headers are here, so the C plugin (native speed)")
         click.echo(f"installing the {'Lua' if form == 'lua' else 'C'} plugin: {why}")
     if form == "lua":

@@ -13,7 +13,7 @@ from .. import __version__, tables as T
 from ..wire.address import ROCE_PORT
 
 #: Hand-written Lua appended after the generated declarations, in this order.
-RUNTIME_PARTS = tuple(Path(__file__).with_name(n) for n in ("runtime.lua", "rdma.lua", "register.lua"))
+RUNTIME_PARTS = tuple(Path(__file__).with_name(n) for n in ("runtime.lua", "rdma.lua", "srt.lua", "register.lua"))
 
 #: First line of kbtp.lua: how ``kbtp dissector uninstall`` knows a file is this plugin.
 HEADER_LINE = "-- KBTP (KV Cache Block Transfer Protocol) dissector for Wireshark 4.0 and newer."

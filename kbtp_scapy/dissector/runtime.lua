@@ -87,7 +87,7 @@ end
 local conns   -- conversation key -> { le, credits, outstanding, pending = {[rid] = req} }
 local frames  -- frame number -> per-frame result (kept for revisits: -2, GUI)
 local reasm   -- RoCEv2 Send reassembly, per direction and QP
-local HOOKS = {}  -- functions(conn, st, values, msg, pinfo) run on first pass after a message
+local HOOKS = {}  -- { init, message(conn, st, values, msg, pinfo) on first pass after a message, prefs }
 local pref_addr_le  -- kbtp.prefs.addr_le, read once per dissection pass
 local pref_check_icrc  -- kbtp.prefs.check_icrc, likewise
 local deferred  -- frame number -> payloads claimed without a tree, for rdma.lua (see defer())
@@ -100,7 +100,12 @@ local function reset()
     end
 end
 kbtp.init = reset
-kbtp.prefs_changed = function() pref_addr_le, pref_check_icrc = kbtp.prefs.addr_le, kbtp.prefs.check_icrc end
+kbtp.prefs_changed = function()
+    pref_addr_le, pref_check_icrc = kbtp.prefs.addr_le, kbtp.prefs.check_icrc
+    for _, hook in ipairs(HOOKS) do
+        if hook.prefs then hook.prefs() end
+    end
+end
 reset()
 
 local function endpoint(addr, port)
@@ -406,7 +411,7 @@ local function track(pinfo, number, conn, st, msg, values)
     if not msg then return end
     local rid = values.request_id
     if msg.answer then
-        conn.pending[rid] = { frame = number, st = st, ts = pinfo.abs_ts, answer = msg.answer }
+        conn.pending[rid] = { frame = number, st = st, ts = pinfo.abs_ts, answer = msg.answer, op = op }
         if msg.answer == OPCODE.COMPLETION then
             conn.outstanding = conn.outstanding + 1
             if conn.credits and conn.outstanding > conn.credits then
@@ -418,6 +423,7 @@ local function track(pinfo, number, conn, st, msg, values)
         if req and req.answer == op then
             conn.pending[rid] = nil
             st.request_in, st.delta = req.frame, pinfo.abs_ts - req.ts
+            st.req_op, st.status = req.op, values.status    -- for srt.lua
             req.st.response_in = number      -- the request's own state: two may share a frame
             if op == OPCODE.COMPLETION then conn.outstanding = conn.outstanding - 1 end
         else
