@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
+
+from .errors import OutputClosed
 
 #: subcommand -> module of this package defining it; imported only when that command runs,
 #: so ``kbtp target`` does not pay for Scapy's layers in start-up time and memory.
@@ -63,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.Abort:
         click.echo("kbtp: aborted", err=True)
         return 130
-    except BrokenPipeError:
+    except (BrokenPipeError, OutputClosed):   # ``| head`` has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())     # nor a second complaint at exit's flush
         return 0
     return 0
 

@@ -10,6 +10,7 @@ import click
 
 from .. import tables as T
 from ..layers.kbtp import _write_word, build_packet
+from .errors import file_trouble
 
 #: opcodes the target sends: a pcap carries them target-to-initiator unless told otherwise
 RESPONSES = {T.BY_NAME[m.answer].opcode for m in T.MESSAGES if m.answer}
@@ -194,7 +195,10 @@ def craft(opcode: str, inline_data_file, trailer: str | None, addr_le: bool, fmt
             raise click.UsageError("--format pcap needs -o FILE")
         from ..builders.recorder import write_pcap
         by_target = op in RESPONSES if from_target is None else from_target
-        write_pcap(output, transport, [("response" if by_target else "request", wire)])
+        try:
+            write_pcap(output, transport, [("response" if by_target else "request", wire)])
+        except OSError as exc:
+            raise file_trouble(output, exc, option="-o") from None
         click.echo(f"wrote {output}: 1 KBTP message over {transport}, "
                    f"{'target to initiator' if by_target else 'initiator to target'}", err=True)
     elif fmt == "raw":
@@ -249,7 +253,10 @@ def _flag_name(struct_: T.Struct, cond: T.Condition, msg: T.Message) -> str:
 
 def _write(output: str | None, data: bytes) -> None:
     if output:
-        Path(output).write_bytes(data)
+        try:
+            Path(output).write_bytes(data)
+        except OSError as exc:
+            raise file_trouble(output, exc, option="-o") from None
     else:
         sys.stdout.buffer.write(data)
         sys.stdout.flush()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import os
 
+import click
+
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..wire.address import ROCE_PORT, Address
 
@@ -69,3 +71,33 @@ def local_trouble(exc: BaseException, url: Address, local: str | None) -> str | 
     local = local or default_local(url.host)
     port = url.port + 1 if local == url.host else ROCE_PORT
     return f"cannot send from {local} (UDP port {port}) to {url}"
+
+
+class OutputClosed(Exception):
+    """Standard output's reader went away (``| head``): stop quietly. Not an OSError, so that
+    handlers of connection errors let it through."""
+
+
+def say(text: str, err: bool = False) -> None:
+    """``click.echo``, with a closed standard output raised as ``OutputClosed``."""
+    try:
+        click.echo(text, err=err)
+    except BrokenPipeError:
+        raise OutputClosed from None
+
+
+#: what to do about a file that cannot be opened, by errno
+FILE_TODO = {errno.ENOENT: "check the path (its folder must exist)",
+             errno.EISDIR: "give the path of a file, not of a folder",
+             errno.ENOTDIR: "a part of the path is a file, not a folder",
+             errno.EACCES: "pick a path you may use, or fix its permissions",
+             errno.EROFS: "pick a path on a writable file system",
+             errno.ENOSPC: "free some space or pick another file system"}
+
+
+def file_trouble(path: str | os.PathLike, exc: OSError, doing: str = "write",
+                 option: str = "") -> click.ClickException:
+    """``cannot write PATH (OPTION): why; what to do``: the path named, not the URL."""
+    where = f" ({option})" if option else ""
+    return click.ClickException(line(f"cannot {doing} {os.fspath(path)}{where}", reason(exc),
+                                     FILE_TODO.get(exc.errno or 0, "")))

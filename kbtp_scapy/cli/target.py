@@ -11,6 +11,7 @@ import click
 
 from ..target import Target, TargetConfig
 from ..target.config import ADDR_LE
+from .errors import file_trouble
 from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_options
 
 #: What a peer can make the target hold, bounded: (option, TargetConfig field, help).
@@ -134,11 +135,19 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
 
 
 async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options) -> None:
-    t = Target(config, addr.transport, options.get("io"))
+    try:
+        t = Target(config, addr.transport, options.get("io"))
+    except MemoryError as exc:
+        raise click.ClickException(f"{exc}; give fewer --blocks (-F) or a smaller --block-size "
+                                   "(-S)") from None
     sink = None
     if pcap:
         from ..rnic.pcap import PcapSink  # Scapy's writer: imported only when asked for
-        sink = PcapSink(pcap)
+        try:
+            sink = PcapSink(pcap)
+        except OSError as exc:
+            await t.close()
+            raise file_trouble(pcap, exc, option="--pcap") from None
     if sink:
         t.frame_listeners.append(sink)
     try:

@@ -1,0 +1,107 @@
+"""Sharp edges of the command line (issue 21): each one line naming what failed, never a
+traceback, against real files, real processes and a real target on loopback."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kbtp_scapy.target import TargetConfig
+
+from .kbtp_harness import TargetThread
+
+KBTP = [sys.executable, "-m", "kbtp_scapy"]
+#: ``kbtp: <what failed>: <why>; <what to do>`` with a non-empty why
+ERROR = re.compile(r"^kbtp: (?P<what>.+?): (?P<why>[^;]*\S[^;]*); (?P<todo>.+)$")
+
+
+def run(*args: str, home: Path, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*KBTP, *args], capture_output=True, text=True, timeout=timeout,
+                          env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, **kw)
+
+
+def one_error(proc: subprocess.CompletedProcess, code: int = 1) -> re.Match:
+    assert proc.returncode == code, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    match = ERROR.match(proc.stderr.strip())
+    assert match, proc.stderr
+    return match
+
+
+@pytest.fixture(scope="module")
+def roce_target():
+    t = TargetThread("roce", TargetConfig(blocks=16, block_size=256, max_initiators=2))
+    yield t
+    t.stop()
+
+
+def test_id_file_that_is_a_folder(tmp_path):
+    m = one_error(run("initiator", "roce://127.0.0.1", "--id-file", str(tmp_path), "hello", home=tmp_path), 1)
+    assert m["what"] == f"cannot keep the Initiator ID in {tmp_path} (--id-file)"
+    assert m["why"] == "is a directory" and "not of a folder" in m["todo"]
+
+
+def test_id_file_without_an_id(tmp_path):
+    bad = tmp_path / "id"
+    bad.write_text("not hex\n")
+    proc = run("initiator", "roce://127.0.0.1", "--id-file", str(bad), "hello", home=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{bad} does not hold an Initiator ID" in proc.stderr
+
+
+@pytest.mark.parametrize("suffix", [".pcap", ".raw"])
+def test_craft_into_a_missing_folder(tmp_path, suffix):
+    out = tmp_path / "missing" / f"x{suffix}"
+    m = one_error(run("craft", "LOAD", "-o", str(out), home=tmp_path))
+    assert m["what"] == f"cannot write {out} (-o)" and m["why"] == "no such file or directory"
+    assert not out.parent.exists()
+
+
+def test_target_pcap_into_a_missing_folder(tmp_path):
+    out = tmp_path / "missing" / "t.pcap"
+    m = one_error(run("target", "--listen", "127.0.0.1:1", "--pcap", str(out), "--duration", "1",
+                      home=tmp_path))
+    assert m["what"] == f"cannot write {out} (--pcap)"
+
+
+def test_target_pool_that_does_not_fit(tmp_path):
+    """F x S beyond any machine's memory: the pool is named, and what to change."""
+    m = one_error(run("target", "-F", "100000000", "-S", "1048576", "--duration", "1", home=tmp_path))
+    assert m["what"].startswith("the pool of 100000000 blocks x 1048576 octets")
+    assert m["why"].startswith("does not fit in memory") and "--blocks" in m["todo"]
+
+
+def test_load_into_a_missing_folder_names_the_path(tmp_path, roce_target):
+    """The block was loaded; the file is what failed, not the URL."""
+    out = tmp_path / "missing" / "x.bin"
+    base = ["initiator", roce_target.url, "--id-file", str(tmp_path / "id"), "--local",
+            roce_target.initiator_hosts[0]]
+    assert run(*base, "alloc-store", "0x4000", "--text", "kv", "--seal", home=tmp_path).returncode == 0
+    m = one_error(run(*base, "load", "0x4000", "-o", str(out), home=tmp_path))
+    assert m["what"] == f"cannot write {out} (-o)" and roce_target.url not in m["what"]
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_hello_into_a_closed_pipe(tmp_path, roce_target, json_flag):
+    """``| head -2`` once head has gone: no "broken pipe", nothing on stderr. The pipe's
+    reading end is closed before the run, so every write meets it (no race with head)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([*KBTP, "initiator", roce_target.url, "--id-file", str(tmp_path / "id"),
+                               "--local", roce_target.initiator_hosts[1], *json_flag, "hello"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+                              env={"HOME": str(tmp_path)})
+    finally:
+        os.close(write_end)
+    assert proc.stderr == "" and proc.returncode == 0, proc.stderr
+
+
+def test_unknown_operation_after_options_is_blamed(tmp_path):
+    proc = run("initiator", "roce://127.0.0.1", "--id-file", str(tmp_path / "id"), "--timeout", "3",
+               "sendx", home=tmp_path)
+    assert proc.returncode == 2 and "No such command 'sendx'" in proc.stderr, proc.stderr
