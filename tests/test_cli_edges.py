@@ -2,8 +2,11 @@
 traceback, against real files, real processes and a real target on loopback."""
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +108,22 @@ def test_unknown_operation_after_options_is_blamed(tmp_path):
     proc = run("initiator", "roce://127.0.0.1", "--id-file", str(tmp_path / "id"), "--timeout", "3",
                "sendx", home=tmp_path)
     assert proc.returncode == 2 and "No such command 'sendx'" in proc.stderr, proc.stderr
+
+
+def test_roce_source_taken_picks_a_free_one(tmp_path, roce_target, monkeypatch, caplog, capsys):
+    """D16/D17: the default RoCEv2 source's UDP 4791 held by another program: kbtp initiator
+    sends from a free loopback address and says which, instead of "Errno 98"."""
+    from kbtp_scapy.cli import main
+    from kbtp_scapy.rnic import roce
+    held = roce_target.initiator_hosts[2]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other_program:
+        other_program.bind((held, 4791))
+        monkeypatch.setattr(roce, "default_local", lambda host: held)
+        monkeypatch.setattr(roce, "_noted", set())
+        code = main(["initiator", roce_target.url, "--id-file", str(tmp_path / "id"), "--json", "hello"])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["op"] == "HELLO"
+    note = next(r.getMessage() for r in caplog.records if r.name == "kbtp_scapy.rnic.roce")
+    chosen = re.fullmatch(rf"note: {re.escape(held)} UDP port 4791 is taken; sending from (\S+) "
+                          r"instead \(choose one with --local ADDR\)", note)
+    assert chosen and ipaddress.ip_address(chosen[1]).is_loopback and chosen[1] != held
