@@ -6,6 +6,7 @@ import ipaddress
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -127,3 +128,20 @@ def test_roce_source_taken_picks_a_free_one(tmp_path, roce_target, monkeypatch, 
     chosen = re.fullmatch(rf"note: {re.escape(held)} UDP port 4791 is taken; sending from (\S+) "
                           r"instead \(choose one with --local ADDR\)", note)
     assert chosen and ipaddress.ip_address(chosen[1]).is_loopback and chosen[1] != held
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="drops CAP_NET_RAW from root's bounding set with setpriv")
+@pytest.mark.parametrize("role", ["target", "initiator"])
+def test_raw_io_without_cap_net_raw_names_it(tmp_path, role):
+    """D14: not a bare "Operation not permitted" but the capability and how to get it."""
+    args = (["target", "--io", "raw", "--iface", "lo", "--addr", "10.99.0.1", "--duration", "1"]
+            if role == "target" else
+            ["initiator", "roce://10.99.0.1", "--io", "raw", "--iface", "lo", "--addr", "10.99.0.2",
+             "--id-file", str(tmp_path / "id"), "hello"])
+    proc = subprocess.run(["setpriv", "--bounding-set=-net_raw", *KBTP, *args], capture_output=True,
+                          text=True, timeout=60, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    m = one_error(proc)
+    assert "roce://10.99.0.1:4791" in m["what"]
+    assert m["why"] == "a raw (AF_PACKET) socket needs the capability CAP_NET_RAW"
+    assert "setcap cap_net_raw+ep" in m["todo"]

@@ -12,6 +12,7 @@ import os
 import click
 
 from ..rnic.qp import ConnectionLost, RemoteError
+from ..rnic.roce_raw import NEEDS_NET_RAW
 from ..wire.address import ROCE_PORT, Address
 
 #: what a command catches from a connection: the soft RNIC's errors and the OS's
@@ -20,6 +21,8 @@ CONNECTION_ERRORS = (ConnectionLost, RemoteError, OSError, TimeoutError)
 
 def reason(exc: BaseException, timeout: float | None = None) -> str:
     """The exception's own message, or what an exception of its kind means."""
+    if isinstance(exc, PermissionError) and exc.strerror == NEEDS_NET_RAW:
+        return NEEDS_NET_RAW
     if isinstance(exc, OSError) and exc.errno:
         text = os.strerror(exc.errno)
         if exc.strerror and exc.strerror != text:
@@ -47,6 +50,9 @@ def hint(exc: BaseException) -> str:
         return "stop whatever holds that address, or pick another with --local ADDR"
     if isinstance(exc, OSError) and exc.errno == errno.EADDRNOTAVAIL:
         return "give an address of this host with --local ADDR"
+    if isinstance(exc, PermissionError) and exc.strerror == NEEDS_NET_RAW:
+        return ("run as root, or grant it (setcap cap_net_raw+ep on the Python interpreter, or "
+                "in a container --cap-add NET_RAW)")
     if isinstance(exc, ConnectionLost | RemoteError | ConnectionResetError):
         return "the target's log may say why"
     return ""

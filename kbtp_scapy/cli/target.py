@@ -11,7 +11,7 @@ import click
 
 from ..target import Target, TargetConfig
 from ..target.config import ADDR_LE
-from .errors import file_trouble
+from .errors import file_trouble, hint, line
 from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_options
 
 #: What a peer can make the target hold, bounded: (option, TargetConfig field, help).
@@ -154,7 +154,8 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
         bound = await t.start(addr, **options)
     except OSError as exc:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        raise click.ClickException(f"cannot listen on {addr}: {why}") from None
+        todo = hint(exc) if isinstance(exc, PermissionError) else ""
+        raise click.ClickException(line(f"cannot listen on {addr}", why, todo)) from None
     if metrics_port:
         try:
             t.metrics.serve(metrics_port)
