@@ -38,7 +38,7 @@ def one_error(proc: subprocess.CompletedProcess, code: int = 1) -> re.Match:
 
 @pytest.fixture(scope="module")
 def roce_target():
-    t = TargetThread("roce", TargetConfig(blocks=16, block_size=256, max_initiators=2))
+    t = TargetThread("roce", TargetConfig(blocks=64, block_size=256, max_initiators=16))
     yield t
     t.stop()
 
@@ -84,8 +84,9 @@ def test_load_into_a_missing_folder_names_the_path(tmp_path, roce_target):
     out = tmp_path / "missing" / "x.bin"
     base = ["initiator", roce_target.url, "--id-file", str(tmp_path / "id"), "--local",
             roce_target.initiator_hosts[0]]
-    assert run(*base, "alloc-store", "0x4000", "--text", "kv", "--seal", home=tmp_path).returncode == 0
-    m = one_error(run(*base, "load", "0x4000", "-o", str(out), home=tmp_path))
+    handle = hex(json.loads(run(*base, "--json", "hello", home=tmp_path).stdout)["handle_base"])
+    assert run(*base, "alloc-store", handle, "--text", "kv", "--seal", home=tmp_path).returncode == 0
+    m = one_error(run(*base, "load", handle, "-o", str(out), home=tmp_path))
     assert m["what"] == f"cannot write {out} (-o)" and roce_target.url not in m["what"]
 
 
@@ -145,3 +146,33 @@ def test_raw_io_without_cap_net_raw_names_it(tmp_path, role):
     assert "roce://10.99.0.1:4791" in m["what"]
     assert m["why"] == "a raw (AF_PACKET) socket needs the capability CAP_NET_RAW"
     assert "setcap cap_net_raw+ep" in m["todo"]
+
+
+def test_one_octet_in_words(tmp_path, roce_target):
+    """D22: "1 octet", not "1 octets"."""
+    base = ["initiator", roce_target.url, "--id-file", str(tmp_path / "id"), "--local",
+            roce_target.initiator_hosts[3]]
+    handle = json.loads(run(*base, "--json", "hello", home=tmp_path).stdout)["handle_base"]
+    proc = run(*base, "alloc-store", hex(handle), "--text", "k", home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert ", 1 octet at block offset" in proc.stdout, proc.stdout
+
+
+def test_counters_table_keeps_its_columns_with_unknown_opcodes(roce_target):
+    """D22: "Unknown (0x7e) MALFORMED" is wider than any opcode name; the columns widen."""
+    import asyncio
+
+    from kbtp_scapy import codec
+    from kbtp_scapy.initiator import Initiator
+
+    async def unknown_opcode() -> None:
+        ini = await Initiator.connect(roce_target.url, **roce_target.connect_options(4))
+        await ini.raw(codec.encode({"opcode": 0x7E, "request_id": 9}))
+        await ini.goodbye()
+    asyncio.run(unknown_opcode())
+    rows = [r for r in roce_target.run(roce_target.target.metrics.table).splitlines()
+            if not r.startswith(("connections", "liveness", "ring", "initiator"))]
+    assert any(r.startswith("Unknown (0x7e)") for r in rows), rows
+    at = rows[0].index("status")
+    assert len({len(r) for r in rows}) == 1, rows
+    assert all(r[at - 1] == " " and r[at] != " " for r in rows), rows

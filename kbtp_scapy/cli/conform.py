@@ -11,6 +11,7 @@ from ..conform import report
 from ..conform.registry import ERROR, FAIL, WARN, Case, all_cases, select
 from ..conform.runner import HarnessError, Listener, Outcome, run
 from ..initiator.results import TargetInfo
+from ..words import count
 
 
 class _Exit(click.ClickException):
@@ -127,7 +128,7 @@ def _summary(outcomes: list[Outcome], strict: bool) -> str:
     failed = sum(o.verdict == FAIL for o in outcomes)
     warned = sum(o.verdict == WARN for o in outcomes)
     errors = sum(o.verdict == ERROR for o in outcomes)
-    parts = [f"{failed} case(s) failed"] + ([f"{warned} WARN (--strict)"] if strict and warned else [])
+    parts = [f"{count(failed, 'case')} failed"] + ([f"{warned} WARN (--strict)"] if strict and warned else [])
     if errors:
         parts.append(f"{errors} could not be judged (ERROR)")
     return (f"conform: {', '.join(parts)}; see each case's expected/seen above "

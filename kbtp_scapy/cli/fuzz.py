@@ -167,10 +167,10 @@ def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str 
     if summary.error and summary.saved:
         click.echo(f"kbtp: the run ended early after the findings: {summary.error}", err=True)
     if summary.exit_code == report.EXIT_INTERRUPTED:
-        raise _Exit(130, f"interrupted after {summary.cases} case(s)"
+        raise _Exit(130, f"interrupted after {count(summary.cases, 'case')}"
                     + (f", {len(summary.saved)} with findings" if summary.saved else ""))
     if summary.exit_code == report.EXIT_HARNESS:
         raise _Exit(2, f"harness error: {summary.error}")
     if summary.exit_code == report.EXIT_FINDING:
-        raise _Exit(1, f"{len(summary.saved)} case(s) with findings"
+        raise _Exit(1, f"{count(len(summary.saved), 'case')} with findings"
                     + (f" (saved in {out_dir})" if not replay else ""))

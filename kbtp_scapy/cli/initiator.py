@@ -18,6 +18,7 @@ import click
 
 from .. import tables as T
 from ..initiator import Initiator, KbtpError, Result
+from ..words import count
 from .errors import (
     CONNECTION_ERRORS,
     OutputClosed,
@@ -302,7 +303,7 @@ def emit(o: dict, op: str, handle: int | None, result: Result | None, to_stderr:
         say(f"{op}: " + ", ".join(f"{k} {v}" for k, v in extra.items()), err=to_stderr)
         return
     say(f"{op} 0x{handle:x}: {result.status_name}, generation {result.generation}, "
-               f"{result.data_length} octets at block offset 0x{result.block_offset:x}"
+               f"{count(result.data_length, 'octet')} at block offset 0x{result.block_offset:x}"
                + "".join(f", {k} {v}" for k, v in extra.items()), err=to_stderr)
 
 

@@ -11,6 +11,7 @@ import click
 
 from ..capture import CaptureError
 from ..wire.address import parse_url
+from ..words import count
 from .errors import CONNECTION_ERRORS, describe, hint, local_trouble, reason
 
 
@@ -157,6 +158,6 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
             click.echo(line)
     counts = report.summary(verdicts)
     if counts["differ"] or counts["error"]:
-        raise _Failed(f"replay: {counts['differ']} step(s) differ, {counts['error']} failed")
+        raise _Failed(f"replay: {count(counts['differ'], 'step')} differ, {counts['error']} failed")
     if not counts["match"]:
         raise _Harness("replay: no step could be compared")

@@ -114,11 +114,10 @@ class Metrics:
 
     def table(self) -> str:
         """The counters as a plain text table."""
-        lines = [f"{'operation':<12} {'status':<17} {'count':>10}"]
-        for opcode, status, n in self._named():
-            lines.append(f"{opcode:<12} {status:<17} {n:>10}")
-        for status, n in sorted(self.hellos.items()):
-            lines.append(f"{'HELLO':<12} {status:<17} {n:>10}")
+        rows = [("operation", "status", "count"), *((op, st, str(n)) for op, st, n in self._named()),
+                *(("HELLO", st, str(n)) for st, n in sorted(self.hellos.items()))]
+        w = [max(len(row[i]) for row in rows) for i in range(3)]  # "Unknown (0x7e)" is wide
+        lines = [f"{op:<{w[0]}} {st:<{w[1]}} {n:>{max(w[2], 10)}}" for op, st, n in rows]
         for reason, n in sorted(self.target.half_open.refused.items()):
             lines.append(f"connections refused ({reason}): {n}")
         for reason, n in sorted(self.terminated.items()):
