@@ -176,3 +176,24 @@ def test_counters_table_keeps_its_columns_with_unknown_opcodes(roce_target):
     at = rows[0].index("status")
     assert len({len(r) for r in rows}) == 1, rows
     assert all(r[at - 1] == " " and r[at] != " " for r in rows), rows
+
+
+def test_fuzz_with_nothing_listening_says_one_line(tmp_path):
+    """D18: no empty tables, no error twice: one line, exit 2."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]        # closed again: nothing listens there
+    proc = run("fuzz", "--target", f"iwarp://127.0.0.1:{port}", "--cases", "3", "--timeout", "2",
+               "--out", str(tmp_path / "findings"), home=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert len(proc.stderr.splitlines()) == 1 and "listening" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("done", "total", "elapsed", "limit", "shown"), [
+    (10, 100, 2.0, None, ", 5.0 cases/s, ETA 0:18"),
+    (10, 100_000, 1.0, None, ", 10.0 cases/s, ETA 2:46:39"),
+    (10, 100_000, 1.0, 61.0, ", 10.0 cases/s, ETA 1:00"),
+    (0, 100, 1.0, None, ""),
+])
+def test_fuzz_progress_has_rate_and_eta(done, total, elapsed, limit, shown):
+    from kbtp_scapy.cli.fuzz import _pace
+    assert _pace(done, total, elapsed, limit) == shown
