@@ -197,3 +197,15 @@ def test_fuzz_with_nothing_listening_says_one_line(tmp_path):
 def test_fuzz_progress_has_rate_and_eta(done, total, elapsed, limit, shown):
     from kbtp_scapy.cli.fuzz import _pace
     assert _pace(done, total, elapsed, limit) == shown
+
+
+def test_craft_names_the_version_field_kbtp_version(tmp_path):
+    """D22: the header's Version is --kbtp-version; --version is not a field option."""
+    from kbtp_scapy import codec
+    proc = run("craft", "FREE", "--kbtp-version", "2", "--handle", "7", home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    with pytest.raises(codec.Malformed) as bad:
+        codec.decode(bytes.fromhex(proc.stdout.strip()))
+    assert str(bad.value) == "version 2 is not 1" and bad.value.fields["handle"] == 7
+    proc = run("craft", "FREE", "--version", "2", home=tmp_path)
+    assert proc.returncode == 2 and "--kbtp-version" in proc.stderr

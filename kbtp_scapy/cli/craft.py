@@ -18,8 +18,12 @@ RESPONSES = {T.BY_NAME[m.answer].opcode for m in T.MESSAGES if m.answer}
 SUFFIX_FORMATS = {".pcap": "pcap", ".pcapng": "pcap", ".hex": "hex", ".txt": "hex"}
 
 
+#: fields whose plain option name means something else on a command line
+RENAMED = {"version": "--kbtp-version"}     # --version is the program's version
+
+
 def _option_name(key: str) -> str:
-    return "--" + key.replace(".", "-").replace("_", "-")
+    return RENAMED.get(key) or "--" + key.replace(".", "-").replace("_", "-")
 
 
 def _all_fields() -> dict[str, T.Field]:
