@@ -6,6 +6,7 @@ import ipaddress
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -38,7 +39,11 @@ def one_error(proc: subprocess.CompletedProcess, code: int = 1) -> re.Match:
 
 @pytest.fixture(scope="module")
 def roce_target():
-    t = TargetThread("roce", TargetConfig(blocks=64, block_size=256, max_initiators=16))
+    # addresses of this module's own (127.45.R.*, R at random): other test runs on the
+    # host count fresh_hosts() from the same start
+    net = f"127.45.{secrets.randbelow(250) + 1}"
+    t = TargetThread("roce", TargetConfig(blocks=64, block_size=256, max_initiators=16),
+                     hosts=[f"{net}.{i}" for i in range(1, 9)])
     yield t
     t.stop()
 
@@ -209,3 +214,36 @@ def test_craft_names_the_version_field_kbtp_version(tmp_path):
     assert str(bad.value) == "version 2 is not 1" and bad.value.fields["handle"] == 7
     proc = run("craft", "FREE", "--version", "2", home=tmp_path)
     assert proc.returncode == 2 and "--kbtp-version" in proc.stderr
+
+
+def test_replay_of_a_capture_just_made_matches(tmp_path, roce_target):
+    """D10: a capture whose entry had been used before (Generation 3) replays to MATCH on a
+    fresh range (Generation 1); --strict compares Generations as captured and differs."""
+    base = ["initiator", roce_target.url, "--id-file", str(tmp_path / "id"), "--local",
+            roce_target.initiator_hosts[4]]
+    handle = hex(json.loads(run(*base, "--json", "hello", home=tmp_path).stdout)["handle_base"])
+    for args in (["alloc-store", handle, "--text", "old"], ["free", handle]):
+        assert run(*base, *args, home=tmp_path).returncode == 0
+    pcap = tmp_path / "session.pcap"
+    made = run(*base, "--pcap", str(pcap), "--json", "alloc-store", handle, "--text", "hi", "--seal",
+               home=tmp_path)
+    assert json.loads(made.stdout)["generation"] == 3
+    replay = ["replay", str(pcap), "--target", roce_target.url, "--local", roce_target.initiator_hosts[5]]
+    proc = run(*replay, home=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1].startswith("MATCH"), proc.stdout
+    proc = run(*replay, "--strict", home=tmp_path)
+    assert proc.returncode == 1 and "generation: captured 3, replayed 1" in proc.stdout, proc.stdout
+
+
+def test_generations_that_move_differently_still_differ():
+    """The offset is learnt once per session and handle: a second step off by one differs."""
+    from types import SimpleNamespace as NS
+
+    from kbtp_scapy.replay.compare import Generations
+    g = Generations()
+    step = lambda handle: NS(step=NS(fields={"handle": handle}), session=NS(index=0))
+    assert g.as_captured(step(0x10), 3, 1) == 3          # learnt: replay is 2 behind
+    assert g.as_captured(step(0x10), 4, 2) == 4          # moved as captured
+    assert g.as_captured(step(0x10), 5, 4) == 6          # bumped once too often: differs
+    assert g.as_captured(step(0x11), 7, 7) == 7          # another handle, its own offset
+    assert g.as_captured(step(0x10), 5, 0) == 0          # 0 is no entry: compared as is
