@@ -12,8 +12,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "install.sh: installing ${missing[*]} from Debian's packages" >&2
   export DEBIAN_FRONTEND=noninteractive
   echo "wireshark-common wireshark-common/install-setuid boolean false" | debconf-set-selections
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # wait (up to 10 min) for another apt, such as unattended upgrades on a fresh VM, to let go
+  lock=(-o DPkg::Lock::Timeout=600)
+  apt-get "${lock[@]}" update -qq
+  apt-get "${lock[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
