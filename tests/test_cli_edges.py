@@ -247,3 +247,17 @@ def test_generations_that_move_differently_still_differ():
     assert g.as_captured(step(0x10), 5, 4) == 6          # bumped once too often: differs
     assert g.as_captured(step(0x11), 7, 7) == 7          # another handle, its own offset
     assert g.as_captured(step(0x10), 5, 0) == 0          # 0 is no entry: compared as is
+
+
+def test_replay_knows_a_liveness_probe():
+    """D20: the rxe capture's zero-length RDMA Write to STag 0 (frame 94, as tshark shows it)
+    is a liveness probe, not a Write that "no pending LOAD names"."""
+    from kbtp_scapy.replay import sessions
+    pcap = Path(__file__).resolve().parent.parent / "pcaps" / "rxe_kernel_session.pcap"
+    probes = subprocess.run(["tshark", "-r", str(pcap), "-Y", "infiniband.reth.dmalen == 0",
+                             "-T", "fields", "-e", "frame.number", "-e", "infiniband.reth.r_key"],
+                            capture_output=True, text=True, timeout=60).stdout.split()
+    assert probes == ["94", "0x00000000"]
+    capture = sessions.load(str(pcap))
+    notes = capture.notes + [n for s in capture.sessions for n in s.notes]
+    assert not [n for n in notes if "frame 94" in n], notes
