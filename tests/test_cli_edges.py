@@ -8,10 +8,12 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -261,3 +263,51 @@ def test_replay_knows_a_liveness_probe():
     capture = sessions.load(str(pcap))
     notes = capture.notes + [n for s in capture.sessions for n in s.notes]
     assert not [n for n in notes if "frame 94" in n], notes
+
+
+def _interrupt_after(proc: subprocess.Popen, lines: int) -> tuple[str, str]:
+    """Read ``lines`` lines of stdout, then Ctrl-C (SIGINT) as a terminal or a CI timeout
+    would; the rest of stdout and stderr."""
+    got = [proc.stdout.readline() for _ in range(lines)]
+    assert all(got), got
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return "".join(got) + out, err
+
+
+def test_decode_interrupted_says_so_and_exits_130(tmp_path):
+    """D11: Ctrl-C while decode waits for more of a live capture on stdin."""
+    pcap = (Path(__file__).resolve().parent.parent / "pcaps" / "roce_session.pcap").read_bytes()
+    proc = subprocess.Popen([*KBTP, "decode", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=False, env={"HOME": str(tmp_path)})
+    proc.stdin.write(pcap)                  # and the pipe stays open: more may come
+    proc.stdin.flush()
+    first = proc.stdout.readline()
+    assert b"HELLO" in first, first
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    text = err.decode()
+    assert "KBTP message" in text and "interrupted (Ctrl-C)" in text and "Traceback" not in text, text
+
+
+def test_conform_interrupted_writes_the_partial_reports(tmp_path):
+    """D12: Ctrl-C after the first verdicts: exit 130, JUnit and JSON with the cases judged."""
+    t = TargetThread("roce", hosts=[f"127.45.{secrets.randbelow(250) + 1}.{i}" for i in (20, 21)])
+    try:
+        junit, report = tmp_path / "conform.xml", tmp_path / "conform.json"
+        proc = subprocess.Popen([*KBTP, "conform", "--target", t.url, "--local", t.initiator_hosts[0],
+                                 "--junit", str(junit), "--json-file", str(report)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={"HOME": str(tmp_path)})
+        out, err = _interrupt_after(proc, 4)          # the header and a few verdicts
+    finally:
+        t.stop()
+    assert proc.returncode == 130, err
+    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err, err
+    doc = json.loads(report.read_text())
+    judged = [c["id"] for c in doc["cases"]]
+    assert judged and doc["error"].startswith("interrupted")
+    suite = ElementTree.parse(junit).getroot()
+    names = [tc.get("name") for tc in suite.iter("testcase")]
+    assert names[:-1] == judged and names[-1] == "harness", names

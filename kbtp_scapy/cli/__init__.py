@@ -52,7 +52,7 @@ def cli() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; errors are one line on stderr: exit 2 for usage, 1 for bad input."""
     try:
-        cli.main(args=argv, prog_name="kbtp", standalone_mode=False)
+        status = cli.main(args=argv, prog_name="kbtp", standalone_mode=False)
     except _NoArgsIsHelp as exc:            # bare ``kbtp``: the help on stdout, click's status
         click.echo(exc.format_message())
         return exc.exit_code
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())     # nor a second complaint at exit's flush
         return 0
-    return 0
+    # a command's ``click.exceptions.Exit(N)`` (decode's 130 on Ctrl-C) comes back as N
+    return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
 def entry() -> None:
