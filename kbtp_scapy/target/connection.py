@@ -169,6 +169,12 @@ class Connection:
                 log.warning("DIRECT_ALLOC not granted to %s: %s", self.peer, exc)
                 features &= ~DIRECT_ALLOC
         else:
+            if features & DIRECT_ALLOC and part is None:
+                active, retained = t.sessions.holders()
+                log.warning("DIRECT_ALLOC not granted to %s: no partition left (all %d held: %d by "
+                            "active sessions, %d by retained ones, which keep theirs while they "
+                            "hold bindings from it; GOODBYE with RELEASE gives one back)",
+                            self.peer, len(t.memory.partitions), active, retained)
             features &= ~DIRECT_ALLOC
         if part is not None and self.state.watch is None:
             self.state.watch = TicketWatch(self.state, t.rnic_memory, t.config.ticket_timeout_ms)
