@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from .. import words
 from ..fuzz import report
 from ..fuzz.campaign import Control, Run, campaign, load_case, replay_case
 from ..fuzz.cases import parse_name
@@ -184,10 +185,10 @@ def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str 
     if summary.error and summary.saved:
         click.echo(f"kbtp: the run ended early after the findings: {summary.error}", err=True)
     if summary.exit_code == report.EXIT_INTERRUPTED:
-        raise _Exit(130, f"interrupted after {count(summary.cases, 'case')}"
+        raise _Exit(130, f"interrupted after {words.count(summary.cases, 'case')}"
                     + (f", {len(summary.saved)} with findings" if summary.saved else ""))
     if summary.exit_code == report.EXIT_HARNESS:
         raise _Exit(2, f"harness error: {summary.error}")
     if summary.exit_code == report.EXIT_FINDING:
-        raise _Exit(1, f"{count(len(summary.saved), 'case')} with findings"
+        raise _Exit(1, f"{words.count(len(summary.saved), 'case')} with findings"
                     + (f" (saved in {out_dir})" if not replay else ""))
