@@ -462,3 +462,6 @@ async def goodbye(ini, o, release):
     """End the session now; with --release the target frees all our bindings."""
     emit(o, "GOODBYE", None, None, release=release)
     return release
+
+
+from . import send as _send  # noqa: E402, F401  (registers ``send``, which builds on session)

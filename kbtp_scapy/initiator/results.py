@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import codec
 from ..rnic.memory import MemoryRegion
-from ..rnic.qp import Received
+from ..rnic.qp import ENDINGS, ConnectionLost, Received
 from ..tables import memory as M
 from ..tables.enums import OPCODES, STATUS
 
@@ -23,6 +23,19 @@ class KbtpError(Exception):
         self.status, self.name, self.result = status, STATUS.describe(status), result
         self.detail = detail        # what the initiator saw, when no completion said it
         super().__init__(f"{self.name}{': ' + detail if detail else ''}")
+
+
+class SessionEnded(ConnectionLost):
+    """The connection ended under a request the caller was waiting on (``raw``), or before a
+    GOODBYE with RELEASE could be sent: ``how`` is its fate (``rnic.qp.ENDINGS``: terminate,
+    dreq, fin, reset, qp_error, ...), ``reason`` the RNIC's words, ``answers`` what came back
+    before the end."""
+
+    def __init__(self, what: str, lost: BaseException, answers: list[Received] | None = None) -> None:
+        how = getattr(lost, "how", "lost")
+        self.reason = str(lost) or ENDINGS[how]
+        self.answers = answers or []
+        super().__init__(f"{what}: {ENDINGS[how]} ({self.reason})", how=how)
 
 
 @dataclass

@@ -79,11 +79,32 @@ class ReceiveError(Exception):
 
 
 class ConnectionLost(Exception):
-    """The connection ended (closed, reset, Terminate, retries exhausted)."""
+    """The connection ended (closed, reset, Terminate, retries exhausted); ``how`` says
+    which of ``ENDINGS`` it was, for a tool that reports what became of a connection."""
+
+    def __init__(self, *args: object, how: str = "lost") -> None:
+        super().__init__(*args)
+        self.how = how
+
+
+#: how a connection can end, as ``ConnectionLost.how`` names it
+ENDINGS = {
+    "terminate": "the peer sent an RDMAP Terminate",
+    "dreq": "the peer disconnected (CM DREQ)",
+    "fin": "the peer closed its TCP stream (FIN)",
+    "reset": "the TCP connection was reset",
+    "qp_error": "the queue pair went to the error state",
+    "local": "closed locally",
+    "lost": "the connection ended",
+}
 
 
 class RemoteError(Exception):
     """The peer refused one of our operations (a NAK, or a Terminate naming it)."""
+
+
+def _how(error: BaseException) -> str:
+    return getattr(error, "how", "lost")
 
 
 FrameListener = Callable[[str, bytes], None]
@@ -126,7 +147,7 @@ class QueuePair:
             wr.future = asyncio.get_running_loop().create_future()
         if self.error is not None:
             if signaled:
-                wr.future.set_exception(ConnectionLost(str(self.error)))
+                wr.future.set_exception(ConnectionLost(str(self.error), how=_how(self.error)))
             return wr.future
         self._outstanding.append(wr)
         self._transmit(wr)
@@ -266,7 +287,7 @@ class QueuePair:
         """The connection is gone: fail everything outstanding, wake every receiver."""
         if self.error is not None:
             return
-        self.error = error if isinstance(error, ConnectionLost) else ConnectionLost(str(error))
+        self.error = error if isinstance(error, ConnectionLost) else ConnectionLost(str(error), how="qp_error")
         for wr in self._outstanding:
             if wr.future is not None and not wr.future.done():
                 wr.future.set_exception(self.error)
@@ -294,7 +315,7 @@ class QueuePair:
         """Orderly close (TCP FIN after MPA; CM DREQ/DREP on RoCEv2)."""
         if not self.closed:
             await self._shutdown()
-            self.lost(ConnectionLost("closed locally"))
+            self.lost(ConnectionLost("closed locally", how="local"))
 
     # -- for transports ------------------------------------------------------------------
 

@@ -285,7 +285,7 @@ class RoceQP(QueuePair):
             return
         self._retries += 1
         if self._retries > self.retry_count:
-            self.lost(ConnectionLost("transport retry counter exceeded (no ACK)"))
+            self.lost(ConnectionLost("transport retry counter exceeded (no ACK)", how="qp_error"))
             return
         self.stats["timeouts"] += 1
         self._go_back(self._una)
@@ -372,7 +372,7 @@ class RoceQP(QueuePair):
             op = self._find(psn)
             if op is not None:
                 self.complete(op.wr, error=RemoteError(f"peer answered with NAK: {why}"))
-            self.lost(ConnectionLost(f"queue pair in error state after NAK: {why}"))
+            self.lost(ConnectionLost(f"queue pair in error state after NAK: {why}", how="qp_error"))
 
     def _on_rnr(self, psn: int, code: int) -> None:
         """RNR NAK: wait the responder's timer, then retry from ``psn`` (IB 9.7.5.2.8)."""
@@ -383,7 +383,7 @@ class RoceQP(QueuePair):
                 op = self._find(psn)
                 if op is not None:
                     self.complete(op.wr, error=RemoteError("RNR retry count exceeded"))
-                self.lost(ConnectionLost("RNR retry count exceeded"))
+                self.lost(ConnectionLost("RNR retry count exceeded", how="qp_error"))
                 return
         self._go_back(psn)
         self._rnr_wait = True
@@ -517,7 +517,7 @@ class RoceQP(QueuePair):
         self._fatal = (w.SYN_NAK | code, psn)
         self.stats["naks_sent"] += 1
         self._send_aeth(psn, w.SYN_NAK | code)
-        self.lost(ConnectionLost(f"responder error: {why}"))
+        self.lost(ConnectionLost(f"responder error: {why}", how="qp_error"))
         return False
 
     def _access_error(self, psn: int, exc: AccessError) -> bool:
@@ -709,7 +709,7 @@ class RoceQP(QueuePair):
         if self._drep is not None and not self._drep.done():
             self._drep.set_result(None)
         self._cm_state = "closed"
-        self.lost(ConnectionLost("closed by peer (CM DREQ)"))
+        self.lost(ConnectionLost("closed by peer (CM DREQ)", how="dreq"))
         self._dev.detach(self)
 
     async def _shutdown(self) -> None:
