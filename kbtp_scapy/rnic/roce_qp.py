@@ -160,10 +160,10 @@ class RoceQP(QueuePair):
 
     def _out(self, parts: list, pad: int) -> None:
         parts = w.seal(self._tx, parts, pad)
+        if self.frame_listeners:     # first: a capture's time is the send's, not after it
+            self.frame("tx", self._tx.frame(b"".join(parts)))
         self._dev.send(parts, self.remote)
         self.stats["frames_tx"] += 1
-        if self.frame_listeners:
-            self.frame("tx", self._tx.frame(b"".join(parts)))
 
     def _send_aeth(self, psn: int, syndrome: int) -> None:
         """ACK, RNR NAK or NAK (IB 9.7.5.2): AETH with our MSN."""
