@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the project needs on Debian 12 (as root) into ./.venv, idempotently:
-# tshark and python3-venv from Debian's packages, the package and its test extras from PyPI.
+# tshark and python3-venv from Debian's packages, the package and its test and plot extras from PyPI.
 # Fast when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,7 @@ stamp=.venv/.kbtp-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "install.sh: installing kbtp_scapy and its test extras into .venv" >&2
-  .venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v -e '^WARNING: Location' -e 'BuildBackendWarning' >&2 || true
+  .venv/bin/python -m pip install -q -e '.[test,plot]' 2>&1 | grep -v -e '^WARNING: Location' -e 'BuildBackendWarning' >&2 || true
   .venv/bin/python -c 'import kbtp_scapy.cli, pytest, hypothesis, pyshark'
   echo "$want" > "$stamp"
 fi

@@ -13,7 +13,7 @@ from .errors import OutputClosed
 #: so ``kbtp target`` does not pay for Scapy's layers in start-up time and memory.
 COMMANDS = {"decode": "decode", "craft": "craft", "demo": "demo", "dissector": "dissector",
             "target": "target", "initiator": "initiator",
-            "replay": "replay", "conform": "conform", "fuzz": "fuzz"}
+            "replay": "replay", "conform": "conform", "fuzz": "fuzz", "bench": "bench"}
 
 
 #: click 8.2 and later raise this for a bare group (help, exit 2); 8.1 prints it and exits 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
@@ -109,14 +110,16 @@ class Initiator(DirectModes):
                     future.set_exception(_said(msg))
             self._pending.clear()
             return
+        arrived = time.perf_counter_ns()
         self.qp.post_recv(1)
-        self._dispatch(msg)
+        self._dispatch(msg, arrived)
 
-    def _dispatch(self, msg: Received) -> None:
+    def _dispatch(self, msg: Received, arrived: int = 0) -> None:
         matched = match_completion(msg, self._pending, self.addr_le)
         if matched is None:
             self.unmatched.put_nowait(msg)
         elif not matched[0].done():         # a caller that gave up is cancelled already
+            matched[1].answered_ns = arrived
             matched[0].set_result(matched[1])
 
     async def _call(self, values: dict[str, Any], regions: list, record: bool) -> Result:
@@ -138,8 +141,11 @@ class Initiator(DirectModes):
             self._pending[rid] = (future, record_region)
             values["request_id"] = rid
             try:
-                self.qp.send(codec.encode(values, self.addr_le), signaled=False)
+                wire = codec.encode(values, self.addr_le)
+                sent = time.perf_counter_ns()
+                self.qp.send(wire, signaled=False)
                 result = await future
+                result.sent_ns = sent
             finally:
                 self._pending.pop(rid, None)
                 for region in regions:

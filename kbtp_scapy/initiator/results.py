@@ -49,6 +49,10 @@ class Result:
     block_offset: int
     data: bytes | None = None       # LOAD and DIRECT_LOAD: the block's data
     record: bool = False            # completed through a completion record
+    #: perf_counter_ns when the request was handed to the RNIC and when its answer came in:
+    #: the request-to-completion time a capture shows (kbtp.time), for benchmarks
+    sent_ns: int = 0
+    answered_ns: int = 0
 
     @property
     def status_name(self) -> str:
