@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -230,19 +231,20 @@ class Connection:
         while every check and every change of the table and rings still happens in order.
         """
         t = self.target
-        batch: deque[tuple[dict[str, Any], asyncio.Future | None, str]] = deque()
+        batch: deque[tuple[dict[str, Any], asyncio.Future | None, str, float]] = deque()
         while True:
             msg = await self.qp.recv()
             self.liveness.heard = True
             while msg is not None:
+                arrived = time.perf_counter()
                 try:
                     req, why = codec.decode(msg.payload, self.addr_le), ""
                 except codec.Malformed as bad:
                     req, why = self._malformed(msg.payload, bad.fields), str(bad)
-                batch.append((req, None if why else t.executor.prefetch(self, req), why))
+                batch.append((req, None if why else t.executor.prefetch(self, req), why, arrived))
                 msg = self.qp.recv_nowait()
             while batch:
-                req, fetch, why = batch.popleft()
+                req, fetch, why, arrived = batch.popleft()
                 opcode = req["opcode"]
                 if self.backlog.over:
                     await self._throttle()
@@ -262,6 +264,7 @@ class Connection:
                 # next request can arrive before the next line of ours runs.
                 self.qp.post_recv(1)
                 self._complete(req, outcome, why)
+                t.metrics.served(opcode, time.perf_counter() - arrived)
 
     def _malformed(self, payload: bytes, fields: dict[str, Any]) -> dict[str, Any]:
         """Echo the Request ID and Block Handle of a request that cannot be parsed, as far
