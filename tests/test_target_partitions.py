@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
+import subprocess
+import sys
 
 import pytest
 
@@ -82,3 +85,24 @@ def test_no_partition_left_is_said_on_both_sides(one_partition, caplog):
     assert "DIRECT_ALLOC was not granted in this session's HELLO_ACK" in refused.detail
     said = [r.getMessage() for r in caplog.records if "DIRECT_ALLOC not granted" in r.getMessage()]
     assert said and "no partition left (all 1 held: 0 by active sessions, 1 by retained ones" in said[0]
+
+
+def test_the_command_line_says_why_direct_alloc_is_missing(one_partition, tmp_path):
+    t = one_partition
+
+    def initiator(name: str, index: int, *args: str) -> subprocess.CompletedProcess:
+        local = ["--local", t.initiator_hosts[index]] if t.transport == "roce" else []
+        return subprocess.run([sys.executable, "-m", "kbtp_scapy", "initiator", t.url, "--id-file",
+                               str(tmp_path / name), *local, *args], capture_output=True, text=True,
+                              timeout=60, env={"HOME": str(tmp_path)})
+    base = json_of(initiator("a", 0, "--json", "hello"))["handle_base"]
+    assert initiator("a", 0, "direct-alloc", hex(base), "--text", "kept").returncode == 0   # retained
+    other = json_of(initiator("b", 1, "--json", "hello"))["handle_base"]
+    refused = initiator("b", 1, "direct-alloc", hex(other), "--text", "none left")
+    assert refused.returncode == 1, refused.stderr
+    assert "did not grant DIRECT_ALLOC" in refused.stderr and "partition free" in refused.stderr
+
+
+def json_of(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)

@@ -208,9 +208,13 @@ async def _session(o: dict, name: str, func, kwargs: dict) -> None:
             asked = "--record" if kwargs.get("record") else name
             needs = NEEDS.get(asked)
             if needs and not ini.target.feature(FEATURE_NAMES[needs]):
-                raise _failure(asked, why=f"{url} did not grant {needs}",
-                               todo=f"ask for it with --features {needs} (a target that does not "
-                                    "offer it never grants it)")
+                todo = (f"ask for it with --features {needs} (a target that does not offer it "
+                        "never grants it)" if not o["features"] & FEATURE_NAMES[needs] else
+                        "the target grants it while it has a partition free: all may be held by "
+                        "other sessions (its log says so); they give one back with GOODBYE "
+                        "--release" if needs == "DIRECT_ALLOC" else
+                        f"{url} may not offer it (its start-up line lists what it offers)")
+                raise _failure(asked, why=f"{url} did not grant {needs}", todo=todo)
             release = await asyncio.wait_for(func(ini, o, **kwargs), timeout)
         except KbtpError as exc:
             raise _failure(_what(name, kwargs), exc, **_status_hint(exc, ini, o, kwargs)) from None
