@@ -110,7 +110,7 @@ class Initiator(DirectModes):
                     future.set_exception(_said(msg))
             self._pending.clear()
             return
-        arrived = time.perf_counter_ns()
+        arrived = self.qp.rx_ns or time.perf_counter_ns()    # its frame's arrival, if known
         self.qp.post_recv(1)
         self._dispatch(msg, arrived)
 
@@ -144,6 +144,7 @@ class Initiator(DirectModes):
                 wire = codec.encode(values, self.addr_le)
                 sent = time.perf_counter_ns()
                 self.qp.send(wire, signaled=False)
+                sent = max(sent, self.qp.tx_ns)      # its frame's departure, if it left at once
                 result = await future
                 result.sent_ns = sent
             finally:

@@ -134,6 +134,9 @@ class QueuePair:
         self._closed = asyncio.Event()
         self.error: BaseException | None = None
         self.admission: Ticket | None = None    # the slot of a half-open connection
+        #: perf_counter_ns of the last frame put on the wire and of the last one that came,
+        #: where the transport sends and receives them itself (0: it does not say)
+        self.tx_ns = self.rx_ns = 0
 
     # -- requester side ------------------------------------------------------------------
 

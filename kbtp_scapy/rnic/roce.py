@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 from ..wire import roce as w
@@ -149,6 +150,7 @@ class Device:
                 qp.stats["icrc_errors"] += 1
                 continue
             qp.stats["frames_rx"] += 1
+            qp.rx_ns = time.perf_counter_ns()
             if qp.frame_listeners:
                 qp.frame("rx", self._frame(qp._rx, data, wire))
             qp.receive(data, n)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -160,6 +161,7 @@ class RoceQP(QueuePair):
 
     def _out(self, parts: list, pad: int) -> None:
         parts = w.seal(self._tx, parts, pad)
+        self.tx_ns = time.perf_counter_ns()
         if self.frame_listeners:     # first: a capture's time is the send's, not after it
             self.frame("tx", self._tx.frame(b"".join(parts)))
         self._dev.send(parts, self.remote)
