@@ -33,7 +33,7 @@ class Metrics:
         self.operations: Counter[tuple[int, int]] = Counter()   # (opcode, status): count
         #: per opcode: requests per bucket (the last is +Inf) and the sum of their seconds
         self.latency: dict[int, list[int]] = {}
-        self.latency_sum: Counter[int] = Counter()
+        self.latency_sum: dict[int, float] = {}
         self.hellos: Counter[str] = Counter()
         self.terminated: Counter[str] = Counter()   # connections the target ended, by why
         self.probes = 0
@@ -49,7 +49,7 @@ class Metrics:
         if counts is None:
             counts = self.latency[opcode] = [0] * (len(LATENCY_BUCKETS) + 1)
         counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self.latency_sum[opcode] += seconds
+        self.latency_sum[opcode] = self.latency_sum.get(opcode, 0.0) + seconds
 
     def _histograms(self) -> HistogramMetricFamily:
         family = HistogramMetricFamily("kbtp_request_latency_seconds", "Requests from arrival to "

@@ -62,8 +62,9 @@ class TargetMemory:
         try:
             self.pool = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         except OSError as exc:       # ENOMEM: the pool is populated, so it must fit now
+            why = (exc.strerror or "ENOMEM").lower()
             raise MemoryError(f"the pool of {c.blocks} blocks x {c.block_size} octets "
-                              f"({size} octets): does not fit in memory ({exc.strerror.lower()})") from None
+                              f"({size} octets): does not fit in memory ({why})") from None
         self.pool_view = memoryview(self.pool)
         self.pool_base = memory.default_base(self.pool)
         handles = c.max_initiators * c.handles_per_initiator
