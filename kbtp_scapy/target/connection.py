@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -174,6 +175,12 @@ class Connection:
                 log.warning("DIRECT_ALLOC not granted to %s: %s", self.peer, exc)
                 features &= ~Feature.DIRECT_ALLOC
         else:
+            if features & Feature.DIRECT_ALLOC and part is None:
+                active, retained = t.sessions.holders()
+                log.warning("DIRECT_ALLOC not granted to %s: no partition left (all %d held: %d by "
+                            "active sessions, %d by retained ones, which keep theirs while they "
+                            "hold bindings from it; GOODBYE with RELEASE gives one back)",
+                            self.peer, len(t.memory.partitions), active, retained)
             features &= ~Feature.DIRECT_ALLOC
         if part is not None and self.state.watch is None:
             self.state.watch = TicketWatch(self.state, t.rnic_memory, t.config.ticket_timeout_ms)
@@ -229,21 +236,22 @@ class Connection:
         while every check and every change of the table and rings still happens in order.
         """
         t = self.target
-        batch: deque[tuple[AnyMessage, asyncio.Future | None, str]] = deque()
+        batch: deque[tuple[AnyMessage, asyncio.Future | None, str, float]] = deque()
         loop = asyncio.get_running_loop()
         while True:
             msg: Received | None = await self.qp.recv()
             self.liveness.heard = True
             self.state.heard_at = loop.time()
             while msg is not None:
+                arrived = time.perf_counter()
                 try:
                     req, why = codec.decode(msg.payload, self.addr_le), ""
                 except codec.Malformed as bad:
                     req, why = self._malformed(msg.payload, bad.fields), str(bad)
-                batch.append((req, None if why else t.executor.prefetch(self, req), why))
+                batch.append((req, None if why else t.executor.prefetch(self, req), why, arrived))
                 msg = self.qp.recv_nowait()
             while batch:
-                req, fetch, why = batch.popleft()
+                req, fetch, why, arrived = batch.popleft()
                 opcode = req["opcode"]
                 if self.backlog.over:
                     await self._throttle()
@@ -263,6 +271,7 @@ class Connection:
                 # next request can arrive before the next line of ours runs.
                 self.qp.post_recv(1)
                 self._complete(req, outcome, why)
+                t.metrics.served(opcode, time.perf_counter() - arrived)
 
     def _malformed(self, payload: bytes, fields: AnyMessage) -> AnyMessage:
         """Echo the Request ID and Block Handle of a request that cannot be parsed, as far
