@@ -13,13 +13,12 @@ import pytest
 
 from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, SessionEnded
-from kbtp_scapy.tables.enums import OPCODES, STATUS
 from kbtp_scapy.target import TargetConfig
+from kbtp_scapy.vocab import Opcode, RequestFlag, Status
 
 from .kbtp_harness import TargetThread
 
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
-OP, S = OPCODES.by_name(), STATUS.by_name()
 #: an inline ALLOC_STORE longer than any receive buffer the target posts (Max Inline 1024)
 TOO_LONG = 3000
 
@@ -60,11 +59,11 @@ def test_json_answers_and_fate(tmp_path, target):
     proc = pipe(tmp_path, target, ["FREE", "--request-id", "5", "--handle", "0x4000"], "--json")
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in proc.stdout.decode().splitlines()]
-    assert records[0]["sent"] == 1 and records[0]["message"]["kbtp.opcode"] == OP["FREE"]
+    assert records[0]["sent"] == 1 and records[0]["message"]["kbtp.opcode"] == Opcode.FREE
     answer = records[1]
     assert answer["answer"] == 1 and answer["kbtp.request_id"] == 5
-    assert answer["kbtp.opcode"] == OP["COMPLETION"] and answer["kbtp.status"] in (
-        S["NOT_VALID"], S["INVALID_HANDLE"])
+    assert answer["kbtp.opcode"] == Opcode.COMPLETION and answer["kbtp.status"] in (
+        Status.NOT_VALID, Status.INVALID_HANDLE)
     assert records[2] == {"connection": "answered", "reason": records[2]["reason"], "unsent": 0}
 
 
@@ -92,8 +91,8 @@ def test_raw_and_goodbye_raise_the_connections_fate(target):
     async def main():
         ini = await Initiator.connect(target.url, **({"local": target.initiator_hosts[0]}
                                                      if target.transport == "roce" else {}))
-        wire = codec.encode({"opcode": OP["ALLOC_STORE"], "request_id": 1, "handle": ini.target.handle_base,
-                             "flags": 1, "dd.length": TOO_LONG, "inline_data": bytes(TOO_LONG)})
+        wire = codec.encode({"opcode": Opcode.ALLOC_STORE, "request_id": 1, "handle": ini.target.handle_base,
+                             "flags": RequestFlag.INLINE, "dd.length": TOO_LONG, "inline_data": bytes(TOO_LONG)})
         with pytest.raises(SessionEnded) as ended:
             await ini.raw(wire)
         with pytest.raises(SessionEnded) as after:

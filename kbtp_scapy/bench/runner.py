@@ -15,14 +15,14 @@ from typing import Any
 
 from ..initiator import Initiator, KbtpError, Result, TargetInfo
 from ..rnic.qp import FrameListener
-from ..tables.enums import FEATURES, flag
+from ..vocab import Feature
 from .stats import Samples
 
 #: operation -> the requests of one iteration, in order (the first is the one measured for
 #: throughput; ALLOC_STORE and DIRECT_ALLOC free their block again, so the quota holds)
 OPERATIONS = {"load": ("LOAD",), "store": ("STORE",), "alloc_store": ("ALLOC_STORE", "FREE"),
               "direct_load": ("DIRECT_LOAD",), "direct_alloc": ("DIRECT_ALLOC", "FREE")}
-NEEDS = {"direct_load": "DIRECT_LOAD", "direct_alloc": "DIRECT_ALLOC"}
+NEEDS = {"direct_load": Feature.DIRECT_LOAD, "direct_alloc": Feature.DIRECT_ALLOC}
 
 
 class BenchError(Exception):
@@ -80,16 +80,14 @@ async def run(plan: Plan, progress: Callable[[str], None] = lambda _: None) -> l
 
 
 def _info(ini: Initiator) -> TargetInfo:
-    if ini.target is None:                 # connect() returns after the HELLO_ACK only
-        raise BenchError("no HELLO_ACK")
-    return ini.target
+    return ini.target                      # connect() returns after the HELLO_ACK only
 
 
 def _check(ini: Initiator, plan: Plan) -> None:
     t = _info(ini)
     need = NEEDS.get(plan.op)
-    if need and not t.feature(flag(FEATURES, need)):
-        raise BenchError(f"{plan.url} did not grant {need}, which --op {plan.op} needs")
+    if need is not None and not t.feature(need):
+        raise BenchError(f"{plan.url} did not grant {need.name}, which --op {plan.op} needs")
     if plan.in_flight > min(t.quota, t.handle_count):
         raise BenchError(f"--in-flight {plan.in_flight} needs a block each; the target's quota "
                          f"is {t.quota} blocks")
