@@ -36,6 +36,9 @@ def _check(proc: subprocess.CompletedProcess, summary: str, tmp_path: Path) -> N
             assert summary.count(f"  {transport:<6} {step:<9} ok") == 1, (transport, step, summary)
         assert (tmp_path / f"{transport}_session.pcap").stat().st_size > 1000
         assert (tmp_path / f"{transport}_conform.xml").exists()
+        assert f"  {tmp_path / f'{transport}_conform.xml'}\n" in summary   # listed for the user
+    workload = [line for line in summary.splitlines() if " workload " in line]
+    assert workload and not [line for line in workload if " in 0.0 s" in line], workload
     assert "MATCH" in summary and "0 FAIL" in summary and "no findings" in summary
     assert len(list((tmp_path / "crafted").glob("*.pcap"))) == 4
     assert proc.stderr == ""                        # no progress when stderr is not a terminal

@@ -10,6 +10,10 @@ the same bytes with no KBTP, one case after the other in one run:
 - ALLOC_STORE of 4 KiB (an inline Send) against ``ib_send_bw``;
 - ALLOC_STORE of 32 KiB (the target's RDMA Read) against ``ib_read_bw``.
 
+Each case also runs ``kbtp bench --io verbs --device rxe0`` against the same target, so the
+user's benchmark client stands beside perftest in the same run (``kbtp_bench_ratio``; its
+ALLOC_STORE row is of ALLOC_STORE+FREE iterations, a FREE after each store).
+
     tools/bench_lab.py                     4 KiB and 32 KiB, 5 s per case (about 3 minutes)
     tools/bench_lab.py --markdown          the table as docs/PERFORMANCE.md shows it
     tools/bench_lab.py --write-docs        ... written into docs/PERFORMANCE.md
@@ -77,27 +81,38 @@ def case(lab, op: str, size: int, seconds: float, window: int) -> dict:
         res = lab.run(lab.python(str(Path(__file__)), "--guest-load", f"roce://{HOST}", DEVICE, op,
                                  str(size), str(seconds), str(window)), timeout=seconds * 4 + 180)
         kbtp = json.loads(res.stdout.strip().splitlines()[-1])
+        bench = lab.run(lab.kbtp("bench", f"roce://{HOST}", "--io", "verbs", "--device", DEVICE,
+                                 "--op", op.lower(), "-s", str(size), "-t", str(window),
+                                 "-D", str(seconds), "--json", "--no-histogram"),
+                        timeout=seconds * 4 + 180)
+        row = json.loads(bench.stdout)["results"][0]
     finally:
         target.stop()
     tool = PERFTEST["LOAD" if op == "LOAD" else "inline" if kbtp["data_path"] == "inline Send" else "read"]
     base = perftest(lab, tool, size, seconds)
     return {"op": op, "size": size, **kbtp, "baseline": tool, "baseline_per_s": base,
-            "ratio": kbtp["ops_per_s"] / base}
+            "ratio": kbtp["ops_per_s"] / base, "kbtp_bench_per_s": row["ops_per_s"],
+            "kbtp_bench_ratio": row["ops_per_s"] / base, "kbtp_bench_latency_us": row["latency_us"]}
 
 
 def markdown(cases: list[dict]) -> str:
-    lines = ["| op | size | data path | KBTP ops/s | baseline | baseline msgs/s | KBTP/baseline |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| op | size | data path | KBTP ops/s | baseline | baseline msgs/s | KBTP/baseline "
+             "| kbtp bench ops/s | kbtp bench/baseline | kbtp bench p50/p99 us |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in cases:
+        lat = c["kbtp_bench_latency_us"]
         lines.append(f"| {c['op']} | {c['size']} | {c['data_path']} | {c['ops_per_s']:.0f} | "
-                     f"`{c['baseline']}` | {c['baseline_per_s']:.0f} | {c['ratio']:.2f} |")
+                     f"`{c['baseline']}` | {c['baseline_per_s']:.0f} | {c['ratio']:.2f} "
+                     f"| {c['kbtp_bench_per_s']:.0f} | {c['kbtp_bench_ratio']:.2f} "
+                     f"| {lat['p50']:.0f}/{lat['p99']:.0f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.rstrip().split("\n\n")[-1])
+                                 epilog="\n".join(line for line in __doc__.splitlines()
+                                                   if line.strip().startswith("tools/bench_lab.py")))
     ap.add_argument("--sizes", default="4096,32768", help="block sizes (comma-separated)")
     ap.add_argument("--seconds", type=float, default=5.0, help="timed seconds per case")
     ap.add_argument("--window", type=int, default=16, help="requests in flight")
@@ -125,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             for size in sizes:
                 c = case(lab, op, size, args.seconds, args.window)
                 print(f"{op} {size}: KBTP {c['ops_per_s']:.0f} ops/s ({c['data_path']}), "
-                      f"{c['baseline']} {c['baseline_per_s']:.0f} msgs/s, ratio {c['ratio']:.2f}",
+                      f"{c['baseline']} {c['baseline_per_s']:.0f} msgs/s, ratio {c['ratio']:.2f}; "
+                      f"kbtp bench {c['kbtp_bench_per_s']:.0f} ops/s, ratio {c['kbtp_bench_ratio']:.2f}",
                       file=sys.stderr)
                 cases.append(c)
     except rdma_lab.LabError as exc:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the project needs on Debian 12 (as root) into ./.venv, idempotently:
 # tshark, python3-venv and the C dissector's build tools (gcc, pkg-config, Wireshark's and
-# GLib's headers) from Debian's packages, the package and its test extras from PyPI.
+# GLib's headers) from Debian's packages, the package and its test and plot extras from PyPI.
 # Fast when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,9 +17,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "install.sh: installing ${missing[*]} from Debian's packages" >&2
   export DEBIAN_FRONTEND=noninteractive
   echo "wireshark-common wireshark-common/install-setuid boolean false" | debconf-set-selections
-  # Another apt run may hold the lock for a while: wait for it rather than fail.
-  apt-get -o DPkg::Lock::Timeout=600 update -qq
-  apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # wait (up to 10 min) for another apt, such as unattended upgrades on a fresh VM, to let go
+  lock=(-o DPkg::Lock::Timeout=600)
+  apt-get "${lock[@]}" update -qq
+  apt-get "${lock[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -27,7 +28,7 @@ stamp=.venv/.kbtp-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "install.sh: installing kbtp_scapy and its test extras into .venv" >&2
-  .venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v -e '^WARNING: Location' -e 'BuildBackendWarning' >&2 || true
+  .venv/bin/python -m pip install -q -e '.[test,plot]' 2>&1 | grep -v -e '^WARNING: Location' -e 'BuildBackendWarning' >&2 || true
   .venv/bin/python -c 'import kbtp_scapy.cli, pytest, hypothesis, pyshark'
   echo "$want" > "$stamp"
 fi

@@ -60,7 +60,9 @@ CACHE = ROOT / ".lab"
 RUNNING = CACHE / "running.json"
 
 #: Debian packages the lab needs on the host (the guest runs the same files).
-PACKAGES = ["qemu-system-x86", "qemu-guest-agent", "linux-image-amd64", "linux-headers-amd64",
+#: The guest's kernel is not among them: a host without a Debian kernel gets one unpacked
+#: under .lab/ (``unpack_kernel``), not a new boot kernel.
+PACKAGES = ["qemu-system-x86", "qemu-guest-agent", "linux-headers-amd64",
             "linux-source-6.1", "busybox-static", "rdma-core", "ibverbs-providers",
             "ibverbs-utils", "rdmacm-utils", "perftest", "python3-pyverbs", "tcpdump",
             "iproute2", "kmod", "xz-utils", "make", "gcc", "cpio"]
@@ -99,13 +101,58 @@ def log(msg: str) -> None:
 # -- build ---------------------------------------------------------------------------------
 
 
-def kernel_version() -> str:
-    """The newest installed Debian kernel that has rxe (what the guest boots)."""
-    found = sorted(Path(p).name.removeprefix("vmlinuz-") for p in glob.glob("/boot/vmlinuz-*"))
-    found = [k for k in found if Path(f"/lib/modules/{k}/kernel/drivers/infiniband/sw/rxe").is_dir()]
+@dataclass
+class GuestKernel:
+    kver: str
+    vmlinuz: Path
+    modules: Path                  # the folder holding KVER/ (/lib/modules when installed)
+
+
+#: where ``unpack_kernel`` puts a kernel package's files (boot/, lib/modules/)
+UNPACKED = CACHE / "kernel"
+
+
+def _kernels(root: Path) -> list[GuestKernel]:
+    """Debian kernels with rxe under ``root`` (/ for the installed ones), oldest first."""
+    out = []
+    for vmlinuz in sorted((root / "boot").glob("vmlinuz-*")):
+        kver = vmlinuz.name.removeprefix("vmlinuz-")
+        for modules in (root / "lib/modules", root / "usr/lib/modules"):
+            if (modules / kver / "kernel/drivers/infiniband/sw/rxe").is_dir():
+                out.append(GuestKernel(kver, vmlinuz, modules))
+                break
+    return out
+
+
+def guest_kernel() -> GuestKernel:
+    """The newest installed Debian kernel that has rxe, else the one unpacked under .lab/."""
+    found = _kernels(Path("/")) or _kernels(UNPACKED)
     if not found:
-        raise LabError("no Debian kernel with rdma_rxe in /boot: run 'tools/rdma_lab.py build'")
+        raise LabError("no Debian kernel with rdma_rxe here: run 'tools/rdma_lab.py build'")
     return found[-1]
+
+
+def unpack_kernel() -> None:
+    """The kernel package linux-image-amd64 names, unpacked under .lab/kernel with its
+    modules' dependencies computed, and not installed: the host's boot kernel stays as it is."""
+    if _kernels(Path("/")) or _kernels(UNPACKED):
+        return
+    depends = subprocess.run(["apt-cache", "depends", "linux-image-amd64"], capture_output=True,
+                             text=True).stdout
+    image = next((line.split(":", 1)[1].strip() for line in depends.splitlines()
+                  if line.strip().startswith("Depends:") and "linux-image-" in line), None)
+    if image is None:
+        raise LabError("apt-cache knows no linux-image-amd64: run 'apt-get update' (Debian 12)")
+    log(f"unpacking {image} into {UNPACKED} for the guest (not installed: the host's boot "
+        "kernel is left alone)")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["apt-get", "download", "-qq", image], cwd=tmp, check=True)
+        deb = next(Path(tmp).glob("*.deb"))
+        UNPACKED.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(UNPACKED)], check=True)
+    for k in _kernels(UNPACKED):
+        base = UNPACKED if k.modules == UNPACKED / "lib/modules" else UNPACKED / "usr"
+        subprocess.run(["depmod", "-b", str(base), k.kver], check=True)
 
 
 def missing_packages() -> list[str]:
@@ -123,8 +170,9 @@ def install_packages() -> None:
         raise LabError(f"the lab needs Debian packages {' '.join(missing)}: run as root")
     log(f"installing {' '.join(missing)} from Debian's packages")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+    lock = ["-o", "DPkg::Lock::Timeout=600"]       # another apt (unattended upgrades) may hold it
+    subprocess.run(["apt-get", *lock, "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", *lock, "install", "-y", "-qq", "--no-install-recommends", *missing],
                    check=True, env=env, stdout=subprocess.DEVNULL)
 
 
@@ -134,6 +182,7 @@ class Artifacts:
     kernel: Path
     initramfs: Path
     siw: Path
+    modules: Path                  # the guest's /lib/modules
 
 
 def _stamp() -> str:
@@ -161,9 +210,9 @@ def build_siw(kver: str, out: Path) -> Path:
     return siw
 
 
-def _module_files(kver: str, names: list[str]) -> list[Path]:
+def _module_files(kernel: GuestKernel, names: list[str]) -> list[Path]:
     """The .ko files of ``names`` and their dependencies, dependencies first."""
-    base = Path(f"/lib/modules/{kver}")
+    base = kernel.modules / kernel.kver
     deps: dict[str, list[str]] = {}
     for line in (base / "modules.dep").read_text().splitlines():
         path, _, rest = line.partition(":")
@@ -203,13 +252,18 @@ export PATH=@PATH@ HOME=/tmp/home
 ulimit -l unlimited      # RDMA registrations pin memory: what every RDMA host configures
 say() { echo "lab: $*" > /dev/ttyS0; }
 mount -t devpts devpts /dev/pts 2>/dev/null
+# The checkout's .venv as the host's root shows it (cached: fast imports), taken before the
+# tmpfs below would hide a checkout under /tmp or /var/tmp.
+mkdir -p /run/venv && mount --bind @ROOT@/.venv /run/venv || say "cannot mount the checkout's .venv"
 for d in /tmp /var/tmp; do mount -t tmpfs tmp "$d" 2>/dev/null; done
-mkdir -p /run/netns /run/lock /tmp/home @LAB@
+mkdir -p /run/netns /run/lock /tmp/home @LAB@ @ROOT@
 mount -t 9p -o trans=virtio,version=9p2000.L,cache=none,msize=512000 lab @LAB@ || say "no /lab"
-# The checkout uncached (edits on the host show at once), its .venv cached (fast imports).
-mkdir -p /run/venv && mount --bind @ROOT@/.venv /run/venv \
-  && mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=none,msize=512000 checkout @ROOT@ \
+# The checkout uncached (edits on the host show at once), with the cached .venv moved in.
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=none,msize=512000 checkout @ROOT@ \
   && mount --move /run/venv @ROOT@/.venv || say "cannot mount the checkout"
+# A guest kernel unpacked under .lab/ (none installed on the host): its modules.
+[ "@MODROOT@" = /lib/modules ] || mount --bind @MODROOT@ /lib/modules \
+  || say "cannot mount the guest kernel's modules"
 modprobe -a @MODULES@ || say "modprobe failed"
 insmod @SIW@ || say "insmod siw failed"
 ip link set lo up
@@ -230,6 +284,7 @@ port=$(grep -l org.qemu.guest_agent.0 /sys/class/virtio-ports/*/name | head -1 |
 qemu-ga -m virtio-serial -p /dev/$port -t /run &
 say "ready $(cut -d' ' -f1 /proc/uptime)"
 if grep -q kbtp.shell=1 /proc/cmdline; then
+  cd @ROOT@ 2>/dev/null
   setsid sh -c 'exec bash -i </dev/ttyS0 >/dev/ttyS0 2>&1'
   busybox poweroff -f
 fi
@@ -241,7 +296,9 @@ def build(*, packages: bool = True) -> Artifacts:
     """Install what is missing and build what is stale; fast when all is there."""
     if packages:
         install_packages()
-    kver = kernel_version()
+        unpack_kernel()
+    kernel = guest_kernel()
+    kver = kernel.kver
     out = CACHE / kver
     out.mkdir(parents=True, exist_ok=True)
     siw = build_siw(kver, out)
@@ -254,7 +311,7 @@ def build(*, packages: bool = True) -> Artifacts:
             for d in ("bin", "dev", "proc", "sys", "modules"):
                 (t / d).mkdir()
             shutil.copy("/bin/busybox", t / "bin/busybox")
-            mods = _module_files(kver, INITRAMFS_MODULES)
+            mods = _module_files(kernel, INITRAMFS_MODULES)
             for m in mods:
                 shutil.copy(m, t / "modules" / m.name)
             (t / "modules.order").write_text("\n".join(m.name for m in mods) + "\n")
@@ -266,13 +323,21 @@ def build(*, packages: bool = True) -> Artifacts:
                                   capture_output=True, check=True).stdout
             initramfs.write_bytes(gzip.compress(cpio, 6))
         stamp.write_text(_stamp())
-    return Artifacts(kver, Path(f"/boot/vmlinuz-{kver}"), initramfs, siw)
+    return Artifacts(kver, kernel.vmlinuz, initramfs, siw, kernel.modules)
+
+
+#: host folders the guest mounts its own file systems over: a checkout there is hidden
+HIDDEN = ("/run", "/proc", "/sys", "/dev")
 
 
 def unavailable() -> str | None:
     """Why the lab cannot run on this machine, or None."""
     if sys.platform != "linux" or os.uname().machine != "x86_64":
         return "the lab needs an x86_64 Linux host"
+    hidden = next((h for h in HIDDEN if ROOT == Path(h) or Path(h) in ROOT.parents), None)
+    if hidden:
+        return (f"the checkout {ROOT} is under {hidden}, which the guest mounts its own "
+                "file system over: clone it elsewhere (/tmp and /var/tmp are fine)")
     if os.geteuid() != 0:
         return "the lab needs root (network namespaces, tap devices)"
     if not os.path.exists("/dev/net/tun"):
@@ -500,7 +565,8 @@ class Lab:
             for ip in ips:
                 self._ip("-n", self.netns, "addr", "add", f"{ip}/24", "dev", tap)
             self._ip("-n", self.netns, "link", "set", tap, "mtu", str(MTU), "up")
-        stage2 = (STAGE2.replace("@PATH@", GUEST_PATH).replace("@LAB@", self.guest_dir)
+        stage2 = (STAGE2.replace("@PATH@", f"{ROOT}/.venv/bin:{GUEST_PATH}").replace("@LAB@", self.guest_dir)
+                  .replace("@MODROOT@", str(art.modules))
                   .replace("@ROOT@", str(ROOT)).replace("@MTU@", str(MTU))
                   .replace("@MODULES@", " ".join(GUEST_MODULES)).replace("@SIW@", str(art.siw))
                   .replace("@GUEST_IP@", GUEST_IP).replace("@SIW_GUEST_IP@", SIW_GUEST_IP)
@@ -557,7 +623,7 @@ class Lab:
     # -- running things in the guest ----------------------------------------------------
 
     def env(self, extra: dict[str, str] | None = None) -> list[str]:
-        env = {"PATH": GUEST_PATH, "HOME": "/tmp/home", "PYTHONDONTWRITEBYTECODE": "1",
+        env = {"PATH": f"{ROOT}/.venv/bin:{GUEST_PATH}", "HOME": "/tmp/home", "PYTHONDONTWRITEBYTECODE": "1",
                "LANG": "C.UTF-8", **(extra or {})}
         return [f"{k}={v}" for k, v in env.items()]
 
@@ -596,6 +662,32 @@ class Lab:
                               arg=["-c", script, "sh", *argv],
                               env=self.env({**(env or {}), "LOG": str(log_path)}))["pid"]
         return Process(self, pid, log_path)
+
+    def stream(self, argv: list[str], timeout: float) -> int:
+        """Run ``argv`` in the guest from the checkout (``kbtp`` on its PATH), its output
+        (stdout and stderr, as one) shown here as it comes; Ctrl-C stops it."""
+        proc = self.spawn(["/bin/sh", "-c", 'cd "$0" && exec "$@"', str(ROOT), *argv], name="exec")
+        shown = 0
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                done = proc.poll() is not None
+                if proc.log.exists():
+                    with proc.log.open("rb") as f:
+                        f.seek(shown)
+                        chunk = f.read()
+                    shown += len(chunk)
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+                if done:
+                    return proc.returncode
+                if time.monotonic() > deadline:
+                    proc.stop()
+                    raise LabError(f"guest command still running after {timeout:g} s: {shlex.join(argv)}")
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            proc.stop()
+            raise
 
     def python(self, *args: str) -> list[str]:
         """argv for this checkout's Python in the guest."""
@@ -693,17 +785,13 @@ def main(argv: list[str] | None = None) -> int:
             lab = Lab.running()
             if lab is None:
                 raise LabError("no lab is up: start 'tools/rdma_lab.py up' first")
-            res = lab.run(cmd, check=False, timeout=3600)
-            lab.agent.close()
-            sys.stdout.write(res.stdout)
-            sys.stderr.write(res.stderr)
-            return res.returncode
+            try:
+                return lab.stream(cmd, timeout=3600)
+            finally:
+                lab.agent.close()
         with Lab() as lab:
             log(f"guest up in {lab.boot_seconds:.1f} s")
-            res = lab.run(cmd, check=False, timeout=600)
-            sys.stdout.write(res.stdout)
-            sys.stderr.write(res.stderr)
-            return res.returncode
+            return lab.stream(cmd, timeout=3600)
     except LabError as exc:
         log(str(exc))
         return 1

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
+
+from .errors import OutputClosed
 
 #: subcommand -> module of this package defining it; imported only when that command runs,
 #: so ``kbtp target`` does not pay for Scapy's layers in start-up time and memory.
 COMMANDS = {"decode": "decode", "craft": "craft", "demo": "demo", "dissector": "dissector",
             "target": "target", "initiator": "initiator",
-            "replay": "replay", "conform": "conform", "fuzz": "fuzz"}
+            "replay": "replay", "conform": "conform", "fuzz": "fuzz", "bench": "bench"}
 
 
 #: click 8.2 and later raise this for a bare group (help, exit 2); 8.1 prints it and exits 0
@@ -49,7 +52,7 @@ def cli() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; errors are one line on stderr: exit 2 for usage, 1 for bad input."""
     try:
-        cli.main(args=argv, prog_name="kbtp", standalone_mode=False)
+        status = cli.main(args=argv, prog_name="kbtp", standalone_mode=False)
     except _NoArgsIsHelp as exc:            # bare ``kbtp``: the help on stdout, click's status
         click.echo(exc.format_message())
         return exc.exit_code
@@ -63,9 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     except click.Abort:
         click.echo("kbtp: aborted", err=True)
         return 130
-    except BrokenPipeError:
+    except (BrokenPipeError, OutputClosed):   # ``| head`` has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())     # nor a second complaint at exit's flush
         return 0
-    return 0
+    # a command's ``click.exceptions.Exit(N)`` (decode's 130 on Ctrl-C) comes back as N
+    return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
 def entry() -> None:

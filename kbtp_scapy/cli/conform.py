@@ -12,6 +12,7 @@ from ..conform.registry import ERROR, FAIL, WARN, Case, all_cases, select
 from ..conform.runner import Listener, Outcome, run
 from ..harness import HarnessError
 from ..initiator.results import TargetInfo
+from ..words import count
 from .errors import Exit
 
 
@@ -24,8 +25,11 @@ class _Console(Listener):
         self.url, self.text, self.quiet = url, text, quiet
         self.progress = not quiet and sys.stderr.isatty()
         self._shown = False
+        self.info: TargetInfo | None = None
+        self.outcomes: list[Outcome] = []         # as they come: the partial report on Ctrl-C
 
     def probed(self, info: TargetInfo, total: int) -> None:
+        self.info = info
         if self.text:
             click.echo(report.header(self.url, info))
 
@@ -35,6 +39,7 @@ class _Console(Listener):
             self._shown = True
 
     def finished(self, index: int, total: int, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
         lines = report.case_lines(outcome, self.quiet) if self.text else []
         if lines:
             self.clear()
@@ -107,6 +112,13 @@ def conform(url: str | None, local: str | None, list_only: bool, only: tuple[str
         _emit(as_json, json_file, doc)
         _write(junit_file, report.junit(url, [], str(exc)))
         raise Exit(report.EXIT_HARNESS, f"conform: {exc}") from None
+    except KeyboardInterrupt:        # a CI timeout kills runs so: keep what was judged
+        console.clear()
+        done = console.outcomes
+        why = f"interrupted (Ctrl-C) after {count(len(done), 'case')}"
+        _emit(as_json, json_file, report.as_json(url, console.info, done, why, strict, quick))
+        _write(junit_file, report.junit(url, done, why))
+        raise Exit(130, f"conform: {why}; the reports hold the cases judged until then") from None
     console.clear()
     if console.text:
         click.echo(report.footer(outcomes))
@@ -121,7 +133,7 @@ def _summary(outcomes: list[Outcome], strict: bool) -> str:
     failed = sum(o.verdict == FAIL for o in outcomes)
     warned = sum(o.verdict == WARN for o in outcomes)
     errors = sum(o.verdict == ERROR for o in outcomes)
-    parts = [f"{failed} case(s) failed"] + ([f"{warned} WARN (--strict)"] if strict and warned else [])
+    parts = [f"{count(failed, 'case')} failed"] + ([f"{warned} WARN (--strict)"] if strict and warned else [])
     if errors:
         parts.append(f"{errors} could not be judged (ERROR)")
     return (f"conform: {', '.join(parts)}; see each case's expected/seen above "

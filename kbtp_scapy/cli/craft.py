@@ -10,6 +10,7 @@ import click
 
 from .. import tables as T
 from ..layers.kbtp import _write_word, build_packet
+from .errors import file_trouble
 
 #: opcodes the target sends: a pcap carries them target-to-initiator unless told otherwise
 RESPONSES = {T.BY_NAME[m.answer].opcode for m in T.MESSAGES if m.answer}
@@ -17,8 +18,12 @@ RESPONSES = {T.BY_NAME[m.answer].opcode for m in T.MESSAGES if m.answer}
 SUFFIX_FORMATS = {".pcap": "pcap", ".pcapng": "pcap", ".hex": "hex", ".txt": "hex"}
 
 
+#: fields whose plain option name means something else on a command line
+RENAMED = {"version": "--kbtp-version"}     # --version is the program's version
+
+
 def _option_name(key: str) -> str:
-    return "--" + key.replace(".", "-").replace("_", "-")
+    return RENAMED.get(key) or "--" + key.replace(".", "-").replace("_", "-")
 
 
 def _all_fields() -> dict[str, T.Field]:
@@ -194,7 +199,10 @@ def craft(opcode: str, inline_data_file, trailer: str | None, addr_le: bool, fmt
             raise click.UsageError("--format pcap needs -o FILE")
         from ..builders.recorder import write_pcap
         by_target = op in RESPONSES if from_target is None else from_target
-        write_pcap(output, transport, [("response" if by_target else "request", wire)])
+        try:
+            write_pcap(output, transport, [("response" if by_target else "request", wire)])
+        except OSError as exc:
+            raise file_trouble(output, exc, option="-o") from None
         click.echo(f"wrote {output}: 1 KBTP message over {transport}, "
                    f"{'target to initiator' if by_target else 'initiator to target'}", err=True)
     elif fmt == "raw":
@@ -253,7 +261,10 @@ def _flag_name(struct_: T.Struct, cond: T.Condition, msg: T.Message) -> str:
 
 def _write(output: str | None, data: bytes) -> None:
     if output:
-        Path(output).write_bytes(data)
+        try:
+            Path(output).write_bytes(data)
+        except OSError as exc:
+            raise file_trouble(output, exc, option="-o") from None
     else:
         sys.stdout.buffer.write(data)
         sys.stdout.flush()

@@ -286,7 +286,11 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
     except KeyboardInterrupt:
         progress.clear()
         sys.stdout.flush()
+        if json_file is not None:
+            json_file.flush()
         _summary(stats, total, shown, malformed, len(conns), any(filters), None, name)
+        click.echo(f"kbtp: decode of {name} interrupted (Ctrl-C): the lines above are the "
+                   "messages found until then", err=True)
         raise click.exceptions.Exit(130) from None
     finally:
         progress.clear()

@@ -191,6 +191,11 @@ def _with_target(b: Binding, name: str, run, pcap: Path | None = None) -> None:
         t.stop()
 
 
+def _took(seconds: float) -> str:
+    """``38 ms`` or ``1.4 s``: never "in 0.0 s"."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
 def _run_binding(transport: str, outdir: Path, fuzz_cases: int) -> Binding:
     b = Binding(transport)
     local = HOSTS[transport][1]
@@ -206,7 +211,7 @@ def _run_binding(transport: str, outdir: Path, fuzz_cases: int) -> Binding:
             b.add("workload", False, f"{type(exc).__name__}: {exc}")
             return
         b.add("workload", True, f"{n} requests against {url} in "
-                                f"{time.monotonic() - started:.1f} s, captured in {session.name}")
+                                f"{_took(time.monotonic() - started)}, captured in {session.name}")
 
     def replay(url: str) -> None:
         r = _kbtp("replay", str(session), "--target", url, *local_args)
@@ -294,5 +299,10 @@ def demo(out: str | None, fuzz_cases: int, transports: tuple[str, ...]) -> None:
         click.echo(f"  {outdir / f'{b.transport}_session.pcap'}   (initiator side; target side: "
                    f"{b.transport}_target.pcap)")
     click.echo(f"  {outdir / 'crafted'}/*.pcap   (every message and status code)")
+    reports = [outdir / f"{b.transport}_conform.xml" for b in results]
+    if any(r.exists() for r in reports):
+        click.echo("\nJUnit reports of the conformance runs (for CI):")
+        for junit in (r for r in reports if r.exists()):
+            click.echo(f"  {junit}")
     if failed:
         raise click.ClickException(f"demo steps failed: {', '.join(failed)}")

@@ -12,6 +12,7 @@ import os
 import click
 
 from ..rnic.qp import ConnectionLost, RemoteError
+from ..rnic.roce_raw import NEEDS_NET_RAW
 from ..wire.address import ROCE_PORT, Address
 
 #: what a command catches from a connection: the soft RNIC's errors and the OS's
@@ -29,6 +30,8 @@ class Exit(click.ClickException):
 
 def reason(exc: BaseException, timeout: float | None = None) -> str:
     """The exception's own message, or what an exception of its kind means."""
+    if isinstance(exc, PermissionError) and exc.strerror == NEEDS_NET_RAW:
+        return NEEDS_NET_RAW
     if isinstance(exc, OSError) and exc.errno:
         text = os.strerror(exc.errno)
         if exc.strerror and exc.strerror != text:
@@ -56,6 +59,9 @@ def hint(exc: BaseException) -> str:
         return "stop whatever holds that address, or pick another with --local ADDR"
     if isinstance(exc, OSError) and exc.errno == errno.EADDRNOTAVAIL:
         return "give an address of this host with --local ADDR"
+    if isinstance(exc, PermissionError) and exc.strerror == NEEDS_NET_RAW:
+        return ("run as root, or grant it (setcap cap_net_raw+ep on the Python interpreter, or "
+                "in a container --cap-add NET_RAW)")
     if isinstance(exc, ConnectionLost | RemoteError | ConnectionResetError):
         return "the target's log may say why"
     return ""
@@ -80,3 +86,33 @@ def local_trouble(exc: BaseException, url: Address, local: str | None) -> str | 
     local = local or default_local(url.host)
     port = url.port + 1 if local == url.host else ROCE_PORT
     return f"cannot send from {local} (UDP port {port}) to {url}"
+
+
+class OutputClosed(Exception):
+    """Standard output's reader went away (``| head``): stop quietly. Not an OSError, so that
+    handlers of connection errors let it through."""
+
+
+def say(text: str, err: bool = False) -> None:
+    """``click.echo``, with a closed standard output raised as ``OutputClosed``."""
+    try:
+        click.echo(text, err=err)
+    except BrokenPipeError:
+        raise OutputClosed from None
+
+
+#: what to do about a file that cannot be opened, by errno
+FILE_TODO = {errno.ENOENT: "check the path (its folder must exist)",
+             errno.EISDIR: "give the path of a file, not of a folder",
+             errno.ENOTDIR: "a part of the path is a file, not a folder",
+             errno.EACCES: "pick a path you may use, or fix its permissions",
+             errno.EROFS: "pick a path on a writable file system",
+             errno.ENOSPC: "free some space or pick another file system"}
+
+
+def file_trouble(path: str | os.PathLike, exc: OSError, doing: str = "write",
+                 option: str = "") -> click.ClickException:
+    """``cannot write PATH (OPTION): why; what to do``: the path named, not the URL."""
+    where = f" ({option})" if option else ""
+    return click.ClickException(line(f"cannot {doing} {os.fspath(path)}{where}", reason(exc),
+                                     FILE_TODO.get(exc.errno or 0, "")))

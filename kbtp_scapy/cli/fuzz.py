@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from .. import words
 from ..fuzz import report
 from ..fuzz.campaign import Control, Run, campaign, load_case, replay_case
 from ..fuzz.cases import parse_name
@@ -39,6 +40,20 @@ class _Progress:
         if self.width:
             click.echo("\r" + " " * self.width + "\r", err=True, nl=False)
             self.width = 0
+
+
+def _pace(done: int, total: int, elapsed: float, time_limit: float | None) -> str:
+    """``, 41.5 cases/s, ETA 0:12`` (the sooner of the case count's and --time-limit's end)."""
+    if not done or elapsed <= 0:
+        return ""
+    rate = done / elapsed
+    left = (total - done) / rate
+    if time_limit is not None:
+        left = min(left, max(0.0, time_limit - elapsed))
+    minutes, seconds = divmod(round(left), 60)
+    hours, minutes = divmod(minutes, 60)
+    clock = f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+    return f", {rate:.1f} cases/s, ETA {clock}"
 
 
 def _run(coro_factory, control: Control):
@@ -134,8 +149,11 @@ def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str 
     run = Run(url, options, timeout, replay_args, minimize_budget)
     bar = _Progress(not quiet)
 
+    started = time.monotonic()
+
     def on_case(done: int, s: report.Summary) -> None:
-        bar.show(f"kbtp fuzz: case {done}/{count}, {len(s.saved)} with findings", force=done == count)
+        bar.show(f"kbtp fuzz: case {done}/{count}, {len(s.saved)} with findings"
+                 + _pace(done, count, time.monotonic() - started, time_limit), force=done == count)
 
     def on_minimize(name: str, tries: int, budget: int, steps: int) -> None:
         bar.show(f"kbtp fuzz: minimizing {name}: replay {tries}/{budget + 1}, {steps} steps", force=True)
@@ -149,11 +167,11 @@ def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str 
                        control)
     bar.clear()
     text = report.table(summary)
+    nothing_ran = summary.exit_code == report.EXIT_HARNESS and not summary.cases
     if as_json:
         click.echo(report.as_json(summary), nl=False)
-        click.echo(text, err=True)
-    else:
-        click.echo(text)
+    if not nothing_ran:               # else the error line below is all there is to say
+        click.echo(text, err=as_json)
     if json_file:
         try:
             Path(json_file).write_text(report.as_json(summary))
@@ -162,10 +180,10 @@ def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str 
     if summary.error and summary.saved:
         click.echo(f"kbtp: the run ended early after the findings: {summary.error}", err=True)
     if summary.exit_code == report.EXIT_INTERRUPTED:
-        raise Exit(130, f"interrupted after {summary.cases} case(s)"
+        raise Exit(130, f"interrupted after {words.count(summary.cases, 'case')}"
                     + (f", {len(summary.saved)} with findings" if summary.saved else ""))
     if summary.exit_code == report.EXIT_HARNESS:
         raise Exit(2, f"harness error: {summary.error}")
     if summary.exit_code == report.EXIT_FINDING:
-        raise Exit(1, f"{len(summary.saved)} case(s) with findings"
+        raise Exit(1, f"{words.count(len(summary.saved), 'case')} with findings"
                     + (f" (saved in {out_dir})" if not replay else ""))

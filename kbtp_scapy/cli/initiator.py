@@ -20,7 +20,17 @@ import click
 from .. import tables as T
 from ..initiator import Initiator, KbtpError, Result
 from ..vocab import Feature
-from .errors import CONNECTION_ERRORS, hint, line, local_trouble, reason
+from ..words import count
+from .errors import (
+    CONNECTION_ERRORS,
+    OutputClosed,
+    file_trouble,
+    hint,
+    line,
+    local_trouble,
+    reason,
+    say,
+)
 from .options import (
     address,
     feature_names,
@@ -48,15 +58,23 @@ def _initiator_id(id_hex: str | None, id_file: str) -> bytes:
             raise click.BadParameter("must be 32 hex digits (128 bits)", param_hint="--id")
         return value
     path = Path(id_file).expanduser()
-    if path.exists():
-        value = bytes.fromhex(path.read_text().strip())
-        if len(value) == 16:
-            return value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    value = secrets.token_bytes(16)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value.hex() + "\n")
+    try:
+        if path.exists():
+            try:
+                value = bytes.fromhex(path.read_text().strip())
+            except (ValueError, UnicodeDecodeError):
+                raise click.BadParameter(f"{path} does not hold an Initiator ID (32 hex digits); "
+                                         "give another file, or remove this one for a new ID",
+                                         param_hint="--id-file") from None
+            if len(value) == 16:
+                return value
+        path.parent.mkdir(parents=True, exist_ok=True)
+        value = secrets.token_bytes(16)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(value.hex() + "\n")
+    except OSError as exc:
+        raise file_trouble(path, exc, "keep the Initiator ID in", "--id-file") from None
     return value
 
 
@@ -64,10 +82,24 @@ class _UrlFirst(click.Group):
     """``kbtp initiator URL [OPTIONS] OP ...``: options may follow the URL."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        op = next((i for i, a in enumerate(args) if a in self.commands), None)
+        op = self._operation(args)
         if op and not args[0].startswith("-"):
             args = [*args[1:op], args[0], *args[op:]]
         return super().parse_args(ctx, args)
+
+    def _operation(self, args: list[str]) -> int | None:
+        """Where the operation is in ``URL [OPTIONS] OP ...``: the first word after the URL
+        that is neither an option nor an option's value, known or not, so that an unknown
+        operation is what click blames."""
+        takes_value = {name for p in self.params if isinstance(p, click.Option) and not p.is_flag
+                       for name in p.opts}
+        i = 1
+        while i < len(args):
+            word = args[i]
+            if not word.startswith("-") or word == "-":
+                return i
+            i += 2 if word in takes_value else 1
+        return None
 
 
 @click.group(cls=_UrlFirst)
@@ -160,7 +192,10 @@ async def _session(o: dict, name: str, func, kwargs: dict) -> None:
     sink = None
     if o["pcap"]:
         from ..rnic.pcap import PcapSink  # Scapy's writer: imported only when asked for
-        sink = PcapSink(o["pcap"])
+        try:
+            sink = PcapSink(o["pcap"])
+        except OSError as exc:
+            raise file_trouble(o["pcap"], exc, option="--pcap") from None
     url, timeout = o["url"], o["timeout"]
     try:
         try:
@@ -178,9 +213,13 @@ async def _session(o: dict, name: str, func, kwargs: dict) -> None:
             asked = "--record" if kwargs.get("record") else name
             needs = NEEDS.get(asked)
             if needs and not ini.target.feature(Feature[needs]):
-                raise _failure(asked, why=f"{url} did not grant {needs}",
-                               todo=f"ask for it with --features {needs} (a target that does not "
-                                    "offer it never grants it)")
+                todo = (f"ask for it with --features {needs} (a target that does not offer it "
+                        "never grants it)" if not o["features"] & Feature[needs] else
+                        "the target grants it while it has a partition free: all may be held by "
+                        "other sessions (its log says so); they give one back with GOODBYE "
+                        "--release" if needs == "DIRECT_ALLOC" else
+                        f"{url} may not offer it (its start-up line lists what it offers)")
+                raise _failure(asked, why=f"{url} did not grant {needs}", todo=todo)
             release = await asyncio.wait_for(func(ini, o, **kwargs), timeout)
         except KbtpError as exc:
             raise _failure(_what(name, kwargs), exc, **_status_hint(exc, ini, o, kwargs)) from None
@@ -265,13 +304,13 @@ def emit(o: dict, op: str, handle: int | None, result: Result | None, to_stderr:
     if o["as_json"]:
         record = {"op": op, **({"handle": handle} if handle is not None else {}),
                   **(result.as_dict() if result else {}), **extra}
-        click.echo(json.dumps(record), err=to_stderr)
+        say(json.dumps(record), err=to_stderr)
         return
     if result is None:
-        click.echo(f"{op}: " + ", ".join(f"{k} {v}" for k, v in extra.items()), err=to_stderr)
+        say(f"{op}: " + ", ".join(f"{k} {v}" for k, v in extra.items()), err=to_stderr)
         return
-    click.echo(f"{op} 0x{handle:x}: {result.status_name}, generation {result.generation}, "
-               f"{result.data_length} octets at block offset 0x{result.block_offset:x}"
+    say(f"{op} 0x{handle:x}: {result.status_name}, generation {result.generation}, "
+               f"{count(result.data_length, 'octet')} at block offset 0x{result.block_offset:x}"
                + "".join(f", {k} {v}" for k, v in extra.items()), err=to_stderr)
 
 
@@ -307,11 +346,17 @@ def data_options(func):
 
 def _output(path: str | None, data: bytes, o: dict) -> dict:
     if path == "-":
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        except BrokenPipeError:
+            raise OutputClosed from None
         return {}
     if path:
-        Path(path).write_bytes(data)
+        try:
+            Path(path).write_bytes(data)
+        except OSError as exc:
+            raise file_trouble(path, exc, option="-o") from None
         return {"written": path}
     return {} if o["as_json"] else {"data": data[:32].hex() + ("..." if len(data) > 32 else "")}
 
@@ -331,11 +376,11 @@ async def hello(ini: Initiator, o: dict) -> None:
             "handle_base": t.handle_base, "handle_count": t.handle_count,
             "ticket_timeout_ms": t.ticket_timeout_ms, **t.fields}
     if o["as_json"]:
-        click.echo(json.dumps({"op": "HELLO", **info}))
+        say(json.dumps({"op": "HELLO", **info}))
         return
     for key, value in info.items():
         shown = f"{value:#x}" if key in HEX_KEYS and key != "features" else value
-        click.echo(f"{key:>18}: {shown}")
+        say(f"{key:>18}: {shown}")
 
 
 @initiator.command()
@@ -425,3 +470,6 @@ async def goodbye(ini, o, release):
     """End the session now; with --release the target frees all our bindings."""
     emit(o, "GOODBYE", None, None, release=release)
     return release
+
+
+from . import send as _send  # noqa: E402, F401  (registers ``send``, which builds on session)

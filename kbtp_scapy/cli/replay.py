@@ -12,6 +12,7 @@ import click
 from ..capture import CaptureError
 from ..harness import HarnessError
 from ..wire.address import parse_url
+from ..words import count
 from .errors import CONNECTION_ERRORS, describe, hint, local_trouble, reason
 
 
@@ -74,7 +75,8 @@ def _harness(exc: Exception, url: str, local: str | None, timeout: float) -> _Ha
               help="Do not compare FIELD (status, generation, data_length, block_offset, data, "
                    "ticket, flags); repeat or separate with commas. block_offset is always ignored "
                    "unless --strict.")
-@click.option("--strict", is_flag=True, help="Compare Block Offsets too.")
+@click.option("--strict", is_flag=True,
+              help="Compare Block Offsets too, and Generations as captured (not as they move).")
 @click.option("--pace", is_flag=True, help="Keep the captured timing between steps.")
 @click.option("--loop", "loops", type=click.IntRange(1), default=1, show_default=True,
               help="Replay the capture N times in a row, each time with new sessions.")
@@ -97,8 +99,10 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     waited for; otherwise as fast as the target answers (--pace keeps the captured
     timing).
 
-    Generations are compared as captured: a capture that starts from a fresh target
-    matches only a fresh target (and later --loop rounds see what earlier ones left).
+    Generations are compared as they move: a handle's first Generation in a session
+    sets its offset and later ones must keep it, so a capture replays to a match on a
+    target whose entries were used before (or were not). --strict compares them as
+    captured: then a capture that starts from a fresh target matches only a fresh one.
 
     \b
     Exit status: 0 every compared step matched; 1 the target differed or failed to
@@ -111,9 +115,9 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     \b
     Examples (with kbtp target running on each binding):
       kbtp initiator roce://127.0.0.1 --pcap session.pcap alloc-store 0x4000 --text hi --seal
-      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation
+      kbtp replay session.pcap --target roce://127.0.0.1
       kbtp replay session.pcap --target iwarp://127.0.0.1:5420 --json-file report.json
-      kbtp replay session.pcap --target roce://127.0.0.1 --ignore generation --loop 3 --pace -v
+      kbtp replay session.pcap --target roce://127.0.0.1 --loop 3 --pace -v
     """
     from ..replay import compare, player, report, sessions
 
@@ -146,7 +150,7 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     finally:
         progress.end()
     frozen = frozenset(ignored)
-    verdicts = [[compare.judge(p, frozen) for p in run.results] for run in runs]
+    verdicts = [compare.judge_run(run.results, frozen, relative=not strict) for run in runs]
     kept = set().union(*(run.mapping.kept for run in runs))
     document = json.dumps(report.as_json(cap, url, verdicts, sorted(ignored), kept), indent=1)
     if json_file:
@@ -158,6 +162,8 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
             click.echo(line)
     counts = report.summary(verdicts)
     if counts["differ"] or counts["error"]:
-        raise _Failed(f"replay: {counts['differ']} step(s) differ, {counts['error']} failed")
+        differ = counts["differ"]
+        raise _Failed(f"replay: {count(differ, 'step')} {'differs' if differ == 1 else 'differ'}, "
+                      f"{counts['error']} failed")
     if not counts["match"]:
         raise _Harness("replay: no step could be compared")

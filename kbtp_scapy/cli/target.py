@@ -12,6 +12,7 @@ import click
 from ..target import Target, TargetConfig
 from ..target.config import LOOPBACK
 from ..vocab import Feature
+from .errors import file_trouble, hint, line
 from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_options
 
 #: What a peer can make the target hold, bounded: (option, TargetConfig field, help).
@@ -158,18 +159,27 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
 
 
 async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options) -> None:
-    t = Target(config, addr.transport, options.get("io"))
+    try:
+        t = Target(config, addr.transport, options.get("io"))
+    except MemoryError as exc:
+        raise click.ClickException(f"{exc}; give fewer --blocks (-F) or a smaller --block-size "
+                                   "(-S)") from None
     sink = None
     if pcap:
         from ..rnic.pcap import PcapSink  # Scapy's writer: imported only when asked for
-        sink = PcapSink(pcap)
+        try:
+            sink = PcapSink(pcap)
+        except OSError as exc:
+            await t.close()
+            raise file_trouble(pcap, exc, option="--pcap") from None
     if sink:
         t.frame_listeners.append(sink)
     try:
         bound = await t.start(addr, **options)
     except OSError as exc:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        raise click.ClickException(f"cannot listen on {addr}: {why}") from None
+        todo = hint(exc) if isinstance(exc, PermissionError) else ""
+        raise click.ClickException(line(f"cannot listen on {addr}", why, todo)) from None
     if metrics_port:
         try:
             t.metrics.serve(metrics_port)

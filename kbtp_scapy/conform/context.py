@@ -19,7 +19,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from .. import codec
-from ..initiator import Initiator, KbtpError, Result
+from ..initiator import Initiator, KbtpError, Result, SessionEnded
 from ..initiator.client import ALL_FEATURES, COMPLETION_BUFFER
 from ..initiator.results import TargetInfo
 from ..rnic import MemoryTable, QueuePair, connect as rdma_connect
@@ -335,8 +335,12 @@ class Ctx:
         return codec.encode({"request_id": self.rid(), **values}, ini.addr_le)
 
     async def raw(self, ini: Initiator, message: bytes, expect: int = 1) -> list[tuple[AnyMessage | None, Received]]:
-        """Send any octets as a request; what came back, decoded where it decodes."""
-        got = await ini.raw(message, timeout=self.timeout, expect=expect)
+        """Send any octets as a request; what came back, decoded where it decodes (a case
+        that ends the connection judges ``ini.qp.closed`` itself)."""
+        try:
+            got = await ini.raw(message, timeout=self.timeout, expect=expect)
+        except SessionEnded as ended:
+            got = ended.answers
         out = []
         for msg in got:
             try:

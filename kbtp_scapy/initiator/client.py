@@ -11,17 +11,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
 from ..rnic import Access, MemoryTable, QueuePair, connect, memory_table
-from ..rnic.qp import ConnectionLost, FrameListener, Received
+from ..rnic.qp import ConnectionLost, FrameListener, Received, RemoteError
 from ..tables import memory as M
 from ..tables.enums import OPCODES
 from ..vocab import AnyMessage, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 from .direct import DirectModes
-from .results import KbtpError, Result, TargetInfo, Waiting, match_completion
+from .results import KbtpError, Result, SessionEnded, TargetInfo, Waiting, match_completion
 
 if TYPE_CHECKING:
     from scapy.packet import Packet  # raw() takes one; Scapy stays off the data path
@@ -118,14 +119,16 @@ class Initiator(DirectModes):
                     future.set_exception(_said(msg))
             self._pending.clear()
             return
+        arrived = self.qp.rx_ns or time.perf_counter_ns()    # its frame's arrival, if known
         self.qp.post_recv(1)
-        self._dispatch(msg)
+        self._dispatch(msg, arrived)
 
-    def _dispatch(self, msg: Received) -> None:
+    def _dispatch(self, msg: Received, arrived: int = 0) -> None:
         matched = match_completion(msg, self._pending, self.addr_le)
         if matched is None:
             self.unmatched.put_nowait(msg)
         elif not matched[0].done():         # a caller that gave up is cancelled already
+            matched[1].answered_ns = arrived
             matched[0].set_result(matched[1])
 
     async def _call(self, values: AnyMessage, regions: list, record: bool) -> Result:
@@ -149,8 +152,12 @@ class Initiator(DirectModes):
             self._pending[rid] = (future, record_region)
             values["request_id"] = rid
             try:
-                self.qp.send(codec.encode(values, self.addr_le), signaled=False)
+                wire = codec.encode(values, self.addr_le)
+                sent = time.perf_counter_ns()
+                self.qp.send(wire, signaled=False)
+                sent = max(sent, self.qp.tx_ns)      # its frame's departure, if it left at once
                 result = await future
+                result.sent_ns = sent
             finally:
                 self._pending.pop(rid, None)
                 for region in regions:
@@ -222,7 +229,12 @@ class Initiator(DirectModes):
         """End the session; the target closes the connection once it has acted on it.
 
         The target's close can overtake the acknowledgement of the GOODBYE itself (a lost
-        ACK on RoCEv2): the connection ending is the answer either way."""
+        ACK on RoCEv2): the connection ending is the answer either way. A connection that
+        had ended before the GOODBYE could be sent raises ``SessionEnded`` when ``release``
+        was asked for: the target keeps the bindings for its retention time then."""
+        if release and self.qp.error is not None and getattr(self.qp.error, "how", "") != "local":
+            raise SessionEnded("GOODBYE with RELEASE not sent, the bindings stay for the target's "
+                               "retention time", self.qp.error)
         try:
             await self.qp.send(codec.encode({"opcode": Opcode.GOODBYE,
                                              "flags": GoodbyeFlag.RELEASE if release else 0}, self.addr_le))
@@ -235,16 +247,40 @@ class Initiator(DirectModes):
 
     async def raw(self, message: bytes | Packet, *, timeout: float = 2.0,
                   expect: int = 1) -> list[Received]:
-        """Send any bytes (or Scapy packet) as a request; collect what comes back unmatched."""
-        await self.qp.send(bytes(message))
+        """Send any bytes (or Scapy packet) as a request; collect what comes back unmatched,
+        up to ``expect`` messages or ``timeout`` seconds of waiting (silence: fewer).
+
+        Raises ``SessionEnded`` when the connection ends first (a Terminate, a DREQ, the
+        QP's error state...), with the answers that came before it."""
         got: list[Received] = []
+        try:
+            await self.qp.send(bytes(message))
+        except ConnectionLost as exc:
+            raise SessionEnded("the request was not sent", exc) from None
+        except RemoteError as exc:           # a NAK of the Send: the QP is in error now
+            raise SessionEnded("the target refused the Send", self.qp.error or exc) from None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while len(got) < expect and (remaining := deadline - loop.time()) > 0:
-            try:
-                got.append(await asyncio.wait_for(self.unmatched.get(), remaining))
-            except TimeoutError:
+        while len(got) < expect:
+            if not self.unmatched.empty():
+                got.append(self.unmatched.get_nowait())
+                continue
+            if self.qp.error is not None:
+                raise SessionEnded("the connection ended after the request", self.qp.error, got)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
                 break
+            answer = asyncio.ensure_future(self.unmatched.get())
+            ended = asyncio.ensure_future(self.qp.wait_closed())
+            try:
+                await asyncio.wait([answer, ended], timeout=remaining,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ended.cancel()
+                if not answer.done():
+                    answer.cancel()
+            if answer.done() and not answer.cancelled():
+                got.append(answer.result())
         return got
 
     async def close(self) -> None:

@@ -35,7 +35,12 @@ class DirectModes:
     def _direct(self, key: str) -> tuple[int, int, int]:
         f = self.target.fields
         if f"{key}.stag" not in f:
-            raise KbtpError(Status.INTERNAL, detail=f"the target did not grant the {key} descriptor")
+            feature = "DIRECT_LOAD" if key in ("table", "pool") else "DIRECT_ALLOC"
+            why = (" (a target grants DIRECT_ALLOC while it has a partition free: all may be held "
+                   "by other sessions, active or retained with bindings; its log says which)"
+                   if feature == "DIRECT_ALLOC" else "")
+            raise KbtpError(Status.INTERNAL, detail=f"{feature} was not granted in this session's "
+                                                    f"HELLO_ACK, so there is no {key} descriptor{why}")
         return f[f"{key}.stag"], f[f"{key}.offset"], f[f"{key}.count"]
 
     async def _entry(self, stag: int, offset: int) -> AnyStruct:

@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import codec
 from ..rnic.memory import MemoryRegion
-from ..rnic.qp import Received
+from ..rnic.qp import ENDINGS, ConnectionLost, Received
 from ..tables import memory as M
 from ..tables.enums import STATUS
 from ..vocab import Opcode
@@ -26,6 +26,19 @@ class KbtpError(Exception):
         super().__init__(f"{self.name}{': ' + detail if detail else ''}")
 
 
+class SessionEnded(ConnectionLost):
+    """The connection ended under a request the caller was waiting on (``raw``), or before a
+    GOODBYE with RELEASE could be sent: ``how`` is its fate (``rnic.qp.ENDINGS``: terminate,
+    dreq, fin, reset, qp_error, ...), ``reason`` the RNIC's words, ``answers`` what came back
+    before the end."""
+
+    def __init__(self, what: str, lost: BaseException, answers: list[Received] | None = None) -> None:
+        how = getattr(lost, "how", "lost")
+        self.reason = str(lost) or ENDINGS[how]
+        self.answers = answers or []
+        super().__init__(f"{what}: {ENDINGS[how]} ({self.reason})", how=how)
+
+
 @dataclass
 class Result:
     """A completed request: the COMPLETION's (or completion record's) values."""
@@ -37,6 +50,10 @@ class Result:
     block_offset: int
     data: bytes = b""               # LOAD and DIRECT_LOAD: the block's data
     record: bool = False            # completed through a completion record
+    #: perf_counter_ns when the request was handed to the RNIC and when its answer came in:
+    #: the request-to-completion time a capture shows (kbtp.time), for benchmarks
+    sent_ns: int = 0
+    answered_ns: int = 0
 
     @property
     def status_name(self) -> str:

@@ -49,7 +49,35 @@ def _show(name: str, value: Any) -> str:
     return str(value)
 
 
-def judge(played: Played, ignore: frozenset[str] = DEFAULT_IGNORE) -> Verdict:
+class Generations:
+    """Generations compared as they move, not as numbers: the first Generation a session
+    sees for a handle sets that handle's offset between capture and replay, and every later
+    one must keep it. A capture made on a target whose entry was used before then matches
+    a target where it was not (and the other way round); a step that bumps the Generation
+    once too often still differs. ``--strict`` compares them as captured."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[tuple[int, int], int] = {}    # (session, captured handle): offset
+
+    def as_captured(self, played: Played, captured: int | None, replayed: int | None) -> int | None:
+        """The replayed Generation in the capture's numbering."""
+        handle = played.step.fields.get("handle") if played.step else None
+        if handle is None or not captured or not replayed:
+            return replayed          # nothing to relate (0: no entry, or any Generation)
+        offset = self.offsets.setdefault((played.session.index, handle), replayed - captured)
+        return replayed - offset
+
+
+def judge_run(results: list[Played], ignore: frozenset[str] = DEFAULT_IGNORE,
+              relative: bool = True) -> list[Verdict]:
+    """Every step of one replay, in order; Generations relative per handle unless not
+    ``relative``."""
+    generations = Generations() if relative else None
+    return [judge(p, ignore, generations) for p in results]
+
+
+def judge(played: Played, ignore: frozenset[str] = DEFAULT_IGNORE,
+          generations: Generations | None = None) -> Verdict:
     """Compare what the capture shows with what the replay got, field by field."""
     if played.skipped:
         return Verdict(played, "skipped", detail=played.skipped)
@@ -62,6 +90,8 @@ def judge(played: Played, ignore: frozenset[str] = DEFAULT_IGNORE) -> Verdict:
     if replayed is None:
         return Verdict(played, "error", detail="no answer")
     old, new = captured.values(), replayed.values()
+    if generations is not None and "generation" in new:
+        new["generation"] = generations.as_captured(played, old.get("generation"), new["generation"])
     diffs = [Difference(name, old.get(name), new.get(name)) for name in FIELDS
              if name not in ignore and (name in old or name in new) and old.get(name) != new.get(name)]
     detail = ""

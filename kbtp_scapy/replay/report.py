@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from ..words import count
 from .compare import FAILING, Verdict
 from .sessions import Capture
 
@@ -26,7 +27,7 @@ def summary(loops: list[list[Verdict]]) -> dict[str, int]:
 
 def text(capture: Capture, url: str, loops: list[list[Verdict]], verbose: bool = False) -> list[str]:
     """One line per step that did not match (every step with ``verbose``), then totals."""
-    lines = [f"replay of {capture.path} ({len(capture.sessions)} session(s)) against {url}"]
+    lines = [f"replay of {capture.path} ({count(len(capture.sessions), 'session')}) against {url}"]
     lines += [f"note: {n}" for n in capture.notes]
     lines += [f"note: session {s.index}: {n}" for s in capture.sessions for n in s.notes]
     for number, verdicts in enumerate(loops, 1):

@@ -366,6 +366,8 @@ class _Builder:
                 self.finish(step, msg.frames[-1])
                 return
         step = self.pending_with(ses, "dd.stag", stag, lambda s: s.loaded is not None)
+        if step is None and msg.kind == "write" and not msg.payload:
+            return               # a liveness probe: a zero-length Write places nothing
         if step is None:
             ses.notes.append(f"frame {msg.frames[-1]}: RDMA Write to STag 0x{stag:08x}, "
                              "which no pending LOAD names")

@@ -235,7 +235,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._gone.set()
         reason = ConnectionLost(f"TCP connection lost: {exc}" if exc else
-                                "TCP connection closed by the peer")
+                                "TCP connection closed by the peer", how="reset" if exc else "fin")
         self._not_ready(reason)
         self.lost(reason)
 
@@ -677,7 +677,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                 if msn == term.msn:
                     self.complete(wr, error=RemoteError(reason))
         self._phase = "closed"
-        self._close_transport(ConnectionLost(reason))
+        self._close_transport(ConnectionLost(reason, how="terminate"))
 
     # -- sending -------------------------------------------------------------------------
 
@@ -786,7 +786,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             *exc.term, ddp_header=ddp, ddp_length=length, rdmap_header=exc.rdmap_header))
         self.stats["terminates_sent"] += 1
         self._phase = "closed"
-        error = ConnectionLost(f"sent Terminate: {exc}")
+        error = ConnectionLost(f"sent Terminate: {exc}", how="qp_error")
         self._not_ready(error)
         self._close_transport(error)
         if self._tp is not None and self._tp.get_write_buffer_size():
@@ -868,7 +868,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         """Orderly close: what is queued goes out, then FIN (RFC 5044 s7.3 leaves the
         ending of a stream to the LLP)."""
         self._phase = "closed"
-        self._close_transport(ConnectionLost("closed locally"))
+        self._close_transport(ConnectionLost("closed locally", how="local"))
         try:
             await asyncio.wait_for(self._gone.wait(), 5)
         except TimeoutError:

@@ -92,7 +92,24 @@ class ReceiveError(Exception):
 
 
 class ConnectionLost(Exception):
-    """The connection ended (closed, reset, Terminate, retries exhausted)."""
+    """The connection ended (closed, reset, Terminate, retries exhausted); ``how`` says
+    which of ``ENDINGS`` it was, for a tool that reports what became of a connection."""
+
+    def __init__(self, *args: object, how: str = "lost") -> None:
+        super().__init__(*args)
+        self.how = how
+
+
+#: how a connection can end, as ``ConnectionLost.how`` names it
+ENDINGS = {
+    "terminate": "the peer sent an RDMAP Terminate",
+    "dreq": "the peer disconnected (CM DREQ)",
+    "fin": "the peer closed its TCP stream (FIN)",
+    "reset": "the TCP connection was reset",
+    "qp_error": "the queue pair went to the error state",
+    "local": "closed locally",
+    "lost": "the connection ended",
+}
 
 
 class RemoteError(Exception):
@@ -126,6 +143,9 @@ class QueuePair:
         self._closed = asyncio.Event()
         self.error: ConnectionLost | None = None
         self.admission: Ticket | None = None    # the slot of a half-open connection
+        #: perf_counter_ns of the last frame put on the wire and of the last one that came,
+        #: where the transport sends and receives them itself (0: it does not say)
+        self.tx_ns = self.rx_ns = 0
 
     # -- requester side ------------------------------------------------------------------
 
@@ -145,7 +165,7 @@ class QueuePair:
             wr.future = asyncio.get_running_loop().create_future()
         if self.error is not None:
             if wr.future is not None:
-                wr.future.set_exception(ConnectionLost(str(self.error)))
+                wr.future.set_exception(ConnectionLost(str(self.error), how=self.error.how))
             return wr.future
         self._outstanding.append(wr)
         self._transmit(wr)
@@ -309,7 +329,7 @@ class QueuePair:
         """The connection is gone: fail everything outstanding, wake every receiver."""
         if self.error is not None:
             return
-        self.error = error if isinstance(error, ConnectionLost) else ConnectionLost(str(error))
+        self.error = error if isinstance(error, ConnectionLost) else ConnectionLost(str(error), how="qp_error")
         for wr in self._outstanding:
             if wr.future is not None and not wr.future.done():
                 wr.future.set_exception(self.error)
@@ -337,7 +357,7 @@ class QueuePair:
         """Orderly close (TCP FIN after MPA; CM DREQ/DREP on RoCEv2)."""
         if not self.closed:
             await self._shutdown()
-            self.lost(ConnectionLost("closed locally"))
+            self.lost(ConnectionLost("closed locally", how="local"))
 
     # -- for transports ------------------------------------------------------------------
 

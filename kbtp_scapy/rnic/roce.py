@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
@@ -170,6 +171,7 @@ class Device:
                 qp.stats["icrc_errors"] += 1
                 continue
             qp.stats["frames_rx"] += 1
+            qp.rx_ns = time.perf_counter_ns()
             if qp.frame_listeners:
                 qp.frame("rx", self._frame(qp._rx, data, wire))
             qp.receive(data, n)
@@ -470,8 +472,9 @@ def _options(recv_size: int = 4096, posted: int = 0, mtu: int = 0, ack_timeout: 
 
 
 def default_local(host: str) -> str:
-    """The local address ``connect`` uses: on IPv4 loopback a different address than the
-    target's, so both may own UDP port 4791 (127.0.0.2 for 127.0.0.1, else 127.0.0.1);
+    """The local address ``connect`` prefers: on IPv4 loopback a different address than the
+    target's, so both may own UDP port 4791 (127.0.0.2 for 127.0.0.1, else 127.0.0.1; when
+    that one's port is taken, ``connect`` picks a free one);
     elsewhere the source address the kernel would route from (no packet is sent)."""
     addr = ipaddress.ip_address(host)
     if addr.is_loopback:
@@ -489,6 +492,41 @@ def default_local(host: str) -> str:
     return own
 
 
+#: random loopback sources tried when the default one's UDP port is taken
+LOOPBACK_TRIES = 32
+_noted: set[str] = set()       # defaults found taken and said so, once per process
+
+
+async def _source(host: str, local: str | None, udp_port: int, io: dict, peer_port: int) -> Device:
+    """The started device to connect from: ``local``'s; or, to an IPv4 loopback target with
+    no ``local``, the first of the default source and random 127.0.0.0/8 addresses whose
+    UDP port is free, so that two users or CI jobs on one host never collide at UDP 4791
+    (a device of this process at that address is shared, as always)."""
+    if local is not None or io or ipaddress.ip_address(host).version != 4 \
+            or not ipaddress.ip_address(host).is_loopback:
+        dev = _device(str(ipaddress.ip_address(local or default_local(host))), udp_port, io, peer_port)
+        await _started(dev)
+        return dev
+    preferred = default_local(host)
+    tries = [preferred] + [f"127.{secrets.randbelow(256)}.{secrets.randbelow(256)}."
+                           f"{secrets.randbelow(254) + 1}" for _ in range(LOOPBACK_TRIES)]
+    for candidate in (c for c in tries if c != host):
+        try:
+            dev = _device(candidate, udp_port, io, peer_port)
+            await _started(dev)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            continue
+        if candidate != preferred and preferred not in _noted:
+            _noted.add(preferred)
+            log.warning("note: %s UDP port %d is taken; sending from %s instead (choose one "
+                        "with --local ADDR)", preferred, udp_port, candidate)
+        return dev
+    raise OSError(errno.EADDRINUSE, f"UDP port {udp_port} is taken on {preferred} and on "
+                                    f"{LOOPBACK_TRIES} other loopback addresses")
+
+
 async def connect(host: str, port: int, memory: MemoryTable, *, local: str | None = None,
                   **options) -> RoceQP:
     """REQ, REP, RTU with the listener of rdma_cm port ``port`` at ``host``; returns an
@@ -504,9 +542,8 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
         if local is not None and str(ipaddress.ip_address(local)) != own:
             raise ValueError(f"local {local} is not the raw endpoint's address {own}")
         local = own
-    local = str(ipaddress.ip_address(local or default_local(host)))
-    dev = _device(local, udp_port, io, peer_port)
-    await _started(dev)
+    dev = await _source(host, local, udp_port, io, peer_port)
+    local = dev.address[0]
     target = (host, peer_port)
     try:
         await asyncio.wait_for(dev.io.resolve(host, timeout), timeout)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -161,10 +162,11 @@ class RoceQP(QueuePair):
     def _out(self, parts: list, pad: int) -> None:
         assert self._tx is not None, "no path before connect()"
         parts = w.seal(self._tx, parts, pad)
+        self.tx_ns = time.perf_counter_ns()
+        if self.frame_listeners:     # first: a capture's time is the send's, not after it
+            self.frame("tx", self._tx.frame(b"".join(parts)))
         self._dev.send(parts, self.remote)
         self.stats["frames_tx"] += 1
-        if self.frame_listeners:
-            self.frame("tx", self._tx.frame(b"".join(parts)))
 
     def _send_aeth(self, psn: int, syndrome: int) -> None:
         """ACK, RNR NAK or NAK (IB 9.7.5.2): AETH with our MSN."""
@@ -286,7 +288,7 @@ class RoceQP(QueuePair):
             return
         self._retries += 1
         if self._retries > self.retry_count:
-            self.lost(ConnectionLost("transport retry counter exceeded (no ACK)"))
+            self.lost(ConnectionLost("transport retry counter exceeded (no ACK)", how="qp_error"))
             return
         self.stats["timeouts"] += 1
         self._go_back(self._una)
@@ -373,7 +375,7 @@ class RoceQP(QueuePair):
             op = self._find(psn)
             if op is not None:
                 self.complete(op.wr, error=RemoteError(f"peer answered with NAK: {why}"))
-            self.lost(ConnectionLost(f"queue pair in error state after NAK: {why}"))
+            self.lost(ConnectionLost(f"queue pair in error state after NAK: {why}", how="qp_error"))
 
     def _on_rnr(self, psn: int, code: int) -> None:
         """RNR NAK: wait the responder's timer, then retry from ``psn`` (IB 9.7.5.2.8)."""
@@ -384,7 +386,7 @@ class RoceQP(QueuePair):
                 op = self._find(psn)
                 if op is not None:
                     self.complete(op.wr, error=RemoteError("RNR retry count exceeded"))
-                self.lost(ConnectionLost("RNR retry count exceeded"))
+                self.lost(ConnectionLost("RNR retry count exceeded", how="qp_error"))
                 return
         self._go_back(psn)
         self._rnr_wait = True
@@ -519,7 +521,7 @@ class RoceQP(QueuePair):
         self._fatal = (w.SYN_NAK | code, psn)
         self.stats["naks_sent"] += 1
         self._send_aeth(psn, w.SYN_NAK | code)
-        self.lost(ConnectionLost(f"responder error: {why}"))
+        self.lost(ConnectionLost(f"responder error: {why}", how="qp_error"))
         return False
 
     def _access_error(self, psn: int, exc: AccessError) -> bool:
@@ -711,7 +713,7 @@ class RoceQP(QueuePair):
         if self._drep is not None and not self._drep.done():
             self._drep.set_result(None)
         self._cm_state = "closed"
-        self.lost(ConnectionLost("closed by peer (CM DREQ)"))
+        self.lost(ConnectionLost("closed by peer (CM DREQ)", how="dreq"))
         self._dev.detach(self)
 
     async def _shutdown(self) -> None:

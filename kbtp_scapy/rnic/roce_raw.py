@@ -253,6 +253,10 @@ class _Seen(w.Path):
 
 # -- the backend ---------------------------------------------------------------------
 
+#: why opening the raw socket failed with EPERM (the commands add what to do)
+NEEDS_NET_RAW = "a raw (AF_PACKET) socket needs the capability CAP_NET_RAW"
+
+
 class RawIO:
     """An AF_PACKET socket on ``iface`` for the endpoint ``addr`` ("IP" or "IP/MAC")."""
 
@@ -302,7 +306,10 @@ class RawIO:
     def _open(self) -> socket.socket:
         """The socket, filtered before it is bound (so nothing unfiltered is queued),
         bound to the interface, with our MAC (and NDP groups) in its receive filter."""
-        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
+        try:
+            sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
+        except PermissionError as exc:
+            raise PermissionError(exc.errno, NEEDS_NET_RAW) from None
         try:
             _attach(sock, bpf_program(self.ip, self.address[1]))
             for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):

@@ -451,7 +451,8 @@ class VerbsQP(QueuePair):
         elif event.type in (rdmacm.Event.DISCONNECTED, rdmacm.Event.DEVICE_REMOVAL):
             self.cm_id.disconnect()      # the DREP (RoCE) to the peer's DREQ
             self.lost(ConnectionLost("the peer closed the connection"
-                                     if not self._closing else "closed locally"))
+                                     if not self._closing else "closed locally",
+                                     how="local" if self._closing else "dreq"))
         elif event.type == rdmacm.Event.TIMEWAIT_EXIT:
             pass
         self._cm_events.put_nowait(event)
@@ -589,7 +590,7 @@ class VerbsQP(QueuePair):
         if wc.status != e.IBV_WC_SUCCESS:
             self._free_slots.append(slot)
             if wc.status != e.IBV_WC_WR_FLUSH_ERR:
-                self.lost(ConnectionLost(f"receive failed: {_wc_status(wc.status)}"))
+                self.lost(ConnectionLost(f"receive failed: {_wc_status(wc.status)}", how="qp_error"))
             else:
                 self.lost(ConnectionLost("the connection ended"))
             return
@@ -629,10 +630,11 @@ class VerbsQP(QueuePair):
                     error = RemoteError(f"the peer refused the {wr.verb.value}: "
                                         f"{_wc_status(wc.status)}")
                 else:
-                    error = ConnectionLost(_wc_status(wc.status))
+                    error = ConnectionLost(_wc_status(wc.status), how="qp_error")
                 self._staging.give(at, size)
                 self.complete(wr, error=error)
-                self.lost(error if isinstance(error, ConnectionLost) else ConnectionLost(str(error)))
+                self.lost(error if isinstance(error, ConnectionLost)
+                          else ConnectionLost(str(error), how="qp_error"))
                 return
             result: bytearray | int | None = None
             if wr.verb is Verb.READ:

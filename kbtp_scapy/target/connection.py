@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -182,6 +183,12 @@ class Connection:
                 log.warning("DIRECT_ALLOC not granted to %s: %s", self.peer, exc)
                 features &= ~Feature.DIRECT_ALLOC
         else:
+            if features & Feature.DIRECT_ALLOC and part is None:
+                active, retained = t.sessions.holders()
+                log.warning("DIRECT_ALLOC not granted to %s: no partition left (all %d held: %d by "
+                            "active sessions, %d by retained ones, which keep theirs while they "
+                            "hold bindings from it; GOODBYE with RELEASE gives one back)",
+                            self.peer, len(t.memory.partitions), active, retained)
             features &= ~Feature.DIRECT_ALLOC
         if part is not None and self.state.watch is None:
             self.state.watch = TicketWatch(self.state, t.rnic_memory, t.config.ticket_timeout_ms)
@@ -237,18 +244,20 @@ class Connection:
         while every check and every change of the table and rings still happens in order.
         """
         t = self.target
-        batch: deque[tuple[AnyMessage, asyncio.Future | None, str]] = deque()
+        batch: deque[tuple[AnyMessage, asyncio.Future | None, str, float]] = deque()
         loop = asyncio.get_running_loop()
         while True:
             msg: Received | None = await self.qp.recv()
             self.liveness.heard = True
             self.state.heard_at = loop.time()
             while msg is not None:
+                arrived = time.perf_counter()
                 req, why = self.parse(msg.payload)
-                batch.append((req, None if why else t.executor.prefetch(self, req), why))
+                batch.append((req, None if why else t.executor.prefetch(self, req), why, arrived))
                 msg = self.qp.recv_nowait()
             while batch:
-                req, fetch, why = batch.popleft()
+                req, fetch, why, arrived = batch.popleft()
+                opcode = req["opcode"]
                 if self.backlog.over:
                     await self._throttle()
                 t.metrics.python_request(req["opcode"])
@@ -260,6 +269,7 @@ class Connection:
                 # next request can arrive before the next line of ours runs.
                 self.qp.post_recv(1)
                 self._complete(req, outcome, why)
+                t.metrics.served(opcode, time.perf_counter() - arrived)
 
     def parse(self, payload: bytes) -> tuple[AnyMessage, str]:
         """A request and why it is malformed ("" when it is not)."""

@@ -8,12 +8,13 @@ printed as a table when ``kbtp target`` exits.
 """
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..tables.enums import OPCODES, STATUS
 
@@ -21,10 +22,18 @@ if TYPE_CHECKING:
     from .server import Target
 
 
+#: upper bounds (seconds) of the latency histograms' buckets: 10 us to 1 s, then +Inf
+LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+                   5e-2, 0.1, 0.25, 0.5, 1.0)
+
+
 class Metrics:
     def __init__(self, target: Target) -> None:
         self.target = target
         self.operations: Counter[tuple[int, int]] = Counter()   # (opcode, status): count
+        #: per opcode: requests per bucket (the last is +Inf) and the sum of their seconds
+        self.latency: dict[int, list[int]] = {}
+        self.latency_sum: dict[int, float] = {}
         self.hellos: Counter[str] = Counter()
         self.terminated: Counter[str] = Counter()   # connections the target ended, by why
         self.probes = 0
@@ -44,6 +53,26 @@ class Metrics:
     def operation(self, opcode: int, status: int) -> None:
         """Counted by number on the data path; named when shown."""
         self.operations[opcode, status] += 1
+
+    def served(self, opcode: int, seconds: float) -> None:
+        """A request's time from its arrival to its completion posted (data path: a bisect
+        and two additions)."""
+        counts = self.latency.get(opcode)
+        if counts is None:
+            counts = self.latency[opcode] = [0] * (len(LATENCY_BUCKETS) + 1)
+        counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.latency_sum[opcode] = self.latency_sum.get(opcode, 0.0) + seconds
+
+    def _histograms(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily("kbtp_request_latency_seconds", "Requests from arrival to "
+                                       "completion posted, by opcode", labels=["opcode"])
+        for opcode, counts in sorted(self.latency.items()):
+            running, buckets = 0, []
+            for bound, n in zip((*map(repr, LATENCY_BUCKETS), "+Inf"), counts):
+                running += n
+                buckets.append((bound, running))
+            family.add_metric([OPCODES.describe(opcode)], buckets, self.latency_sum[opcode])
+        return family
 
     def _named(self) -> list[tuple[str, str, int]]:
         return sorted((OPCODES.describe(op), STATUS.describe(st), n)
@@ -92,6 +121,7 @@ class Metrics:
         for opcode, status, n in self._named():
             ops.add_metric([opcode, status], n)
         yield ops
+        yield self._histograms()
         hellos = CounterMetricFamily("kbtp_hellos", "HELLOs answered, by HELLO_ACK status",
                                      labels=["status"])
         for status, n in sorted(self.hellos.items()):
@@ -135,11 +165,11 @@ class Metrics:
 
     def table(self) -> str:
         """The counters as a plain text table."""
-        lines = [f"{'operation':<12} {'status':<17} {'count':>10}"]
-        for opcode, status, n in self._named():
-            lines.append(f"{opcode:<12} {status:<17} {n:>10}")
-        for status, n in sorted(self.hellos.items()):
-            lines.append(f"{'HELLO':<12} {status:<17} {n:>10}")
+        rows = [("operation", "status", "count"), *((op, st, str(n)) for op, st, n in self._named()),
+                *(("HELLO", st, str(n)) for st, n in sorted(self.hellos.items()))]
+        # at least the usual widths, wider for "Unknown (0x7e)" and its kind
+        w = [max(least, *(len(row[i]) for row in rows)) for i, least in enumerate((12, 17, 10))]
+        lines = [f"{op:<{w[0]}} {st:<{w[1]}} {n:>{w[2]}}" for op, st, n in rows]
         for reason, n in sorted(self.target.half_open.refused.items()):
             lines.append(f"connections refused ({reason}): {n}")
         for reason, n in sorted(self.terminated.items()):

@@ -58,8 +58,13 @@ class TargetMemory:
         self.config, self.memory = config, memory
         c = config
         self.block_size = c.block_size
-        self.pool = mmap.mmap(-1, c.blocks * c.block_size,
-                              mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        size = c.blocks * c.block_size
+        try:
+            self.pool = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        except OSError as exc:       # ENOMEM: the pool is populated, so it must fit now
+            why = (exc.strerror or "ENOMEM").lower()
+            raise MemoryError(f"the pool of {c.blocks} blocks x {c.block_size} octets "
+                              f"({size} octets): does not fit in memory ({why})") from None
         self.pool_view = memoryview(self.pool)
         self.pool_base = memory.default_base(self.pool)
         handles = c.max_initiators * c.handles_per_initiator

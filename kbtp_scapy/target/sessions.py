@@ -103,11 +103,13 @@ class Sessions:
                 known.expiry.cancel()
                 known.expiry = None
             known.active = True
+            if want_partition and known.partition is None:   # given back while it was away
+                known.partition = self._take_partition(initiator_id)
             return known, True
         while True:
             partition = None
             if want_partition:
-                partition = next((p for p in self._partitions if p.owner is None), None)
+                partition = self.free_partition()
             shared_sessions = sum(1 for i in self.by_id.values() if i.partition is None)
             shared_room = (shared_sessions + 1) * self.config.quota <= self.config.shared_blocks
             room = bool(self._free_ranges) and (partition is not None or shared_room)
@@ -131,6 +133,21 @@ class Sessions:
             partition.owner = initiator_id
         self.by_id[initiator_id] = state
         return state, False
+
+    def free_partition(self) -> Partition | None:
+        return next((p for p in self._partitions if p.owner is None), None)
+
+    def _take_partition(self, initiator_id: bytes) -> Partition | None:
+        partition = self.free_partition()
+        if partition is not None:
+            partition.owner = initiator_id
+        return partition
+
+    def holders(self) -> tuple[int, int]:
+        """Partitions held by active sessions, and by retained ones (which keep theirs
+        while they hold bindings or tickets from it)."""
+        held = [s for s in self.by_id.values() if s.partition is not None]
+        return sum(s.active for s in held), sum(not s.active for s in held)
 
     def _idle(self, with_partition: bool) -> InitiatorState | None:
         """The retained session that holds nothing and was retained first (one with a
@@ -172,6 +189,13 @@ class Sessions:
         if release:
             self.forget(state)
             return
+        if state.partition is not None and state.usage == 0:
+            # Nothing of it is bound or ticketed: the partition goes back at once (its STag
+            # died with the connection), the session keeps its range for a reconnect,
+            # which takes a free partition again. One with bindings keeps its partition:
+            # the bound blocks are in it, and the text keeps bindings for the retention.
+            state.partition.release()
+            state.partition, state.watch = None, None
         loop = asyncio.get_running_loop()
         self.retained += 1
         state.retained_at = loop.time()

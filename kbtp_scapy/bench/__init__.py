@@ -1,0 +1,1 @@
+"""``kbtp bench``: a benchmark client for any KBTP target, in perftest's manner."""

@@ -1,0 +1,167 @@
+"""One benchmark run against any KBTP target, in perftest's manner: one session, N requests
+in flight (one worker per request, each on a handle of its own), for a duration or an
+iteration count, every request timed from posting to completion.
+
+The data path is the reference initiator's, on the codec: no Scapy object per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..initiator import Initiator, KbtpError, Result, TargetInfo
+from ..rnic.qp import FrameListener
+from ..vocab import Feature
+from .stats import Samples
+
+#: operation -> the requests of one iteration, in order (the first is the one measured for
+#: throughput; ALLOC_STORE and DIRECT_ALLOC free their block again, so the quota holds)
+OPERATIONS = {"load": ("LOAD",), "store": ("STORE",), "alloc_store": ("ALLOC_STORE", "FREE"),
+              "direct_load": ("DIRECT_LOAD",), "direct_alloc": ("DIRECT_ALLOC", "FREE")}
+NEEDS = {"direct_load": Feature.DIRECT_LOAD, "direct_alloc": Feature.DIRECT_ALLOC}
+
+
+class BenchError(Exception):
+    """The benchmark cannot run as asked (a feature not granted, more in flight than the quota)."""
+
+
+@dataclass
+class Plan:
+    """What to measure."""
+
+    url: str
+    op: str = "load"
+    sizes: list[int] = field(default_factory=list)     # [] : the target's Block Size
+    in_flight: int = 1
+    duration: float | None = 5.0                       # seconds, when no iteration count
+    iterations: int | None = None
+    inline: bool | None = None                         # stores: None as the initiator decides
+    options: dict[str, Any] = field(default_factory=dict)
+    frame_listeners: list[FrameListener] = field(default_factory=list)
+
+
+@dataclass
+class Measured:
+    """One size's run: each request kind's samples, the wall and CPU time they took."""
+
+    size: int
+    samples: dict[str, Samples]
+    seconds: float
+    cpu_seconds: float
+
+    def rows(self) -> list[dict[str, Any]]:
+        total = sum(len(s.latencies) for s in self.samples.values())
+        out = []
+        for s in self.samples.values():
+            row = s.summary(self.seconds, self.cpu_seconds, total)
+            row["cpu_percent"] = round(100 * self.cpu_seconds / self.seconds, 1) if self.seconds else None
+            out.append(row)
+        return out
+
+
+async def run(plan: Plan, progress: Callable[[str], None] = lambda _: None) -> list[Measured]:
+    """Connect, run every size, say GOODBYE with RELEASE."""
+    ini = await Initiator.connect(plan.url, initiator_id=os.urandom(16),
+                                  frame_listeners=plan.frame_listeners, **plan.options)
+    try:
+        _check(ini, plan)
+        out = []
+        for size in plan.sizes or [_info(ini).block_size]:
+            progress(f"{plan.op} of {size} octets, {plan.in_flight} in flight")
+            out.append(await _one_size(ini, plan, size))
+        return out
+    finally:
+        if not ini.qp.closed:
+            await ini.goodbye(release=True)
+
+
+def _info(ini: Initiator) -> TargetInfo:
+    return ini.target                      # connect() returns after the HELLO_ACK only
+
+
+def _check(ini: Initiator, plan: Plan) -> None:
+    t = _info(ini)
+    need = NEEDS.get(plan.op)
+    if need is not None and not t.feature(need):
+        raise BenchError(f"{plan.url} did not grant {need.name}, which --op {plan.op} needs")
+    if plan.in_flight > min(t.quota, t.handle_count):
+        raise BenchError(f"--in-flight {plan.in_flight} needs a block each; the target's quota "
+                         f"is {t.quota} blocks")
+    too_big = [s for s in plan.sizes if s > t.block_size or s < 1]
+    if too_big:
+        raise BenchError(f"--size {too_big[0]}: the target's Block Size is {t.block_size} "
+                         "(sizes are 1 to it)")
+
+
+def _steps(ini: Initiator, plan: Plan, handle: int, data: bytes) -> Sequence[Callable[[], Awaitable[Result]]]:
+    """The requests of one iteration on ``handle``, as OPERATIONS names them."""
+    size = len(data)
+    return {
+        "load": [lambda: ini.load(handle, length=size)],
+        "store": [lambda: ini.store(handle, data, inline=plan.inline)],
+        "alloc_store": [lambda: ini.alloc_store(handle, data, inline=plan.inline),
+                        lambda: ini.free(handle)],
+        "direct_load": [lambda: ini.direct_load(handle)],
+        "direct_alloc": [lambda: ini.direct_alloc(handle, data), lambda: ini.free(handle)],
+    }[plan.op]
+
+
+async def _prepare(ini: Initiator, plan: Plan, handles: list[int], data: bytes) -> None:
+    """Blocks for the operations that need one bound: sealed to load, open to store."""
+    if plan.op in ("load", "direct_load", "store"):
+        await asyncio.gather(*(ini.alloc_store(h, data, seal=plan.op != "store") for h in handles))
+
+
+async def _clean(ini: Initiator, plan: Plan, handles: list[int]) -> None:
+    if plan.op in ("load", "direct_load", "store"):
+        await asyncio.gather(*(ini.free(h) for h in handles))
+
+
+async def _one_size(ini: Initiator, plan: Plan, size: int) -> Measured:
+    data = os.urandom(size)
+    base = _info(ini).handle_base
+    handles = [base + w for w in range(plan.in_flight)]
+    await _prepare(ini, plan, handles, data)
+    names = OPERATIONS[plan.op]
+    samples = {n: Samples(n, 0 if n == "FREE" else size) for n in names}
+    first = samples[names[0]]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (plan.duration or 0)
+    budget = [plan.iterations or 0]                    # iterations still to start, all workers
+    start = time.perf_counter_ns()
+
+    def more() -> bool:
+        if plan.iterations:
+            budget[0] -= 1
+            return budget[0] >= 0
+        return loop.time() < deadline
+
+    direct = plan.op in NEEDS and names[0] != "FREE"
+
+    async def worker(handle: int) -> None:
+        steps = list(zip(names, _steps(ini, plan, handle, data)))
+        while more():
+            for name, call in steps:
+                began = time.perf_counter_ns()
+                try:
+                    result = await call()
+                except KbtpError:
+                    samples[name].errors += 1
+                    continue
+                ended = time.perf_counter_ns()
+                wire = (result.answered_ns - result.sent_ns
+                        if result.sent_ns and not (direct and name == names[0]) else ended - began)
+                samples[name].add(wire, ended - began, ended - start)
+
+    cpu = time.process_time()
+    await asyncio.gather(*(worker(h) for h in handles))
+    cpu = time.process_time() - cpu
+    seconds = (time.perf_counter_ns() - start) / 1e9
+    await _clean(ini, plan, handles)
+    if not first.latencies:
+        raise BenchError(f"no {names[0]} completed ({first.errors} failed)")
+    return Measured(size, samples, seconds, cpu)

@@ -1,0 +1,151 @@
+"""``kbtp bench URL``: ops/s, MB/s and latency percentiles of one operation against any KBTP
+target, as a perftest-like table or JSON, with a terminal histogram and an optional plot."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import click
+
+from ..bench import runner
+from ..bench.stats import histogram
+from ..initiator import KbtpError
+from .errors import CONNECTION_ERRORS, file_trouble, hint, line, local_trouble, reason
+from .options import address, raw_io, raw_io_options
+
+#: perftest-like columns: header, row key, width
+COLUMNS = (("op", "op", 12), ("#bytes", "bytes", 8), ("#iterations", "iterations", 12),
+           ("ops/s", "ops_per_s", 10), ("MB/sec", "mb_per_s", 9), ("t_min[usec]", "min", 12),
+           ("t_p50", "p50", 9), ("t_p90", "p90", 9), ("t_p99", "p99", 9), ("t_p99.9", "p99.9", 9),
+           ("t_max", "max", 9), ("CPU/op[usec]", "cpu_us_per_op", 13))
+
+
+def _sizes(ctx: click.Context, param: click.Parameter, given: tuple[str, ...]) -> list[int]:
+    out = []
+    for item in given:
+        for part in item.split(","):
+            try:
+                out.append(int(part, 0))
+            except ValueError:
+                raise click.BadParameter(f"{part!r} is not a size in octets") from None
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as perftest prints its results: a rule, the header, one line a row."""
+    rule = "-" * sum(w + 1 for _, _, w in COLUMNS)
+    lines = [rule, " ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, _, w) in enumerate(COLUMNS))]
+    for row in rows:
+        values = {**row, **row.get("latency_us", {})}
+        cells = []
+        for i, (_, key, width) in enumerate(COLUMNS):
+            value = values.get(key)
+            text = "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
+            cells.append(f"{text:>{width}}" if i else f"{text:<{width}}")
+        lines.append(" ".join(cells))
+    return "\n".join([*lines, rule])
+
+
+@click.command(context_settings={"max_content_width": 100})
+@click.argument("url")
+@click.option("--op", type=click.Choice(list(runner.OPERATIONS)), default="load", show_default=True,
+              help="What each iteration does: load, store, alloc_store (ALLOC_STORE then FREE), "
+                   "direct_load, direct_alloc (DIRECT_ALLOC then FREE).")
+@click.option("-s", "--size", "sizes", multiple=True, callback=_sizes, metavar="OCTETS[,..]",
+              help="Block data per request; repeat or list for several runs [default: the Block Size].")
+@click.option("-t", "--in-flight", type=click.IntRange(1), default=1, show_default=True,
+              help="Requests in flight at once (perftest's -t), each on a handle of its own.")
+@click.option("-D", "--duration", type=click.FloatRange(0.1), default=None, metavar="SECONDS",
+              help="Run each size this long [default: 5 s, unless --iterations].")
+@click.option("-n", "--iterations", type=click.IntRange(1), default=None,
+              help="Run each size for this many iterations instead (perftest's -n).")
+@click.option("--inline/--no-inline", default=None,
+              help="Stores: data in the request, or RDMA-Read by the target [default: when it fits].")
+@click.option("--local", default=None, metavar="ADDR", help="RoCEv2: local address to send from.")
+@raw_io_options("bench")
+@click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True, metavar="SECONDS",
+              help="How long to wait for the connection.")
+@click.option("--pcap", type=click.Path(dir_okay=False), default=None,
+              help="Write every frame to this pcap (to check the times with tshark: kbtp.time).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout instead of text.")
+@click.option("--histogram/--no-histogram", "show_histogram", default=True, show_default=True,
+              help="A latency histogram in the terminal after the table.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="PNG or SVG of the latency distribution and throughput over time "
+                   "(needs the extra: pip install 'kbtp_scapy[plot]').")
+def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float | None,
+          iterations: int | None, inline: bool | None, local: str | None, io: str, iface: str | None,
+          raw_addr: str | None, device: str | None, timeout: float, pcap: str | None, as_json: bool,
+          show_histogram: bool, plot: str | None) -> None:
+    """Benchmark the KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT) in
+    perftest's manner: one session, --in-flight requests at a time, each timed from posting
+    to completion; ops/s, MB/s, latency min/p50/p90/p99/p99.9/max in microseconds, and the
+    client's own CPU per operation (CPU/op, and cpu_percent in --json: near 100% the client,
+    not the target, is the bottleneck).
+
+    \b
+    Examples (with kbtp target running):
+      kbtp bench roce://127.0.0.1 --duration 2
+      kbtp bench roce://127.0.0.1 --op alloc_store -s 64,4096 -t 8 -n 2000 --json
+      kbtp bench iwarp://127.0.0.1:5420 --op direct_load -t 4 --duration 2 --no-histogram
+      kbtp bench roce://127.0.0.1 --op store -t 16 --duration 2 --pcap bench.pcap
+    """
+    transport = url.split("://", 1)[0] if "://" in url else ""
+    if transport not in ("iwarp", "roce"):
+        raise click.BadParameter("must start with roce:// or iwarp://", param_hint="URL")
+    if duration is not None and iterations is not None:
+        raise click.UsageError("give --duration or --iterations, not both")
+    if io == "verbs" and pcap:
+        raise click.UsageError("--pcap records the soft RNIC's frames; with --io verbs capture "
+                               "with tcpdump on the device's interface")
+    if plot and not plot.lower().endswith((".png", ".svg")):
+        raise click.BadParameter("give a .png or .svg file", param_hint="--plot")
+    target = address(transport, url)
+    options: dict[str, Any] = {"connect_timeout": timeout, **raw_io(transport, io, iface, raw_addr, device)}
+    if local:
+        options["local"] = local
+    plan = runner.Plan(str(target), op, sizes, in_flight, None if iterations else duration or 5.0,
+                       iterations, inline, options)
+    sink = None
+    if pcap:
+        from ..rnic.pcap import PcapSink
+        try:
+            sink = PcapSink(pcap)
+        except OSError as exc:
+            raise file_trouble(pcap, exc, option="--pcap") from None
+        plan.frame_listeners.append(sink)
+    try:
+        runs = asyncio.run(runner.run(plan, lambda text: None if as_json else
+                                      click.echo(f"kbtp bench: {text} ...", err=True)))
+    except runner.BenchError as exc:
+        raise click.ClickException(line(f"bench {target}", str(exc), "see 'kbtp bench --help'")) from None
+    except KbtpError as exc:
+        raise click.ClickException(line(f"bench {target}", str(exc), "the target's log may say why")) from None
+    except CONNECTION_ERRORS as exc:
+        what = local_trouble(exc, target, local) or f"cannot benchmark {target}"
+        raise click.ClickException(line(what, reason(exc, timeout), hint(exc))) from None
+    finally:
+        if sink:
+            sink.close()
+    rows = [row for run in runs for row in run.rows()]
+    if as_json:
+        click.echo(json.dumps({"target": str(target), "op": op, "in_flight": in_flight,
+                               "results": rows}, indent=1))
+    else:
+        click.echo(table(rows))
+        if show_histogram:
+            for run in runs:
+                for s in run.samples.values():
+                    click.echo(f"\n{s.op} latency, {s.size} octets ({len(s.latencies)} requests):")
+                    click.echo("\n".join(histogram(s.latencies)))
+    if plot:
+        from ..bench.plot import write
+        try:
+            write(plot, runs, f"kbtp bench {op} {target}, {in_flight} in flight")
+        except ImportError as exc:
+            raise click.ClickException(str(exc)) from None
+        except OSError as exc:
+            raise file_trouble(plot, exc, option="--plot") from None
+        if not as_json:
+            click.echo(f"\nwrote {plot}")
