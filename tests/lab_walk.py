@@ -18,10 +18,10 @@ from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic import Access, ConnectionLost, RemoteError
 from kbtp_scapy.vocab import Feature, Opcode, RequestFlag, Status
 
-#: the target the walk expects: kbtp target options, and the same as TargetConfig fields
 #: The lab's own addresses (tools/rdma_lab.py), trusted with the direct modes as the
 #: host's loopback is by default.
 LAB_NETWORKS = ("10.99.0.0/16", "10.97.0.0/16", "127.0.0.0/8", "::1/128")
+#: the target the walk expects: kbtp target options, and the same as TargetConfig fields
 LAB_TARGET = {"blocks": 64, "block_size": 32768, "max_initiators": 4, "quota": 8,
               "handles_per_initiator": 32, "request_credits": 16, "max_inline": 1024,
               "ticket_timeout_ms": 400, "direct_partitions": 2,
