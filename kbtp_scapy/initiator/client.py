@@ -28,6 +28,7 @@ OP = OPCODES.by_name()
 F = {f.name: f.value for f in REQUEST_FLAGS.flags}
 ADDR_LE = flag(FEATURES, "ADDR_LE")
 DIRECT_ALLOC = flag(FEATURES, "DIRECT_ALLOC")
+RECORD_COMPLETION = flag(FEATURES, "RECORD_COMPLETION")
 ALL_FEATURES = sum(f.value for f in FEATURES.flags if f.name != "ADDR_LE")
 RELEASE = flag(GOODBYE_FLAGS, "RELEASE")
 COMPLETION_BUFFER = 256          # HELLO_ACK with every descriptor is 152 octets
@@ -57,6 +58,7 @@ class Initiator(DirectModes):
         self._pending: Waiting = {}
         self.unmatched: asyncio.Queue[Received] = asyncio.Queue()   # raw mode sees these
         self._credits: asyncio.Semaphore | None = None
+        self.usage = 0      # handles this session bound and has not freed (spec "Allocation Quotas")
 
     @classmethod
     async def connect(cls, url: str, *, initiator_id: bytes | None = None,
@@ -146,7 +148,15 @@ class Initiator(DirectModes):
                     self.memory.deregister(region.stag)
         if result.status:
             raise KbtpError(result.status, result)
+        if values["opcode"] in (OP["ALLOC_STORE"], OP["BIND"]):
+            self.usage += 1
+        elif values["opcode"] == OP["FREE"]:
+            self.usage = max(0, self.usage - 1)
         return result
+
+    def _record(self, record: bool) -> bool:
+        """RECORD only when the HELLO_ACK granted RECORD_COMPLETION; else a COMPLETION."""
+        return record and self.target.feature(RECORD_COMPLETION)
 
     def _flags(self, *, seal: bool = False, inline: bool = False, record: bool = False,
                allow_unsealed: bool = False, invalidate: bool = False) -> int:
@@ -160,6 +170,7 @@ class Initiator(DirectModes):
                    length: int | None = None, record: bool = False) -> Result:
         """Block Load into a fresh buffer of ``length`` (default Block Size) octets."""
         buf = self.memory.buffer(self.target.block_size if length is None else length)
+        record = self._record(record)
         region = self.memory.register(buf, Access.REMOTE_WRITE)
         result = await self._call({
             "opcode": OP["LOAD"], "handle": handle, "generation": generation,
@@ -173,6 +184,7 @@ class Initiator(DirectModes):
                      inline: bool | None, record: bool) -> Result:
         if inline is None:
             inline = len(data) <= self.target.max_inline
+        record = self._record(record)
         values: dict[str, Any] = {"opcode": OP[opcode], "handle": handle, "generation": generation}
         regions = []
         if inline:
@@ -198,6 +210,7 @@ class Initiator(DirectModes):
         return await self._store("ALLOC_STORE", handle, data, generation, seal, inline, record)
 
     async def free(self, handle: int, *, generation: int = 0, record: bool = False) -> Result:
+        record = self._record(record)
         return await self._call({"opcode": OP["FREE"], "handle": handle, "generation": generation,
                                  "flags": self._flags(record=record)}, [], record)
 

@@ -21,7 +21,10 @@ NO_SPACE, INVALID_HANDLE, INTERNAL = _S["NO_SPACE"], _S["INVALID_HANDLE"], _S["I
 
 
 class DirectModes:
-    """Mixed into ``Initiator``: needs ``qp``, ``target`` and ``addr_le``."""
+    """Mixed into ``Initiator``: needs ``qp``, ``target``, ``addr_le`` and ``usage``."""
+
+    usage: int
+    tickets = 0          # taken on our Head and not bound yet
 
     def _direct(self, key: str) -> tuple[int, int, int]:
         f = self.target.fields
@@ -91,8 +94,14 @@ class DirectModes:
         if len(data) > self.target.block_size:
             raise KbtpError(TOO_LARGE, detail="data larger than Block Size")
         partition_stag = self._direct("partition")[0]
-        ticket, offset = await self.take_ticket()
-        block = await self.wait_slot(ticket, offset, self.target.ticket_timeout_ms / 2000)
-        if data:
-            await self.qp.write(partition_stag, block, data)
-        return await self.bind(handle, ticket, len(data), block)
+        if self.usage + self.tickets >= self.target.quota:    # a ticket counts as usage
+            raise KbtpError(NO_SPACE, detail=f"the quota of {self.target.quota} blocks is in use")
+        self.tickets += 1
+        try:
+            ticket, offset = await self.take_ticket()
+            block = await self.wait_slot(ticket, offset, self.target.ticket_timeout_ms / 2000)
+            if data:
+                await self.qp.write(partition_stag, block, data)
+            return await self.bind(handle, ticket, len(data), block)
+        finally:
+            self.tickets -= 1
