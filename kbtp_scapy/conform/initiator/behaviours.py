@@ -240,13 +240,15 @@ def _hold_responses(conn: CheckedConnection) -> Any:
 
 
 class SlotReads(Behaviour):
-    """DIRECT_ALLOC: the first reads of the ticket's slot show it not ready yet (an old
-    Sequence with a stale Block Offset, then the right Sequence with Block Offset all
-    ones), then torn (the right Sequence with another block's offset), then as it is."""
+    """DIRECT_ALLOC: the first reads of the ticket's slot show it not ready yet (twice an
+    old Sequence with a stale Block Offset, then twice the right Sequence with Block
+    Offset all ones), then torn (the right Sequence with another block's offset), then
+    as it is. An initiator that skips any of the checks takes a wrong Block Offset."""
 
     def __init__(self) -> None:
         self.shown: list[tuple[int, int]] = []
         self.stale = 0
+        self.untrusted = 5          # reads shown not ready, or torn
 
     def read(self, conn: CheckedConnection, access: Access, data: bytes) -> bytes:
         if access.region != "ring":
@@ -260,8 +262,9 @@ class SlotReads(Behaviour):
         size = conn.target.config.block_size
         count = conn.session.granted.get("hello_ack.partition.count", 1)
         self.stale = first + ((block - first) // size + 1) % max(count, 1) * size
-        fake = [((sequence - 1) & 0xFFFFFFFF, self.stale), (sequence, M.SLOT_CONSUMED),
-                (sequence, self.stale)]
+        old = (sequence - 1) & 0xFFFFFFFF
+        fake = [(old, self.stale), (old, self.stale), (sequence, M.SLOT_CONSUMED),
+                (sequence, M.SLOT_CONSUMED), (sequence, self.stale)]
         if n < len(fake):
             slot["slot.sequence"], slot["slot.block_offset"] = fake[n]
         self.shown.append((slot["slot.sequence"], slot["slot.block_offset"]))

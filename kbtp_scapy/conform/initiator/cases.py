@@ -476,14 +476,14 @@ async def direct_alloc_fetch_add(ctx: ICtx) -> None:
 
 @icase("direct_alloc.slot", DIRECT, RULE, DIRECT_ALLOC_TEXT)
 async def direct_alloc_slot(ctx: ICtx) -> None:
-    """The slot reads show: an old Sequence, then Block Offset all ones, then a torn read
-    (the ticket's Sequence with another block's offset), then the slot as it is."""
+    """The slot reads show twice an old Sequence, twice Block Offset all ones, then a torn
+    read (the ticket's Sequence with another block's offset), then the slot as it is."""
     reads = B.SlotReads()
     run, data, s = await _direct_alloc(ctx, reads)
     binds = s.requests("BIND")
-    ctx.check(len(reads.shown) >= 5, "the slot read until it shows the ticket with a block, then "
-              "once more to confirm (5 reads here: 3 not to be trusted, 2 agreeing)",
-              f"{len(reads.shown)} read(s)")
+    ctx.check(len(reads.shown) >= reads.untrusted + 2, "the slot read until it shows the ticket "
+              f"with a block, then once more to confirm ({reads.untrusted} reads not to be trusted "
+              "here, then 2 agreeing)", f"{len(reads.shown)} read(s)")
     real = reads.shown[-1][1]
     ctx.check(bool(binds) and binds[0]["bind.block_offset"] == real,
               f"BIND with the Block Offset the slot holds ({real:#x}), not the torn read's "
