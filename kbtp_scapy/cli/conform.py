@@ -92,6 +92,14 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     Exit status: 0 all good, 1 the target failed a requirement (with --strict, or a
     SHOULD), 2 usage or harness error, or a case that could not be judged.
 
+    With --role initiator the checker is the target instead: it listens on --listen and
+    runs the initiator command given after '--' once per case, with the placeholders
+    {url} {local} {ops} {in} {out} {state} (or the variables KBTP_TARGET_URL, KBTP_LOCAL,
+    KBTP_OPS, KBTP_IN, KBTP_OUT, KBTP_STATE) saying what to do; docs/INITIATOR_CONFORMANCE.md
+    has the interface. For the reference initiator:
+    kbtp conform --role initiator --listen URL -- kbtp initiator {url} --id-file {state}/id
+    script --ops {ops} --in {in} --out {out}
+
     \b
     Examples:
       kbtp conform --target roce://127.0.0.1 --local 127.0.0.2
@@ -99,8 +107,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
       kbtp conform --target iwarp://127.0.0.1:5420 --quick --strict --json > conform.json
       kbtp conform --target iwarp://10.0.0.5:5420 --only ops. --only generation. --exclude ops.quota
       kbtp conform --list --only direct.
-      kbtp conform --role initiator --listen iwarp://127.0.0.1:5420 -- kbtp initiator {url} \
-          --id-file {state}/id script --ops {ops} --in {in} --out {out}
+      kbtp conform --role initiator --list --only direct_alloc.
     """
     if role == "initiator":
         from .conform_initiator import check_initiator

@@ -81,7 +81,10 @@ async def run(url: str, program: list[str], cases: list[Case], *, timeout: float
     if not program:
         raise HarnessError("no initiator command: give it after '--'")
     listener = listener or Listener()
-    local = local if local is not None else default_local(url)
+    if transport != "roce":
+        local = ""             # only RoCEv2 puts both ends on one UDP port: iWARP needs none
+    elif local is None:
+        local = default_local(url)
     workdir = keep or Path(tempfile.mkdtemp(prefix="kbtp-iconform-"))
     outcomes = []
     try:
