@@ -86,7 +86,10 @@ class Initiator(DirectModes):
             "hello.initiator_id": self.initiator_id}))
         msg = await self.qp.recv()
         self.qp.post_recv(1)
-        ack = codec.decode(msg.payload)
+        try:
+            ack = codec.decode(msg.payload)
+        except codec.Malformed as bad:     # a target's fault: said as a status, never a crash
+            raise KbtpError(STATUS.by_name()["MALFORMED"], detail=f"malformed HELLO_ACK: {bad}") from None
         if ack["opcode"] != OP["HELLO_ACK"]:
             raise KbtpError(STATUS.by_name()["MALFORMED"],
                             detail=f"expected HELLO_ACK, got {OPCODES.describe(ack['opcode'])}")
@@ -177,6 +180,10 @@ class Initiator(DirectModes):
             "flags": self._flags(allow_unsealed=allow_unsealed, record=record,
                                  invalidate=self.invalidate and not record),
             "dd.stag": region.stag, "dd.offset": region.base, "dd.length": len(buf)}, [region], record)
+        if result.data_length > len(buf):  # the target claims more than it could have written
+            raise KbtpError(STATUS.by_name()["MALFORMED"], result,
+                            f"a completion Data Length of {result.data_length} past the "
+                            f"{len(buf)}-octet buffer")
         result.data = bytes(buf[:result.data_length])
         return result
 

@@ -53,12 +53,22 @@ class DirectModes:
             if not flags & SEALED:
                 raise KbtpError(NOT_SEALED, detail="entry not SEALED")
             length = first["entry.data_length"]
+            if not self._in_pool(first["entry.block_offset"], length):
+                continue        # not an entry the target can have written: read it again
             data = await self.qp.read(pool_stag, first["entry.block_offset"], length) if length else b""
             second = await self._entry(stag, at)
             if second == first:
                 return Result(0, 0, first["entry.generation"], length,
                               first["entry.block_offset"], data)
         raise KbtpError(NOT_VALID, detail=f"entry kept changing over {attempts} attempts")
+
+    def _in_pool(self, block_offset: int, length: int) -> bool:
+        """A block of the Pool descriptor and a Data Length within the Block Size: never
+        read more, or elsewhere, than the HELLO_ACK granted on the word of one entry read."""
+        _, pool_base, pool_count = self._direct("pool")
+        size = self.target.block_size
+        return (length <= size and pool_base <= block_offset
+                and block_offset + size <= pool_base + pool_count * size)
 
     async def take_ticket(self) -> tuple[int, int]:
         """FetchAdd on our Head: (ticket, slot offset), masked on iWARP, unmasked on RoCEv2."""

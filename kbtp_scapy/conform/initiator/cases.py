@@ -141,7 +141,7 @@ async def quota_tickets(ctx: ICtx) -> None:
     usage, worst = 0, 0
     events = sorted([(m.at, "req", m.decoded) for m in s.messages if m.decoded]
                     + [(a.at, "fetch_add", None) for a in s.accesses if a.kind == "fetch_add"]
-                    + [(t, "done", (rid, st)) for t, rid, st in s.completions], key=lambda e: e[0])
+                    + [(t, "done", (rid, st)) for t, rid, st, _ in s.completions], key=lambda e: e[0])
     pending: dict[int, int] = {}
     for _, kind, what in events:
         if kind == "fetch_add":

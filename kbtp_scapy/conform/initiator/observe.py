@@ -56,7 +56,8 @@ class Session:
     stags: dict[int, str] = field(default_factory=dict)     # granted STag -> region
     addr_le: bool = False
     messages: list[Message] = field(default_factory=list)
-    completions: list[tuple[float, int, int]] = field(default_factory=list)  # (time, Request ID, status)
+    #: (time, Request ID, status, Block Offset) of each completion sent
+    completions: list[tuple[float, int, int, int]] = field(default_factory=list)
     accesses: list[Access] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -90,9 +91,9 @@ class Session:
         self.messages.append(msg)
         return msg
 
-    def completed(self, request_id: int, status: int) -> None:
+    def completed(self, request_id: int, status: int, block_offset: int = 0) -> None:
         self.in_flight = max(0, self.in_flight - 1)
-        self.completions.append((time.monotonic(), request_id, status))
+        self.completions.append((time.monotonic(), request_id, status, block_offset))
 
     def reads(self, region: str | None = None) -> list[Access]:
         return [a for a in self.accesses if a.kind == "read" and not a.duplicate

@@ -54,6 +54,10 @@ class Behaviour:
         """What an RDMA Read of the initiator returns (``data``: what memory holds)."""
         return data
 
+    def hello_ack_octets(self, conn: CheckedConnection, message: bytes) -> bytes:
+        """The HELLO_ACK as sent (``message``: as encoded)."""
+        return message
+
 
 class CheckingExecutor(Executor):
     """The reference operations, each offered to the case's ``Behaviour`` first."""
@@ -91,13 +95,15 @@ class CheckedConnection(Connection):
             self.session.stags = {body[k]: name for k, name in GRANTS.items() if k in body}
             self.session.addr_le = self.addr_le
             self.credits = body.get("hello_ack.request_credits", self.credits)
-        await super()._hello_ack(status, body)
+        message = codec.encode({"opcode": OP["HELLO_ACK"], "status": status, "hello_ack.features": 0,
+                                **body})
+        await self.qp.send(self.behaviour.hello_ack_octets(self, message))
 
     def _complete(self, req: dict[str, Any], outcome: Outcome, why: str = "") -> None:
         def send() -> None:
             if self.qp.closed:
                 return
-            self.session.completed(req["request_id"], outcome.status)
+            self.session.completed(req["request_id"], outcome.status, outcome.block_offset)
             Connection._complete(self, req, outcome, why)
         self.behaviour.complete(self, req, outcome, send)
 
