@@ -8,7 +8,8 @@ source: this file is also the program the initiator checker runs,
 
 which plants ``BUG`` into the reference initiator's classes in its own process and then
 runs ``kbtp initiator`` with the rest of the arguments. ``tools/initiator_catch_rate.py``
-runs each bug against the case meant for it on both bindings;
+runs each bug against the case meant for it on both bindings (a ``fuzz:SEED-INDEX``
+case is a case of the hostile target, ``kbtp fuzz --role initiator --replay``);
 ``tests/test_conform_initiator.py`` runs a few of them in the suite.
 """
 from __future__ import annotations
@@ -375,6 +376,23 @@ def _goodbye(fixed: bool) -> Plant:
     return plant
 
 
+def plant_hello_ack_unchecked() -> None:
+    """A malformed HELLO_ACK escapes as an exception nobody catches (a crash)."""
+    real = codec.decode
+
+    class Shim:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(codec, name)
+
+        @staticmethod
+        def decode(buf: bytes, addr_le: bool = False) -> dict:
+            try:
+                return real(buf, addr_le)
+            except codec.Malformed as exc:
+                raise RuntimeError(f"cannot parse {bytes(buf[:2]).hex()}: {exc}") from None
+    client.codec = Shim()
+
+
 def plant_no_invalidate() -> None:
     def make(original):
         def init(self, qp, memory, initiator_id, credits, invalidate):
@@ -473,6 +491,13 @@ CORPUS = [
     Bug("goodbye_always_releases", "for GOODBYE, 0x0001 RELEASE", "goodbye.retain", _goodbye(True)),
     Bug("no_invalidate", "SHOULD request INVALIDATE so that they are revoked by the completion",
         "security.single_use_stags", plant_no_invalidate),
+    # for the hostile target (``kbtp fuzz --role initiator``): case "fuzz:SEED-INDEX"
+    Bug("hello_ack_unchecked", "HELLO_ACK Body (Target Descriptor)", "fuzz:1-000028",
+        plant_hello_ack_unchecked),
+    Bug("completion_length_unchecked", "Data Length MUST NOT exceed the descriptor Length.",
+        "fuzz:1-000012", _load_buffer()),
+    Bug("entry_unchecked", "Direct Load (DIRECT_LOAD): through the read-only Table and Pool STags",
+        "fuzz:1-000101", lambda: setattr(Initiator, "_in_pool", lambda self, offset, length: True)),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 
@@ -481,13 +506,17 @@ ARGS = ["{url}", "--local", "{local}", "--id-file", "{state}/id", "script", "--o
         "--in", "{in}", "--out", "{out}"]
 
 
-def program(bug: str | None, python: str = sys.executable) -> list[str]:
-    """The command line of the reference initiator with ``bug`` planted (None: clean)."""
-    return [python, str(Path(__file__).resolve()), bug or "none", *ARGS]
+def program(bug: str | None, python: str = sys.executable, timeout: float | None = None) -> list[str]:
+    """The command line of the reference initiator with ``bug`` planted (None: clean);
+    ``timeout``: its own --timeout, which a hostile target's stalls need."""
+    return [python, str(Path(__file__).resolve()), bug or "none",
+            *(["--timeout", f"{timeout:g}"] if timeout else []), *ARGS]
 
 
 def main(argv: list[str]) -> int:
     name, rest = argv[0], argv[1:]
+    if rest[:1] == ["--timeout"]:                  # kbtp initiator's options follow its URL
+        rest = [rest[2], *rest[:2], *rest[3:]]
     if name != "none":
         BY_NAME[name].plant()
     if "--local" in rest and rest[rest.index("--local") + 1] == "":

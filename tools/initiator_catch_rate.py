@@ -4,7 +4,8 @@
 For every bug of the corpus (``tests/initiator_bugs.py``: each breaks one sentence that
 binds an initiator) and every binding it applies to, the reference initiator runs with
 the bug planted against the case meant for it, as ``kbtp conform --role initiator
---only CASE`` runs it. A bug is caught when that case FAILs (or WARNs, for a SHOULD).
+--only CASE`` runs it (or, for a ``fuzz:SEED-INDEX`` case, as ``kbtp fuzz --role
+initiator --replay`` runs it). A bug is caught when that case FAILs (or WARNs, for a SHOULD).
 The clean reference initiator runs the whole suite ``--control-runs`` times per binding
 first: every run must pass.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kbtp_scapy.conform.initiator import hostile  # noqa: E402
 from kbtp_scapy.conform.initiator.runner import all_cases, run  # noqa: E402
 from kbtp_scapy.conform.registry import select  # noqa: E402
 from tests.initiator_bugs import CORPUS, program  # noqa: E402
@@ -54,6 +56,19 @@ def run_cases(transport: str, bug: str | None, only: list[str], timeout: float) 
             "seconds": round(time.monotonic() - started, 1)}
 
 
+def run_fuzz(transport: str, bug: str | None, case: str, timeout: float) -> dict:
+    """One replay of the hostile target's case ``SEED-INDEX`` (from ``fuzz:SEED-INDEX``)."""
+    url, local = address(transport)
+    name = f"{transport}-{case.split(':', 1)[1]}"
+    started = time.monotonic()
+    summary = asyncio.run(hostile.campaign(program(bug, timeout=min(3.0, timeout / 3)), url, seed=0,
+                                           count=1, timeout=timeout, local=local, replay=name))
+    found = [f for record in summary.findings for f in record["findings"]]
+    return {"failed": [case] if found else [], "errors": [summary.error] if summary.error else [],
+            "details": {case: "; ".join(f"{f['oracle']}: {f['detail']}" for f in found)},
+            "seconds": round(time.monotonic() - started, 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bug", action="append", default=[], metavar="NAME", help="only these bugs")
@@ -70,6 +85,7 @@ def main() -> int:
     bugs = [b for b in CORPUS if not args.bug or b.name in args.bug]
     transports = args.transport or list(TRANSPORTS)
     known = {c.id for c in all_cases()}
+    fuzzed = sorted({b.case for b in CORPUS if b.case.startswith("fuzz:")})
     results = []
     for transport in transports:
         for i in range(args.control_runs):
@@ -78,11 +94,20 @@ def main() -> int:
             print(f"control {transport} run {i + 1}: {'passes' if ok else 'DOES NOT PASS'} "
                   f"{r['failed']} {r['errors']} {r['seconds']} s", file=sys.stderr)
             results.append({"bug": None, "transport": transport, "passed": ok, **r})
+        for case in fuzzed:
+            r = run_fuzz(transport, None, case, args.timeout)
+            ok = not r["failed"] and not r["errors"]
+            print(f"control {transport} {case}: {'no finding' if ok else 'FINDING'} {r['details']}",
+                  file=sys.stderr)
+            results.append({"bug": None, "transport": transport, "passed": ok, **r})
     for bug in bugs:
         for transport in (t for t in transports if t in bug.transports):
-            r = run_cases(transport, bug.name, [bug.case], args.timeout)
+            if bug.case.startswith("fuzz:"):
+                r = run_fuzz(transport, bug.name, bug.case, args.timeout)
+            else:
+                r = run_cases(transport, bug.name, [bug.case], args.timeout)
             r.update(bug=bug.name, transport=transport, case=bug.case, caught=bug.case in r["failed"],
-                     case_exists=bug.case in known)
+                     case_exists=bug.case in known or bug.case.startswith("fuzz:"))
             results.append(r)
             print(f"{bug.name:30} {transport:5} {'caught' if r['caught'] else 'MISSED':6} by {bug.case:30} "
                   f"{r['seconds']:5.1f} s {'' if r['caught'] else r['details']}", file=sys.stderr)

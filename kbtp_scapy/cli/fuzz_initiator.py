@@ -35,7 +35,9 @@ def fuzz_initiator(listen: str | None, program: tuple[str, ...], *, local: str |
                 raise click.UsageError(f"--replay {replay} is not a {transport} case")
         except ValueError:
             raise click.UsageError(f"--replay {replay}: not a case name like {transport}-1-000007") from None
-    if transport == "roce" and local is None:
+    if transport != "roce":
+        local = ""             # only RoCEv2 needs the initiator's own address
+    elif local is None:
         local = default_local(listen)
 
     def progress(done: int, summary: hostile.Summary) -> None:

@@ -13,7 +13,7 @@ The oracles: the program neither crashes (a signal, or a traceback on stderr) no
 (it must give up by itself within the run's time); it never reports data as valid that
 the checker did not serve as valid (a load reported OK returns what was stored); and
 it never writes outside what it was granted (every RDMA Write through the Partition
-STag, none refused). A finding is minimised by dropping statements of the script while
+STag, none refused), nor reads or adds outside it (no access the RNIC refuses). A finding is minimised by dropping statements of the script while
 the same oracle still fires, and saved as JSON and pcap.
 """
 from __future__ import annotations
@@ -218,6 +218,9 @@ async def run_case(ctx: ICtx, case: HostileCase, script: str) -> list[Finding]:
                                      f"{a.stag:#x} at {a.offset:#x}" + (f" ({a.refused})" if a.refused else "")))
             elif a.kind == "write":
                 reached.add(a.offset - base)
+            elif a.refused and not a.duplicate:
+                found.append(Finding("access_outside", f"an RDMA {a.kind} of {a.length} octets at "
+                                     f"{a.offset:#x} of the {a.region} STag {a.stag:#x} ({a.refused})"))
         reached |= {b["bind.block_offset"] - base for b in s.requests("BIND")}
         reached |= {offset - base for _, _, _, offset in s.completions}
     after = bytes(ctx.target.memory.pool_view)
