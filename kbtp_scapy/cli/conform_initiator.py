@@ -14,14 +14,14 @@ import click
 from ..conform import report
 from ..conform.initiator.runner import all_cases, run
 from ..conform.registry import select
-from ..conform.runner import HarnessError
+from ..conform.runner import HarnessError, Listener
 
 
 def check_initiator(listen: str | None, program: tuple[str, ...], *, local: str | None,
                     list_only: bool, only: tuple[str, ...], exclude: tuple[str, ...], quick: bool,
                     strict: bool, as_json: bool, json_file: str | None, junit_file: str | None,
                     pcap_dir: str | None, keep: str | None, timeout: float, quiet: bool,
-                    console: object) -> int:
+                    console: Listener) -> int:
     """Run the initiator cases; returns the exit code (the caller raises it)."""
     cases = select(all_cases(), only, exclude)
     if not cases:

@@ -93,7 +93,8 @@ def _run(coro_factory, control: Control):
               help="Stop after this many cases with findings (0: never).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress, only the summary.")
 @click.argument("program", nargs=-1, type=click.UNPROCESSED)
-def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | None, local: str | None, io: str, iface: str | None, raw_addr: str | None, count: int, seed: int,
+def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | None, local: str | None,
+         io: str, iface: str | None, raw_addr: str | None, count: int, seed: int,
          start: int, time_limit: float | None, timeout: float, out: str, as_json: bool, json_file: str | None,
          replay: str | None, minimize_budget: int, max_findings: int, quiet: bool) -> None:
     """Fuzz a KBTP target statefully, judging only what it sends back.

@@ -21,6 +21,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..rnic.qp import ConnectionLost, RemoteError
 from .client import Initiator
@@ -55,7 +56,12 @@ class Runner:
         self.lines: list[str] = []
 
     def handle(self, op: Op) -> int:
+        assert self.ini.target is not None and op.handle is not None
         return self.ini.target.handle_base + op.handle
+
+    def input(self, op: Op) -> bytes:
+        assert op.file is not None
+        return (self.in_dir / op.file).read_bytes()
 
     async def run(self, script: Script) -> bool | None:
         results = self.out_dir / RESULTS
@@ -91,7 +97,7 @@ class Runner:
         ini, h, w = self.ini, self.handle(op), op.words
         record = "record" in w
         if op.name in ("alloc_store", "store"):
-            data = (self.in_dir / op.file).read_bytes()
+            data = self.input(op)
             inline = True if "inline" in w else False if "noinline" in w else None
             method = ini.alloc_store if op.name == "alloc_store" else ini.store
             return await method(h, data, seal="seal" in w, inline=inline, record=record)
@@ -101,12 +107,12 @@ class Runner:
             return await ini.free(h, record=record)
         if op.name == "direct_load":
             return await ini.direct_load(h)
-        return await ini.direct_alloc(h, (self.in_dir / op.file).read_bytes())
+        return await ini.direct_alloc(h, self.input(op))
 
 
 async def run_session(url: str, script: Script, in_dir: Path, out_dir: Path, state: Path,
                       local: str | None = None) -> None:
-    options = {"local": local} if local else {}
+    options: dict[str, Any] = {"local": local} if local else {}
     ini = await Initiator.connect(url, initiator_id=initiator_id(state), **options)
     try:
         said = await Runner(ini, in_dir, out_dir).run(script)

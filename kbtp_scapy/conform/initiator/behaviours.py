@@ -6,7 +6,6 @@ what it did, so the case can say what the initiator was shown.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ from ...rnic.qp import ConnectionLost, RemoteError
 from ...tables import memory as M
 from ...tables.enums import ENTRY_FLAGS, OPCODES, STATUS, flag
 from ...target.operations import Outcome
-from ..hold import SETTLE
+from ..hold import SETTLE, ReadHold
 from .observe import Access
 from .target import Behaviour, CheckedConnection
 
@@ -129,7 +128,7 @@ class Decoy(Behaviour):
                 decoy = bytes(b ^ 0xA5 for b in conn.target.memory.block(entry.block_offset,
                                                                          entry.data_length))
                 self.decoys.append(decoy)
-                await conn.qp.write(req["dd.stag"], req["dd.offset"], decoy)
+                await _signaled(conn.qp.write(req["dd.stag"], req["dd.offset"], decoy))
                 await asyncio.sleep(SETTLE)
         return await run()
 
@@ -154,12 +153,18 @@ class Probe(Behaviour):
         return await run()
 
 
+async def _signaled(future: asyncio.Future | None) -> None:
+    """Wait for a signaled work request (the queue pair gives every one a future)."""
+    assert future is not None
+    await future
+
+
 async def _write(conn: CheckedConnection, stag: int, offset: int) -> str:
     """Whether a 1-octet RDMA Write was placed. An iWARP Write completes once it is sent
     (RDMAP acknowledges nothing), so a refusal shows as the peer's Terminate ending the
     connection: the connection must still be up ``SETTLE`` seconds later."""
     try:
-        await asyncio.wait_for(conn.qp.write(stag, offset, b"\x00"), 2.0)
+        await asyncio.wait_for(_signaled(conn.qp.write(stag, offset, b"\x00")), 2.0)
         await asyncio.wait_for(conn.qp.wait_closed(), SETTLE)
     except (RemoteError, ConnectionLost) as exc:
         return f"refused ({exc or type(exc).__name__})"
@@ -222,19 +227,18 @@ class DirectLoadWindow(Behaviour):
             entry["entry.flags"] &= ~SEALED
         return codec.encode_struct(M.TABLE_ENTRY, entry, conn.addr_le)
 
-    def _answered(self, hold: Any, access: Access) -> None:
+    def _answered(self, hold: ReadHold, access: Access) -> None:
         if self._pending is access:
             self._pending = None
         hold.release()
 
 
-def _hold_responses(conn: CheckedConnection) -> Any:
+def _hold_responses(conn: CheckedConnection) -> ReadHold:
     """Hold the Read Responses of the target's queue pair (``conform/hold.py`` works on
     either end of a connection)."""
-    from ..hold import ReadHold
-    hold = getattr(conn, "_read_hold", None)
-    if hold is None:
-        hold = conn._read_hold = ReadHold(conn.qp)
+    if conn.read_hold is None:
+        conn.read_hold = ReadHold(conn.qp)
+    hold = conn.read_hold
     hold.hold()
     return hold
 
@@ -279,6 +283,3 @@ class Abandon(Behaviour):
             return Outcome(S["TICKET_ABANDONED"])
         return await run()
 
-
-def random_block(size: int) -> bytes:
-    return os.urandom(size)

@@ -18,7 +18,7 @@ from typing import Any
 
 from ...target.config import DIRECT_ALLOC, DIRECT_LOAD, RECORD_COMPLETION, TargetConfig
 from ..context import FrameBuffer
-from ..registry import Case, Fail
+from ..registry import Case, Fail, Skip
 from .observe import Record
 from .program import ProgramMissing, Run, run as run_program
 from .target import Behaviour, CheckingTarget
@@ -66,8 +66,7 @@ class ICtx:
 
     @property
     def record(self) -> Record:
-        assert self.target is not None, "serve() first"
-        return self.target.record
+        return self.served.record
 
     async def serve(self, behaviour: Behaviour | None = None, **config: Any) -> CheckingTarget:
         """Start this case's checking target, ``config`` changing the defaults."""
@@ -86,9 +85,14 @@ class ICtx:
         return target
 
     @property
+    def served(self) -> CheckingTarget:
+        """The checking target ``serve`` started."""
+        assert self.target is not None, "serve() first"
+        return self.target
+
+    @property
     def config(self) -> TargetConfig:
-        assert self.target is not None
-        return self.target.config
+        return self.served.config
 
     def new_state(self) -> Path:
         """A state directory no run used: the program starts as a fresh initiator."""
@@ -146,13 +150,11 @@ class ICtx:
         self.notes.append(text)
 
     def skip(self, reason: str) -> None:
-        from ..registry import Skip
         raise Skip(reason)
 
     async def close(self) -> None:
         if self.target is not None:
             target, self.target = self.target, None
-            self._last = target
             await target.close()
 
     def data(self, size: int, tag: int = 0) -> bytes:

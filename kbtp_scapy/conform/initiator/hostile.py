@@ -13,8 +13,9 @@ The oracles: the program neither crashes (a signal, or a traceback on stderr) no
 (it must give up by itself within the run's time); it never reports data as valid that
 the checker did not serve as valid (a load reported OK returns what was stored); and
 it never writes outside what it was granted (every RDMA Write through the Partition
-STag, none refused), nor reads or adds outside it (no access the RNIC refuses). A finding is minimised by dropping statements of the script while
-the same oracle still fires, and saved as JSON and pcap.
+STag, none refused), nor reads or adds outside it (no access the RNIC refuses). A
+finding is minimised by dropping statements of the script while the same oracle still
+fires, and saved as JSON and pcap.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from ...initiator.script import parse
 from ...rnic.pcap import PcapSink
 from ...tables import memory as M
 from ...tables.enums import OPCODES
-from ...wire.address import parse_url
 from ...target.operations import Outcome
+from ...wire.address import parse_url
 from ..context import FrameBuffer
 from .context import ICtx, Unjudged
 from .observe import Access
@@ -173,9 +174,11 @@ def expected_data(script: str, inputs: dict[str, bytes]) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     for statement in parse(script):
         for op in statement:
+            if op.handle is None or op.file is None and op.name != "free":
+                continue
             if op.name in ("alloc_store", "store", "direct_alloc") and op.file:
                 stored[op.handle] = inputs[op.file]
-            elif op.name in ("load", "direct_load") and op.handle in stored:
+            elif op.name in ("load", "direct_load") and op.file and op.handle in stored:
                 out[op.file] = stored[op.handle]
             elif op.name == "free":
                 stored.pop(op.handle, None)
@@ -192,7 +195,7 @@ async def run_case(ctx: ICtx, case: HostileCase, script: str) -> list[Finding]:
     """One run of the program against the hostile target; what the oracles found."""
     inputs = {"a": os.urandom(1800), "b": os.urandom(3000)}
     await ctx.serve(Hostile(case))
-    before = bytes(ctx.target.memory.pool_view)
+    before = bytes(ctx.served.memory.pool_view)
     try:
         run = await ctx.run(script, inputs, connect=False)
     except Unjudged as exc:
@@ -209,7 +212,7 @@ async def run_case(ctx: ICtx, case: HostileCase, script: str) -> list[Finding]:
             got = run.output(op.file) or b""
             found.append(Finding("invalid_data", f"{name} {op.handle} reported OK with {len(got)} "
                                  f"octets that are not the {len(want[op.file])} stored"))
-    base, size = ctx.target.memory.pool_base, ctx.config.block_size
+    base, size = ctx.served.memory.pool_base, ctx.config.block_size
     reached: set[int] = set()            # blocks a store, a BIND or a partition Write named
     for s in ctx.record.sessions:
         for a in s.accesses:
@@ -223,7 +226,7 @@ async def run_case(ctx: ICtx, case: HostileCase, script: str) -> list[Finding]:
                                      f"{a.offset:#x} of the {a.region} STag {a.stag:#x} ({a.refused})"))
         reached |= {b["bind.block_offset"] - base for b in s.requests("BIND")}
         reached |= {offset - base for _, _, _, offset in s.completions}
-    after = bytes(ctx.target.memory.pool_view)
+    after = bytes(ctx.served.memory.pool_view)
     stray = [i for i in range(0, len(after), size) if after[i:i + size] != before[i:i + size]
              and not any(i <= r < i + size for r in reached)]
     if stray:

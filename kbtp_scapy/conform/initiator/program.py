@@ -81,13 +81,11 @@ async def run(template: list[str], values: dict[str, str], timeout: float) -> Ru
         code: int | None
         try:
             code = await asyncio.wait_for(proc.wait(), timeout)
-        except (TimeoutError, asyncio.CancelledError):
+        except TimeoutError:
             code = None
             _kill_group(proc.pid)
             await proc.wait()
-            if asyncio.current_task() is not None and asyncio.current_task().cancelling():
-                raise
-        finally:
+        finally:                          # also when the case is cancelled meanwhile
             _kill_group(proc.pid)          # whatever it started and left running
     text = (out_dir / RESULTS).read_text() if (out_dir / RESULTS).is_file() else ""
     return Run(argv, code, time.monotonic() - started, out_dir,

@@ -19,11 +19,11 @@ from typing import Any
 from ... import codec
 from ...rnic.memory import AccessError
 from ...rnic.qp import QueuePair
+from ...tables.enums import OPCODES
 from ...target.config import TargetConfig
 from ...target.connection import Connection
 from ...target.operations import Executor, Outcome
 from ...target.server import Target
-from ...tables.enums import OPCODES
 from .observe import Access, Record, Session
 
 OP = OPCODES.by_name()
@@ -80,6 +80,7 @@ class CheckedConnection(Connection):
         assert isinstance(target, CheckingTarget)
         self.session = target.record.new()
         self.behaviour = target.behaviour
+        self.read_hold: Any = None        # a ReadHold of this connection, made when a case needs one
         _observe(qp, self)
 
     async def serve(self) -> None:
@@ -97,7 +98,9 @@ class CheckedConnection(Connection):
             self.credits = body.get("hello_ack.request_credits", self.credits)
         message = codec.encode({"opcode": OP["HELLO_ACK"], "status": status, "hello_ack.features": 0,
                                 **body})
-        await self.qp.send(self.behaviour.hello_ack_octets(self, message))
+        sent = self.qp.send(self.behaviour.hello_ack_octets(self, message))
+        assert sent is not None          # signaled: the HELLO_ACK is awaited, as the reference's is
+        await sent
 
     def _complete(self, req: dict[str, Any], outcome: Outcome, why: str = "") -> None:
         def send() -> None:
