@@ -332,7 +332,8 @@ async def completion_unknown_id(ctx: ICtx) -> None:
     await _three_loads(ctx, B.Unknown())
 
 
-@icase("status.every_code", "Status Codes", RULE, """Status reports an error in HELLO_ACK""")
+@icase("status.every_code", OPERATIONS, RULE, """A failed check completes the request with the
+       corresponding status and has no other effect.""")
 async def status_every_code(ctx: ICtx) -> None:
     """Each status code 1 to 11 answers one FREE: the program must report each as itself."""
     codes = [v.value for v in STATUS.values if 0 < v.value < 0xC000]
