@@ -160,6 +160,35 @@ def plant_store_length_rounded() -> None:
     patch(Initiator, "_store", make)
 
 
+def plant_store_buffer_short() -> None:
+    """The source buffer of a store registered 16 octets short of the Length it declares."""
+    def make(original):
+        async def _store(self, opcode, handle, data, generation, seal, inline, record):
+            if inline is False or (inline is None and len(data) > self.target.max_inline):
+                src = self.memory.buffer(len(data))
+                src[:] = data
+                region = self.memory.register(src, Access.REMOTE_READ, length=len(data) - 16)
+                values = {"opcode": OP[opcode], "handle": handle, "generation": generation,
+                          "dd.stag": region.stag, "dd.offset": region.base, "dd.length": len(data),
+                          "flags": self._flags(seal=seal, invalidate=self.invalidate)}
+                return await self._call(values, [region], False)
+            return await original(self, opcode, handle, data, generation, seal, inline, record)
+        return _store
+    patch(Initiator, "_store", make)
+
+
+def plant_record_slot_short() -> None:
+    """Completion record slots registered with 16 octets, not 24."""
+    def make(original):
+        def register(self, buffer, access=Access.LOCAL, **kwargs):
+            if len(buffer) == M.COMPLETION_RECORD.size and access == Access.REMOTE_WRITE:
+                kwargs["length"] = 16
+            return original(self, buffer, access, **kwargs)
+        return register
+    from kbtp_scapy.rnic.memory import MemoryTable
+    patch(MemoryTable, "register", make)
+
+
 def _inline_stag(values: dict) -> None:
     if values.get("flags", 0) & F["INLINE"]:
         values["dd.stag"], values["dd.offset"] = 0x1234, 0x40
@@ -436,6 +465,10 @@ CORPUS = [
         "descriptor.load_length", _load_buffer(length=lambda self: self.target.block_size // 2)),
     Bug("store_length_rounded", "for STORE and ALLOC_STORE it is the source that the target reads with "
         "RDMA Read", "descriptor.store_length", plant_store_length_rounded),
+    Bug("store_buffer_short", "The initiator exposes only the buffers named in its descriptors",
+        "descriptor.store_buffer", plant_store_buffer_short),
+    Bug("record_slot_short", "naming a 24-octet completion record slot of the initiator",
+        "record.buffer", plant_record_slot_short, ("roce",)),
     Bug("inline_with_stag", "in which case STag and Tagged Offset are zero", "descriptor.store_length",
         encoding(_inline_stag)),
     Bug("record_ungated", "If the target advertised RECORD_COMPLETION and the request has the RECORD flag",

@@ -12,7 +12,7 @@ from typing import Any
 from ... import codec
 from ...rnic.qp import ConnectionLost, RemoteError
 from ...tables import memory as M
-from ...tables.enums import ENTRY_FLAGS, OPCODES, STATUS, flag
+from ...tables.enums import ENTRY_FLAGS, OPCODES, REQUEST_FLAGS, STATUS, flag
 from ...target.operations import Outcome
 from ..hold import SETTLE, ReadHold
 from .observe import Access
@@ -134,23 +134,35 @@ class Decoy(Behaviour):
 
 
 class Probe(Behaviour):
-    """LOAD: an RDMA Write of the Data Descriptor's last octet (must be placed) and of
-    the octet past it (must be refused by the initiator's RNIC), before the data."""
+    """Before the first request of ``opcode`` is executed, probe the buffer a descriptor
+    of it names at its last octet (must be reached) and at the octet past it (must be
+    refused by the initiator's RNIC): RDMA Writes into a LOAD's Data Descriptor
+    (``what="load"``) or its completion record slot (``"record"``), RDMA Reads of a
+    store's Data Descriptor (``"store"``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.opcodes = {OP["LOAD"]} if what in ("load", "record") else {OP["STORE"], OP["ALLOC_STORE"]}
         self.edge: str | None = None       # "placed" or why not
         self.past: str | None = None       # "refused: ..." or "placed"
         self.length = 0
 
+    def _buffer(self, req: dict[str, Any]) -> tuple[int, int, int] | None:
+        if self.what == "record":
+            return (req["cd.stag"], req["cd.offset"], M.COMPLETION_RECORD.size) if "cd.stag" in req else None
+        if req["flags"] & flag(REQUEST_FLAGS, "INLINE"):
+            return None
+        return req["dd.stag"], req["dd.offset"], req["dd.length"]
+
     async def operation(self, conn: CheckedConnection, req: dict[str, Any], run: Run) -> Outcome:
-        if req["opcode"] != OP["LOAD"] or self.past is not None:
+        named = self._buffer(req) if req["opcode"] in self.opcodes and self.past is None else None
+        if named is None or not named[2]:
             return await run()
-        stag, at, self.length = req["dd.stag"], req["dd.offset"], req["dd.length"]
-        self.edge = await _write(conn, stag, at + self.length - 1)
-        if self.edge != "placed":
-            return Outcome(S["INTERNAL"])
-        self.past = await _write(conn, stag, at + self.length)
-        return await run()
+        stag, at, self.length = named
+        self.edge = await _probe(conn, self.what != "store", stag, at + self.length - 1)
+        if self.edge == "placed":
+            self.past = await _probe(conn, self.what != "store", stag, at + self.length)
+        return await run()        # on a connection a refusal ended, this ends the session
 
 
 async def _signaled(future: asyncio.Future | None) -> None:
@@ -159,17 +171,20 @@ async def _signaled(future: asyncio.Future | None) -> None:
     await future
 
 
-async def _write(conn: CheckedConnection, stag: int, offset: int) -> str:
-    """Whether a 1-octet RDMA Write was placed. An iWARP Write completes once it is sent
-    (RDMAP acknowledges nothing), so a refusal shows as the peer's Terminate ending the
-    connection: the connection must still be up ``SETTLE`` seconds later."""
+async def _probe(conn: CheckedConnection, write: bool, stag: int, offset: int) -> str:
+    """Whether a 1-octet RDMA Write (or Read) of the initiator's buffer was placed. An iWARP
+    Write completes once it is sent (RDMAP acknowledges nothing), so a refusal shows as
+    the peer's Terminate ending the connection: it must still be up ``SETTLE`` later."""
     try:
-        await asyncio.wait_for(_signaled(conn.qp.write(stag, offset, b"\x00")), 2.0)
+        if write:
+            await asyncio.wait_for(_signaled(conn.qp.write(stag, offset, b"\x00")), 2.0)
+        else:
+            await asyncio.wait_for(conn.qp.read(stag, offset, 1), 2.0)
         await asyncio.wait_for(conn.qp.wait_closed(), SETTLE)
     except (RemoteError, ConnectionLost) as exc:
         return f"refused ({exc or type(exc).__name__})"
     except TimeoutError:
-        return "placed"
+        return "placed" if not conn.qp.closed else "refused (no answer within 2 s)"
     return f"refused (the connection ended: {conn.qp.error or 'closed'})"
 
 

@@ -228,7 +228,7 @@ async def descriptor_load_length(ctx: ICtx) -> None:
     """The LOAD's Data Descriptor names a buffer that holds the block (at least its Data
     Length), and all of it is registered: an RDMA Write of its last octet is placed,
     one of the octet past it is refused by the initiator's RNIC."""
-    probe = B.Probe()
+    probe = B.Probe("load")
     await ctx.serve(probe)
     data = ctx.data(BLOCK, 1)
     await ctx.run("alloc_store 1 @kv seal; load 1 @back", {"kv": data})
@@ -262,6 +262,38 @@ async def descriptor_store_length(ctx: ICtx) -> None:
                   f"STag {inline['dd.stag']:#x}, offset {inline['dd.offset']:#x}, Length {inline['dd.length']}")
     ctx.check(run.output("b1") == big and run.output("b2") == small, "both blocks back as stored",
               " ".join(run.statuses()))
+
+
+@icase("descriptor.store_buffer", SECURITY, RULE, """The initiator exposes only the buffers named
+       in its descriptors""")
+async def descriptor_store_buffer(ctx: ICtx) -> None:
+    """A store larger than Max Inline: an RDMA Read of the last octet its Data Descriptor
+    names is answered, one of the octet past it is refused by the initiator's RNIC."""
+    probe = B.Probe("store")
+    await ctx.serve(probe)
+    await ctx.run("alloc_store 1 @kv seal noinline", {"kv": ctx.data(3000, 1)})
+    if probe.edge is None:
+        ctx.skip("the initiator sent no store by RDMA Read (all inline)")
+    ctx.check(probe.edge == "placed", "an RDMA Read of the descriptor's last octet answered", probe.edge)
+    ctx.check(probe.past is not None and probe.past.startswith("refused"),
+              "an RDMA Read of the octet past the descriptor refused by the initiator's RNIC", probe.past)
+
+
+@icase("record.buffer", COMPLETION, RULE, """A Completion Descriptor is 16 octets: STag (32 bits),
+       Tagged Offset (64 bits), and 32 reserved bits, naming a 24-octet completion record slot of
+       the initiator.""", transport="roce")
+async def record_buffer(ctx: ICtx) -> None:
+    """A LOAD with RECORD: an RDMA Write of the record slot's last octet is placed, one of
+    the octet past its 24 is refused by the initiator's RNIC."""
+    probe = B.Probe("record")
+    await ctx.serve(probe)
+    await ctx.run("alloc_store 1 @kv seal; load 1 @back record", {"kv": ctx.data(100, 1)})
+    if probe.edge is None:
+        ctx.skip("the initiator asked for no completion record (RECORD is optional)")
+    ctx.check(probe.edge == "placed", "an RDMA Write of the record slot's last octet placed", probe.edge)
+    ctx.check(probe.past is not None and probe.past.startswith("refused"),
+              "an RDMA Write of the octet past the 24-octet slot refused by the initiator's RNIC",
+              probe.past)
 
 
 @icase("record.only_when_advertised", COMPLETION, RULE, """If the target advertised
