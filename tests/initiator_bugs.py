@@ -535,21 +535,17 @@ CORPUS = [
 BY_NAME = {b.name: b for b in CORPUS}
 
 #: the program the checker runs for a bug: this file, the bug, then kbtp initiator's arguments
-ARGS = ["{url}", "--local", "{local}", "--id-file", "{state}/id", "script", "--ops", "{ops}",
-        "--in", "{in}", "--out", "{out}"]
+ARGS = ["{url}", "--timeout", "{timeout}", "--local", "{local}", "--id-file", "{state}/id", "script",
+        "--ops", "{ops}", "--in", "{in}", "--out", "{out}"]
 
 
-def program(bug: str | None, python: str = sys.executable, timeout: float | None = None) -> list[str]:
-    """The command line of the reference initiator with ``bug`` planted (None: clean);
-    ``timeout``: its own --timeout, which a hostile target's stalls need."""
-    return [python, str(Path(__file__).resolve()), bug or "none",
-            *(["--timeout", f"{timeout:g}"] if timeout else []), *ARGS]
+def program(bug: str | None, python: str = sys.executable) -> list[str]:
+    """The command line of the reference initiator with ``bug`` planted (None: clean)."""
+    return [python, str(Path(__file__).resolve()), bug or "none", *ARGS]
 
 
 def main(argv: list[str]) -> int:
     name, rest = argv[0], argv[1:]
-    if rest[:1] == ["--timeout"]:                  # kbtp initiator's options follow its URL
-        rest = [rest[2], *rest[:2], *rest[3:]]
     if name != "none":
         BY_NAME[name].plant()
     if "--local" in rest and rest[rest.index("--local") + 1] == "":

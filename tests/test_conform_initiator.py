@@ -189,7 +189,7 @@ def fuzz(transport: str, cmd: list[str], *args: str, timeout: float = 240) -> tu
 
 
 def test_fuzz_finds_nothing_in_the_reference_initiator(tmp_path):
-    code, out, err = fuzz("iwarp", program(None, timeout=3), "--cases", "8", "--seed", "3", "--json",
+    code, out, err = fuzz("iwarp", program(None), "--cases", "8", "--seed", "3", "--json",
                           "--out", str(tmp_path))
     doc = json.loads(out)
     assert (code, doc["cases"], doc["findings"]) == (0, 8, []), err
@@ -199,7 +199,7 @@ def test_fuzz_finds_nothing_in_the_reference_initiator(tmp_path):
 def test_fuzz_catches_a_crash_minimises_and_saves_it(tmp_path):
     bug = BY_NAME["hello_ack_unchecked"]
     index = bug.case.split("-")[1]
-    code, out, err = fuzz("roce", program(bug.name, timeout=3), "--seed", "1", "--start", str(int(index)),
+    code, out, err = fuzz("roce", program(bug.name), "--seed", "1", "--start", str(int(index)),
                           "--cases", "1", "--json", "--out", str(tmp_path))
     doc = json.loads(out)
     assert code == 1, err

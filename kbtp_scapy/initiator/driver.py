@@ -10,6 +10,7 @@ environment, connect, run the script, write the results, say GOODBYE.
     KBTP_OUT         directory for the data of loads and the ``results`` file
     KBTP_STATE       directory the initiator keeps its Initiator ID in across runs
     KBTP_LOCAL       RoCEv2: the local address to send from (optional)
+    KBTP_TIMEOUT     seconds the whole session may take before the driver gives up (default 10)
 
 Exit status 0 when every operation was issued and its status written (whatever the
 statuses), 1 when the session failed, 2 for a bad script or environment.
@@ -137,12 +138,23 @@ def main(env: dict[str, str] | None = None) -> int:
     out = Path(env["KBTP_OUT"])
     state = Path(env.get("KBTP_STATE") or out / "state")
     try:
-        asyncio.run(run_session(env["KBTP_TARGET_URL"], script, Path(env.get("KBTP_IN", ".")), out,
-                                state, env.get("KBTP_LOCAL") or None))
+        timeout = float(env.get("KBTP_TIMEOUT") or 10)
+    except ValueError:
+        print(f"kbtp driver: KBTP_TIMEOUT {env['KBTP_TIMEOUT']!r} is not a number of seconds",
+              file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(asyncio.wait_for(run_session(
+            env["KBTP_TARGET_URL"], script, Path(env.get("KBTP_IN", ".")), out, state,
+            env.get("KBTP_LOCAL") or None), timeout))
     except KbtpError as exc:
         print(f"kbtp driver: HELLO refused: {exc}", file=sys.stderr)
         return 1
-    except (ConnectionLost, RemoteError, OSError, TimeoutError) as exc:
+    except TimeoutError:
+        print(f"kbtp driver: the session did not end within {timeout:g} s (KBTP_TIMEOUT)",
+              file=sys.stderr)
+        return 1
+    except (ConnectionLost, RemoteError, OSError) as exc:
         print(f"kbtp driver: the session failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -115,7 +115,7 @@ class ICtx:
         state = state or self.new_state()
         sessions = len(self.record.sessions)
         values = {"url": self.url, "local": self.local, "ops": ops, "in": str(in_dir),
-                  "out": str(out_dir), "state": str(state)}
+                  "out": str(out_dir), "state": str(state), "timeout": f"{self.timeout / 2:g}"}
         try:
             run = await run_program(self.program, values, self.timeout)
         except ProgramMissing as exc:

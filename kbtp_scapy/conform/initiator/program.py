@@ -2,7 +2,8 @@
 
 The command line's placeholders and the environment carry the same things (see
 ``docs/INITIATOR_CONFORMANCE.md``): ``{url}`` KBTP_TARGET_URL, ``{local}`` KBTP_LOCAL,
-``{ops}`` KBTP_OPS, ``{in}`` KBTP_IN, ``{out}`` KBTP_OUT, ``{state}`` KBTP_STATE. A run
+``{ops}`` KBTP_OPS, ``{in}`` KBTP_IN, ``{out}`` KBTP_OUT, ``{state}`` KBTP_STATE,
+``{timeout}`` KBTP_TIMEOUT (seconds the program has to give up by itself). A run
 that outlives its time is killed with its whole process group, and so is anything a
 program leaves running after it exits: the checker leaves no process behind.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 from ...initiator.script import RESULTS, parse_results
 
 PLACEHOLDERS = {"url": "KBTP_TARGET_URL", "local": "KBTP_LOCAL", "ops": "KBTP_OPS",
-                "in": "KBTP_IN", "out": "KBTP_OUT", "state": "KBTP_STATE"}
+                "in": "KBTP_IN", "out": "KBTP_OUT", "state": "KBTP_STATE", "timeout": "KBTP_TIMEOUT"}
 
 
 class ProgramMissing(Exception):
