@@ -422,6 +422,14 @@ def plant_hello_ack_unchecked() -> None:
     client.codec = Shim()
 
 
+def plant_ring_unchecked() -> None:
+    """DIRECT_ALLOC on whatever Head and ring the HELLO_ACK names, aligned or not."""
+    def ring(self):
+        head_stag, head_offset, _ = self._direct("head")
+        return head_stag, head_offset, (self._direct("ring")[2] - 1).bit_length()
+    Initiator._ring = ring
+
+
 def plant_no_invalidate() -> None:
     def make(original):
         def init(self, qp, memory, initiator_id, credits, invalidate):
@@ -529,6 +537,8 @@ CORPUS = [
         plant_hello_ack_unchecked),
     Bug("completion_length_unchecked", "Data Length MUST NOT exceed the descriptor Length.",
         "fuzz:1-000012", _load_buffer()),
+    Bug("head_unaligned_used", "two 64-bit counters, Head (used to allocate) and Tail (used to free), "
+        "each aligned to 8 octets", "fuzz:11-000032", plant_ring_unchecked),
     Bug("entry_unchecked", "Direct Load (DIRECT_LOAD): through the read-only Table and Pool STags",
         "fuzz:1-000101", lambda: setattr(Initiator, "_in_pool", lambda self, offset, length: True)),
 ]

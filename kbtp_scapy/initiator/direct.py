@@ -18,6 +18,7 @@ VALID, SEALED = flag(ENTRY_FLAGS, "VALID"), flag(ENTRY_FLAGS, "SEALED")
 _S = STATUS.by_name()
 NOT_VALID, NOT_SEALED, TOO_LARGE = _S["NOT_VALID"], _S["NOT_SEALED"], _S["TOO_LARGE"]
 NO_SPACE, INVALID_HANDLE, INTERNAL = _S["NO_SPACE"], _S["INVALID_HANDLE"], _S["INTERNAL"]
+MALFORMED = _S["MALFORMED"]
 
 
 class DirectModes:
@@ -70,10 +71,20 @@ class DirectModes:
         return (length <= size and pool_base <= block_offset
                 and block_offset + size <= pool_base + pool_count * size)
 
+    def _ring(self) -> tuple[int, int, int]:
+        """Head STag, Head Tagged Offset and n (N = 2^n slots), once the HELLO_ACK's
+        DIRECT_ALLOC descriptors are seen to be possible: a Head aligned to 8 octets, and
+        N a power of two not smaller than the Partition's blocks (spec "Free-Block Ring")."""
+        head_stag, head_offset, heads = self._direct("head")
+        slots, blocks = self._direct("ring")[2], self._direct("partition")[2]
+        if head_offset % 8 or not heads or not blocks or slots < blocks or slots & (slots - 1):
+            raise KbtpError(MALFORMED, detail=f"impossible DIRECT_ALLOC descriptors: Head at "
+                            f"{head_offset:#x} (count {heads}), {slots} ring slots, {blocks} blocks")
+        return head_stag, head_offset, (slots - 1).bit_length()
+
     async def take_ticket(self) -> tuple[int, int]:
         """FetchAdd on our Head: (ticket, slot offset), masked on iWARP, unmasked on RoCEv2."""
-        head_stag, head_offset, _ = self._direct("head")
-        n = (self._direct("ring")[2] - 1).bit_length()
+        head_stag, head_offset, n = self._ring()
         if self.qp.masked_atomics:
             value = await self.qp.fetch_add(head_stag, head_offset, RING_COUNTER.masked_add_data,
                                             counters.add_mask(n))

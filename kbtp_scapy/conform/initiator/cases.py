@@ -157,8 +157,8 @@ async def quota_tickets(ctx: ICtx) -> None:
             opcode = pending.pop(rid, None)
             if opcode == OP["ALLOC_STORE"] and not status:
                 usage += 1
-            elif opcode == OP["BIND"]:
-                usage -= 1 if status else 0      # a BIND that fails leaves the ticket for reclaim
+            elif opcode == OP["BIND"] and status:
+                usage -= 1      # OK: the ticket became a binding; failed: the target reclaims it
             elif opcode == OP["FREE"] and not status:
                 usage -= 1
     ctx.check(worst <= 3, "usage (handles bound plus tickets taken and not bound) never above "
@@ -207,8 +207,8 @@ async def addr_le_encoding(ctx: ICtx) -> None:
             ctx.check(False, "requests that decode with little-endian address fields",
                       m.payload[:24].hex())
     handles = [r["handle"] - base for r in s.requests() if r["opcode"] != OP["BIND"]]
-    ctx.check(handles == [5, 5, 6, 5] or handles == [5, 5, 5],
-              "handles 5, 5, (6,) 5 read little-endian", handles)
+    ctx.check(handles == [5, 5, 6, 5], "handles 5, 5, 6, 5 (the LOAD after DIRECT_ALLOC) read "
+              "little-endian", handles)
     store = s.requests("ALLOC_STORE")[0]
     ctx.check(store["dd.length"] == len(big), f"a Data Descriptor Length of {len(big)} read "
               "little-endian", store["dd.length"])
@@ -440,7 +440,7 @@ async def _window(ctx: ICtx, mode: str) -> None:
     back = run.output("back")
     ctx.check(back != behaviour.decoy, f"the block read in a window whose entry {mode} changed not "
               "reported as data", "the decoy octets of that window reported as the block")
-    if run.statuses()[-1] == "OK":
+    if run.statuses()[-1:] == ["OK"]:
         ctx.check(back == data, "data reported valid only from a window whose entry reads agree",
                   "other octets")
 
@@ -464,9 +464,10 @@ async def direct_load_sealed(ctx: ICtx) -> None:
 async def direct_load_unsealed(ctx: ICtx) -> None:
     """A block stored without SEAL: both entry reads agree but SEALED is not set."""
     run, data, s = await _direct_load(ctx, B.DirectLoadWindow(), seal=False)
-    ctx.check(run.statuses()[-1] != "OK" and run.output("back") is None,
+    last = (run.statuses() or ["no result"])[-1]
+    ctx.check(last != "OK" and run.output("back") is None,
               "DIRECT_LOAD of an unsealed block not reported as valid data",
-              f"{run.statuses()[-1]} with {len(run.output('back') or b'')} octets")
+              f"{last} with {len(run.output('back') or b'')} octets")
 
 
 # -- Direct Allocation --------------------------------------------------------------------------
@@ -562,7 +563,8 @@ async def direct_alloc_bind(ctx: ICtx) -> None:
     binds = s.requests("BIND")
     ctx.check(bool(binds), "a BIND", "none")
     bind = binds[0]
-    slot = [a for a in s.reads("ring")][-1]
+    ctx.check(bool(s.reads("ring")), "a read of the ticket's slot", "none")
+    slot = s.reads("ring")[-1]
     served = codec.decode_struct(M.RING_SLOT, slot.served, s.addr_le)
     ticket = served["slot.sequence"]
     seen = (bind["bind.ticket"], bind["bind.data_length"], bind["bind.block_offset"])
