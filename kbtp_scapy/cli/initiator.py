@@ -425,3 +425,6 @@ async def goodbye(ini, o, release):
     """End the session now; with --release the target frees all our bindings."""
     emit(o, "GOODBYE", None, None, release=release)
     return release
+
+
+from . import initiator_script  # noqa: E402,F401  (registers ``script`` on the group above)
