@@ -5,7 +5,7 @@ It is ``kbtp_scapy.target.Target`` with three seams, none a copy of its logic:
 taken and the completions as they leave, and lets a ``Behaviour`` hold, reorder,
 duplicate or invent completions and change the HELLO_ACK), an ``Executor`` whose
 operations a ``Behaviour`` may answer itself, and the responder side of each queue pair
-(``serve_read``, ``check_write``, ``serve_fetch_add``), which records
+(``serve_read``, ``check_read``, ``check_write``, ``serve_fetch_add``), which records
 every one-sided access of the initiator and lets a ``Behaviour`` change what a Read
 returns (a torn slot, a decoy block, an entry whose Generation moved).
 """
@@ -159,7 +159,7 @@ def _observe(qp: QueuePair, conn: CheckedConnection) -> None:
                 duplicate[0] = False
         qp._duplicate = duplicate_observed
 
-    serve_read, check_write = qp.serve_read, qp.check_write
+    serve_read, check_read, check_write = qp.serve_read, qp.check_read, qp.check_write
     serve_fetch_add = qp.serve_fetch_add
 
     def access(kind: str, stag: int, offset: int, length: int, **extra: Any) -> Access:
@@ -181,6 +181,15 @@ def _observe(qp: QueuePair, conn: CheckedConnection) -> None:
         a.served = served[key] = bytes(conn.behaviour.read(conn, a, data))
         return a.served
 
+    def checked_read(stag: int, offset: int, length: int) -> None:
+        """A whole Read Request, checked before its first Read Response is built (iWARP):
+        one the RNIC refuses here never reaches ``serve_read``, so it is recorded here."""
+        try:
+            check_read(stag, offset, length)
+        except AccessError as exc:
+            access("read", stag, offset, length, refused=exc.fault.value)
+            raise
+
     def checked_write(stag: int, offset: int, length: int) -> None:
         """An RDMA Write, checked before its first octet is placed (its whole length on
         RoCEv2, its first segment's on iWARP: what lands is judged from memory)."""
@@ -201,6 +210,7 @@ def _observe(qp: QueuePair, conn: CheckedConnection) -> None:
         return value
 
     qp.serve_read, qp.check_write = read, checked_write                         # type: ignore[method-assign]
+    qp.check_read = checked_read                                               # type: ignore[method-assign]
     qp.serve_fetch_add = fetch_add                                             # type: ignore[method-assign]
 
 
