@@ -6,8 +6,9 @@ from the checkout's root and whatever they write stays in the copy. ``run(lines)
 in order in a fresh network namespace (and a mount namespace with a private /run/netns, so
 ``ip netns add`` names are ours too): 127.0.0.1:4791, 127.0.0.1:5420 and any address a line
 names are the sandbox's, never the host's. A target the lines talk to but do not start is
-started for them first, on its defaults. Lines that start ``kbtp target`` serve: they are
-started, waited for until they listen, and stopped with Ctrl-C.
+started for them first, on its defaults (not for a URL a line gives ``--listen``: it listens
+there itself). Lines that start ``kbtp target`` serve: they are started, waited for until
+they listen, and stopped with Ctrl-C.
 """
 from __future__ import annotations
 
@@ -35,11 +36,16 @@ def serves(line: str) -> bool:
     return re.search(r"(^|\s)kbtp target(\s|$)", line) is not None
 
 
+#: a URL a line listens on itself (``kbtp conform --role initiator --listen URL``): no target
+LISTENS = re.compile(r"--listen[ =]" + URL.pattern)
+
+
 def named_targets(lines: list[str]) -> list[tuple[str, str, int]]:
-    """(transport, host, port) of every target URL the lines name, in order of appearance."""
+    """(transport, host, port) of every target URL the lines name, in order of appearance,
+    but for those a line listens on itself."""
     found = {}
     for line in lines:
-        for transport, host, port in URL.findall(line):
+        for transport, host, port in URL.findall(LISTENS.sub("", line)):
             key = (transport, host.strip("[]"), int(port or PORTS[transport]))
             found.setdefault(key, None)
     return list(found)

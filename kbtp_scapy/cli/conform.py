@@ -52,7 +52,13 @@ class _Console(Listener):
 
 
 @click.command(context_settings={"max_content_width": 100})
+@click.option("--role", type=click.Choice(["target", "initiator"]), default="target", show_default=True,
+              help="What to check: a target at --target, or the initiator command given after '--' "
+                   "against a checking target on --listen (docs/INITIATOR_CONFORMANCE.md).")
 @click.option("--target", "url", metavar="URL", help="The target: iwarp://HOST:PORT or roce://HOST[:PORT].")
+@click.option("--listen", metavar="URL", help="--role initiator: where the checking target listens.")
+@click.option("--keep", type=click.Path(file_okay=False), metavar="DIR",
+              help="--role initiator: keep each run's inputs, outputs and stderr in DIR.")
 @click.option("--local", metavar="ADDR", help="Local address of the checker's initiator (RoCEv2).")
 @click.option("--list", "list_only", is_flag=True, help="List the cases and their requirements, run nothing.")
 @click.option("--only", multiple=True, metavar="PREFIX", help="Run only cases whose id starts so (repeatable).")
@@ -69,9 +75,11 @@ class _Console(Listener):
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="Seconds to wait for any one answer; cases that need longer waits are skipped.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress; print only cases that did not pass.")
-def conform(url: str | None, local: str | None, list_only: bool, only: tuple[str, ...],
-            exclude: tuple[str, ...], quick: bool, strict: bool, as_json: bool, json_file: str | None,
-            junit_file: str | None, pcap_dir: str | None, timeout: float, quiet: bool) -> None:
+@click.argument("program", nargs=-1, type=click.UNPROCESSED)
+def conform(role: str, url: str | None, listen: str | None, keep: str | None, local: str | None,
+            list_only: bool, only: tuple[str, ...], exclude: tuple[str, ...], quick: bool,
+            strict: bool, as_json: bool, json_file: str | None, junit_file: str | None,
+            pcap_dir: str | None, timeout: float, quiet: bool, program: tuple[str, ...]) -> None:
     """Check a KBTP target against the specification, judging only what it sends back.
 
     One case per testable requirement, each PASS, FAIL, WARN (a SHOULD not met), SKIP (a
@@ -83,6 +91,14 @@ def conform(url: str | None, local: str | None, list_only: bool, only: tuple[str
     Exit status: 0 all good, 1 the target failed a requirement (with --strict, or a
     SHOULD), 2 usage or harness error, or a case that could not be judged.
 
+    With --role initiator the checker is the target instead: it listens on --listen and
+    runs the initiator command given after '--' once per case, with the placeholders
+    {url} {local} {ops} {in} {out} {state} {timeout} (or the variables KBTP_TARGET_URL,
+    KBTP_LOCAL, KBTP_OPS, KBTP_IN, KBTP_OUT, KBTP_STATE, KBTP_TIMEOUT) saying what to do; docs/INITIATOR_CONFORMANCE.md
+    has the interface. For the reference initiator:
+    kbtp conform --role initiator --listen URL -- kbtp initiator {url} --id-file {state}/id
+    script --ops {ops} --in {in} --out {out}
+
     \b
     Examples:
       kbtp conform --target roce://127.0.0.1 --local 127.0.0.2
@@ -90,7 +106,22 @@ def conform(url: str | None, local: str | None, list_only: bool, only: tuple[str
       kbtp conform --target iwarp://127.0.0.1:5420 --quick --strict --json > conform.json
       kbtp conform --target iwarp://10.0.0.5:5420 --only ops. --only generation. --exclude ops.quota
       kbtp conform --list --only direct.
+      kbtp conform --role initiator --list --only direct_alloc.
     """
+    if role == "initiator":
+        from .conform_initiator import check_initiator
+        console = _Console(listen or "", not (as_json or json_file == "-"), quiet)
+        code = check_initiator(listen, program, local=local, list_only=list_only, only=only,
+                               exclude=exclude, quick=quick, strict=strict, as_json=as_json,
+                               json_file=json_file, junit_file=junit_file, pcap_dir=pcap_dir,
+                               keep=keep, timeout=timeout, quiet=quiet, console=console)
+        console.clear()
+        if code:
+            raise Exit(code, f"conform: the initiator did not pass (exit status {code}); see each "
+                              "case's expected/seen above")
+        return
+    if program or listen or keep:
+        raise click.UsageError("--listen, --keep and a command are for --role initiator")
     cases = select(all_cases(), only, exclude)
     if not cases:
         raise click.UsageError("no case matches --only/--exclude (see --list)")

@@ -73,8 +73,12 @@ def _run(coro_factory, control: Control):
 
 
 @click.command(context_settings={"max_content_width": 100})
-@click.option("--target", "url", metavar="URL", required=True,
+@click.option("--role", type=click.Choice(["target", "initiator"]), default="target", show_default=True,
+              help="What to fuzz: a target at --target, or the initiator command given after '--' "
+                   "against a hostile target on --listen (docs/INITIATOR_CONFORMANCE.md).")
+@click.option("--target", "url", metavar="URL",
               help="The target: iwarp://HOST:PORT or roce://HOST[:PORT] (the transport follows).")
+@click.option("--listen", metavar="URL", help="--role initiator: where the hostile target listens.")
 @click.option("--local", metavar="ADDR", help="RoCEv2: the fuzzer's own address to send from.")
 @raw_io_options("fuzzer", verbs=False)
 @click.option("--cases", "count", type=click.IntRange(min=1), default=1000, show_default=True,
@@ -98,7 +102,9 @@ def _run(coro_factory, control: Control):
 @click.option("--max-findings", type=click.IntRange(min=0), default=0, show_default=True,
               help="Stop after this many cases with findings (0: never).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress, only the summary.")
-def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str | None, count: int, seed: int,
+@click.argument("program", nargs=-1, type=click.UNPROCESSED)
+def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | None, local: str | None,
+         io: str, iface: str | None, raw_addr: str | None, count: int, seed: int,
          start: int, time_limit: float | None, timeout: float, out: str, as_json: bool, json_file: str | None,
          replay: str | None, minimize_budget: int, max_findings: int, quiet: bool) -> None:
     """Fuzz a KBTP target statefully, judging only what it sends back.
@@ -116,6 +122,13 @@ def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str 
     the table and ring read back. Findings are minimized and saved as pcap + JSON.
     Ctrl-C stops the run and prints the summary (exit status 130).
 
+    With --role initiator it is a hostile target instead, on --listen, running the
+    initiator command given after '--' once per case (the driver interface of kbtp
+    conform --role initiator): malformed HELLO_ACKs, completions with wrong Request IDs,
+    lengths or statuses, garbage and torn ring slots, Writes outside the descriptors,
+    stalls and disconnects. The program must neither crash nor hang, never report as
+    valid data the target did not serve as valid, and never write outside its grant.
+
     Exit status: 0 no finding, 1 the target misbehaved, 2 usage or harness error
     (including a target that refuses the fuzzer's sessions), 130 interrupted.
 
@@ -125,6 +138,14 @@ def fuzz(url: str, local: str | None, io: str, iface: str | None, raw_addr: str 
       kbtp fuzz --target iwarp://127.0.0.1:5420 --time-limit 600 --json-file fuzz.json
       kbtp fuzz --target roce://127.0.0.1 --local 127.0.0.2 --replay roce-7-000123
     """
+    if role == "initiator":
+        from .fuzz_initiator import fuzz_initiator
+        fuzz_initiator(listen, program, local=local, count=count, seed=seed, start=start,
+                       timeout=timeout, out=out, as_json=as_json, json_file=json_file, replay=replay,
+                       budget=minimize_budget, quiet=quiet)
+        return
+    if url is None or listen or program:
+        raise click.UsageError("--target URL is required (--listen and a command are for --role initiator)")
     try:
         transport = parse_url(url).transport
     except ValueError as exc:

@@ -472,4 +472,5 @@ async def goodbye(ini, o, release):
     return release
 
 
-from . import send as _send  # noqa: E402, F401  (registers ``send``, which builds on session)
+# Subcommands in modules of their own register on the group above.
+from . import initiator_script, send  # noqa: E402, F401

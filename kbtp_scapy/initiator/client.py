@@ -56,6 +56,7 @@ class Initiator(DirectModes):
         self._pending: Waiting = {}
         self.unmatched: asyncio.Queue[Received] = asyncio.Queue()   # raw mode sees these
         self._credits: asyncio.Semaphore | None = None
+        self.usage = 0      # handles this session bound and has not freed (spec "Allocation Quotas")
 
     @classmethod
     async def connect(cls, url: str, *, initiator_id: bytes | None = None,
@@ -86,7 +87,10 @@ class Initiator(DirectModes):
         msg = await self.qp.recv()
         self.qp.post_recv(1)
         self.hello_ack = msg.payload
-        ack = codec.decode(msg.payload)
+        try:
+            ack = codec.decode(msg.payload)
+        except codec.Malformed as bad:     # a target's fault: said as a status, never a crash
+            raise KbtpError(Status.MALFORMED, detail=f"malformed HELLO_ACK: {bad}") from None
         if ack["opcode"] != Opcode.HELLO_ACK:
             raise KbtpError(Status.MALFORMED,
                             detail=f"expected HELLO_ACK, got {OPCODES.describe(ack['opcode'])}")
@@ -164,7 +168,15 @@ class Initiator(DirectModes):
                     self.memory.deregister(region.stag)
         if result.status:
             raise KbtpError(result.status, result)
+        if values["opcode"] in (Opcode.ALLOC_STORE, Opcode.BIND):
+            self.usage += 1
+        elif values["opcode"] == Opcode.FREE:
+            self.usage = max(0, self.usage - 1)
         return result
+
+    def _record(self, record: bool) -> bool:
+        """RECORD only when the HELLO_ACK granted RECORD_COMPLETION; else a COMPLETION."""
+        return record and self.target.feature(Feature.RECORD_COMPLETION)
 
     def _flags(self, *, seal: bool = False, inline: bool = False, record: bool = False,
                allow_unsealed: bool = False, invalidate: bool = False) -> int:
@@ -178,12 +190,17 @@ class Initiator(DirectModes):
                    length: int | None = None, record: bool = False) -> Result:
         """Block Load into a fresh buffer of ``length`` (default Block Size) octets."""
         buf = self.memory.buffer(self.target.block_size if length is None else length)
+        record = self._record(record)
         region = self.memory.register(buf, Access.REMOTE_WRITE)
         result = await self._call({
             "opcode": Opcode.LOAD, "handle": handle, "generation": generation,
             "flags": self._flags(allow_unsealed=allow_unsealed, record=record,
                                  invalidate=self.invalidate and not record),
             "dd.stag": region.stag, "dd.offset": region.base, "dd.length": len(buf)}, [region], record)
+        if result.data_length > len(buf):  # the target claims more than it could have written
+            raise KbtpError(Status.MALFORMED, result,
+                            f"a completion Data Length of {result.data_length} past the "
+                            f"{len(buf)}-octet buffer")
         result.data = bytes(buf[:result.data_length])
         return result
 
@@ -191,6 +208,7 @@ class Initiator(DirectModes):
                      inline: bool | None, record: bool) -> Result:
         if inline is None:
             inline = len(data) <= self.target.max_inline
+        record = self._record(record)
         values: AnyMessage = {"opcode": Opcode[opcode], "handle": handle, "generation": generation}
         regions = []
         if inline:
@@ -216,6 +234,7 @@ class Initiator(DirectModes):
         return await self._store("ALLOC_STORE", handle, data, generation, seal, inline, record)
 
     async def free(self, handle: int, *, generation: int = 0, record: bool = False) -> Result:
+        record = self._record(record)
         return await self._call({"opcode": Opcode.FREE, "handle": handle, "generation": generation,
                                  "flags": self._flags(record=record)}, [], record)
 

@@ -21,10 +21,12 @@ CONSUMED = M.SLOT_CONSUMED
 
 
 class DirectModes:
-    """Mixed into ``Initiator``: needs ``qp``, ``target``, ``addr_le`` and ``bind``."""
+    """Mixed into ``Initiator``: needs ``qp``, ``target``, ``addr_le``, ``usage`` and ``bind``."""
 
     qp: QueuePair
     addr_le: bool
+    usage: int
+    tickets = 0          # taken on our Head and not bound yet
     if TYPE_CHECKING:
         @property
         def target(self) -> TargetInfo: ...
@@ -64,6 +66,8 @@ class DirectModes:
             if not flags & EntryFlag.SEALED:
                 raise KbtpError(Status.NOT_SEALED, detail="entry not SEALED")
             length = first["entry.data_length"]
+            if not self._in_pool(first["entry.block_offset"], length):
+                continue        # not an entry the target can have written: read it again
             data = await self.qp.read(pool_stag, first["entry.block_offset"], length) if length else b""
             second = await self._entry(stag, at)
             if second == first:
@@ -71,10 +75,28 @@ class DirectModes:
                               first["entry.block_offset"], data)
         raise KbtpError(Status.NOT_VALID, detail=f"entry kept changing over {attempts} attempts")
 
+    def _in_pool(self, block_offset: int, length: int) -> bool:
+        """A block of the Pool descriptor and a Data Length within the Block Size: never
+        read more, or elsewhere, than the HELLO_ACK granted on the word of one entry read."""
+        _, pool_base, pool_count = self._direct("pool")
+        size = self.target.block_size
+        return (length <= size and pool_base <= block_offset
+                and block_offset + size <= pool_base + pool_count * size)
+
+    def _ring(self) -> tuple[int, int, int]:
+        """Head STag, Head Tagged Offset and n (N = 2^n slots), once the HELLO_ACK's
+        DIRECT_ALLOC descriptors are seen to be possible: a Head aligned to 8 octets, and
+        N a power of two not smaller than the Partition's blocks (spec "Free-Block Ring")."""
+        head_stag, head_offset, heads = self._direct("head")
+        slots, blocks = self._direct("ring")[2], self._direct("partition")[2]
+        if head_offset % 8 or not heads or not blocks or slots < blocks or slots & (slots - 1):
+            raise KbtpError(Status.MALFORMED, detail=f"impossible DIRECT_ALLOC descriptors: Head at "
+                            f"{head_offset:#x} (count {heads}), {slots} ring slots, {blocks} blocks")
+        return head_stag, head_offset, (slots - 1).bit_length()
+
     async def take_ticket(self) -> tuple[int, int]:
         """FetchAdd on our Head: (ticket, slot offset), masked on iWARP, unmasked on RoCEv2."""
-        head_stag, head_offset, _ = self._direct("head")
-        n = (self._direct("ring")[2] - 1).bit_length()
+        head_stag, head_offset, n = self._ring()
         if self.qp.masked_atomics:
             value = await self.qp.fetch_add(head_stag, head_offset, RING_COUNTER.masked_add_data,
                                             counters.add_mask(n))
@@ -105,8 +127,14 @@ class DirectModes:
         if len(data) > self.target.block_size:
             raise KbtpError(Status.TOO_LARGE, detail="data larger than Block Size")
         partition_stag = self._direct("partition")[0]
-        ticket, offset = await self.take_ticket()
-        block = await self.wait_slot(ticket, offset, self.target.ticket_timeout_ms / 2000)
-        if data:
-            await self.qp.write(partition_stag, block, data)
-        return await self.bind(handle, ticket, len(data), block)
+        if self.usage + self.tickets >= self.target.quota:    # a ticket counts as usage
+            raise KbtpError(Status.NO_SPACE, detail=f"the quota of {self.target.quota} blocks is in use")
+        self.tickets += 1
+        try:
+            ticket, offset = await self.take_ticket()
+            block = await self.wait_slot(ticket, offset, self.target.ticket_timeout_ms / 2000)
+            if data:
+                await self.qp.write(partition_stag, block, data)
+            return await self.bind(handle, ticket, len(data), block)
+        finally:
+            self.tickets -= 1

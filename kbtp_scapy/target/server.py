@@ -24,6 +24,9 @@ log = logging.getLogger("kbtp.target")
 class Target:
     """A KBTP target. ``await start(url)``, then it serves until ``close()``."""
 
+    #: what serves each connection (the initiator checker's target observes through it)
+    connection_class: type[Connection] = Connection
+
     def __init__(self, config: TargetConfig, transport: str, io: str | None = None) -> None:
         """``io="verbs"`` puts the target's memory on an RDMA device (``start`` then names
         it with ``device=``); otherwise it is the soft RNIC's."""
@@ -107,7 +110,7 @@ class Target:
         assert task is not None              # listeners run on_connect as a task
         self._tasks.add(task)
         try:
-            await Connection(self, qp).serve()
+            await self.connection_class(self, qp).serve()
         finally:
             self._tasks.discard(task)
 

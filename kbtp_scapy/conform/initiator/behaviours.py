@@ -1,0 +1,296 @@
+"""The checking target's deliberate deviations, one class per way of testing an initiator.
+
+Each is a ``Behaviour`` (``target.py``): it changes only what its case needs and keeps
+what it did, so the case can say what the initiator was shown.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from ... import codec
+from ...rnic.qp import ConnectionLost, RemoteError
+from ...tables import memory as M
+from ...target.operations import Outcome
+from ...vocab import AnyMessage, EntryFlag, HelloAck, Opcode, RequestFlag, Status
+from ..hold import SETTLE, ReadHold
+from .observe import Access
+from .target import Behaviour, CheckedConnection
+
+Run = Callable[[], Awaitable[Outcome]]
+
+
+class Grant(Behaviour):
+    """Grant ``credits`` Request Credits and hold every completion ``hold`` seconds, so
+    that an initiator that sends past its credits shows it while they are held."""
+
+    def __init__(self, credits: int, hold: float = SETTLE) -> None:
+        self.credits, self.hold = credits, hold
+
+    def hello_ack(self, conn: CheckedConnection, body: HelloAck) -> None:
+        body["hello_ack.request_credits"] = self.credits
+
+    def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
+                 send: Callable[[], None]) -> None:
+        asyncio.get_running_loop().call_later(self.hold, send)
+
+
+class Reverse(Behaviour):
+    """Hold completions until ``count`` wait (or ``SETTLE`` passes), then send them last first."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.held: list[Callable[[], None]] = []
+        self.reordered = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
+                 send: Callable[[], None]) -> None:
+        self.held.append(send)
+        if len(self.held) >= self.count:
+            self._flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(3 * SETTLE, self._flush)
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        held, self.held = self.held, []
+        if len(held) > 1:
+            self.reordered += len(held)
+        for send in reversed(held):
+            send()
+
+
+class Duplicate(Behaviour):
+    """Before each completion, send the previous completion again (a duplicate of a
+    Request ID the initiator has retired)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, int] | None = None
+        self.sent = 0
+
+    def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
+                 send: Callable[[], None]) -> None:
+        if self.last is not None:
+            conn.send_completion(**self.last)
+            self.sent += 1
+        send()
+        self.last = {"request_id": req["request_id"], "handle": req["handle"],
+                     "status": outcome.status, "data_length": outcome.data_length,
+                     "block_offset": outcome.block_offset, "generation": outcome.generation}
+
+
+class Unknown(Behaviour):
+    """Before each completion, one with a Request ID the initiator never used, with
+    status INTERNAL and the same handle."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
+                 send: Callable[[], None]) -> None:
+        used = {m.decoded["request_id"] for m in conn.session.messages if m.decoded}
+        rid = (req["request_id"] ^ 0x5A5A_0000_0000_0000) or 0x5A5A
+        if rid not in used:
+            conn.send_completion(rid, req["handle"], Status.INTERNAL)
+            self.sent += 1
+        send()
+
+
+class Statuses(Behaviour):
+    """Answer the requests of ``opcode`` with ``statuses``, in order (then as the reference)."""
+
+    def __init__(self, opcode: str, statuses: list[int]) -> None:
+        self.opcode, self.statuses = Opcode[opcode], list(statuses)
+
+    async def operation(self, conn: CheckedConnection, req: AnyMessage, run: Run) -> Outcome:
+        if req["opcode"] == self.opcode and self.statuses:
+            return Outcome(self.statuses.pop(0))
+        return await run()
+
+
+class Decoy(Behaviour):
+    """LOAD: decoy octets into the Data Descriptor, a pause, the real data, the completion."""
+
+    def __init__(self) -> None:
+        self.decoys: list[bytes] = []
+
+    async def operation(self, conn: CheckedConnection, req: AnyMessage, run: Run) -> Outcome:
+        if req["opcode"] == Opcode.LOAD and req["handle"] in conn.target.memory.table:
+            entry = conn.target.memory.table.read(req["handle"])
+            if entry.valid and 0 < entry.data_length <= req["dd.length"]:
+                decoy = bytes(b ^ 0xA5 for b in conn.target.memory.block(entry.block_offset,
+                                                                         entry.data_length))
+                self.decoys.append(decoy)
+                await _signaled(conn.qp.write(req["dd.stag"], req["dd.offset"], decoy))
+                await asyncio.sleep(SETTLE)
+        return await run()
+
+
+class Probe(Behaviour):
+    """Before the first request of ``opcode`` is executed, probe the buffer a descriptor
+    of it names at its last octet (must be reached) and at the octet past it (must be
+    refused by the initiator's RNIC): RDMA Writes into a LOAD's Data Descriptor
+    (``what="load"``) or its completion record slot (``"record"``), RDMA Reads of a
+    store's Data Descriptor (``"store"``)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.opcodes = {Opcode.LOAD} if what in ("load", "record") else {Opcode.STORE, Opcode.ALLOC_STORE}
+        self.edge: str | None = None       # "placed" or why not
+        self.past: str | None = None       # "refused: ..." or "placed"
+        self.length = 0
+
+    def _buffer(self, req: AnyMessage) -> tuple[int, int, int] | None:
+        if self.what == "record":
+            return (req["cd.stag"], req["cd.offset"], M.COMPLETION_RECORD.size) if "cd.stag" in req else None
+        if req["flags"] & RequestFlag.INLINE:
+            return None
+        return req["dd.stag"], req["dd.offset"], req["dd.length"]
+
+    async def operation(self, conn: CheckedConnection, req: AnyMessage, run: Run) -> Outcome:
+        named = self._buffer(req) if req["opcode"] in self.opcodes and self.past is None else None
+        if named is None or not named[2]:
+            return await run()
+        stag, at, self.length = named
+        self.edge = await _probe(conn, self.what != "store", stag, at + self.length - 1)
+        if self.edge == "placed":
+            self.past = await _probe(conn, self.what != "store", stag, at + self.length)
+        return await run()        # on a connection a refusal ended, this ends the session
+
+
+async def _signaled(future: asyncio.Future | None) -> None:
+    """Wait for a signaled work request (the queue pair gives every one a future)."""
+    assert future is not None
+    await future
+
+
+async def _probe(conn: CheckedConnection, write: bool, stag: int, offset: int) -> str:
+    """Whether a 1-octet RDMA Write (or Read) of the initiator's buffer was placed. An iWARP
+    Write completes once it is sent (RDMAP acknowledges nothing), so a refusal shows as
+    the peer's Terminate ending the connection: it must still be up ``SETTLE`` later."""
+    try:
+        if write:
+            await asyncio.wait_for(_signaled(conn.qp.write(stag, offset, b"\x00")), 2.0)
+        else:
+            await asyncio.wait_for(conn.qp.read(stag, offset, 1), 2.0)
+        await asyncio.wait_for(conn.qp.wait_closed(), SETTLE)
+    except (RemoteError, ConnectionLost) as exc:
+        return f"refused ({exc or type(exc).__name__})"
+    except TimeoutError:
+        return "placed" if not conn.qp.closed else "refused (no answer within 2 s)"
+    return f"refused (the connection ended: {conn.qp.error or 'closed'})"
+
+
+class DirectLoadWindow(Behaviour):
+    """DIRECT_LOAD: hold each Read's answer ``SETTLE`` seconds (a Read issued meanwhile did
+    not wait for the previous one), and in the first entry-block-entry window change what
+    the second entry read shows (``mode``): ``generation`` moves the entry's Generation in
+    memory, ``valid`` shows it with VALID cleared, ``sealed`` with SEALED cleared. The
+    block read of that window returns decoy octets."""
+
+    def __init__(self, mode: str | None = None) -> None:
+        self.mode = mode
+        self.decoy = b""
+        self.changed = False
+        self.overlapped: list[str] = []
+        self._pending: Access | None = None
+        self._window: list[Access] = []
+
+    def read(self, conn: CheckedConnection, access: Access, data: bytes) -> bytes:
+        if access.region not in ("table", "pool"):
+            return data
+        if self._pending is not None:
+            self.overlapped.append(f"{access.region} read at offset {access.offset:#x} issued while "
+                                   f"the {self._pending.region} read before it was unanswered")
+        self._pending = access
+        hold = _hold_responses(conn)
+        asyncio.get_running_loop().call_later(SETTLE, self._answered, hold, access)
+        if self.mode is None or self.changed:
+            return data
+        self._window.append(access)
+        kinds = [a.region for a in self._window]
+        if kinds == ["table", "pool"]:
+            self.decoy = bytes(b ^ 0x5A for b in data) or b""
+            return self.decoy
+        if kinds == ["table", "pool", "table"]:
+            self.changed = True
+            return self._second_entry(conn, access, data)
+        if kinds[-1] == "table":
+            self._window = [access]
+        return data
+
+    def _second_entry(self, conn: CheckedConnection, access: Access, data: bytes) -> bytes:
+        entry = codec.decode_struct(M.TABLE_ENTRY, data, conn.addr_le)
+        if self.mode == "generation":
+            table = conn.target.memory.table
+            handle = table.base_handle + (access.offset - conn.session.granted.get(
+                "hello_ack.table.offset", 0)) // M.ENTRY_SIZE
+            e = table.read(handle)
+            e.generation = e.generation % 0xFFFF + 1
+            table.write(handle, e)
+            entry["entry.generation"] = e.generation
+        elif self.mode == "valid":
+            entry["entry.flags"] &= ~EntryFlag.VALID
+        elif self.mode == "sealed":
+            entry["entry.flags"] &= ~EntryFlag.SEALED
+        return codec.encode_struct(M.TABLE_ENTRY, entry, conn.addr_le)
+
+    def _answered(self, hold: ReadHold, access: Access) -> None:
+        if self._pending is access:
+            self._pending = None
+        hold.release()
+
+
+def _hold_responses(conn: CheckedConnection) -> ReadHold:
+    """Hold the Read Responses of the target's queue pair (``conform/hold.py`` works on
+    either end of a connection)."""
+    if conn.read_hold is None:
+        conn.read_hold = ReadHold(conn.qp)
+    hold = conn.read_hold
+    hold.hold()
+    return hold
+
+
+class SlotReads(Behaviour):
+    """DIRECT_ALLOC: the first reads of the ticket's slot show it not ready yet (twice an
+    old Sequence with a stale Block Offset, then twice the right Sequence with Block
+    Offset all ones), then torn (the right Sequence with another block's offset), then
+    as it is. An initiator that skips any of the checks takes a wrong Block Offset."""
+
+    def __init__(self) -> None:
+        self.shown: list[tuple[int, int]] = []
+        self.stale = 0
+        self.untrusted = 5          # reads shown not ready, or torn
+
+    def read(self, conn: CheckedConnection, access: Access, data: bytes) -> bytes:
+        if access.region != "ring":
+            return data
+        slot = codec.decode_struct(M.RING_SLOT, data, conn.addr_le)
+        n = len(self.shown)
+        sequence, block = slot["slot.sequence"], slot["slot.block_offset"]
+        if block == M.SLOT_CONSUMED:
+            return data
+        first = conn.session.granted.get("hello_ack.partition.offset", 0)
+        size = conn.target.config.block_size
+        count = conn.session.granted.get("hello_ack.partition.count", 1)
+        self.stale = first + ((block - first) // size + 1) % max(count, 1) * size
+        old = (sequence - 1) & 0xFFFFFFFF
+        fake = [(old, self.stale), (old, self.stale), (sequence, M.SLOT_CONSUMED),
+                (sequence, M.SLOT_CONSUMED), (sequence, self.stale)]
+        if n < len(fake):
+            slot["slot.sequence"], slot["slot.block_offset"] = fake[n]
+        self.shown.append((slot["slot.sequence"], slot["slot.block_offset"]))
+        return codec.encode_struct(M.RING_SLOT, slot, conn.addr_le)
+
+
+class Abandon(Behaviour):
+    """BIND: answered TICKET_ABANDONED."""
+
+    async def operation(self, conn: CheckedConnection, req: AnyMessage, run: Run) -> Outcome:
+        if req["opcode"] == Opcode.BIND:
+            return Outcome(Status.TICKET_ABANDONED)
+        return await run()
+

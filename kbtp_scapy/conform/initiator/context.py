@@ -1,0 +1,168 @@
+"""What an initiator case works with: a checking target of its own, and runs of the program.
+
+A case starts the checking target with the configuration and ``Behaviour`` it needs
+(``serve``), runs the program under test with an operation script and input files
+(``run``), and judges from the run (exit status, results, output files) and from the
+target's ``record``. A run that cannot be judged (the program is missing, hangs, or
+exits without ever connecting) raises ``Unjudged``: the case is an ERROR with the reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ...target.config import TargetConfig
+from ...vocab import Feature
+from ..context import FrameBuffer
+from ..registry import Case, Fail, Skip
+from .observe import Record
+from .program import ProgramMissing, Run, run as run_program
+from .target import Behaviour, CheckingTarget
+
+#: The checking target's defaults: small, so a case can fill a quota or a range quickly.
+#: Max Inline below the Block Size, so a large store travels by RDMA Read from the
+#: initiator's Data Descriptor; many receive buffers, so credits are judged by counting
+#: rather than by the transport refusing a request. Every peer is trusted for the direct
+#: modes: the initiator under test may connect from any address (an RDMA device's, in the
+#: lab), and the Direct Load and Direct Allocation cases need them granted; the checking
+#: target's memory holds only the case's own octets (docs/DECISIONS.md, "Trust for the
+#: direct modes", is about targets that serve real caches).
+BASE = TargetConfig(blocks=64, block_size=4096, max_inline=512, max_initiators=8, quota=8,
+                    handles_per_initiator=16, request_credits=64, ticket_timeout_ms=2000,
+                    retention_s=30,
+                    features=Feature.DIRECT_LOAD | Feature.DIRECT_ALLOC | Feature.RECORD_COMPLETION,
+                    hello_timeout_s=5.0, trust=("0.0.0.0/0", "::/0"))
+
+ICASES: list[Case] = []
+
+
+def icase(id: str, section: str, level: str, requirement: str, *, transport: str | None = None,
+          slow: str = "") -> Callable[[Callable[[ICtx], Coroutine[Any, Any, None]]],
+                                      Callable[[ICtx], Coroutine[Any, Any, None]]]:
+    """Register the decorated coroutine as the initiator case ``id``."""
+    def register(fn: Callable[[ICtx], Coroutine[Any, Any, None]]) -> Callable[[ICtx], Coroutine[Any, Any, None]]:
+        if any(c.id == id for c in ICASES):
+            raise ValueError(f"duplicate case id {id}")
+        ICASES.append(Case(id, section, level, " ".join(requirement.split()), fn,  # type: ignore[arg-type]
+                           transport=transport, slow=slow))
+        return fn
+    return register
+
+
+class Unjudged(Exception):
+    """The program under test could not be judged: missing, hanging, or never connecting."""
+
+
+class ICtx:
+    """One initiator case: ``serve`` a checking target, ``run`` the program against it."""
+
+    def __init__(self, program: list[str], url: str, transport: str, *, local: str,
+                 timeout: float, frames: FrameBuffer, workdir: Path) -> None:
+        self.program, self.url, self.transport = program, url, transport
+        self.local, self.timeout, self.frames, self.workdir = local, timeout, frames, workdir
+        self.target: CheckingTarget | None = None
+        self.notes: list[str] = []
+        self.runs: list[Run] = []
+        self._n = itertools.count(1)
+
+    @property
+    def record(self) -> Record:
+        return self.served.record
+
+    async def serve(self, behaviour: Behaviour | None = None, **config: Any) -> CheckingTarget:
+        """Start this case's checking target, ``config`` changing the defaults."""
+        await self.close()
+        target = CheckingTarget(replace(BASE, **config), self.transport, behaviour)
+        target.frame_listeners.append(self.frames)
+        for attempt in range(20):            # the previous case's address may linger a moment
+            try:
+                await target.start(self.url)
+                break
+            except OSError:
+                if attempt == 19:
+                    raise
+                await asyncio.sleep(0.1)
+        self.target = target
+        return target
+
+    @property
+    def served(self) -> CheckingTarget:
+        """The checking target ``serve`` started."""
+        assert self.target is not None, "serve() first"
+        return self.target
+
+    @property
+    def config(self) -> TargetConfig:
+        return self.served.config
+
+    def new_state(self) -> Path:
+        """A state directory no run used: the program starts as a fresh initiator."""
+        path = self.workdir / f"state{next(self._n)}"
+        path.mkdir(parents=True)
+        return path
+
+    async def run(self, ops: str, inputs: dict[str, bytes] | None = None, *,
+                  state: Path | None = None, connect: bool = True) -> Run:
+        """Run the program once with ``ops``; ``Unjudged`` when it cannot be judged
+        (and, with ``connect``, when it never opened a session)."""
+        if self.target is None:
+            await self.serve()
+        n = next(self._n)
+        in_dir, out_dir = self.workdir / f"in{n}", self.workdir / f"out{n}"
+        in_dir.mkdir(parents=True)
+        out_dir.mkdir(parents=True)
+        for name, data in (inputs or {}).items():
+            (in_dir / name).write_bytes(data)
+        state = state or self.new_state()
+        sessions = len(self.record.sessions)
+        values = {"url": self.url, "local": self.local, "ops": ops, "in": str(in_dir),
+                  "out": str(out_dir), "state": str(state), "timeout": f"{self.timeout / 2:g}"}
+        try:
+            run = await run_program(self.program, values, self.timeout)
+        except ProgramMissing as exc:
+            raise Unjudged(str(exc)) from None
+        self.runs.append(run)
+        if run.timed_out:
+            raise Unjudged(f"the program did not exit within {self.timeout:g} s and was killed "
+                           f"with its process group (ops {ops!r}; raise --timeout for a slow one)")
+        if connect and len(self.record.sessions) == sessions:
+            raise Unjudged(f"the program exited with status {run.exit_code} in {run.seconds:.1f} s "
+                           f"without connecting to {self.url}: {run.tail()}")
+        return run
+
+    async def run_ok(self, ops: str, inputs: dict[str, bytes] | None = None, *,
+                     state: Path | None = None) -> Run:
+        """``run``, and the program must exit 0 having written one result per operation."""
+        run = await self.run(ops, inputs, state=state)
+        if run.exit_code != 0:
+            raise Fail(f"exit status 0 after {ops!r}", f"status {run.exit_code}: {run.tail()}")
+        return run
+
+    @staticmethod
+    def check(condition: bool, expected: str, seen: Any) -> None:
+        if not condition:
+            raise Fail(expected, str(seen))
+
+    def expect_statuses(self, run: Run, expected: list[str], what: str) -> None:
+        self.check(run.statuses() == expected, f"{what}: results {' '.join(expected)}",
+                   " ".join(run.statuses()) or "no results file")
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def skip(self, reason: str) -> None:
+        raise Skip(reason)
+
+    async def close(self) -> None:
+        if self.target is not None:
+            target, self.target = self.target, None
+            await target.close()
+
+    def data(self, size: int, tag: int = 0) -> bytes:
+        """``size`` octets no other input of the case has: random, tagged by ``tag``."""
+        return bytes([tag & 0xFF]) + os.urandom(size - 1)
