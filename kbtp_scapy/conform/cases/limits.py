@@ -11,7 +11,7 @@ import asyncio
 
 from ..context import Ctx
 from ..registry import MUST, RULE, case
-from .common import DIRECT_ALLOC, data, holds, unbound
+from .common import DIRECT_ALLOC, DIRECT_LOAD, data, holds, unbound
 from .direct import _slot, granted
 
 BOUNDS = """the handle MUST be within a range the initiator is authorized for (its own range for
@@ -49,9 +49,17 @@ async def lengths(ctx: Ctx) -> None:
 async def range_edges(ctx: Ctx) -> None:
     """The last handle of the range serves every operation; the handles just past either
     end of it are another initiator's or nobody's: stores and frees on them are
-    INVALID_HANDLE and change nothing."""
-    a = await ctx.connect(features=0)
+    INVALID_HANDLE and change nothing. With DIRECT_LOAD, the table's last handle is
+    one to load and the one after it is outside every range."""
+    a = await ctx.connect(features=DIRECT_LOAD)
     base, count = a.target.handle_base, a.target.handle_count
+    if "table.stag" in a.target.fields:      # the table's own end, which DIRECT_LOAD tells
+        end = a.target.fields["table_base_handle"] + a.target.fields["table.count"]
+        await ctx.expect(a.load(end, allow_unsealed=True), "INVALID_HANDLE",
+                         f"LOAD of 0x{end:x}, just past the table's last entry")
+        status, _ = await ctx.outcome(a.load(end - 1, allow_unsealed=True))
+        ctx.check(status in ("OK", "NOT_VALID"), f"LOAD of the table's last handle 0x{end - 1:x}: "
+                  "OK or NOT_VALID (a handle any initiator may load)", status)
     last = await ctx.claim(a, base + count - 1)
     payload = data(50)
     r = await ctx.ok(a.alloc_store(last, payload), f"ALLOC_STORE to the last handle 0x{last:x} of the range")
