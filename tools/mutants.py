@@ -47,6 +47,8 @@ TARGET_OPTIONS = ["--blocks", "128", "--max-initiators", "8", "--ticket-timeout"
 PORTS = {"iwarp": 5420, "roce": 4791}
 #: ``kbtp`` as this interpreter runs it (the package it imports follows PYTHONPATH).
 KBTP = [sys.executable, "-c", "from kbtp_scapy.cli import entry; entry()"]
+#: The checkers always come from this checkout, whatever is installed.
+CHECKER_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ class TargetProcess:
             probe = subprocess.run(
                 [*KBTP, "conform", "--target", self.url,
                  *self.local(), "--only", "session.hello_ack.header", "--timeout", "1", "-q"],
-                cwd=ROOT, capture_output=True, timeout=30)
+                cwd=ROOT, env=CHECKER_ENV, capture_output=True, timeout=30)
             if probe.returncode in (0, 1):
                 return True
             time.sleep(0.3)
@@ -184,8 +186,8 @@ def judge(pythonpath: str, tools: list[str], fuzz_cases: int, seed: int, timeout
                         for tool in ("conform", "fuzz")}
             for tool in tools:
                 try:
-                    run = subprocess.run(commands[tool],
-                                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                    run = subprocess.run(commands[tool], cwd=ROOT, env=CHECKER_ENV,
+                                         capture_output=True, text=True, timeout=600)
                     code, out = run.returncode, run.stdout + run.stderr
                 except subprocess.TimeoutExpired:
                     code, out = -1, "no verdict within 600 s"
@@ -230,7 +232,7 @@ async def judge_fuzz(url: str, local: str | None, timeout: float, cases: int, se
     (without minimizing it): 1 then, or when the fuzzer's sessions cannot be set up."""
     from kbtp_scapy.fuzz.cases import make_case
     from kbtp_scapy.fuzz.runner import Runner
-    from kbtp_scapy.fuzz.state import HarnessError
+    from kbtp_scapy.fuzz.state import HarnessError, SetupFault
     from kbtp_scapy.wire.address import parse_url
     runner = Runner(url, {"local": local} if local else {}, timeout)
     try:
@@ -241,7 +243,7 @@ async def judge_fuzz(url: str, local: str | None, timeout: float, cases: int, se
                 f = res.findings[0]
                 print(f"finding in case {index}: {f.kind}: {f.detail}"[:400])
                 return 1
-    except HarnessError as exc:
+    except (HarnessError, SetupFault) as exc:
         print(f"finding: the fuzzer's set-up failed: {exc}")
         return 1
     finally:
