@@ -313,6 +313,22 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report(args: argparse.Namespace, population: list[Mutant], started: float, control: str,
+           verdicts: list[Verdict]) -> dict:
+    """The run so far as a document, written to --json and --markdown (after every mutant,
+    so a run stopped early still leaves its verdicts)."""
+    doc = {"command": "nice .venv/bin/python tools/mutants.py " + " ".join(sys.argv[1:]),
+           "population": len(population), "seed": args.seed, "fuzz_cases": args.fuzz_cases,
+           "seconds": round(time.monotonic() - started), "control": control,
+           "score": score(verdicts), "score_conform": score(verdicts, "conform"),
+           "score_fuzz": score(verdicts, "fuzz"), "mutants": [asdict(v) for v in verdicts]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(doc))
+    return doc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="count the mutants per module and operator, run nothing")
@@ -375,15 +391,8 @@ def main() -> int:
             verdicts.append(v)
             print(f"[{i}/{len(sample)}] {m.name:60} line {m.line:4} "
                   f"{'killed by ' + ','.join(by) if by else 'SURVIVED'} ({v.seconds:.0f} s)", file=sys.stderr)
-    doc = {"command": "nice .venv/bin/python tools/mutants.py " + " ".join(sys.argv[1:]),
-           "population": len(population), "seed": args.seed, "fuzz_cases": args.fuzz_cases,
-           "seconds": round(time.monotonic() - started), "control": control,
-           "score": score(verdicts), "score_conform": score(verdicts, "conform"),
-           "score_fuzz": score(verdicts, "fuzz"), "mutants": [asdict(v) for v in verdicts]}
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1))
-    if args.markdown:
-        Path(args.markdown).write_text(markdown(doc))
+            report(args, population, started, control, verdicts)
+    doc = report(args, population, started, control, verdicts)
     s = doc["score"]
     print(f"killed {s['killed']} of {s['judged']} ({s['score']}, 95% interval {s['ci95']}); "
           f"conform alone {doc['score_conform']['score']}, fuzz alone {doc['score_fuzz']['score']}")
