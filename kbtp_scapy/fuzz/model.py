@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..initiator.direct import ABANDONED_AFTER
 from ..initiator.results import TargetInfo
 from ..tables.enums import FEATURES, OPCODES, REQUEST_FLAGS, STATUS, flag
 from .findings import Finding
@@ -315,7 +316,7 @@ def _allocation(x: Expect, req: dict[str, Any], info: TargetInfo, own: Knowledge
     if t is not None and block != t.block:
         add(Check(None, True, f"the slot of ticket {ticket} holds block 0x{t.block:x}, not 0x{block:x}",
                   "ok-forged-bind"))
-    if t is not None and now > t.seen + 2 * timeout + GRACE:
+    if t is not None and now > t.seen + ABANDONED_AFTER * timeout + GRACE:
         add(Check(S["TICKET_ABANDONED"], True, f"ticket {ticket} was taken {now - t.seen:.2f} s ago, "
                   f"the Ticket Timeout is {timeout:g} s", "ok-abandoned-ticket"))
     elif t is not None:

@@ -14,6 +14,11 @@ from ..tables.enums import ENTRY_FLAGS, STATUS, flag
 from .results import KbtpError, Result
 
 CONSUMED = M.SLOT_CONSUMED
+#: Ticket Timeouts after which a checker counts an unbound ticket abandoned. The text
+#: abandons it at one; a target notices a FetchAdd its RNIC executed only by looking at
+#: Head, so half a Timeout more is left for that (the reference looks eight times per
+#: Timeout, which makes it at most an eighth late).
+ABANDONED_AFTER = 1.5
 VALID, SEALED = flag(ENTRY_FLAGS, "VALID"), flag(ENTRY_FLAGS, "SEALED")
 _S = STATUS.by_name()
 NOT_VALID, NOT_SEALED, TOO_LARGE = _S["NOT_VALID"], _S["NOT_SEALED"], _S["TOO_LARGE"]

@@ -6,6 +6,7 @@ from collections.abc import Awaitable
 
 from ... import codec
 from ...initiator import Initiator, KbtpError
+from ...initiator.direct import ABANDONED_AFTER
 from ...rnic.qp import ConnectionLost, RemoteError
 from ...tables.memory import RING_SLOT, SLOT_CONSUMED, SLOT_SIZE
 from ..context import Ctx
@@ -137,9 +138,9 @@ async def bind_verify(ctx: Ctx) -> None:
 
 
 async def _abandon(ctx: Ctx) -> tuple[Initiator, int, int]:
-    """Take a ticket, see its block, and leave it unbound for two Ticket Timeouts."""
+    """Take a ticket, see its block, and leave it unbound until it is surely abandoned."""
     a = await ctx.connect(need=DIRECT_ALLOC)
-    wait = 2 * a.target.ticket_timeout_ms / 1000 + 0.3
+    wait = ABANDONED_AFTER * a.target.ticket_timeout_ms / 1000 + 0.3
     if wait + 2 > ctx.timeout:
         ctx.skip(f"the Ticket Timeout ({a.target.ticket_timeout_ms} ms) is too long for --timeout {ctx.timeout:g} s")
     ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
