@@ -718,6 +718,20 @@ def plant_usage_forgotten_on_reconnect(t, mp):
     wrap_method(mp, Sessions, "admit", wrapper)
 
 
+def plant_full_target_drops_hello(t, mp):
+    """A HELLO the target has no room for ends the connection instead of a HELLO_ACK."""
+    def wrapper(original):
+        def admit(self, ident, want):
+            try:
+                return original(self, ident, want)
+            except conn_mod.Refused as refused:
+                if refused.status == "NO_SPACE":
+                    raise RuntimeError("no handle range left") from None
+                raise
+        return admit
+    wrap_method(mp, Sessions, "admit", wrapper)
+
+
 def plant_reclaim_keeps_usage(t, mp):
     """The unit of usage of an abandoned ticket is never released."""
     def wrapper(original):
@@ -958,6 +972,8 @@ CORPUS: list[Bug] = [
         "same handle range", "session.promises.late", plant_credit_lost_on_reconnect),
     Bug("usage_forgotten_on_reconnect", "An initiator's usage is the number of handles it has bound",
         "ops.quota.carried", plant_usage_forgotten_on_reconnect),
+    Bug("full_target_drops_hello", "the initiator sends HELLO and the target answers with HELLO_ACK",
+        "session.hello_ack.when_full", plant_full_target_drops_hello),
     Bug("reclaim_keeps_usage", "the target releases one unit of usage ... when an abandoned ticket is "
         "reclaimed", "direct.ticket.reclaimed_unit", plant_reclaim_keeps_usage),
 ]

@@ -96,3 +96,28 @@ async def within_timeout(ctx: Ctx) -> None:
                      f"BIND of ticket {ticket} {wait * 1000:.0f} ms or more after it was taken (Ticket "
                      f"Timeout {a.target.ticket_timeout_ms} ms)")
         await holds(ctx, a, handle, payload, "after BIND within the Ticket Timeout")
+
+
+FULL_AT_MOST = 64     # sessions opened at most to find the target's limit
+
+
+@case("session.hello_ack.when_full", "Session Establishment", RULE, """After the RDMA connection is
+      established, the initiator sends HELLO and the target answers with HELLO_ACK ... (Status
+      reports an error in HELLO_ACK)""")
+async def when_full(ctx: Ctx) -> None:
+    """Sessions opened until the target refuses one: the refusal is a HELLO_ACK with a
+    non-zero Status (not silence, not a closed connection), and once one session ends
+    with RELEASE, a HELLO is granted again."""
+    opened = []
+    for _ in range(FULL_AT_MOST):
+        status, ini = await ctx.hello_status(ctx.new_id())
+        if ini is None:
+            break
+        opened.append(ini)
+    else:
+        ctx.skip(f"the target admitted {FULL_AT_MOST} sessions at once")
+    ctx.check(bool(opened), "at least one session granted", f"the first HELLO refused with {status}")
+    await ctx.goodbye(opened[-1], release=True)
+    status, again = await ctx.hello_status(ctx.new_id())
+    ctx.check(again is not None, f"a HELLO granted once one of the {len(opened)} sessions ended with RELEASE",
+              f"HELLO_ACK Status {status}")
