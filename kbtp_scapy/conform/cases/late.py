@@ -14,8 +14,8 @@ from ...initiator import Initiator
 from ..context import Ctx
 from ..registry import RULE, case
 from .common import DIRECT_ALLOC, data
-from .direct import _abandon
-from .ops import QUOTA, _fill_quota, _quota_of
+from .direct import abandon_ticket
+from .ops import QUOTA, fill_quota, quota_of
 from .session import all_credits_outstanding
 
 PROMISES = """Request Credits of HELLO_ACK: requests an initiator may have outstanding; Block Size;
@@ -35,7 +35,7 @@ async def _keeps_promises(ctx: Ctx, a: Initiator, hs: list[int], when: str) -> N
     """The quota (its last block of exactly Block Size), Max Inline and the Request
     Credits, each used to the full."""
     q, size, inline = a.target.quota, a.target.block_size, a.target.max_inline
-    await _fill_quota(ctx, a, hs[:q - 1], when)
+    await fill_quota(ctx, a, hs[:q - 1], when)
     await ctx.ok(a.alloc_store(hs[q - 1], data(size), inline=False),
                  f"ALLOC_STORE of exactly Block Size, the last of the quota, {when}")
     status, _ = await ctx.outcome(a.alloc_store(hs[q], b"one too many"))
@@ -54,11 +54,11 @@ async def promises_late(ctx: Ctx) -> None:
     then after GOODBYE without RELEASE, and after a lost connection, the same HELLO_ACK
     values and the same promises again."""
     a = await ctx.connect(features=0, credits=32)
-    q = _quota_of(ctx, a, 7)      # q + 1 handles, and 2 for each look at the credits
+    q = quota_of(ctx, a, 7)      # q + 1 handles, and 2 for each look at the credits
     hs = await ctx.handles(a, q + 1)
     first = promised(a)
     for cycle in range(CYCLES):
-        await _fill_quota(ctx, a, hs[:q], f"(round {cycle + 1})")
+        await fill_quota(ctx, a, hs[:q], f"(round {cycle + 1})")
         freed = await asyncio.gather(*(ctx.outcome(a.free(h)) for h in hs[:q]))
         ctx.check(all(s == "OK" for s, _ in freed), f"FREE of the {q} blocks (round {cycle + 1})",
                   [s for s, _ in freed])
@@ -83,15 +83,15 @@ async def quota_carried(ctx: Ctx) -> None:
     bind only the other half. After a lost connection the quota is still full; after
     GOODBYE with RELEASE it is empty again."""
     a = await ctx.connect(features=0)
-    q = _quota_of(ctx, a, 1)
+    q = quota_of(ctx, a, 1)
     if q < 2:
         ctx.skip("a quota of one block cannot be split across sessions")
     hs = await ctx.handles(a, q + 1)
     half = q // 2
-    await _fill_quota(ctx, a, hs[:half], "")
+    await fill_quota(ctx, a, hs[:half], "")
     await ctx.goodbye(a, release=False)
     b = await ctx.reconnect(a)
-    await _fill_quota(ctx, b, hs[half:q], f"(the {q - half} left after {half} were bound before a "
+    await fill_quota(ctx, b, hs[half:q], f"(the {q - half} left after {half} were bound before a "
                       "GOODBYE without RELEASE)")
     status, _ = await ctx.outcome(b.alloc_store(hs[q], b"over"))
     ctx.check(status == "NO_SPACE", f"the allocation beyond the quota, {half} of whose blocks were bound "
@@ -105,7 +105,7 @@ async def quota_carried(ctx: Ctx) -> None:
     await ctx.ok(c.alloc_store(hs[q], b"fits"), "ALLOC_STORE after a FREE of a block of an earlier session")
     await ctx.goodbye(c, release=True)
     d = await ctx.reconnect(c)
-    await _fill_quota(ctx, d, hs[:q], "after GOODBYE with RELEASE")
+    await fill_quota(ctx, d, hs[:q], "after GOODBYE with RELEASE")
 
 
 @case("direct.ticket.reclaimed_unit", "Allocation Quotas", RULE, """the target releases one unit of
@@ -115,12 +115,12 @@ async def reclaimed_unit(ctx: Ctx) -> None:
     """After a ticket is abandoned and reclaimed, the session's whole quota can be
     allocated again (its block back in the ring, its unit of usage released), and no
     more."""
-    a, _, _ = await _abandon(ctx)
+    a, _, _ = await abandon_ticket(ctx)
     if a.qp.closed:
         ctx.note("the target terminated the connection to reclaim the ticket")
         a = await ctx.reconnect(a)
-    q = _quota_of(ctx, a, 1)
+    q = quota_of(ctx, a, 1)
     hs = await ctx.handles(a, q + 1)
-    await _fill_quota(ctx, a, hs[:q], "after an abandoned ticket was reclaimed")
+    await fill_quota(ctx, a, hs[:q], "after an abandoned ticket was reclaimed")
     status, _ = await ctx.outcome(a.alloc_store(hs[q], b"over"))
     ctx.check(status == "NO_SPACE", "the allocation beyond the quota after the reclaim: NO_SPACE", status)

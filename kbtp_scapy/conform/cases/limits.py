@@ -12,7 +12,7 @@ import asyncio
 from ..context import Ctx
 from ..registry import MUST, RULE, case
 from .common import DIRECT_ALLOC, DIRECT_LOAD, data, holds, unbound
-from .direct import _slot, granted
+from .direct import granted, slot_block
 
 BOUNDS = """the handle MUST be within a range the initiator is authorized for (its own range for
     stores and frees), lengths MUST NOT exceed Block Size or the initiator's buffer (Block Load:
@@ -87,7 +87,7 @@ async def within_timeout(ctx: Ctx) -> None:
     taken = []
     for handle in await ctx.handles(a, 2):
         ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
-        block = await _slot(ctx, a, ticket, offset)
+        block = await slot_block(ctx, a, ticket, offset)
         await ctx.wait(a.qp.write(granted(a, "partition")[0], block, payload), "the data written")
         taken.append((handle, ticket, block))
     await asyncio.sleep(wait)
