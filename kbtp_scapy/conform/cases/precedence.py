@@ -6,7 +6,8 @@ the steps of the operation in their numbered order (the entry VALID, not SEALED,
 the block allocated from the ring; the data fitting the descriptor). A request failing
 two of them completes with the status of the first. Range and lengths are not ordered
 against each other by anything in the text beyond the order of a list, and targets
-differ there, so that pair is not judged (docs/decisions/status-order.md).
+differ there, so that pair is not judged (docs/DECISIONS.md, "Which status wins when a
+request fails two checks").
 """
 from __future__ import annotations
 
