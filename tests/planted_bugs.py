@@ -23,7 +23,7 @@ from kbtp_scapy.target.ring import FreeRing
 from kbtp_scapy.target.server import Target
 from kbtp_scapy.target.sessions import InitiatorState, Sessions
 from kbtp_scapy.target.table import UNBOUND_OFFSET, BlockTable, Entry
-from kbtp_scapy.vocab import EntryFlag, Opcode, RequestFlag
+from kbtp_scapy.vocab import EntryFlag, Feature, Opcode, RequestFlag
 
 from .kbtp_harness import TargetThread
 
@@ -651,7 +651,7 @@ def plant_record_not_negotiated(t, mp):
     def wrapper(original):
         def complete(self, req, outcome, why=""):
             features = self.features
-            self.features |= conn_mod.RECORD_COMPLETION
+            self.features |= Feature.RECORD_COMPLETION
             try:
                 original(self, req, outcome, why)
             finally:
@@ -956,7 +956,7 @@ CORPUS: list[Bug] = [
     Bug("features_not_masked", "HELLO_ACK Features: what the HELLO requested and the target offers",
         "session.features.not_granted", lambda t, mp: wrap_method(
             mp, Connection, "_hello_ack", hello_ack_body(lambda self, body: body.update(
-                {"hello_ack.features": body["hello_ack.features"] | conn_mod.RECORD_COMPLETION})))),
+                {"hello_ack.features": body["hello_ack.features"] | Feature.RECORD_COMPLETION})))),
     Bug("sealed_before_generation", "validates every request before touching memory: ... the "
         "Generation", "ops.status.precedence",
         lambda t, mp: set_handler(t, "STORE", if_entry(lambda e, r: e.sealed, _sealed_first))),
