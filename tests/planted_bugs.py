@@ -23,7 +23,7 @@ from kbtp_scapy.target.ring import FreeRing
 from kbtp_scapy.target.server import Target
 from kbtp_scapy.target.sessions import InitiatorState, Sessions
 from kbtp_scapy.target.table import UNBOUND_OFFSET, BlockTable, Entry
-from kbtp_scapy.vocab import EntryFlag, Opcode, RequestFlag
+from kbtp_scapy.vocab import EntryFlag, Feature, Opcode, RequestFlag
 
 from .kbtp_harness import TargetThread
 
@@ -565,6 +565,181 @@ def plant_abandon_keeps_window(t, mp):
     wrap_method(mp, direct_mod.TicketWatch, "_abandon", wrapper)
 
 
+# -- issue 24: the classes of bugs that got through -------------------------------------------
+
+_LOW32 = 0xFFFFFFFF
+
+
+def plant_request_id_upper_cached(t, mp):
+    """The upper half of the first Request ID of a connection is echoed for all later ones."""
+    def wrapper(original):
+        def complete(self, req, outcome, why=""):
+            upper = self.__dict__.setdefault("_upper", req["request_id"] & ~_LOW32)
+            original(self, {**req, "request_id": upper | req["request_id"] & _LOW32}, outcome, why)
+        return complete
+    wrap_method(mp, Connection, "_complete", wrapper)
+
+
+def plant_handle_32_bits(t, mp):
+    """The table and the ranges look at the low 32 bits of a Block Handle only."""
+    contains, at, owns = BlockTable.__contains__, BlockTable._at, InitiatorState.owns
+    mp.setattr(BlockTable, "__contains__", lambda self, h: contains(self, h & _LOW32))
+    mp.setattr(BlockTable, "_at", lambda self, h: at(self, h & _LOW32))
+    mp.setattr(InitiatorState, "owns", lambda self, h: owns(self, h & _LOW32))
+
+
+def plant_offset_32_bits(t, mp):
+    """Data Descriptor Tagged Offsets kept in 32 bits."""
+    def decode(b, le):
+        req = codec.decode(b, le)
+        if "dd.offset" in req:
+            req["dd.offset"] &= _LOW32
+        return req
+    shim_decode(mp, decode)
+
+
+def plant_initiator_id_low_half(t, mp):
+    """Sessions are told apart by the low 64 bits of the Initiator ID only."""
+    def wrapper(original):
+        def admit(self, ident, want):
+            return original(self, bytes(8) + ident[8:], want)
+        return admit
+    wrap_method(mp, Sessions, "admit", wrapper)
+
+
+def plant_load_pads_descriptor(t, mp):
+    """A LOAD writes the whole descriptor Length, the data padded with zeros."""
+    def wrapper(original):
+        async def load(self, conn, req, fetch=None):
+            out = await original(self, conn, req, fetch)
+            if req["dd.length"] > out.data_length:
+                conn.qp.write(req["dd.stag"], req["dd.offset"] + out.data_length,
+                              bytes(req["dd.length"] - out.data_length), signaled=False)
+            return out
+        return load
+    set_handler(t, "LOAD", wrapper)
+
+
+class _RecordShim(CodecShim):
+    """The connection module's codec, completion records padded to 32 octets."""
+
+    def __init__(self):
+        super().__init__(codec.decode)
+
+    @staticmethod
+    def encode_struct(struct, values, le=False):
+        raw = codec.encode_struct(struct, values, le)
+        return raw + bytes(8) if struct is conn_mod.M.COMPLETION_RECORD else raw
+
+
+def plant_store_overruns(t, mp):
+    """A whole-block STORE writes 8 octets more than its data, into the next block."""
+    def wrapper(original):
+        async def store(self, conn, req, fetch=None):
+            out = await original(self, conn, req, fetch)
+            end = out.block_offset + out.data_length
+            if out.data_length == self.block_size and end + 8 <= self.memory.pool_base + len(self.memory.pool_view):
+                self.memory.block(end, 8)[:] = bytes(8)
+            return out
+        return store
+    set_handler(t, "STORE", wrapper)
+
+
+def plant_record_not_negotiated(t, mp):
+    """Completion records for every request with RECORD, whether or not the session was
+    granted RECORD_COMPLETION."""
+    def wrapper(original):
+        def complete(self, req, outcome, why=""):
+            features = self.features
+            self.features |= Feature.RECORD_COMPLETION
+            try:
+                original(self, req, outcome, why)
+            finally:
+                self.features = features
+        return complete
+    wrap_method(mp, Connection, "_complete", wrapper)
+
+
+async def _sealed_first(self, conn, req, entry, original, fetch):
+    raise Failed("SEALED")
+
+
+def plant_block_size_exclusive(t, mp):
+    """A store of exactly Block Size is refused as too large."""
+    ex = t.target.executor
+    original = ex._store_length
+
+    def length(req):
+        if req["dd.length"] == ex.block_size:
+            raise Failed("TOO_LARGE")
+        return original(req)
+    set_attr(t, ex, "_store_length", length)
+
+
+def plant_ticket_timeout_tenths(t, mp):
+    """The Ticket Timeout taken as tenths of the advertised milliseconds."""
+    def wrapper(original):
+        def init(self, state, memory, timeout_ms):
+            original(self, state, memory, timeout_ms)
+            self.timeout = timeout_ms / 10000
+        return init
+    wrap_method(mp, direct_mod.TicketWatch, "__init__", wrapper)
+
+
+def plant_credit_lost_on_reconnect(t, mp):
+    """A restored session's connection never reposts the buffer its HELLO used."""
+    def wrapper(original):
+        async def hello(self):
+            posted = []
+            self.qp.post_recv = lambda count=1: posted.append(count)
+            try:
+                ok = await original(self)
+            finally:
+                del self.qp.post_recv
+            if not (ok and self.state.retained_at):
+                for count in posted:
+                    self.qp.post_recv(count)
+            return ok
+        return hello
+    wrap_method(mp, Connection, "_hello", wrapper)
+
+
+def plant_usage_forgotten_on_reconnect(t, mp):
+    """A restored session starts counting its usage afresh (its bindings stay bound)."""
+    def wrapper(original):
+        def admit(self, ident, want):
+            state, restored = original(self, ident, want)
+            if restored:
+                state.bound = set()
+            return state, restored
+        return admit
+    wrap_method(mp, Sessions, "admit", wrapper)
+
+
+def plant_full_target_drops_hello(t, mp):
+    """A HELLO the target has no room for ends the connection instead of a HELLO_ACK."""
+    def wrapper(original):
+        def admit(self, ident, want):
+            try:
+                return original(self, ident, want)
+            except conn_mod.Refused as refused:
+                if refused.status == "NO_SPACE":
+                    raise RuntimeError("no handle range left") from None
+                raise
+        return admit
+    wrap_method(mp, Sessions, "admit", wrapper)
+
+
+def plant_reclaim_keeps_usage(t, mp):
+    """The unit of usage of an abandoned ticket is never released."""
+    def wrapper(original):
+        def abandon(self, ticket):
+            original(self, ticket)
+            self.state.tickets += 1
+        return abandon
+    wrap_method(mp, direct_mod.TicketWatch, "_abandon", wrapper)
+
+
 # -- the corpus ------------------------------------------------------------------------------
 
 VALIDATE = ("It validates every request before touching memory: ... A failed check completes "
@@ -759,6 +934,47 @@ CORPUS: list[Bug] = [
             lambda conn: conn.state.partition and conn.state.partition.ring, "consume", lambda offset: None))),
     Bug("slots_never_reused", "Slot Offset ... wrapping at the end of the ring", "direct.ring.laps",
         plant_slots_never_reused),
+    # issue 24: promises kept late, accounting carried, full widths, canaries, negotiation,
+    # precedence, limits
+    Bug("request_id_upper_cached", "Request ID is chosen by the initiator and echoed in the completion",
+        "completion.request_id.full_width", plant_request_id_upper_cached),
+    Bug("handle_32_bits", "Block Handle: A 64-bit name ... the handle MUST be within a range the "
+        "initiator is authorized for", "ops.handle.upper_half", plant_handle_32_bits),
+    Bug("tagged_offset_32_bits", "Tagged Offset (64 bits)", "ops.descriptor.offset_full_width",
+        plant_offset_32_bits),
+    Bug("initiator_id_low_half", "a target uses it [the Initiator ID] to restore the initiator's handle "
+        "range and bindings", "session.initiator_id.full_width", plant_initiator_id_low_half),
+    Bug("load_pads_descriptor", "It RDMA-writes Data Length octets of the block to the Data Descriptor",
+        "ops.load.canaries", plant_load_pads_descriptor),
+    Bug("record_32_octets", "the target instead writes a 24-octet completion record",
+        "completion.record.canaries", lambda t, mp: mp.setattr(conn_mod, "codec", _RecordShim()),
+        transports=("roce",)),
+    Bug("store_overruns_block", "It obtains the data ... and writes it into the block",
+        "ops.store.neighbours", plant_store_overruns),
+    Bug("record_not_negotiated", "If the target advertised RECORD_COMPLETION and the request has the "
+        "RECORD flag", "session.features.not_granted", plant_record_not_negotiated, transports=("roce",)),
+    Bug("features_not_masked", "HELLO_ACK Features: what the HELLO requested and the target offers",
+        "session.features.not_granted", lambda t, mp: wrap_method(
+            mp, Connection, "_hello_ack", hello_ack_body(lambda self, body: body.update(
+                {"hello_ack.features": body["hello_ack.features"] | Feature.RECORD_COMPLETION})))),
+    Bug("sealed_before_generation", "validates every request before touching memory: ... the "
+        "Generation", "ops.status.precedence",
+        lambda t, mp: set_handler(t, "STORE", if_entry(lambda e, r: e.sealed, _sealed_first))),
+    Bug("block_size_exclusive", "lengths MUST NOT exceed Block Size", "ops.limits.lengths",
+        plant_block_size_exclusive),
+    Bug("range_end_inclusive", "its own range for stores and frees", "ops.limits.range_edges",
+        lambda t, mp: mp.setattr(InitiatorState, "owns", lambda self, h: self.handle_base <= h
+                                 <= self.handle_base + self.handle_count)),
+    Bug("ticket_timeout_tenths", "within the Ticket Timeout advertised in HELLO_ACK",
+        "direct.ticket.within_timeout", plant_ticket_timeout_tenths),
+    Bug("credit_lost_on_reconnect", "Request Credits ... an initiator that reconnects ... receives the "
+        "same handle range", "session.promises.late", plant_credit_lost_on_reconnect),
+    Bug("usage_forgotten_on_reconnect", "An initiator's usage is the number of handles it has bound",
+        "ops.quota.carried", plant_usage_forgotten_on_reconnect),
+    Bug("full_target_drops_hello", "the initiator sends HELLO and the target answers with HELLO_ACK",
+        "session.hello_ack.when_full", plant_full_target_drops_hello),
+    Bug("reclaim_keeps_usage", "the target releases one unit of usage ... when an abandoned ticket is "
+        "reclaimed", "direct.ticket.reclaimed_unit", plant_reclaim_keeps_usage),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 assert len(BY_NAME) == len(CORPUS)

@@ -244,3 +244,35 @@ def test_same_seed_same_cases():
     assert [(c.name, c.steps) for c in a] == [(c.name, c.steps) for c in b]
     assert a[7].name == "roce-42-000007" and parse_name(a[7].name) == ("roce", 42, 7)
     assert [c.steps for c in a] != [c.steps for c in (make_case("roce", 43, i) for i in range(50))]
+
+
+# -- a target that fails the fuzzer's own set-up: a finding, never a harness error ------------
+
+@pytest.mark.parametrize("bug,transport,said", [
+    ("release_frees_nothing", "iwarp", "refused with ALREADY_BOUND"),
+    ("request_id_flipped", "roce", "which no request had"),
+])
+def test_a_failed_set_up_step_is_a_finding(bug, transport, said, tmp_path, capsys):
+    """RELEASE that frees nothing leaves the guard handles of the next fresh session
+    bound; completions with another Request ID leave the set-up's waits unanswered. Both
+    are the target's doing: exit 1 with a saved finding of kind "setup" (minimized, and
+    shown again by its replay), never exit 2."""
+    from .planted_bugs import BY_NAME, start
+    t = start(transport, hosts(), BY_NAME[bug], seed=None)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            BY_NAME[bug].plant(t, mp)
+            out = tmp_path / "findings"
+            code = fuzz(t, "--cases", "100", "--seed", "1", "--timeout", "2", "--out", str(out),
+                        "--minimize-budget", "4")
+            text = capsys.readouterr().out
+            assert code == 1, text
+            [saved] = sorted(out.glob("*.json"))
+            doc = json.loads(saved.read_text())
+            assert [f["kind"] for f in doc["findings"]] == ["setup"], doc["findings"]
+            assert said in doc["findings"][0]["detail"]
+            assert "stopped: the target failed the set-up of fresh sessions" in text
+            assert fuzz(t, "--replay", str(saved), "--timeout", "2") == 1
+            assert said in capsys.readouterr().out
+    finally:
+        t.stop()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -61,6 +62,11 @@ class _Console(Listener):
               help="--role initiator: keep each run's inputs, outputs and stderr in DIR.")
 @click.option("--local", metavar="ADDR", help="Local address of the checker's initiator (RoCEv2).")
 @click.option("--list", "list_only", is_flag=True, help="List the cases and their requirements, run nothing.")
+@click.option("--coverage", is_flag=True,
+              help="Print the requirement-to-case matrix (every normative sentence of the text, the cases "
+                   "that check it, or why none can), run nothing; with --json as JSON.")
+@click.option("--spec", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="The specification's text for --coverage [default: docs/kbtp-draft.txt of the checkout].")
 @click.option("--only", multiple=True, metavar="PREFIX", help="Run only cases whose id starts so (repeatable).")
 @click.option("--exclude", multiple=True, metavar="PREFIX", help="Leave out cases whose id starts so (repeatable).")
 @click.option("--quick", is_flag=True, help="Leave out the slow cases (they are reported as SKIP).")
@@ -77,9 +83,10 @@ class _Console(Listener):
 @click.option("-q", "--quiet", is_flag=True, help="No progress; print only cases that did not pass.")
 @click.argument("program", nargs=-1, type=click.UNPROCESSED)
 def conform(role: str, url: str | None, listen: str | None, keep: str | None, local: str | None,
-            list_only: bool, only: tuple[str, ...], exclude: tuple[str, ...], quick: bool,
-            strict: bool, as_json: bool, json_file: str | None, junit_file: str | None,
-            pcap_dir: str | None, timeout: float, quiet: bool, program: tuple[str, ...]) -> None:
+            list_only: bool, coverage: bool, spec: str | None, only: tuple[str, ...],
+            exclude: tuple[str, ...], quick: bool, strict: bool, as_json: bool, json_file: str | None,
+            junit_file: str | None, pcap_dir: str | None, timeout: float, quiet: bool,
+            program: tuple[str, ...]) -> None:
     """Check a KBTP target against the specification, judging only what it sends back.
 
     One case per testable requirement, each PASS, FAIL, WARN (a SHOULD not met), SKIP (a
@@ -107,7 +114,11 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
       kbtp conform --target iwarp://10.0.0.5:5420 --only ops. --only generation. --exclude ops.quota
       kbtp conform --list --only direct.
       kbtp conform --role initiator --list --only direct_alloc.
+      kbtp conform --coverage --json > coverage.json
     """
+    if coverage:
+        _coverage(spec, as_json)
+        return
     if role == "initiator":
         from .conform_initiator import check_initiator
         console = _Console(listen or "", not (as_json or json_file == "-"), quiet)
@@ -158,6 +169,24 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     code = report.exit_code(outcomes, strict)
     if code:
         raise Exit(code, _summary(outcomes, strict))
+
+
+def _coverage(spec: str | None, as_json: bool) -> None:
+    """The matrix; exit 1 when a sentence has neither a case nor a reason."""
+    from ..conform import matrix
+    path = Path(spec) if spec else matrix.SPEC
+    if not path.exists():
+        raise Exit(report.EXIT_HARNESS, f"conform: the specification's text is not at {path}; "
+                                        "give it with --spec FILE")
+    try:
+        rows = matrix.matrix(path.read_text())
+    except ValueError as exc:
+        raise Exit(report.EXIT_HARNESS, f"conform: {path}: {exc}; is it the KBTP draft?") from None
+    click.echo(json.dumps(matrix.as_dict(rows), indent=1) if as_json else matrix.text_report(rows).rstrip("\n"))
+    gaps = matrix.gaps(rows)
+    if gaps:
+        raise Exit(report.EXIT_DIFFERS, f"conform: {len(gaps)} normative sentence(s) with no case and no "
+                                        f"reason, first: {gaps[0].sentence.key}")
 
 
 def _summary(outcomes: list[Outcome], strict: bool) -> str:

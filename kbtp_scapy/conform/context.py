@@ -214,6 +214,16 @@ class Ctx:
     async def handle(self, ini: Initiator) -> int:
         return (await self.handles(ini))[0]
 
+    async def claim(self, ini: Initiator, h: int) -> int:
+        """Handle ``h`` of ``ini``'s range for the case (the last of a range, say), freed
+        first when an earlier case of the run was given it."""
+        if h in self.run.used and not await self._freed(ini, h):
+            raise SetupFailed(f"FREE of 0x{h:x} (making room for the case)", "OK or NOT_VALID",
+                              "another status")
+        self.run.used.add(h)
+        self._given.setdefault(ini.initiator_id, []).append(h)
+        return h
+
     async def close(self) -> None:
         """Free every handle the case was given and end each of its sessions with GOODBYE
         RELEASE; errors here never change a verdict."""

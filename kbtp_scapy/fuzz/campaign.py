@@ -21,7 +21,7 @@ from ..wire.address import parse_url
 from . import report
 from .cases import Case, make_case, parse_name
 from .runner import Runner, minimize
-from .state import describe
+from .state import SetupFault, describe
 
 
 @dataclass
@@ -36,6 +36,9 @@ class Run:
 
     def runner(self, frame_listeners: list | None = None) -> Runner:
         return Runner(self.url, self.options, self.timeout, frame_listeners)
+
+
+RESUME_TRIES = 3      # fresh sessions tried after a finding before the run stops
 
 
 class Control:
@@ -93,6 +96,10 @@ async def _finding(run: Run, control: Control, case: Case, first: list, out: Pat
         await r.start()
         res, done = await control.run(r.run_case(case, minimized))
         shown = [f for f in res.findings if f.kind in kinds] if done else []
+        if done and "setup" in kinds and not shown:
+            await r.restart()
+    except SetupFault as fault:
+        shown = [fault.finding] if "setup" in kinds else []
     except HarnessError:
         pass
     finally:
@@ -133,8 +140,31 @@ async def campaign(run: Run, control: Control, seed: int, count: int, start: int
     runner = run.runner()
     t0 = time.monotonic()
 
+    async def resumed(case: Case) -> bool:
+        """Fresh sessions after ``case``; a target that keeps failing their set-up after a
+        finding was saved stops the run (the finding says why), never as a harness error."""
+        fault = None
+        for _ in range(RESUME_TRIES):
+            try:
+                _, done = await control.run(runner.restart())
+                return done
+            except SetupFault as exc:
+                fault = exc.finding
+        assert fault is not None              # every one of the RESUME_TRIES (> 0) failed
+        summary.stopped = (f"the target failed the set-up of fresh sessions {RESUME_TRIES} times after "
+                           f"case {case.name} ({fault.detail})")
+        return False
+
     async def cases() -> None:
-        _, done = await control.run(runner.start())
+        try:
+            _, done = await control.run(runner.start())
+        except SetupFault as fault:          # before any case: a finding without steps
+            first = make_case(transport, seed, start)
+            saved = report.Saved(Case(first.name, seed, start, []), [fault.finding], [], True)
+            if out:
+                report.save(out, summary, saved)
+            summary.saved.append(saved)
+            done = await resumed(first)
         for index in range(start, start + count):
             if not done:
                 return
@@ -154,7 +184,7 @@ async def campaign(run: Run, control: Control, seed: int, count: int, start: int
                 if max_findings and len(summary.saved) >= max_findings:
                     summary.stopped = f"--max-findings {max_findings} reached"
                     return
-                _, done = await control.run(runner.restart())
+                done = await resumed(case)
             control.on_case(index - start + 1, summary)
     return await _guarded(run, control, summary, runner, cases)
 
@@ -176,10 +206,17 @@ async def replay_case(run: Run, control: Control, case: Case) -> report.Summary:
     runner = run.runner()
 
     async def one() -> None:
-        _, done = await control.run(runner.start())
-        if not done:
+        try:
+            _, done = await control.run(runner.start())
+            if not done:
+                return
+            res, done = await control.run(runner.run_case(case))
+            if done and not res.findings:
+                _, done = await control.run(runner.restart())   # a set-up fault the case leaves
+        except SetupFault as fault:
+            summary.cases = 1
+            summary.saved.append(report.Saved(case, [fault.finding], case.steps, True))
             return
-        res, done = await control.run(runner.run_case(case))
         if done:
             summary.cases = 1
             if res.findings:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from ..initiator.direct import ABANDONED_AFTER
 from ..initiator.results import TargetInfo
 from ..tables.enums import OPCODES, STATUS
 from ..vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
@@ -312,7 +313,7 @@ def _allocation(x: Expect, req: AnyMessage, info: TargetInfo, own: Knowledge, e:
     if t is not None and block != t.block:
         add(Check(None, True, f"the slot of ticket {ticket} holds block 0x{t.block:x}, not 0x{block:x}",
                   "ok-forged-bind"))
-    if t is not None and now > t.seen + 2 * timeout + GRACE:
+    if t is not None and now > t.seen + ABANDONED_AFTER * timeout + GRACE:
         add(Check(Status.TICKET_ABANDONED, True, f"ticket {ticket} was taken {now - t.seen:.2f} s ago, "
                   f"the Ticket Timeout is {timeout:g} s", "ok-abandoned-ticket"))
     elif t is not None:

@@ -17,7 +17,7 @@ from ..wire.address import parse_url
 from .cases import Case, Step
 from .findings import Finding
 from .oracles import liveness, table_invariants
-from .state import Lost, NoAnswer, Rebuild, World
+from .state import Lost, NoAnswer, Rebuild, SetupFault, World
 from .steps import Steps
 
 
@@ -94,7 +94,9 @@ class Runner(Steps):
                     self.world.spoiled = True
             except Rebuild as exc:
                 result.notes.append(f"step {i}: {exc}")
-                await self.restart()
+                if not await self._fresh(result):
+                    judged = False
+                    break
                 continue
             except Lost as exc:
                 result.findings.append(Finding("liveness", str(exc), i))
@@ -113,9 +115,19 @@ class Runner(Steps):
         if judged:
             result.findings += await self._oracles(result)
         if self.world.spoiled:
-            await self.restart()
+            await self._fresh(result)
         result.duration = time.monotonic() - t0
         return result
+
+    async def _fresh(self, result: CaseResult) -> bool:
+        """Fresh sessions; when the target fails their set-up (what the case left makes
+        it fail), that is a finding of the case."""
+        try:
+            await self.restart()
+            return True
+        except SetupFault as fault:
+            result.findings.append(fault.finding)
+            return False
 
     async def _step(self, step: Step) -> list[Finding]:
         kind = step["kind"]
@@ -142,7 +154,8 @@ class Runner(Steps):
                 return out + self._taken(None)
             except Rebuild as exc:
                 result.notes.append(str(exc))
-                await self.restart()
+                if not await self._fresh(result):
+                    return out
                 w = self.world
             except Lost as exc:
                 return out + [Finding("liveness", str(exc))]
@@ -167,6 +180,10 @@ async def minimize(runner_factory: Callable[[], Runner], case: Case, kinds: set[
         try:
             await r.start()
             res = await r.run_case(case, steps)
+            if "setup" in kinds and not any(f.kind == "setup" for f in res.findings):
+                await r.restart()          # set-up faults show when the next sessions begin
+        except SetupFault:
+            return "setup" in kinds
         except HarnessError:      # the target can no longer give fresh sessions
             return False
         finally:

@@ -26,6 +26,16 @@ GUARDS = 2
 TRANSPORT_ERRORS = (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError)
 
 
+class SetupFault(Exception):
+    """The target misbehaved in a step that only sets up the fuzzer's sessions (a guard
+    block refused, an answer that never came or came with another Request ID): a
+    finding like any other, not a harness error."""
+
+    def __init__(self, finding: Finding) -> None:
+        super().__init__(finding.detail)
+        self.finding = finding
+
+
 class Lost(Exception):
     """The session could not be resumed: the target stopped answering HELLO."""
 
@@ -125,22 +135,56 @@ class World:
 
     async def open(self) -> None:
         """Both sessions, each with sealed guard blocks of known content, and ``own``'s
-        scratch handles freed, so that the model starts from what the wire showed."""
+        scratch handles freed, so that the model starts from what the wire showed.
+
+        Not getting two sessions is a harness error (nothing listens, no room). Once the
+        target has granted them, a guard or scratch step it fails is its own doing: a
+        ``SetupFault`` (only a quota too small for the guards is the harness's)."""
         doing = "opening two sessions"
         try:
             self._sessions = await self._pair()
-            self._disjoint(self.own, self.peer)
-            for s in (self.own, self.peer):
-                doing = f"storing the guard blocks of the session at 0x{s.base:x}"
-                await self._guards(s)
-            doing = "freeing the scratch handles"
-            await self._scratch()
         except KbtpError as exc:
             raise HarnessError(f"{self.url}: {doing}: {self.refusal(exc)}") from None
         except (*TRANSPORT_ERRORS, ValueError) as exc:
             hint = "; is a KBTP target listening there" + (" (and is --local an address of this host)?"
                                                            if self.transport == "roce" else "?")
             raise HarnessError(f"{self.url}: {doing}: {describe(exc, self.timeout)}{hint}") from None
+        self._disjoint(self.own, self.peer)
+        s = self.own
+        try:
+            for s in (self.own, self.peer):
+                doing = f"storing the guard blocks of the session at 0x{s.base:x}"
+                await self._guards(s)
+            s = self.own
+            doing = "freeing the scratch handles"
+            await self._scratch()
+        except KbtpError as exc:
+            if exc.name == "NO_SPACE" and s.info.quota < GUARDS:
+                raise HarnessError(f"{self.url}: {doing}: the quota of {s.info.quota} block(s) leaves "
+                                   f"no room for the fuzzer's {GUARDS} guard blocks") from None
+            raise SetupFault(Finding("setup", f"{doing} of a fresh session: refused with {exc.name}",
+                                     evidence={"handle_base": s.base, "status": exc.name})) from None
+        except (*TRANSPORT_ERRORS, ValueError) as exc:
+            stray = self._strays(s)
+            why = (f"the answer came with Request ID {stray[0]:#x}, which no request had" if stray
+                   else describe(exc, self.timeout))
+            raise SetupFault(Finding("setup", f"{doing} of a fresh session: {why}",
+                                     evidence={"handle_base": s.base,
+                                               "stray_request_ids": [hex(r) for r in stray]})) from None
+
+    @staticmethod
+    def _strays(s: Session) -> list[int]:
+        """Request IDs of answers that matched no request of ``s`` (decoded where they decode)."""
+        from .. import codec
+        out = []
+        while not s.ini.unmatched.empty():
+            msg = s.ini.unmatched.get_nowait()
+            try:
+                out.append(codec.decode(msg.payload, s.ini.addr_le)["request_id"])
+            except codec.Malformed:
+                padded = bytes(msg.payload).ljust(codec.HEADER_SIZE, b"\0")
+                out.append(codec.decode_header(padded, s.ini.addr_le)["request_id"])
+        return out
 
     def refusal(self, exc: KbtpError) -> str:
         """Why a refusal stops the run, and what to do."""

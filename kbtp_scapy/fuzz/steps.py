@@ -27,7 +27,7 @@ from ..vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from .cases import Step
 from .exchange import Exchanger, Reply
 from .findings import Finding
-from .model import GRACE, Ticket
+from .model import ABANDONED_AFTER, GRACE, Ticket
 from .mutators import MUTATORS, Context
 from .state import NoAnswer, Session
 
@@ -474,7 +474,7 @@ class Steps(Exchanger):
         the block (or the connection must have ended)."""
         s = self.world.own
         timeout = s.info.ticket_timeout_ms / 1000
-        wait = 2 * timeout + GRACE
+        wait = ABANDONED_AFTER * timeout + GRACE
         free = self.free_scratch()
         if not self.direct_alloc_granted(s) or not free or wait > MAX_ABANDON_WAIT:
             return []

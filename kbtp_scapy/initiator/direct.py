@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from ..rnic import QueuePair
 
 CONSUMED = M.SLOT_CONSUMED
+#: Ticket Timeouts after which a checker counts an unbound ticket abandoned. The text
+#: abandons it at one; a target notices a FetchAdd its RNIC executed only by looking at
+#: Head, so half a Timeout more is left for that (the reference looks eight times per
+#: Timeout, which makes it at most an eighth late).
+ABANDONED_AFTER = 1.5
 
 
 class DirectModes:

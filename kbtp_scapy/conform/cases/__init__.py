@@ -1,2 +1,15 @@
 """The cases, one module per part of the specification; importing registers them."""
-from . import completion, direct, generation, ops, security, session  # noqa: F401
+from . import (  # noqa: F401
+    canary,
+    completion,
+    direct,
+    generation,
+    late,
+    limits,
+    negotiation,
+    ops,
+    precedence,
+    security,
+    session,
+    width,
+)

@@ -6,6 +6,7 @@ from collections.abc import Awaitable
 
 from ... import codec
 from ...initiator import Initiator, KbtpError
+from ...initiator.direct import ABANDONED_AFTER
 from ...rnic.qp import ConnectionLost, RemoteError
 from ...tables.memory import RING_SLOT, SLOT_CONSUMED, SLOT_SIZE
 from ...vocab import EntryFlag, Feature
@@ -92,11 +93,11 @@ async def atomics(ctx: Ctx) -> None:
     ctx.check(t2 == (t1 + 1) & 0xFFFFFFFF, f"consecutive tickets {t1}, {t1 + 1}", (t1, t2))
     ctx.check((o1, o2) == (16 * (t1 % n), 16 * (t2 % n)), "Slot Offsets 16 * (ticket mod N)", (o1, o2))
     for h, (ticket, offset) in zip(await ctx.handles(a, 2), tickets):
-        block = await _slot(ctx, a, ticket, offset)
+        block = await slot_block(ctx, a, ticket, offset)
         await ctx.ok(a.bind(h, ticket, 0, block), f"BIND of ticket {ticket}")
 
 
-async def _slot(ctx: Ctx, a: Initiator, ticket: int, offset: int) -> int:
+async def slot_block(ctx: Ctx, a: Initiator, ticket: int, offset: int) -> int:
     try:
         return await ctx.wait(a.wait_slot(ticket, offset, min(ctx.timeout, a.target.ticket_timeout_ms / 2000)))
     except KbtpError:
@@ -124,7 +125,7 @@ async def bind_verify(ctx: Ctx) -> None:
     a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     h, size = await ctx.handle(a), a.target.block_size
     ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
-    block = await _slot(ctx, a, ticket, offset)
+    block = await slot_block(ctx, a, ticket, offset)
     for what, t, b in (("another Block Offset", ticket, block + size),
                        ("a ticket not yet taken", ticket + 5, block)):
         status, _ = await ctx.outcome(a.bind(h, t, 0, b))
@@ -135,14 +136,14 @@ async def bind_verify(ctx: Ctx) -> None:
     await ctx.ok(a.bind(h, ticket, 0, block), "BIND of the ticket's own block")
 
 
-async def _abandon(ctx: Ctx) -> tuple[Initiator, int, int]:
-    """Take a ticket, see its block, and leave it unbound for two Ticket Timeouts."""
+async def abandon_ticket(ctx: Ctx) -> tuple[Initiator, int, int]:
+    """Take a ticket, see its block, and leave it unbound until it is surely abandoned."""
     a = await ctx.connect(need=Feature.DIRECT_ALLOC)
-    wait = 2 * a.target.ticket_timeout_ms / 1000 + 0.3
+    wait = ABANDONED_AFTER * a.target.ticket_timeout_ms / 1000 + 0.3
     if wait + 2 > ctx.timeout:
         ctx.skip(f"the Ticket Timeout ({a.target.ticket_timeout_ms} ms) is too long for --timeout {ctx.timeout:g} s")
     ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
-    block = await _slot(ctx, a, ticket, offset)
+    block = await slot_block(ctx, a, ticket, offset)
     await asyncio.sleep(wait)
     return a, ticket, block
 
@@ -151,7 +152,7 @@ async def _abandon(ctx: Ctx) -> tuple[Initiator, int, int]:
       within the Ticket Timeout advertised in HELLO_ACK is abandoned. ... [the target] rejects a later
       BIND for that ticket with status TICKET_ABANDONED.""", features=Feature.DIRECT_ALLOC)
 async def abandoned(ctx: Ctx) -> None:
-    a, ticket, block = await _abandon(ctx)
+    a, ticket, block = await abandon_ticket(ctx)
     if a.qp.closed:
         ctx.note("the target terminated the connection to reclaim the ticket")
         a = await ctx.reconnect(a)
@@ -166,7 +167,7 @@ async def abandoned(ctx: Ctx) -> None:
       invalidating the initiator's Partition STag (), which disables DIRECT_ALLOC for the rest of the
       session, or by terminating the connection.""", features=Feature.DIRECT_ALLOC)
 async def partition_revoked(ctx: Ctx) -> None:
-    a, ticket, block = await _abandon(ctx)
+    a, ticket, block = await abandon_ticket(ctx)
     if a.qp.closed:
         ctx.note("the target terminated the connection to reclaim the ticket")
         return
@@ -338,7 +339,7 @@ async def ring_laps(ctx: Ctx) -> None:
         ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
         ctx.check(offset == SLOT_SIZE * (ticket % n), f"Slot Offset {SLOT_SIZE} * (ticket mod {n}) "
                   f"for ticket {ticket} (cycle {cycle})", offset)
-        block = await _slot(ctx, a, ticket, offset)
+        block = await slot_block(ctx, a, ticket, offset)
         ctx.check(_in_partition(a, block), f"the block of ticket {ticket} one of the partition",
                   hex(block))
         await ctx.wait(a.qp.write(granted(a, "partition")[0], block, payload), "the data written")
@@ -364,7 +365,7 @@ async def deferred_free(ctx: Ctx) -> None:
     hold_ticket, cycle = await ctx.handles(a, 2)
     started = asyncio.get_running_loop().time()
     ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
-    block = await _slot(ctx, a, ticket, offset)
+    block = await slot_block(ctx, a, ticket, offset)
     ahead = [rel for seq, b in await read_ring(ctx, a)
              if b != SLOT_CONSUMED and (rel := (seq - ticket) & 0xFFFFFFFF) < n]
     tail = ticket + max(ahead) + 1           # the ticket the next FREE takes

@@ -18,12 +18,12 @@ WRAPPED = 0xFFFF
       slow="up to 65,536 bind/free cycles of one handle, until its Generation wraps",
       budget=900)
 async def never_zero(ctx: Ctx) -> None:
-    """Bind and free one handle, pipelined, until its Generation has gone past 65535 (at
-    most 32,768 cycles when each bind and each free steps it): no completion may show 0,
-    and the step from 65535 must be to 1."""
+    """Bind and free one handle, pipelined with every credit in use, until its Generation
+    has gone past 65535 (at most 32,768 cycles when each bind and each free steps it): no
+    completion may show 0, and the step from 65535 must be to 1."""
     a = await ctx.connect(features=0)
     h = await ctx.handle(a)
-    pairs = max(1, min(a.target.request_credits, a.completion_credits) // 4)  # half the credits
+    pairs = max(1, min(a.target.request_credits, a.completion_credits) // 2)  # every credit
     store: AnyMessage
     if a.target.max_inline:
         store = {"inline_data": b"g"}

@@ -302,7 +302,7 @@ QUOTA = """If a target observes an allocation by an initiator that exceeds its q
     usage when a FREE completes)"""
 
 
-async def _fill_quota(ctx: Ctx, a: Initiator, handles: list[int], what: str) -> None:
+async def fill_quota(ctx: Ctx, a: Initiator, handles: list[int], what: str) -> None:
     """ALLOC_STORE to every handle of ``handles`` (pipelined): each must complete OK."""
     results = await ctx.wait(asyncio.gather(*(ctx.outcome(a.alloc_store(h, b"q", seal=True))
                                               for h in handles)), f"{len(handles)} ALLOC_STOREs")
@@ -311,7 +311,7 @@ async def _fill_quota(ctx: Ctx, a: Initiator, handles: list[int], what: str) -> 
               f"{what} completed OK", f"{len(refused)} refused, first {refused[0] if refused else ''}")
 
 
-def _quota_of(ctx: Ctx, a: Initiator, extra: int) -> int:
+def quota_of(ctx: Ctx, a: Initiator, extra: int) -> int:
     q, count = a.target.quota, a.target.handle_count
     if q + extra > count:
         ctx.skip(f"the quota ({q}) leaves too few handles of the range ({count}) for the case")
@@ -323,9 +323,9 @@ def _quota_of(ctx: Ctx, a: Initiator, extra: int) -> int:
 @case("ops.quota.no_space", "Allocation Quotas", RULE, QUOTA)
 async def quota(ctx: Ctx) -> None:
     a = await ctx.connect(features=0, credits=32)
-    q = _quota_of(ctx, a, 1)
+    q = quota_of(ctx, a, 1)
     hs = await ctx.handles(a, q + 1)
-    await _fill_quota(ctx, a, hs[:q], "")
+    await fill_quota(ctx, a, hs[:q], "")
     try:
         status, _ = await ctx.outcome(a.alloc_store(hs[q], b"one too many"))
     except Exception as exc:   # the text allows terminating the session
@@ -347,7 +347,7 @@ async def no_side_effect_quota(ctx: Ctx) -> None:
     for features in (0, Feature.DIRECT_ALLOC) if ctx.info.features & Feature.DIRECT_ALLOC else (0,):
         a = await ctx.connect(features=features)
         ring = "its own ring" if a.target.features & Feature.DIRECT_ALLOC else "the shared ring"
-        q = _quota_of(ctx, a, 1)
+        q = quota_of(ctx, a, 1)
         hs = await ctx.handles(a, q + 1)
         size, outside = a.target.block_size, 0xFFFF_FFFF_FFFF_FF00
         r = await bind(ctx, a, hs[0], b"bound")
@@ -363,6 +363,6 @@ async def no_side_effect_quota(ctx: Ctx) -> None:
         for coro, _status, what in failing:
             got, _ = await ctx.outcome(coro)
             ctx.check(got != "OK", f"{what}: refused", "completed OK")
-        await _fill_quota(ctx, a, hs[1:q], f"after {len(failing)} failed requests ({ring})")
+        await fill_quota(ctx, a, hs[1:q], f"after {len(failing)} failed requests ({ring})")
 
 

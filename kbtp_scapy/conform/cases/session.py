@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from ... import codec
+from ...initiator import Initiator
 from ...rnic import Access
 from ...vocab import GoodbyeFlag, Opcode
 from ..context import Ctx, status_name
@@ -121,6 +122,11 @@ async def request_credits(ctx: Ctx) -> None:
     a missing buffer shows as an RNR NAK (RoCEv2, which the RNIC would retry silently) or
     a Terminate (iWARP)."""
     a = await ctx.connect(features=0, credits=min(ctx.info.request_credits, 256))
+    await all_credits_outstanding(ctx, a)
+
+
+async def all_credits_outstanding(ctx: Ctx, a: Initiator, when: str = "") -> None:
+    """Every credit of ``a`` in use at once, the first request held on its RDMA Read."""
     credits = min(a.target.request_credits, a.completion_credits)
     h, loaded = await ctx.handles(a, 2)
     payload = data(min(a.target.block_size, 256))
@@ -142,13 +148,15 @@ async def request_credits(ctx: Ctx) -> None:
         refused = a.qp.stats.get("rnr_naks", 0) - naks
     finally:
         hold.release()
-    ctx.check(not a.qp.closed, f"{credits} requests (the Request Credits) outstanding at once, each "
-              "in a receive buffer", "the connection terminated (no receive buffer for a request)")
-    ctx.check(not refused, f"{credits} requests (the Request Credits) outstanding at once, each in a "
-              "receive buffer", f"{refused} RNR NAK(s): a request found no receive buffer")
+    ctx.check(not a.qp.closed, f"{credits} requests (the Request Credits) outstanding at once{when}, "
+              "each in a receive buffer", "the connection terminated (no receive buffer for a request)")
+    ctx.check(not refused, f"{credits} requests (the Request Credits) outstanding at once{when}, each "
+              "in a receive buffer", f"{refused} RNR NAK(s): a request found no receive buffer")
     got = await ctx.collect(a, credits)
     statuses = [status_name(c["status"]) if c else "no COMPLETION" for c in got]
-    ctx.check(statuses == ["OK"] * credits, f"{credits} completions OK", statuses)
+    ctx.check(statuses == ["OK"] * credits, f"{credits} completions OK{when}", statuses)
+    for handle in (h, loaded):
+        await ctx.ok(a.free(handle), f"FREE of 0x{handle:x}{when}")
 
 
 untestable(SECTION, MUST, """the Initiator ID MUST be generated with at least 128 bits of entropy

@@ -1,0 +1,125 @@
+"""Promises and accounting over time: after many operations, reconnections, retention, abandonment.
+
+A HELLO_ACK's values are promises for the whole session, and a retained session's usage
+is carried into the next one. A target that keeps them only at the start (credits that
+leak a buffer per reconnect, usage counted afresh after a retention, a unit not given
+back when a ticket is reclaimed) passes every case that checks them once on a fresh
+session; these cases check them again later.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from ...initiator import Initiator
+from ...vocab import Feature
+from ..context import Ctx
+from ..registry import RULE, case
+from .common import data
+from .direct import abandon_ticket
+from .ops import QUOTA, fill_quota, quota_of
+from .session import all_credits_outstanding
+
+PROMISES = """Request Credits of HELLO_ACK: requests an initiator may have outstanding; Block Size;
+    Max Inline; Allocation Quota; Handle Base and Handle Count (Quotas and handle ranges are set
+    at session setup and changed by reconnecting; an initiator that reconnects with the same
+    Initiator ID within that time receives the same handle range and finds its bindings
+    intact)"""
+CYCLES = 3           # bind/free rounds over the whole quota before the promises are checked
+
+
+def promised(ini: Initiator) -> tuple:
+    t = ini.target
+    return (t.request_credits, t.block_size, t.max_inline, t.quota, t.handle_base, t.handle_count)
+
+
+async def _keeps_promises(ctx: Ctx, a: Initiator, hs: list[int], when: str) -> None:
+    """The quota (its last block of exactly Block Size), Max Inline and the Request
+    Credits, each used to the full."""
+    q, size, inline = a.target.quota, a.target.block_size, a.target.max_inline
+    await fill_quota(ctx, a, hs[:q - 1], when)
+    await ctx.ok(a.alloc_store(hs[q - 1], data(size), inline=False),
+                 f"ALLOC_STORE of exactly Block Size, the last of the quota, {when}")
+    status, _ = await ctx.outcome(a.alloc_store(hs[q], b"one too many"))
+    ctx.check(status == "NO_SPACE", f"the allocation beyond the quota {when}: NO_SPACE", status)
+    if inline:
+        await ctx.ok(a.store(hs[q - 1], data(inline), inline=True),
+                     f"inline STORE of exactly Max Inline {when}")
+    freed = await asyncio.gather(*(ctx.outcome(a.free(h)) for h in hs[:q]))
+    ctx.check(all(s == "OK" for s, _ in freed), f"FREE of the {q} blocks {when}", [s for s, _ in freed])
+    await all_credits_outstanding(ctx, a, f" {when}")
+
+
+@case("session.promises.late", "HELLO_ACK", RULE, PROMISES)
+async def promises_late(ctx: Ctx) -> None:
+    """The quota filled and emptied several times; then every promise used to the full;
+    then after GOODBYE without RELEASE, and after a lost connection, the same HELLO_ACK
+    values and the same promises again."""
+    a = await ctx.connect(features=0, credits=32)
+    q = quota_of(ctx, a, 7)      # q + 1 handles, and 2 for each look at the credits
+    hs = await ctx.handles(a, q + 1)
+    first = promised(a)
+    for cycle in range(CYCLES):
+        await fill_quota(ctx, a, hs[:q], f"(round {cycle + 1})")
+        freed = await asyncio.gather(*(ctx.outcome(a.free(h)) for h in hs[:q]))
+        ctx.check(all(s == "OK" for s, _ in freed), f"FREE of the {q} blocks (round {cycle + 1})",
+                  [s for s, _ in freed])
+    await _keeps_promises(ctx, a, hs, f"after {CYCLES * q * 2} operations")
+    for how in ("GOODBYE without RELEASE", "a lost connection"):
+        if how.startswith("GOODBYE"):
+            await ctx.goodbye(a, release=False)
+        else:
+            await a.close()
+        a = await ctx.reconnect(a)
+        ctx.check(promised(a) == first, f"the same Request Credits, Block Size, Max Inline, quota and "
+                  f"handle range after {how}", f"{promised(a)} (first {first})")
+        await _keeps_promises(ctx, a, hs, f"after {how}")
+
+
+@case("ops.quota.carried", "Allocation Quotas", RULE, f"""{QUOTA} (An initiator's usage is the
+      number of handles it has bound plus the number of tickets it has taken and not yet bound.
+      GOODBYE ... Otherwise, and when a connection fails, the target keeps the initiator's
+      bindings)""")
+async def quota_carried(ctx: Ctx) -> None:
+    """Half the quota bound, then GOODBYE without RELEASE: the reconnected session may
+    bind only the other half. After a lost connection the quota is still full, and a FREE
+    of a block of an earlier session makes room. (What RELEASE frees is
+    ``session.goodbye.release``'s to judge, so that a broken RELEASE fails that case alone.)"""
+    a = await ctx.connect(features=0)
+    q = quota_of(ctx, a, 1)
+    if q < 2:
+        ctx.skip("a quota of one block cannot be split across sessions")
+    hs = await ctx.handles(a, q + 1)
+    half = q // 2
+    await fill_quota(ctx, a, hs[:half], "")
+    await ctx.goodbye(a, release=False)
+    b = await ctx.reconnect(a)
+    await fill_quota(ctx, b, hs[half:q], f"(the {q - half} left after {half} were bound before a "
+                      "GOODBYE without RELEASE)")
+    status, _ = await ctx.outcome(b.alloc_store(hs[q], b"over"))
+    ctx.check(status == "NO_SPACE", f"the allocation beyond the quota, {half} of whose blocks were bound "
+              "before the reconnection: NO_SPACE", status)
+    await b.close()
+    c = await ctx.reconnect(b)
+    status, _ = await ctx.outcome(c.alloc_store(hs[q], b"over"))
+    ctx.check(status == "NO_SPACE", "the allocation beyond the full quota after a lost connection: "
+              "NO_SPACE", status)
+    await ctx.ok(c.free(hs[0]), "FREE of a block bound in an earlier session")
+    await ctx.ok(c.alloc_store(hs[q], b"fits"), "ALLOC_STORE after a FREE of a block of an earlier session")
+
+
+@case("direct.ticket.reclaimed_unit", "Allocation Quotas", RULE, """the target releases one unit of
+      usage when a FREE completes or when an abandoned ticket is reclaimed. ... It then consumes the
+      slot, returns the block to the ring with a new ticket""", features=Feature.DIRECT_ALLOC)
+async def reclaimed_unit(ctx: Ctx) -> None:
+    """After a ticket is abandoned and reclaimed, the session's whole quota can be
+    allocated again (its block back in the ring, its unit of usage released), and no
+    more."""
+    a, _, _ = await abandon_ticket(ctx)
+    if a.qp.closed:
+        ctx.note("the target terminated the connection to reclaim the ticket")
+        a = await ctx.reconnect(a)
+    q = quota_of(ctx, a, 1)
+    hs = await ctx.handles(a, q + 1)
+    await fill_quota(ctx, a, hs[:q], "after an abandoned ticket was reclaimed")
+    status, _ = await ctx.outcome(a.alloc_store(hs[q], b"over"))
+    ctx.check(status == "NO_SPACE", "the allocation beyond the quota after the reclaim: NO_SPACE", status)

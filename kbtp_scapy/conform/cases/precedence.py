@@ -1,0 +1,67 @@
+"""Which status wins when a request fails two checks at once.
+
+The text orders the checks: first those every request passes ("It validates every
+request before touching memory": the handle's range, the lengths, the Generation), then
+the steps of the operation in their numbered order (the entry VALID, not SEALED, ...;
+the block allocated from the ring; the data fitting the descriptor). A request failing
+two of them completes with the status of the first. Range and lengths are not ordered
+against each other by anything in the text beyond the order of a list, and targets
+differ there, so that pair is not judged (docs/DECISIONS.md, "Which status wins when a
+request fails two checks").
+"""
+from __future__ import annotations
+
+from ..context import Ctx
+from ..registry import RULE, case
+from .common import bind, data, other_generation
+
+VALIDATE_THEN_STEPS = """It validates every request before touching memory: the handle MUST be
+    within a range the initiator is authorized for (its own range for stores and frees), lengths
+    MUST NOT exceed Block Size or the initiator's buffer, and, if the request Generation is
+    non-zero, it MUST equal the entry's. A failed check completes the request with the
+    corresponding status and has no other effect."""
+FAR = 0xFFFF_FFFF_FFFF_FF00
+
+
+@case("ops.status.precedence", "Operations", RULE, VALIDATE_THEN_STEPS)
+async def precedence(ctx: Ctx) -> None:
+    a = await ctx.connect(features=0)
+    b = await ctx.connect(features=0)
+    sealed, unsealed, empty, theirs = (*await ctx.handles(a, 3), await ctx.handle(b))
+    size = a.target.block_size
+    rs = await bind(ctx, a, sealed, data(64), seal=True)
+    ru = await bind(ctx, a, unsealed, data(64), seal=False)
+    rt = await bind(ctx, b, theirs, data(64), seal=False)
+    await bind(ctx, a, empty, b"x")
+    gone = await ctx.ok(a.free(empty), "FREE (leaving an unbound entry with a Generation)")
+    big = bytes(size + 1)
+    pairs = [
+        # range before Generation
+        (a.load(FAR, generation=7), "INVALID_HANDLE", "LOAD outside every range, with a Generation"),
+        (a.store(theirs, b"x", generation=other_generation(rt.generation)), "INVALID_HANDLE",
+         "STORE to another initiator's handle with a wrong Generation"),
+        (a.free(theirs, generation=other_generation(rt.generation)), "INVALID_HANDLE",
+         "FREE of another initiator's handle with a wrong Generation"),
+        # Generation (validation) before the operation's own steps
+        (a.store(sealed, b"x", generation=other_generation(rs.generation)), "STALE_GENERATION",
+         "STORE to a sealed block with a wrong Generation"),
+        (a.alloc_store(sealed, b"x", generation=other_generation(rs.generation)), "STALE_GENERATION",
+         "ALLOC_STORE to a bound handle with a wrong Generation"),
+        (a.load(unsealed, generation=other_generation(ru.generation)), "STALE_GENERATION",
+         "LOAD of an unsealed block without ALLOW_UNSEALED, with a wrong Generation"),
+        (a.free(empty, generation=other_generation(gone.generation)), "STALE_GENERATION",
+         "FREE of an unbound handle with a wrong Generation"),
+        (a.store(empty, b"x", generation=other_generation(gone.generation)), "STALE_GENERATION",
+         "STORE to an unbound handle with a wrong Generation"),
+        # lengths (validation) before the operation's own steps
+        (a.store(sealed, big, inline=False), "TOO_LARGE", "STORE larger than Block Size to a sealed block"),
+        (a.store(empty, big, inline=False), "TOO_LARGE", "STORE larger than Block Size to an unbound handle"),
+        (a.alloc_store(sealed, big, inline=False), "TOO_LARGE",
+         "ALLOC_STORE larger than Block Size to a bound handle"),
+        # the operation's steps in their order
+        (a.load(unsealed, length=8), "NOT_SEALED",
+         "LOAD of an unsealed block without ALLOW_UNSEALED into a buffer smaller than its data"),
+        (a.load(empty, length=1), "NOT_VALID", "LOAD of an unbound handle into a one-octet buffer"),
+    ]
+    for coro, status, what in pairs:
+        await ctx.expect(coro, status, what)

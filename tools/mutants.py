@@ -1,0 +1,405 @@
+#!/usr/bin/env python3
+"""How many machine-made target bugs do ``kbtp conform`` and ``kbtp fuzz`` kill?
+
+Mutants of the reference target's protocol core are made with Cosmic Ray's operators
+(``pip install -e .[mutation]``): every place an operator can change the code of
+operations.py, table.py, ring.py, sessions.py, direct.py or connection.py is one mutant.
+A random sample of them (``--sample``, ``--seed``) is judged one at a time: the package
+is copied to a temporary directory with the one mutated module, a ``kbtp target`` runs
+from that copy (first on PYTHONPATH), and the unmutated checkers judge it from outside,
+as they would any target: the cases of ``kbtp conform --quick`` and the cases of
+``kbtp fuzz --cases N --seed S`` on both bindings, each tool ending at its first failure
+or finding (a broken target would otherwise make the rest wait out their timeouts, and
+the fuzzer minimize). A mutant is killed when either tool fails it on either binding (or
+the mutated target does not start: "killed at start"). The score comes with
+a Wilson 95% interval, because a sample is not the whole.
+
+    .venv/bin/python tools/mutants.py --list                          # how many mutants there are
+    nice .venv/bin/python tools/mutants.py --sample 50 --seed 1 --markdown docs/MUTANTS.md
+    .venv/bin/python tools/mutants.py --only ring.py:core/ReplaceComparisonOperator_Lt_LtE:3
+
+Mutants are judged against the unmutated target first (the control: both tools must pass).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kbtp_scapy"
+CORE = ("operations.py", "table.py", "ring.py", "sessions.py", "direct.py", "connection.py")
+TRANSPORTS = ("iwarp", "roce")
+#: The target's shape for the runs: small, with a short Ticket Timeout so the cases that
+#: wait for an abandoned ticket are not skipped.
+TARGET_OPTIONS = ["--blocks", "128", "--max-initiators", "8", "--ticket-timeout", "300", "--retention", "30"]
+PORTS = {"iwarp": 5420, "roce": 4791}
+#: ``kbtp`` as this interpreter runs it (the package it imports follows PYTHONPATH).
+KBTP = [sys.executable, "-c", "from kbtp_scapy.cli import entry; entry()"]
+#: The checkers always come from this checkout, whatever is installed.
+CHECKER_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    module: str          # file name within kbtp_scapy/target
+    operator: str        # Cosmic Ray operator name
+    occurrence: int      # which place in the module that operator changes
+    line: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}:{self.operator}:{self.occurrence}"
+
+
+@dataclass
+class Verdict:
+    mutant: str
+    line: int
+    diff: str
+    killed: bool
+    by: list[str] = field(default_factory=list)     # e.g. ["conform/iwarp", "fuzz/roce"]
+    at_start: bool = False
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def operators() -> list[tuple[str, object]]:
+    """Every Cosmic Ray operator that takes no arguments, by name."""
+    import cosmic_ray.plugins as plugins
+    out = []
+    for name in plugins.operator_names():
+        cls = plugins.get_operator(name)
+        if not cls.arguments():
+            out.append((name, cls()))
+    return out
+
+
+def enumerate_mutants(modules: tuple[str, ...] = CORE) -> list[Mutant]:
+    """Every (module, operator, occurrence) Cosmic Ray can apply."""
+    from cosmic_ray.ast import ast_nodes, get_ast_from_path
+    found = []
+    ops = operators()
+    for module in modules:
+        tree = get_ast_from_path(PACKAGE / "target" / module)
+        nodes = list(ast_nodes(tree))
+        for name, op in ops:
+            positions = [start for node in nodes for start, _ in op.mutation_positions(node)]
+            found += [Mutant(module, name, i, start[0]) for i, start in enumerate(positions)]
+    return found
+
+
+def mutated_source(m: Mutant) -> tuple[str, str]:
+    """(original, mutated) source of the mutant's module."""
+    import cosmic_ray.plugins as plugins
+    from cosmic_ray.mutating import mutate_code
+    original = (PACKAGE / "target" / m.module).read_text()
+    mutated = mutate_code(original, plugins.get_operator(m.operator)(), m.occurrence)
+    if mutated is None:
+        raise ValueError(f"{m.name}: the operator found nothing to change there")
+    return original, mutated
+
+
+def diff_of(original: str, mutated: str, module: str) -> str:
+    import difflib
+    return "".join(difflib.unified_diff(original.splitlines(True), mutated.splitlines(True),
+                                        f"a/{module}", f"b/{module}", n=0))
+
+
+@contextlib.contextmanager
+def package_copy(m: Mutant | None):
+    """A directory holding a copy of kbtp_scapy with the mutant's module changed."""
+    with tempfile.TemporaryDirectory(prefix="kbtp-mutant-") as tmp:
+        shutil.copytree(PACKAGE, Path(tmp) / "kbtp_scapy",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        if m is not None:
+            (Path(tmp) / "kbtp_scapy" / "target" / m.module).write_text(mutated_source(m)[1])
+        yield tmp
+
+
+class TargetProcess:
+    """``kbtp target`` from ``pythonpath`` on loopback addresses of its own."""
+
+    def __init__(self, pythonpath: str, transport: str, host: str, log: Path) -> None:
+        self.url = f"{transport}://{host}:{PORTS[transport]}"
+        env = {**os.environ, "PYTHONPATH": pythonpath}
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [*KBTP, "target",
+             "--transport", transport, "--listen", f"{host}:{PORTS[transport]}", *TARGET_OPTIONS],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=pythonpath)
+
+    def ready(self, timeout: float = 15.0) -> bool:
+        """Whether the target answers a HELLO (the probe the checkers make first)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            probe = subprocess.run(
+                [*KBTP, "conform", "--target", self.url,
+                 *self.local(), "--only", "session.hello_ack.header", "--timeout", "1", "-q"],
+                cwd=ROOT, env=CHECKER_ENV, capture_output=True, timeout=30)
+            if probe.returncode in (0, 1):
+                return True
+            time.sleep(0.3)
+        return False
+
+    def local(self) -> list[str]:
+        host = self.url.split("://")[1].rsplit(":", 1)[0]
+        return ["--local", host[:-1] + "2"] if self.url.startswith("roce") else []
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def judge(pythonpath: str, tools: list[str], fuzz_cases: int, seed: int, timeout: float,
+          net: int, workdir: Path) -> tuple[list[str], bool, str]:
+    """Run the checkers against a target from ``pythonpath`` on each binding: which
+    (tool/binding) exited non-zero, whether the target failed to start, and why."""
+    by, detail = [], []
+    for k, transport in enumerate(TRANSPORTS):
+        host = f"127.71.{net % 250}.{2 * k + 1}"
+        target = TargetProcess(pythonpath, transport, host, workdir / f"target-{transport}.log")
+        try:
+            if not target.ready():
+                return [f"start/{transport}"], True, f"the {transport} target did not start or answer"
+            commands = {tool: [sys.executable, __file__, f"--judge-{tool}", target.url, *target.local(),
+                               "--fuzz-cases", str(fuzz_cases), "--seed", str(seed), "--timeout", str(timeout)]
+                        for tool in ("conform", "fuzz")}
+            for tool in tools:
+                try:
+                    run = subprocess.run(commands[tool], cwd=ROOT, env=CHECKER_ENV,
+                                         capture_output=True, text=True, timeout=600)
+                    code, out = run.returncode, run.stdout + run.stderr
+                except subprocess.TimeoutExpired:
+                    code, out = -1, "no verdict within 600 s"
+                if code != 0:
+                    by.append(f"{tool}/{transport}")
+                    detail.append(f"{tool}/{transport} exit {code}: " + _gist(out))
+                if target.proc.poll() is not None:
+                    by.append(f"crash/{transport}")
+                    detail.append(f"the {transport} target exited ({target.proc.returncode})")
+                    break
+        finally:
+            target.stop()
+    return by, False, "; ".join(detail)
+
+
+# -- the judges: the checkers as kbtp conform and kbtp fuzz run them, ending at the first verdict
+
+async def judge_conform(url: str, local: str | None, timeout: float) -> int:
+    """``kbtp conform --quick`` against ``url``, stopping at the first case that fails
+    (or could not be judged): 1 then, else 0. A killed mutant needs one failure, and a
+    broken target makes the remaining cases wait out their timeouts."""
+    from kbtp_scapy.conform.registry import ERROR, FAIL, WARN, all_cases
+    from kbtp_scapy.conform.runner import RunState, probe, run_case
+    from kbtp_scapy.harness import HarnessError
+    from kbtp_scapy.wire.address import parse_url
+    state = RunState()
+    try:
+        info = await probe(url, local, timeout, state)
+    except HarnessError as exc:
+        print(f"HARNESS {exc}")
+        return 2
+    for c in all_cases():
+        out = await run_case(c, url, parse_url(url).transport, info, timeout=timeout, local=local,
+                             pcap_dir=None, quick=True, state=state)
+        if out.verdict in (FAIL, WARN, ERROR):
+            print(f"{out.verdict} {c.id}: expected {out.expected}; seen {out.seen} {out.detail}")
+            return 1
+    return 0
+
+
+async def judge_fuzz(url: str, local: str | None, timeout: float, cases: int, seed: int) -> int:
+    """``kbtp fuzz --cases N --seed S`` against ``url``, stopping at the first finding
+    (without minimizing it): 1 then, or when the fuzzer's sessions cannot be set up."""
+    from kbtp_scapy.fuzz.cases import make_case
+    from kbtp_scapy.fuzz.runner import Runner
+    from kbtp_scapy.fuzz.state import SetupFault
+    from kbtp_scapy.harness import HarnessError
+    from kbtp_scapy.wire.address import parse_url
+    runner = Runner(url, {"local": local} if local else {}, timeout)
+    try:
+        await runner.start()
+        for index in range(cases):
+            res = await runner.run_case(make_case(parse_url(url).transport, seed, index))
+            if res.findings:
+                f = res.findings[0]
+                print(f"finding in case {index}: {f.kind}: {f.detail}"[:400])
+                return 1
+    except (HarnessError, SetupFault) as exc:
+        print(f"finding: the fuzzer's set-up failed: {exc}")
+        return 1
+    finally:
+        try:
+            await asyncio.wait_for(runner.stop(), 2 * timeout)
+        except Exception:
+            pass
+    return 0
+
+
+def _gist(output: str) -> str:
+    """The lines of a tool's output that say what failed."""
+    lines = [ln.strip() for ln in output.splitlines()
+             if ln.startswith(("FAIL", "WARN", "ERROR")) or "finding" in ln.lower() or "error" in ln.lower()]
+    return " | ".join(lines[:3])[:400]
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of k successes in n trials."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def score(verdicts: list[Verdict], tool: str | None = None) -> dict:
+    """Killed over judged (by ``tool`` alone when given), with its interval."""
+    n = len(verdicts)
+    k = sum(v.killed and (tool is None or v.at_start or any(b.startswith(tool) for b in v.by))
+            for v in verdicts)
+    lo, hi = wilson(k, n)
+    return {"killed": k, "judged": n, "score": round(k / n, 3) if n else None,
+            "ci95": [round(lo, 3), round(hi, 3)]}
+
+
+def markdown(doc: dict) -> str:
+    both, conform, fuzz = doc["score"], doc["score_conform"], doc["score_fuzz"]
+
+    def pct(s: dict) -> str:
+        return (f"{s['killed']} of {s['judged']} ({100 * s['score']:.0f}%, 95% interval "
+                f"{100 * s['ci95'][0]:.0f}-{100 * s['ci95'][1]:.0f}%)")
+    lines = [
+        "# Mutation score of the checkers", "",
+        "Generated by `tools/mutants.py`; repeat with:", "",
+        f"    {doc['command']}", "",
+        f"{doc['population']} mutants of the target's protocol core ({', '.join(CORE)}); a random sample "
+        f"of {both['judged']} (seed {doc['seed']}) was judged, each by `kbtp conform --quick` and "
+        f"`kbtp fuzz --cases {doc['fuzz_cases']}` on both bindings, in {doc['seconds'] / 60:.0f} minutes "
+        f"({doc['seconds'] / max(1, both['judged']):.0f} s a mutant).", "",
+        f"- killed by conform and fuzz together: {pct(both)}",
+        f"- killed by conform alone: {pct(conform)}",
+        f"- killed by fuzz alone: {pct(fuzz)}",
+        f"- control (the unmutated target): {doc['control']}", "",
+        "| mutant | line | killed by | change |", "| --- | --- | --- | --- |"]
+    for v in doc["mutants"]:
+        change = " / ".join(ln[1:].strip() for ln in v["diff"].splitlines()
+                            if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
+        by = "start" if v["at_start"] else ", ".join(v["by"]) or "**survived**"
+        lines.append(f"| `{v['mutant']}` | {v['line']} | {by} | `{change[:150].replace('|', '/')}` |")
+    survivors = [v for v in doc["mutants"] if not v["killed"]]
+    if survivors:
+        lines += ["", "## Survivors", "",
+                  "Each is classified in the section below the table by hand (equivalent, not "
+                  "observable on the wire, or a checker gap) when the run is recorded."]
+    return "\n".join(lines) + "\n"
+
+
+def report(args: argparse.Namespace, population: list[Mutant], started: float, control: str,
+           verdicts: list[Verdict]) -> dict:
+    """The run so far as a document, written to --json and --markdown (after every mutant,
+    so a run stopped early still leaves its verdicts)."""
+    doc = {"command": "nice .venv/bin/python tools/mutants.py " + " ".join(sys.argv[1:]),
+           "population": len(population), "seed": args.seed, "fuzz_cases": args.fuzz_cases,
+           "seconds": round(time.monotonic() - started), "control": control,
+           "score": score(verdicts), "score_conform": score(verdicts, "conform"),
+           "score_fuzz": score(verdicts, "fuzz"), "mutants": [asdict(v) for v in verdicts]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(doc))
+    return doc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", action="store_true", help="count the mutants per module and operator, run nothing")
+    ap.add_argument("--sample", type=int, default=50, help="mutants to judge (default 50; 0: all)")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the sample and of the fuzz runs")
+    ap.add_argument("--only", action="append", default=[], metavar="MUTANT", help="judge only this mutant")
+    ap.add_argument("--tool", choices=("conform", "fuzz"), action="append", help="only this checker")
+    ap.add_argument("--fuzz-cases", type=int, default=1000, help="kbtp fuzz --cases (default 1000)")
+    ap.add_argument("--timeout", type=float, default=3.0, help="the checkers' --timeout (default 3 s)")
+    ap.add_argument("--json", metavar="FILE", help="write every verdict as JSON to FILE")
+    ap.add_argument("--markdown", metavar="FILE", help="write the report as Markdown to FILE")
+    ap.add_argument("--no-control", action="store_true", help="skip the run against the unmutated target")
+    ap.add_argument("--judge-conform", metavar="URL", help=argparse.SUPPRESS)
+    ap.add_argument("--judge-fuzz", metavar="URL", help=argparse.SUPPRESS)
+    ap.add_argument("--local", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.judge_conform:
+        return asyncio.run(judge_conform(args.judge_conform, args.local, args.timeout))
+    if args.judge_fuzz:
+        return asyncio.run(judge_fuzz(args.judge_fuzz, args.local, args.timeout, args.fuzz_cases, args.seed))
+    population = enumerate_mutants()
+    if args.list:
+        counts: dict[str, int] = {}
+        for m in population:
+            counts[f"{m.module} {m.operator}"] = counts.get(f"{m.module} {m.operator}", 0) + 1
+        for key, n in sorted(counts.items()):
+            print(f"{n:5}  {key}")
+        print(f"{len(population)} mutants")
+        return 0
+    by_name = {m.name: m for m in population}
+    if args.only:
+        unknown = [n for n in args.only if n not in by_name]
+        if unknown:
+            ap.error(f"unknown mutant {unknown[0]} (see --list for the modules and operators)")
+        sample = [by_name[n] for n in args.only]
+    else:
+        sample = random.Random(args.seed).sample(population, min(args.sample or len(population), len(population)))
+    tools = args.tool or ["conform", "fuzz"]
+    started = time.monotonic()
+    verdicts: list[Verdict] = []
+    control = "not run"
+    with tempfile.TemporaryDirectory(prefix="kbtp-mutants-") as work:
+        if not args.no_control:
+            with package_copy(None) as copy:
+                by, at_start, detail = judge(copy, tools, args.fuzz_cases, args.seed, args.timeout, 0,
+                                             Path(work))
+            control = "passes" if not by else f"DOES NOT PASS ({detail})"
+            print(f"control: {control}", file=sys.stderr)
+            if by:
+                return 2
+        for i, m in enumerate(sample, 1):
+            t0 = time.monotonic()
+            original, mutated = mutated_source(m)
+            workdir = Path(work) / f"m{i}"
+            workdir.mkdir()
+            with package_copy(m) as copy:
+                by, at_start, detail = judge(copy, tools, args.fuzz_cases, args.seed, args.timeout, i, workdir)
+            v = Verdict(m.name, m.line, diff_of(original, mutated, m.module), bool(by), by, at_start,
+                        round(time.monotonic() - t0, 1), detail)
+            verdicts.append(v)
+            print(f"[{i}/{len(sample)}] {m.name:60} line {m.line:4} "
+                  f"{'killed by ' + ','.join(by) if by else 'SURVIVED'} ({v.seconds:.0f} s)", file=sys.stderr)
+            report(args, population, started, control, verdicts)
+    doc = report(args, population, started, control, verdicts)
+    s = doc["score"]
+    print(f"killed {s['killed']} of {s['judged']} ({s['score']}, 95% interval {s['ci95']}); "
+          f"conform alone {doc['score_conform']['score']}, fuzz alone {doc['score_fuzz']['score']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
