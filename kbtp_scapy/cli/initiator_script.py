@@ -40,9 +40,9 @@ async def script(ini: Initiator, o: dict, ops: Script, in_dir: str, out_dir: str
 
     \b
     Examples (with kbtp target running):
-      mkdir -p in out && head -c 4096 /dev/urandom > in/kv
-      kbtp initiator iwarp://127.0.0.1:5420 --id-file id script --in in --out out --ops 'alloc_store 7 @kv; load 7 @b'
-      cmp in/kv out/b && cat out/results
+      mkdir -p out && head -c 4096 /dev/urandom > kv
+      kbtp initiator iwarp://127.0.0.1:5420 --id-file id script --out out --ops 'alloc_store 7 @kv seal; load 7 @b'
+      cmp kv out/b && cat out/results
     """
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     return bool(await Runner(ini, Path(in_dir), Path(out_dir)).run(ops))
