@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import html
 import json
 import math
 import os
@@ -304,10 +305,11 @@ def markdown(doc: dict) -> str:
         f"- control (the unmutated target): {doc['control']}", "",
         "| mutant | line | killed by | change |", "| --- | --- | --- | --- |"]
     for v in doc["mutants"]:
-        change = " / ".join(ln[1:].strip() for ln in v["diff"].splitlines()
-                            if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
+        change = " → ".join(ln[1:].strip() for ln in v["diff"].splitlines()
+                                if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
         by = "start" if v["at_start"] else ", ".join(v["by"]) or "**survived**"
-        lines.append(f"| `{v['mutant']}` | {v['line']} | {by} | `{change[:150].replace('|', '/')}` |")
+        cell = html.escape(change[:160]).replace("|", "&#124;")
+        lines.append(f"| `{v['mutant']}` | {v['line']} | {by} | <code>{cell}</code> |")
     return "\n".join(lines) + "\n"
 
 
