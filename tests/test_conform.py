@@ -85,6 +85,8 @@ def test_reports_are_well_formed(suite):
     assert len(suite_xml.findall("testcase")) == len(doc["cases"])
     assert doc["exit_code"] == 0 and doc["summary"]["FAIL"] == 0
     assert doc["coverage"]["cases"] == len(doc["cases"]) and doc["coverage"]["not_checkable"]
+    req = doc["coverage"]["requirements"]
+    assert req["gaps"] == 0 and 100 < req["judged_in_this_run"] <= req["checked_by_some_case"] < req["sentences"]
     for c in doc["cases"]:
         assert c["requirement"] and c["level"] in ("MUST", "MUST NOT", "SHOULD", "RULE")
 
