@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import html
 import json
 import math
 import os
@@ -45,6 +46,9 @@ TRANSPORTS = ("iwarp", "roce")
 #: wait for an abandoned ticket are not skipped.
 TARGET_OPTIONS = ["--blocks", "128", "--max-initiators", "8", "--ticket-timeout", "300", "--retention", "30"]
 PORTS = {"iwarp": 5420, "roce": 4791}
+#: Where the hand-written classification of the survivors starts in the Markdown report;
+#: a new run rewrites what is above it and keeps the rest.
+CLASSIFIED = "\n<!-- survivors classified by hand below; kept when the report is regenerated -->\n"
 #: ``kbtp`` as this interpreter runs it (the package it imports follows PYTHONPATH).
 KBTP = [sys.executable, "-c", "from kbtp_scapy.cli import entry; entry()"]
 #: The checkers always come from this checkout, whatever is installed.
@@ -303,15 +307,11 @@ def markdown(doc: dict) -> str:
         f"- control (the unmutated target): {doc['control']}", "",
         "| mutant | line | killed by | change |", "| --- | --- | --- | --- |"]
     for v in doc["mutants"]:
-        change = " / ".join(ln[1:].strip() for ln in v["diff"].splitlines()
-                            if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
+        change = " → ".join(ln[1:].strip() for ln in v["diff"].splitlines()
+                                if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
         by = "start" if v["at_start"] else ", ".join(v["by"]) or "**survived**"
-        lines.append(f"| `{v['mutant']}` | {v['line']} | {by} | `{change[:150].replace('|', '/')}` |")
-    survivors = [v for v in doc["mutants"] if not v["killed"]]
-    if survivors:
-        lines += ["", "## Survivors", "",
-                  "Each is classified in the section below the table by hand (equivalent, not "
-                  "observable on the wire, or a checker gap) when the run is recorded."]
+        cell = html.escape(change[:160]).replace("|", "&#124;")
+        lines.append(f"| `{v['mutant']}` | {v['line']} | {by} | <code>{cell}</code> |")
     return "\n".join(lines) + "\n"
 
 
@@ -327,7 +327,9 @@ def report(args: argparse.Namespace, population: list[Mutant], started: float, c
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     if args.markdown:
-        Path(args.markdown).write_text(markdown(doc))
+        page = Path(args.markdown)
+        kept = page.read_text().partition(CLASSIFIED)[2] if page.exists() else ""
+        page.write_text(markdown(doc) + (CLASSIFIED + kept if kept else ""))
     return doc
 
 

@@ -37,6 +37,19 @@ def listing(cases: list[Case]) -> str:
     return "\n".join(lines)
 
 
+def requirements(outcomes: list[Outcome]) -> dict[str, Any] | None:
+    """The normative sentences of the text (``kbtp conform --coverage``) and how many of
+    them a case of this run judged; None without the text beside the checker."""
+    from . import matrix
+    if not matrix.SPEC.exists():
+        return None
+    rows = matrix.matrix()
+    judged = {o.case.id for o in outcomes if o.verdict in (PASS, FAIL, WARN)}
+    return {"sentences": len(rows), "judged_in_this_run": sum(any(c in judged for c in r.cases) for r in rows),
+            "checked_by_some_case": sum(bool(r.cases) for r in rows),
+            "not_checkable": sum(bool(r.reason) and not r.cases for r in rows), "gaps": len(matrix.gaps(rows))}
+
+
 def coverage(outcomes: list[Outcome]) -> dict[str, Any]:
     """Per section: cases run and judged (PASS/FAIL/WARN), plus the untestable requirements."""
     sections: dict[str, Counter] = {}
@@ -110,7 +123,7 @@ def as_json(url: str, info: TargetInfo | None, outcomes: list[Outcome], error: s
                    "requirement": o.case.requirement, "verdict": o.verdict, "expected": o.expected,
                    "seen": o.seen, "detail": o.detail, "notes": o.notes, "pcap": o.pcap,
                    "seconds": round(o.duration, 3)} for o in outcomes],
-        "coverage": coverage(outcomes),
+        "coverage": {**coverage(outcomes), "requirements": requirements(outcomes)},
     }
     return json.dumps(doc, indent=2)
 

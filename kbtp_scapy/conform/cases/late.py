@@ -81,9 +81,9 @@ async def promises_late(ctx: Ctx) -> None:
       bindings)""")
 async def quota_carried(ctx: Ctx) -> None:
     """Half the quota bound, then GOODBYE without RELEASE: the reconnected session may
-    bind only the other half. After a lost connection the quota is still full, and a FREE
-    of a block of an earlier session makes room. (What RELEASE frees is
-    ``session.goodbye.release``'s to judge, so that a broken RELEASE fails that case alone.)"""
+    bind only the other half. After a lost connection the quota is still full, and a
+    FREE of a block bound two sessions ago gives one unit back. (RELEASE, which empties
+    it, is session.goodbye.release's.)"""
     a = await ctx.connect(features=0)
     q = quota_of(ctx, a, 1)
     if q < 2:
