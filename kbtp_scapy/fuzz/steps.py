@@ -319,7 +319,7 @@ class Steps(Exchanger):
             length = inside + rng.choice([1, 16, 64])
             verb = "write" if name == "partition" else "read"
             why = f"{verb} of {length} octets {inside} before the end of the {name} region"
-        if what != "out_of_bounds":
+        if what != "out_of_bounds" or not own_stags:    # the out-of-bounds branch sets its own
             length = rng.choice([1, 16, 64])
         got = await self.carried_out(verb, stag, offset, length, rng)
         if got is None:
