@@ -20,7 +20,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from kbtp_scapy.cli import main
-from kbtp_scapy.conform.registry import SHOULD, all_cases
+from kbtp_scapy.conform.cases import all_cases
+from kbtp_scapy.conform.registry import SHOULD
 from kbtp_scapy.conform.runner import probe, run, run_case
 from kbtp_scapy.initiator import Initiator, KbtpError
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from kbtp_scapy.cli import main
 from kbtp_scapy.conform import matrix
+from kbtp_scapy.conform.cases import all_cases
 from kbtp_scapy.conform.coverage_map import CHECKED_BY, EFFECTS
-from kbtp_scapy.conform.registry import all_cases
 from kbtp_scapy.conform.spec_text import BCP14, sentences
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,7 +32,7 @@ import pytest
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))   # after PYTHONPATH: see above
 
-from kbtp_scapy.conform.registry import all_cases  # noqa: E402
+from kbtp_scapy.conform.cases import all_cases  # noqa: E402
 from kbtp_scapy.conform.runner import run  # noqa: E402
 from tests.planted_bugs import CORPUS, Bug, start  # noqa: E402
 

@@ -213,7 +213,8 @@ async def judge_conform(url: str, local: str | None, timeout: float) -> int:
     """``kbtp conform --quick`` against ``url``, stopping at the first case that fails
     (or could not be judged): 1 then, else 0. A killed mutant needs one failure, and a
     broken target makes the remaining cases wait out their timeouts."""
-    from kbtp_scapy.conform.registry import ERROR, FAIL, WARN, all_cases
+    from kbtp_scapy.conform.cases import all_cases
+    from kbtp_scapy.conform.registry import ERROR, FAIL, WARN
     from kbtp_scapy.conform.runner import RunState, probe, run_case
     from kbtp_scapy.harness import HarnessError
     from kbtp_scapy.wire.address import parse_url

@@ -14,6 +14,9 @@ from .errors import OutputClosed
 COMMANDS = {"decode": "decode", "craft": "craft", "demo": "demo", "dissector": "dissector",
             "target": "target", "initiator": "initiator",
             "replay": "replay", "conform": "conform", "fuzz": "fuzz", "bench": "bench"}
+#: subcommands kept in modules of their own, which build on their group's module: imported
+#: with it, so that the group's module imports none of them back.
+SUBCOMMANDS = {"initiator": ("initiator_script", "send")}
 
 
 #: click 8.2 and later raise this for a bare group (help, exit 2); 8.1 prints it and exits 0
@@ -27,7 +30,10 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
-        return getattr(importlib.import_module(f".{COMMANDS[name]}", __name__), name)
+        command = getattr(importlib.import_module(f".{COMMANDS[name]}", __name__), name)
+        for module in SUBCOMMANDS.get(name, ()):      # they add themselves to its group
+            importlib.import_module(f".{module}", __name__)
+        return command
 
 
 @click.group(cls=LazyGroup,

@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from ..conform import report
-from ..conform.registry import ERROR, FAIL, WARN, Case, all_cases, select
+from ..conform.cases import all_cases
+from ..conform.registry import ERROR, FAIL, WARN, Case, select
 from ..conform.runner import Listener, Outcome, run
 from ..harness import HarnessError
 from ..initiator.results import TargetInfo

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import click
 
-from ..dissector import REPO_DISSECTOR, lua_path as _lua_path
+from ..dissector import REPO_DISSECTOR, lua_path as _lua_path, outputs
 from ..dissector.build import PLUGIN_NAME, BuildError, build as _build, toolchain_missing, version_folder
-from ..dissector.generate import HEADER_LINE, outputs
+from ..dissector.generate import HEADER_LINE
 from ..tables import generate as vocab
 
 #: Marks a compiled plugin as this dissector's: the protocol it registers.

@@ -470,7 +470,3 @@ async def goodbye(ini, o, release):
     """End the session now; with --release the target frees all our bindings."""
     emit(o, "GOODBYE", None, None, release=release)
     return release
-
-
-# Subcommands in modules of their own register on the group above.
-from . import initiator_script, send  # noqa: E402, F401

@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cases import all_cases
 from .coverage_map import CHECKED_BY, EFFECTS, NOT_CHECKED
-from .registry import Case, all_cases
+from .registry import Case
 from .spec_text import Sentence, sentences
 
 #: The text this checkout carries (a copy of the specification as received).

@@ -97,11 +97,6 @@ def untestable(section: str, level: str, requirement: str, reason: str) -> None:
     UNTESTABLE.append(Untestable(section, level, " ".join(requirement.split()), reason))
 
 
-def all_cases() -> list[Case]:
-    from . import cases  # noqa: F401  (registers every case module)
-    return list(CASES)
-
-
 def select(cases: list[Case], only: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> list[Case]:
     """Cases whose id starts with one of ``only`` (all if none) and with none of ``exclude``."""
     return [c for c in cases

@@ -1,11 +1,19 @@
-"""The Wireshark Lua dissector, generated from the field tables (``generate``)."""
+"""The Wireshark dissector in its two forms, generated from the field tables: Lua
+(``generate``) and C (``generate_c``, which builds on the Lua generator's field list)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from .generate import outputs
+from . import generate_c
+from .generate import fields_markdown, lua_source
 
 REPO_DISSECTOR = Path(__file__).resolve().parents[2] / "dissector"
+
+
+def outputs(outdir: Path) -> dict[Path, str]:
+    """The files the generator writes, with their contents: both forms and the reference."""
+    return {outdir / "kbtp.lua": lua_source(), outdir / "FIELDS.md": fields_markdown(),
+            **generate_c.outputs(outdir)}
 
 
 def lua_path() -> Path:

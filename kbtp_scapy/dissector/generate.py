@@ -283,8 +283,3 @@ def fields_markdown() -> str:
         rows.append(f"| `kbtp.{key}` | {kind} | {title}: {doc} |")
     return "\n".join(rows) + "\n"
 
-
-def outputs(outdir: Path) -> dict[Path, str]:
-    """The files the generator writes, with their contents: both forms and the reference."""
-    from .generate_c import outputs as c_outputs
-    return {outdir / "kbtp.lua": lua_source(), outdir / "FIELDS.md": fields_markdown(), **c_outputs(outdir)}

@@ -21,7 +21,8 @@ from ..wire.address import parse_url
 from . import report
 from .cases import Case, make_case, parse_name
 from .runner import Runner, minimize
-from .state import SetupFault, describe
+from .state import SetupFault
+from .trouble import describe
 
 
 @dataclass

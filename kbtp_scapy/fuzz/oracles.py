@@ -18,6 +18,7 @@ from ..tables import memory as M
 from ..tables.enums import OPCODES, STATUS
 from ..vocab import AnyStruct, EntryFlag, Feature, Opcode
 from .findings import Finding
+from .trouble import TRANSPORT_ERRORS, describe
 
 if TYPE_CHECKING:
     from .state import World
@@ -73,7 +74,6 @@ async def liveness(world: World) -> list[Finding]:
 
     NO_SPACE (or INTERNAL) is the target's right when it is full, but then the fuzzer
     cannot judge liveness: that stops the run (``HarnessError``)."""
-    from .state import TRANSPORT_ERRORS, describe
     try:
         ini = await world.connect(secrets.token_bytes(16), features=0)
     except KbtpError as exc:

@@ -16,16 +16,13 @@ from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError
 from ..initiator.client import ALL_FEATURES
 from ..initiator.results import TargetInfo
-from ..rnic.qp import ConnectionLost, RemoteError
 from .cases import SCRATCH
 from .findings import Finding
 from .model import UNKNOWN, Entry, Knowledge
 from .oracles import check_hello_ack
+from .trouble import TRANSPORT_ERRORS, describe
 
 GUARDS = 2
-TRANSPORT_ERRORS = (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError)
-
-
 class SetupFault(Exception):
     """The target misbehaved in a step that only sets up the fuzzer's sessions (a guard
     block refused, an answer that never came or came with another Request ID): a
@@ -46,18 +43,6 @@ class Rebuild(Exception):
 
 class NoAnswer(Exception):
     """Something the fuzzer asked on a live connection got no answer in time."""
-
-
-def describe(exc: BaseException, timeout: float | None = None) -> str:
-    """What went wrong, never empty: a bare timeout says how long was waited."""
-    if isinstance(exc, asyncio.TimeoutError) and not str(exc):
-        return f"no answer within {timeout:g} s" if timeout else "no answer in time"
-    if isinstance(exc, KbtpError):
-        return f"refused with {exc.name}"
-    text = str(exc)
-    if isinstance(exc, ConnectionLost):
-        return f"the connection ended ({text})" if text else "the connection ended"
-    return text or type(exc).__name__
 
 
 @dataclass
