@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,8 @@ from .relay import Relay
 from .test_target_capture import decoded, dissected, session
 from .tshark import TSHARK, needs_tshark
 
+#: The namespaces' own networks, trusted with the direct modes (kbtp target --trust).
+TRUST = ("10.99.0.0/24", "fd99::/64")
 V4 = {"target": "10.99.0.1", "kernel": ["10.99.0.2/24", "10.99.0.3/24", "10.99.0.4/24",
                                         "10.99.0.5/24", "10.99.0.6/24"],   # .5 relay, .6 its back
       "raw": ["10.99.0.10", "10.99.0.11", "10.99.0.12"], "other": "10.99.0.99"}
@@ -84,7 +87,8 @@ def link():
                 ids="-".join)
 def target(request, link):
     family, io = request.param
-    config = TargetConfig(blocks=64, block_size=4096, max_initiators=4, ticket_timeout_ms=300)
+    config = TargetConfig(blocks=64, block_size=4096, max_initiators=4, ticket_timeout_ms=300,
+                          trust=TRUST)
     t = RawTarget(link, V4 if family == "v4" else V6, io, config)
     yield t
     t.stop()
@@ -97,7 +101,7 @@ def make(request, link):
 
     def start(**config) -> RawTarget:
         return RawTarget(link, V4 if family == "v4" else V6, io,
-                         TargetConfig(**{**sessions.BASE, **config}))
+                         TargetConfig(**{**sessions.BASE, "trust": TRUST, **config}))
     return start
 
 
@@ -116,7 +120,7 @@ test_bad_input_gets_malformed_and_others_are_served = \
 def test_lossy_path_every_operation_completes(link):
     """The lossy relay of tests/relay.py in namespace B, between the initiator and the raw
     target: 5% of the datagrams lost, 10% reordered, and every operation completes."""
-    t = RawTarget(link, V4, "udp", faults.LOSSY_CONFIG)
+    t = RawTarget(link, V4, "udp", replace(faults.LOSSY_CONFIG, trust=TRUST))
     relay_host = V4["kernel"][3].split("/")[0]
 
     async def main():
@@ -221,7 +225,7 @@ def test_cli_target_pcap_equals_the_wire_and_dissects(link, tmp_path):
     proc = subprocess.Popen(
         ["ip", "netns", "exec", link.a, sys.executable, "-m", "kbtp_scapy", "target",
          "--transport", "roce", "--io", "raw", "--iface", link.ifa, "--addr", V4["target"],
-         "--blocks", "64", "--max-initiators", "4", "--duration", "12",
+         "--blocks", "64", "--max-initiators", "4", "--duration", "12", "--trust", TRUST[0],
          "--pcap", str(tmp_path / "target.pcap")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
