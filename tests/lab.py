@@ -50,6 +50,9 @@ class Binding:
         return f"{self.transport}://{host}" + (f":{port}" if port else "")
 
 
+# the walk's target trusts what the lab's own tools trust (tests/lab_walk.py cannot import tools/)
+assert set(rdma_lab.NETWORKS) <= set(LAB_TARGET["trust"]), (rdma_lab.NETWORKS, LAB_TARGET["trust"])
+
 BINDINGS = {"roce": Binding("roce", "rxe0", rdma_lab.GUEST_IP, rdma_lab.HOST_IP),
             "iwarp": Binding("iwarp", "siw0", rdma_lab.SIW_GUEST_IP, rdma_lab.SIW_HOST_IP)}
 

@@ -55,6 +55,7 @@ def kbtp(*args: str, **kw) -> subprocess.Popen:
                             text=True, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_reference_target_passes(transport, tmp_path, capsys):
     """10,000 cases against ``kbtp target`` in a process of its own, as users run it (and

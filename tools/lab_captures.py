@@ -74,7 +74,8 @@ def capture(lab, transport: str, out: Path) -> Path:
         iface, listen, device, ns = "vsiw", rdma_lab.SIW_INNER_IP, "siw1", ["ip", "netns", "exec", "peer"]
     lab.run(["ip", "link", "set", "eth0", "mtu", "1500"])               # path MTU 1024
     target = lab.spawn(lab.kbtp("target", "--transport", transport, "--io", "verbs", "--device",
-                                device, "--listen", listen, *TARGET), name=f"capture-{transport}")
+                                device, "--listen", listen, *TARGET, *rdma_lab.TRUST_ARGS),
+                       name=f"capture-{transport}")
     tcpdump = lab.spawn(["tcpdump", "-Z", "root", "-i", iface, "-s", "0", "-U", "-w", str(pcap),
                          "udp port 4791" if transport == "roce" else "tcp port 5420"],
                         name=f"tcpdump-{transport}")

@@ -80,6 +80,9 @@ GUEST_IP, HOST_IP = "10.99.0.1", "10.99.0.2"
 SIW_GUEST_IP, SIW_HOST_IP = "10.99.1.1", "10.99.1.2"
 #: the guest's inner veth pair (root namespace, namespace "peer") with siw1 and siw2
 SIW_INNER_IP, SIW_PEER_IP = "10.97.0.1", "10.97.0.2"
+#: The lab's own networks: a target run in it trusts them with the direct modes (--trust).
+NETWORKS = ("10.99.0.0/16", "10.97.0.0/16")
+TRUST_ARGS = [arg for net in NETWORKS for arg in ("--trust", net)]
 #: a second host-side address on the first link: a host initiator of a host target needs
 #: an address of its own (RoCEv2 owns UDP 4791 per address)
 HOST_IP2 = "10.99.0.3"
