@@ -312,3 +312,11 @@ def test_conform_interrupted_writes_the_partial_reports(tmp_path):
     suite = ElementTree.parse(junit).getroot()
     names = [tc.get("name") for tc in suite.iter("testcase")]
     assert names[:-1] == judged and names[-1] == "harness", names
+
+
+def test_local_on_iwarp_is_a_usage_error_not_a_traceback():
+    """Over iWARP the kernel's TCP picks the source: --local gets one line, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "initiator", "iwarp://127.0.0.1:9",
+                           "--local", "127.0.0.2", "hello"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--local is for RoCEv2" in proc.stderr

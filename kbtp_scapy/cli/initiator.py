@@ -147,6 +147,9 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
     options = {"connect_timeout": timeout}
     if transport == "roce" and io != "verbs":
         options.update((k, v) for k, v in (("local", local), ("mtu", int(mtu) if mtu else None)) if v)
+    elif local and io != "verbs":
+        raise click.UsageError("--local is for RoCEv2 (and --io verbs): over iWARP the kernel's "
+                               "TCP picks the source address")
     elif local:
         options["local"] = local
     options.update(raw_io(transport, io, iface, raw_addr, device))
