@@ -26,6 +26,7 @@ import click
 from .. import tables as T
 from ..capture import kbtp_messages, rdma_messages, read_packets
 from ..samples import write_samples
+from ..wire.address import ROCE_PORT
 
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
 #: (target, initiator) addresses: loopback, away from a ``kbtp target`` on its defaults
@@ -151,7 +152,7 @@ class _Target:
 
     def __init__(self, transport: str, pcap: Path | None = None) -> None:
         host = HOSTS[transport][0]
-        port = _free_port(host) if transport == "iwarp" else 4791
+        port = _free_port(host) if transport == "iwarp" else ROCE_PORT
         self.url = f"{transport}://{host}:{port}"
         args = ["--pcap", str(pcap)] if pcap else []
         self.proc = subprocess.Popen([*KBTP, "target", "--transport", transport, "--listen",
