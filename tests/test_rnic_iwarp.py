@@ -62,10 +62,10 @@ class Pair:
             accepted.set_result(qp)
 
         t_opts = {"recv_size": 200_000,
-                  "frame_listeners": [lambda d, f: self.target_frames.append((d, f))],
+                  "frame_listeners": [lambda d, f, ns: self.target_frames.append((d, f))],
                   **(target_opts or {})}
         i_opts = {"recv_size": 200_000,
-                  "frame_listeners": [lambda d, f: self.initiator_frames.append((d, f))],
+                  "frame_listeners": [lambda d, f, ns: self.initiator_frames.append((d, f))],
                   **(initiator_opts or {})}
         self.listener = await listen("iwarp://127.0.0.1:0", self.target_mem, on_connect,
                                      **t_opts)

@@ -266,7 +266,7 @@ def test_dreqs_that_cross_end_both_sides_at_once():
         p = await Pair().open(25)
         sent = {"initiator": [], "target": []}
         for side, qp in (("initiator", p.iqp), ("target", p.tqp)):
-            def listener(direction, frame, side=side):
+            def listener(direction, frame, ns, side=side):
                 msg = decode(bth_parts(Ether(frame))[1])
                 if direction == "tx" and msg is not None:
                     sent[side].append(msg.attr)

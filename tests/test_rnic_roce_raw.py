@@ -266,7 +266,7 @@ def test_bad_icrc_dropped_and_counted_foreign_frames_ignored(link):
         frames: list[bytes] = []
 
         async def main():
-            ini = await Initiator.connect(t.url, frame_listeners=[lambda d, f: frames.append(f)
+            ini = await Initiator.connect(t.url, frame_listeners=[lambda d, f, ns: frames.append(f)
                                                                   if d == "tx" else None],
                                           **t.connect_options(0))
             h = ini.target.handle_base

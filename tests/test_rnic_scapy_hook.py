@@ -24,7 +24,7 @@ def test_every_frame_reaches_the_hook_as_scapy(transport):
 
     async def main():
         ini = await Initiator.connect(t.url, frame_listeners=[as_scapy(lambda d, p: seen.append((d, p))),
-                                                              lambda d, f: raw.append(f)],
+                                                              lambda d, f, ns: raw.append(f)],
                                       **t.connect_options(0))
         await ini.alloc_store(ini.target.handle_base, b"seen", seal=True)
         await ini.load(ini.target.handle_base)

@@ -157,7 +157,7 @@ def test_a_completion_for_a_cancelled_request_leaves_the_session_working():
             errors: list[dict] = []
             asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
 
-            def listener(direction: str, frame: bytes) -> None:
+            def listener(direction: str, frame: bytes, ns: int) -> None:
                 task = armed.get("load")          # BTH after Ethernet, IPv4 and UDP
                 if direction == "rx" and task is not None and frame[42] in (0x04, 0x17):
                     task.cancel()

@@ -279,7 +279,7 @@ async def bench_kbtp(url: str, pid: int, transport: str, op: str, size: int,
 
         frames: Counter[tuple[str, int]] = Counter()
 
-        def listener(direction: str, frame: bytes) -> None:
+        def listener(direction: str, frame: bytes, ns: int) -> None:
             if warm.running:        # not the untimed FREEs between rounds
                 frames[direction, len(frame) - ETH_IP_UDP] += 1
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 from .. import codec
@@ -23,6 +23,7 @@ from ..initiator import Initiator, KbtpError, Result, SessionEnded
 from ..initiator.client import ALL_FEATURES, COMPLETION_BUFFER
 from ..initiator.results import TargetInfo
 from ..rnic import MemoryTable, QueuePair, connect as rdma_connect
+from ..rnic.pcap import PcapSink
 from ..rnic.qp import ConnectionLost, Received, RemoteError
 from ..tables.enums import STATUS
 from ..vocab import AnyMessage, Feature, Opcode
@@ -31,13 +32,22 @@ from .registry import Fail, SetupFailed, Skip
 
 
 class FrameBuffer:
-    """A frame listener that keeps ``(time, frame)`` of the current case in memory."""
+    """A frame listener that keeps the current case's frames in memory, for a pcap written
+    only when the case's verdict asks for one."""
 
     def __init__(self) -> None:
-        self.frames: list[tuple[float, bytes]] = []
+        self.frames: list[tuple[str, bytes, int]] = []
 
-    def __call__(self, direction: str, frame: bytes) -> None:
-        self.frames.append((time.time(), bytes(frame)))
+    def __call__(self, direction: str, frame: bytes, ns: int) -> None:
+        self.frames.append((direction, bytes(frame), ns))
+
+    def write(self, path: Path) -> None:
+        """The frames as a capture, each at its own time."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sink = PcapSink(path)
+        for frame in self.frames:
+            sink(*frame)
+        sink.close()
 
 
 class RunState:

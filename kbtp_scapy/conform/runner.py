@@ -21,7 +21,6 @@ from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError
 from ..initiator.client import ALL_FEATURES
 from ..initiator.results import TargetInfo
-from ..rnic.pcap import PcapSink
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..vocab import Feature
 from ..wire.address import parse_url
@@ -149,12 +148,8 @@ async def run_case(case: Case, url: str, transport: str, info: TargetInfo, *, ti
 
 
 def write_pcap(directory: Path, case_id: str, frames: FrameBuffer) -> str:
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', case_id)}.pcap"
-    sink = PcapSink(path)
-    for _, frame in frames.frames:
-        sink("", frame)
-    sink.close()
+    frames.write(path)
     return str(path)
 
 

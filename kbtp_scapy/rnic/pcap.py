@@ -14,18 +14,21 @@ from scapy.utils import RawPcapWriter
 
 
 class PcapSink:
-    """A frame listener that appends every frame to ``path`` (link type Ethernet)."""
+    """A frame listener that appends every frame to ``path`` (link type Ethernet), at the
+    RNIC's own stamp of it moved onto the wall clock: a frame's time in the file is the time
+    the RNIC's timings (``kbtp bench``'s latencies) use, not a second reading taken later."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self._writer = RawPcapWriter(os.fspath(path), linktype=1, sync=True)
         self._writer.write_header(None)
         self._lock = threading.Lock()
+        self._wall = time.time_ns() - time.perf_counter_ns()
         self.frames = 0
 
-    def __call__(self, direction: str, frame: bytes) -> None:
-        now = time.time()
+    def __call__(self, direction: str, frame: bytes, ns: int) -> None:
+        sec, nsec = divmod(ns + self._wall, 1_000_000_000)
         with self._lock:
-            self._writer.write_packet(frame, sec=int(now), usec=int(now % 1 * 1e6))
+            self._writer.write_packet(frame, sec=sec, usec=nsec // 1000)
             self.frames += 1
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,8 +117,9 @@ class RemoteError(Exception):
     """The peer refused one of our operations (a NAK, or a Terminate naming it)."""
 
 
-FrameListener = Callable[[str, bytes], None]
-"""Called with "tx" or "rx" and the whole link-layer (Ethernet) frame."""
+FrameListener = Callable[[str, bytes, int], None]
+"""Called with "tx" or "rx", the whole link-layer (Ethernet) frame and its time
+(``perf_counter_ns``): the RNIC's one stamp, so a capture and the RNIC's own timings agree."""
 
 
 class QueuePair:
@@ -361,9 +363,11 @@ class QueuePair:
 
     # -- for transports ------------------------------------------------------------------
 
-    def frame(self, direction: str, frame: bytes) -> None:
+    def frame(self, direction: str, frame: bytes, ns: int = 0) -> None:
+        """Show ``frame`` to the listeners, stamped ``ns`` (now, unless the transport stamped it)."""
+        ns = ns or time.perf_counter_ns()
         for listener in self.frame_listeners:
-            listener(direction, frame)
+            listener(direction, frame, ns)
 
     def _transmit(self, wr: WorkRequest) -> None:
         raise NotImplementedError

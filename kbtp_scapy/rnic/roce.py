@@ -173,7 +173,7 @@ class Device:
             qp.stats["frames_rx"] += 1
             qp.rx_ns = time.perf_counter_ns()
             if qp.frame_listeners:
-                qp.frame("rx", self._frame(qp._rx, data, wire))
+                qp.frame("rx", self._frame(qp._rx, data, wire), qp.rx_ns)
             qp.receive(data, n)
             touched.add(qp)
         for qp in touched:
@@ -191,8 +191,9 @@ class Device:
     def send_datagram(self, datagram: bytes, addr: tuple[str, int],
                       listeners: Iterable) -> None:
         self.send([datagram], addr)
+        ns = time.perf_counter_ns()
         for listener in listeners:
-            listener("tx", self.paths(addr)[0].frame(datagram))
+            listener("tx", self.paths(addr)[0].frame(datagram), ns)
 
     def send_mad(self, msg: cm.CmMessage, addr: tuple[str, int], listeners: Iterable) -> None:
         """CM MADs are unreliable datagrams: callers retransmit (IB 12.9.2)."""
@@ -262,7 +263,7 @@ class Device:
         listener = self.services.get(msg.service_id)
         if listener is None or msg.transport_type != 0:
             for fl in listener.frame_listeners if listener is not None else ():
-                fl("rx", frame)
+                fl("rx", frame, time.perf_counter_ns())
             if not self._unsolicited.take(self.loop.time()):
                 return          # the source is not authenticated: not a 1:1 reflector
             self.send_mad(cm.CmMessage(cm.CmAttr.REJ, msg.transaction_id,

@@ -164,7 +164,7 @@ class RoceQP(QueuePair):
         parts = w.seal(self._tx, parts, pad)
         self.tx_ns = time.perf_counter_ns()
         if self.frame_listeners:     # first: a capture's time is the send's, not after it
-            self.frame("tx", self._tx.frame(b"".join(parts)))
+            self.frame("tx", self._tx.frame(b"".join(parts)), self.tx_ns)
         self._dev.send(parts, self.remote)
         self.stats["frames_tx"] += 1
 

@@ -53,7 +53,7 @@ def as_scapy(callback: Callable[[str, Packet], None]) -> FrameListener:
     RoCEv2 frames dissect down to KBTP by Scapy's own bindings; an iWARP segment's TCP
     payload is dissected as the MPA frames it carries (KBTP has no TCP port to bind to).
     """
-    def listener(direction: str, frame: bytes) -> None:
+    def listener(direction: str, frame: bytes, ns: int) -> None:
         pkt = Ether(frame)
         tcp = pkt.getlayer(TCP)
         if tcp is not None and len(tcp.payload):

@@ -32,7 +32,6 @@ from typing import Any, cast
 
 from ... import codec
 from ...initiator.script import parse
-from ...rnic.pcap import PcapSink
 from ...tables import memory as M
 from ...target.operations import Outcome
 from ...vocab import AnyMessage, HelloAck, Opcode
@@ -306,10 +305,7 @@ async def campaign(program: list[str], url: str, *, seed: int, count: int, start
                 if out is not None:
                     out.mkdir(parents=True, exist_ok=True)
                     (out / f"{case.name}.json").write_text(json.dumps(record, indent=1))
-                    sink = PcapSink(out / f"{case.name}.pcap")
-                    for _, frame in frames.frames:
-                        sink("", frame)
-                    sink.close()
+                    frames.write(out / f"{case.name}.pcap")
                     record["saved"] = str(out / f"{case.name}.json")
                 summary.findings.append(record)
             if progress:
