@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,12 @@ class RunState:
         self.used: set[int] = set()
         self.retired: list[bytes] = []
         self.crowded = False      # a fresh Initiator ID was refused: try earlier ones first
+
+
+def close_all(coros: Iterable[Coroutine]) -> None:
+    """Close requests a case built but did not send (a Fail came first): no "never awaited"."""
+    for coro in coros:
+        coro.close()
 
 
 def describe(exc: BaseException, timeout: float) -> str:
@@ -300,6 +306,14 @@ class Ctx:
         if got != status:
             raise Fail(f"{what}: {status}", got)
         return result
+
+    async def expect_each(self, pairs: list[tuple[Coroutine[Any, Any, Result], str, str]]) -> None:
+        """``expect`` on each request in order; those a failure leaves unsent are closed."""
+        try:
+            for coro, status, what in pairs:
+                await self.expect(coro, status, what)
+        finally:
+            close_all(coro for coro, _, _ in pairs)
 
     async def ok(self, coro: Awaitable[Result], what: str) -> Result:
         result = await self.expect(coro, "OK", what)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from ...initiator import Initiator
 from ...vocab import EntryFlag, Feature, Opcode, RequestFlag, Status
-from ..context import Ctx, status_name
+from ..context import Ctx, close_all, status_name
 from ..registry import MUST, MUST_NOT, RULE, case
 from .common import (
     bind,
@@ -290,8 +290,7 @@ async def no_side_effect(ctx: Ctx) -> None:
         (a.alloc_store(h2, bytes(size + 8), inline=False), "TOO_LARGE", "ALLOC_STORE larger than Block Size"),
         (a.free(h, generation=other_generation(rs.generation)), "STALE_GENERATION", "FREE with a wrong Generation"),
     ]
-    for coro, status, what in failing:
-        await ctx.expect(coro, status, what)
+    await ctx.expect_each(failing)
     await holds(ctx, a, h, sealed, "after the failed requests", rs.generation)
     await holds(ctx, a, h1, unsealed, "after the failed requests", ru.generation)
     await unbound(ctx, a, h2, "after the failed ALLOC_STORE")
@@ -360,9 +359,12 @@ async def no_side_effect_quota(ctx: Ctx) -> None:
             (a.alloc_store(hs[0], b"again", generation=other_generation(r.generation)), "STALE_GENERATION",
              "ALLOC_STORE with a wrong Generation"),
         ]
-        for coro, _status, what in failing:
-            got, _ = await ctx.outcome(coro)
-            ctx.check(got != "OK", f"{what}: refused", "completed OK")
+        try:
+            for coro, _status, what in failing:
+                got, _ = await ctx.outcome(coro)
+                ctx.check(got != "OK", f"{what}: refused", "completed OK")
+        finally:
+            close_all(coro for coro, _, _ in failing)
         await fill_quota(ctx, a, hs[1:q], f"after {len(failing)} failed requests ({ring})")
 
 

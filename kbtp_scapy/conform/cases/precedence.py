@@ -63,5 +63,4 @@ async def precedence(ctx: Ctx) -> None:
          "LOAD of an unsealed block without ALLOW_UNSEALED into a buffer smaller than its data"),
         (a.load(empty, length=1), "NOT_VALID", "LOAD of an unbound handle into a one-octet buffer"),
     ]
-    for coro, status, what in pairs:
-        await ctx.expect(coro, status, what)
+    await ctx.expect_each(pairs)
