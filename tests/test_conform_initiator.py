@@ -169,6 +169,24 @@ def test_hanging_program_is_killed_with_its_children(tmp_path):
     assert _no_process(marker), "a process of the hanging program outlived the check"
 
 
+def test_unsupported_operation_skips_the_case_naming_it(tmp_path):
+    """A program without DIRECT_ALLOC reports it UNSUPPORTED: those cases are SKIP, not FAIL,
+    and the rest is judged as before (the reference initiator does the other scripts)."""
+    wrapper = tmp_path / "no-direct-alloc.sh"
+    wrapper.write_text('case "$KBTP_OPS" in *direct_alloc*) echo "direct_alloc 0 UNSUPPORTED" '
+                       '> "$KBTP_OUT/results"; exit 0;; esac\n'
+                       f'exec {sys.executable} -m kbtp_scapy initiator "$KBTP_TARGET_URL" --local "$KBTP_LOCAL" '
+                       '--id-file "$KBTP_STATE/id" script\n')
+    code, out, err = conform("roce", ["sh", str(wrapper)], "--only", "direct_alloc.bind",
+                             "--only", "direct_alloc.slot", "--only", "hello.header", "--json")
+    doc = json.loads(out)
+    assert verdicts(doc) == {"hello.header": "PASS", "direct_alloc.bind": "SKIP",
+                             "direct_alloc.slot": "SKIP"}, out + err
+    assert code == 0, err
+    skipped = [c["detail"] for c in doc["cases"] if c["verdict"] == "SKIP"]
+    assert all("does not implement direct_alloc (reported UNSUPPORTED)" in d for d in skipped), skipped
+
+
 def test_role_initiator_usage_errors():
     proc = subprocess.run([*KBTP, "conform", "--role", "initiator", "--", "true"], capture_output=True,
                           text=True, cwd=ROOT, env={**os.environ})

@@ -30,6 +30,11 @@ in about 10 s, and runs Python about twenty times slower than the host.
     tools/rdma_lab.py run -- rdma link   boot, run one command in the guest, print its output
     tools/rdma_lab.py up                 boot and keep the guest up until Ctrl-C ...
     tools/rdma_lab.py exec -- CMD        ... and run commands in it from another terminal
+    tools/rdma_lab.py exec --lab DIR --timeout 30 -- CMD
+                                         ... in a lab another process booted (its DIR), the
+                                         caller's KBTP_* variables passed on, killed in the
+                                         guest after 30 s: how ``kbtp conform --role
+                                         initiator`` on the host runs an initiator in the guest
 
 Everything is idempotent and cached under ``.lab/`` of the checkout.
 """
@@ -52,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -549,6 +555,18 @@ class Lab:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        """Let other processes (``exec --lab``) use the guest agent meanwhile: qemu-ga serves
+        one client at a time, so this process connects only for each call while it lasts."""
+        assert self.agent is not None
+        held, self.agent = self.agent, Agent(self.agent.path, 10, transient=True)
+        held.close()
+        try:
+            yield
+        finally:
+            self.agent = Agent(held.path, 30)
+
     def _ip(self, *args: str) -> None:
         done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
         if done.returncode != 0:
@@ -666,10 +684,12 @@ class Lab:
                               env=self.env({**(env or {}), "LOG": str(log_path)}))["pid"]
         return Process(self, pid, log_path)
 
-    def stream(self, argv: list[str], timeout: float) -> int:
+    def stream(self, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> int:
         """Run ``argv`` in the guest from the checkout (``kbtp`` on its PATH), its output
-        (stdout and stderr, as one) shown here as it comes; Ctrl-C stops it."""
-        proc = self.spawn(["/bin/sh", "-c", 'cd "$0" && exec "$@"', str(ROOT), *argv], name="exec")
+        (stdout and stderr, as one) shown here as it comes; Ctrl-C stops it. The guest kills
+        it after ``timeout`` by itself too, for a caller that is killed outright."""
+        proc = self.spawn(["/bin/sh", "-c", 'cd "$0" && exec timeout -s KILL "$1" "$@"', str(ROOT),
+                           f"{timeout:g}", *argv], name="exec", env=env)
         shown = 0
         deadline = time.monotonic() + timeout
         try:
@@ -744,7 +764,12 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="boot, run one command in the guest, print its output")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command (after --)")
     sub.add_parser("up", help="boot and keep the guest up until Ctrl-C (for 'exec')")
-    ex = sub.add_parser("exec", help="run one command in the guest that 'up' keeps running")
+    ex = sub.add_parser("exec", help="run one command in the guest that 'up' keeps running, "
+                                     "the caller's KBTP_* variables passed on")
+    ex.add_argument("--lab", type=Path, metavar="DIR",
+                    help="the directory of a lab another process booted (Lab.dir) instead of 'up's")
+    ex.add_argument("--timeout", type=float, default=3600, metavar="SECONDS",
+                    help="kill the command after this long, in the guest too [3600]")
     ex.add_argument("cmd", nargs=argparse.REMAINDER, help="the command (after --)")
     args = parser.parse_args(argv)
     # Ctrl-C and SIGTERM both end the lab cleanly (a background job starts with SIGINT ignored).
@@ -785,11 +810,12 @@ def main(argv: list[str] | None = None) -> int:
         if not cmd:
             parser.error(f"{args.command}: give the command after --")
         if args.command == "exec":
-            lab = Lab.running()
+            lab = Lab.attach(args.lab / "qga.sock", args.lab, "") if args.lab else Lab.running()
             if lab is None:
                 raise LabError("no lab is up: start 'tools/rdma_lab.py up' first")
+            passed = {k: v for k, v in os.environ.items() if k.startswith("KBTP_")}
             try:
-                return lab.stream(cmd, timeout=3600)
+                return lab.stream(cmd, timeout=args.timeout, env=passed)
             finally:
                 lab.agent.close()
         with Lab() as lab:

@@ -6,6 +6,7 @@ and the Initiator ID file, in placeholders or in the environment.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -17,6 +18,8 @@ from .initiator import initiator, session
 
 
 def _script(ctx: click.Context, param: click.Parameter, value: str | None) -> Script:
+    if value is None:                  # click reads an empty variable as unset: it is a script
+        value = os.environ.get("KBTP_OPS")
     if value is None:
         raise click.BadParameter("give the operations with --ops or KBTP_OPS")
     try:

@@ -102,6 +102,11 @@ def result_line(op: Op, status: str) -> str:
     return f"{op.name} {'-' if op.handle is None else op.handle} {status}"
 
 
+#: The status of an operation the program under test does not implement (it sends nothing
+#: for it): the checker skips the case rather than judging a feature that is not there.
+UNSUPPORTED = "UNSUPPORTED"
+
+
 def parse_results(text: str) -> list[tuple[str, str, str]]:
     """``(operation, handle offset, status)`` of each line of a results file."""
     out = []

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ...initiator.script import UNSUPPORTED
 from ...target.config import TargetConfig
 from ...vocab import Feature
 from ..context import FrameBuffer
@@ -130,6 +131,9 @@ class ICtx:
         if run.timed_out:
             raise Unjudged(f"the program did not exit within {self.timeout:g} s and was killed "
                            f"with its process group (ops {ops!r}; raise --timeout for a slow one)")
+        missing = sorted({op for op, _, status in run.results if status == UNSUPPORTED})
+        if missing:
+            self.skip(f"the initiator does not implement {', '.join(missing)} (reported {UNSUPPORTED})")
         if connect and len(self.record.sessions) == sessions:
             raise Unjudged(f"the program exited with status {run.exit_code} in {run.seconds:.1f} s "
                            f"without connecting to {self.url}: {run.tail()}")
