@@ -71,7 +71,8 @@ RUNNING = CACHE / "running.json"
 PACKAGES = ["qemu-system-x86", "qemu-guest-agent", "linux-headers-amd64",
             "linux-source-6.1", "busybox-static", "rdma-core", "ibverbs-providers",
             "ibverbs-utils", "rdmacm-utils", "perftest", "python3-pyverbs", "tcpdump",
-            "iproute2", "kmod", "xz-utils", "make", "gcc", "cpio"]
+            "iproute2", "kmod", "xz-utils", "make", "gcc", "cpio",
+            "libibverbs-dev", "librdmacm-dev"]       # for examples/c-initiator
 
 #: Modules the initramfs loads to reach the host's root; the rest comes from the host.
 INITRAMFS_MODULES = ["virtio_pci", "9p", "9pnet_virtio"]
@@ -688,7 +689,7 @@ class Lab:
         """Run ``argv`` in the guest from the checkout (``kbtp`` on its PATH), its output
         (stdout and stderr, as one) shown here as it comes; Ctrl-C stops it. The guest kills
         it after ``timeout`` by itself too, for a caller that is killed outright."""
-        proc = self.spawn(["/bin/sh", "-c", 'cd "$0" && exec timeout -s KILL "$1" "$@"', str(ROOT),
+        proc = self.spawn(["/bin/sh", "-c", 'cd "$0" && t=$1 && shift && exec timeout -s KILL "$t" "$@"', str(ROOT),
                            f"{timeout:g}", *argv], name="exec", env=env)
         shown = 0
         deadline = time.monotonic() + timeout
