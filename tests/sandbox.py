@@ -37,6 +37,17 @@ def serves(line: str) -> bool:
 
 
 #: a URL a line listens on itself (``kbtp conform --role initiator --listen URL``): no target
+#: A whole campaign (conformance, fuzzing, the demo, a benchmark): tens of seconds each, so
+#: the fast subset (-m 'not slow') leaves docs blocks and --help examples that run one to
+#: the full suite. Listing cases or coverage is quick.
+CAMPAIGN = re.compile(r"\bkbtp (?:conform|fuzz|demo|bench)\b(?![^\n]*--(?:list|coverage|help)\b)")
+
+
+def campaign_marks(text: str) -> tuple:
+    """``pytest.mark.slow`` for a block or example list that runs a campaign."""
+    return (pytest.mark.slow,) if CAMPAIGN.search(text) else ()
+
+
 LISTENS = re.compile(r"--listen[ =]" + URL.pattern)
 
 

@@ -15,6 +15,7 @@ KBTP = [sys.executable, "-m", "kbtp_scapy"]
 STEPS = ("workload", "decode", "replay", "fuzz", "conform")
 
 
+@pytest.mark.slow
 @needs_tshark
 def test_demo_runs_every_step_on_both_bindings():
     """``kbtp demo`` exactly as the README and ``kbtp --help`` give it."""

@@ -11,7 +11,7 @@ import pytest
 
 from kbtp_scapy.cli import cli
 
-from .sandbox import Sandbox, serves
+from .sandbox import Sandbox, campaign_marks, serves
 
 #: examples that fail in files other engineers own, reported to the lead: the test expects
 #: them to fail, and fails when one starts to pass (then delete it from here)
@@ -70,7 +70,8 @@ def _bare(line: str) -> str:
     return line.split("#", 1)[0].strip()
 
 
-@pytest.mark.parametrize("path,lines", WITH_EXAMPLES, ids=[p for p, _ in WITH_EXAMPLES])
+@pytest.mark.parametrize("path,lines", [pytest.param(p, lines, marks=campaign_marks("\n".join(lines)), id=p)
+                                        for p, lines in WITH_EXAMPLES])
 def test_help_examples_run_as_written(tmp_path, path, lines):
     box = Sandbox(tmp_path)
     lines = [line for line in lines if _bare(line) not in COVERED]

@@ -11,7 +11,7 @@ import tomllib
 
 import pytest
 
-from .sandbox import ROOT, Sandbox
+from .sandbox import ROOT, Sandbox, campaign_marks
 
 README = (ROOT / "README.md").read_text()
 FENCED = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
@@ -114,7 +114,8 @@ def shows(output: str, shown: list[str]) -> bool:
     return all(any(line == want.rstrip() for line in lines) for want in shown if want != "...")
 
 
-@pytest.mark.parametrize("line,lang,text,shown", RUNNABLE, ids=[f"line{b[0]}-{b[1]}" for b in RUNNABLE])
+@pytest.mark.parametrize("line,lang,text,shown", [pytest.param(*b, marks=campaign_marks(b[2]), id=f"line{b[0]}-{b[1]}")
+                                                  for b in RUNNABLE])
 def test_readme_block_runs(tmp_path, line, lang, text, shown):
     box = Sandbox(tmp_path)
     if lang == "python":

@@ -139,6 +139,7 @@ def test_lossy_path_every_operation_completes(link):
         t.stop()
 
 
+@pytest.mark.slow
 def test_allocation_storm_over_the_raw_backend(link):
     """Four initiator processes in namespace B (kernel UDP) against the raw target in A."""
     t = RawTarget(link, V4, "udp", storm_test.CONFIG)

@@ -24,6 +24,7 @@ SECONDS = 10
 CONFIG = TargetConfig(blocks=256, block_size=4096, max_initiators=4, features=0, request_credits=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_allocation_storm(transport):
     t = TargetThread(transport, CONFIG)
