@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .tshark import needs_tshark
 
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
