@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import codec
 from ..rnic import Access, MemoryTable, QueuePair, connect, memory_table
-from ..rnic.qp import ConnectionLost, FrameListener, Received, RemoteError
+from ..rnic.qp import ConnectionLost, FrameListener, Received, RemoteError, Verb, WorkRequest
 from ..tables import memory as M
 from ..tables.enums import OPCODES
 from ..vocab import AnyMessage, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
@@ -156,12 +156,11 @@ class Initiator(DirectModes):
             self._pending[rid] = (future, record_region)
             values["request_id"] = rid
             try:
-                wire = codec.encode(values, self.addr_le)
+                wr = WorkRequest(Verb.SEND, codec.encode(values, self.addr_le))
                 sent = time.perf_counter_ns()
-                self.qp.send(wire, signaled=False)
-                sent = max(sent, self.qp.tx_ns)      # its frame's departure, if it left at once
+                self.qp.post(wr, signaled=False)
                 result = await future
-                result.sent_ns = sent
+                result.sent_ns = wr.sent_ns or sent      # its frame's departure, where known
             finally:
                 self._pending.pop(rid, None)
                 for region in regions:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import random
 import socket
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
@@ -212,6 +213,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
                 True, self._flags(), 2, self.ird, self.ord, w.IRD_P2P, w.ORD_RTR_WRITE))
 
     def data_received(self, data: bytes) -> None:
+        self.rx_ns = time.perf_counter_ns()     # the arrival of every FPDU in ``data``
         self.stats["bytes_rx"] += len(data)
         self._rx += data
         try:
@@ -814,6 +816,8 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             data, self._txbuf = self._txbuf, bytearray()
             units, self._tx_units = self._tx_units, []
             self._write_now(data, units)
+            for wr in self._unwritten:
+                wr.sent_ns = self.tx_ns
             self._written += self._unwritten
             self._unwritten = []
             if not self._paused:
@@ -821,10 +825,11 @@ class IwarpQP(QueuePair, asyncio.Protocol):
 
     def _write_now(self, data: bytes | bytearray, units: list[bytes] | None = None) -> None:
         self.stats["bytes_tx"] += len(data)
+        self.tx_ns = time.perf_counter_ns()
         if self.frame_listeners:
             self._show_rx()           # what arrived first is shown first
             for frame in self._tcp.data("tx", units or [bytes(data)]):
-                self._emit("tx", frame)
+                self._emit("tx", frame, self.tx_ns)
         else:
             self._tcp.skip("tx", len(data))
         self._stream.write(data)
@@ -840,11 +845,11 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         if self._rx_units:
             units, self._rx_units = self._rx_units, []
             for frame in self._tcp.data("rx", units):
-                self._emit("rx", frame)
+                self._emit("rx", frame, self.rx_ns)
 
-    def _emit(self, direction: str, frame: bytes) -> None:
+    def _emit(self, direction: str, frame: bytes, ns: int = 0) -> None:
         self.stats["frames_" + direction] += 1
-        self.frame(direction, frame)
+        self.frame(direction, frame, ns)
 
     def _close_transport(self, error: ConnectionLost) -> None:
         self._flush()

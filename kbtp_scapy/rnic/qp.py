@@ -56,6 +56,7 @@ class WorkRequest:
     done: bool = False
     result: Any = None
     error: BaseException | None = None
+    sent_ns: int = 0               # when its first frame left (perf_counter_ns; 0: not known)
 
 
 def _check(wr: WorkRequest) -> None:

@@ -217,6 +217,8 @@ class RoceQP(QueuePair):
             else:
                 self._send_segment(op, i)
                 i += 1
+            if not op.wr.sent_ns:         # its first packet, not a retransmission
+                op.wr.sent_ns = self.tx_ns
             if psn_diff(self._spsn, self._sent) < 0:
                 self.stats["retransmits"] += 1
             self._spsn = (op.first + i) & MASK24
