@@ -169,15 +169,21 @@ def test_hanging_program_is_killed_with_its_children(tmp_path):
     assert _no_process(marker), "a process of the hanging program outlived the check"
 
 
-def test_unsupported_operation_skips_the_case_naming_it(tmp_path):
-    """A program without DIRECT_ALLOC reports it UNSUPPORTED: those cases are SKIP, not FAIL,
-    and the rest is judged as before (the reference initiator does the other scripts)."""
+def without_direct_alloc(tmp_path: Path) -> list[str]:
+    """The reference initiator behind a wrapper that reports any script with direct_alloc
+    UNSUPPORTED and sends nothing for it, as a small initiator does."""
     wrapper = tmp_path / "no-direct-alloc.sh"
     wrapper.write_text('case "$KBTP_OPS" in *direct_alloc*) echo "direct_alloc 0 UNSUPPORTED" '
                        '> "$KBTP_OUT/results"; exit 0;; esac\n'
                        f'exec {sys.executable} -m kbtp_scapy initiator "$KBTP_TARGET_URL" --local "$KBTP_LOCAL" '
-                       '--id-file "$KBTP_STATE/id" script\n')
-    code, out, err = conform("roce", ["sh", str(wrapper)], "--only", "direct_alloc.bind",
+                       '--timeout "$KBTP_TIMEOUT" --id-file "$KBTP_STATE/id" script\n')
+    return ["sh", str(wrapper)]
+
+
+def test_unsupported_operation_skips_the_case_naming_it(tmp_path):
+    """A program without DIRECT_ALLOC reports it UNSUPPORTED: those cases are SKIP, not FAIL,
+    and the rest is judged as before (the reference initiator does the other scripts)."""
+    code, out, err = conform("roce", without_direct_alloc(tmp_path), "--only", "direct_alloc.bind",
                              "--only", "direct_alloc.slot", "--only", "hello.header", "--json")
     doc = json.loads(out)
     assert verdicts(doc) == {"hello.header": "PASS", "direct_alloc.bind": "SKIP",
@@ -212,6 +218,16 @@ def test_fuzz_finds_nothing_in_the_reference_initiator(tmp_path):
     doc = json.loads(out)
     assert (code, doc["cases"], doc["findings"]) == (0, 8, []), err
     assert sum(doc["kinds"].values()) == 8
+
+
+def test_fuzz_judges_a_program_that_lacks_an_operation(tmp_path):
+    """UNSUPPORTED is an answer the oracles judge like any other, not a harness error: the
+    hostile target's cases run to the end (seed 1's fourth case scripts direct_alloc)."""
+    code, out, err = fuzz("roce", without_direct_alloc(tmp_path), "--cases", "6", "--seed", "1",
+                          "--json", "--out", str(tmp_path / "found"))
+    doc = json.loads(out)
+    assert (code, doc["cases"], doc["findings"]) == (0, 6, []), out + err
+    assert "Traceback" not in err
 
 
 def test_fuzz_catches_a_crash_minimises_and_saves_it(tmp_path):

@@ -10,6 +10,7 @@ there (``--keep``).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -49,6 +50,23 @@ def check(lab, transport: str, program: list[str], *only: str) -> tuple[int, dic
     return done.returncode, json.loads(done.stdout), done.stderr
 
 
+def hostile(lab, transport: str, program: list[str], cases: int) -> tuple[int, dict, str]:
+    """``kbtp fuzz --role initiator`` likewise; its working files go to the lab's directory
+    (TMPDIR), where the guest can write."""
+    binding = BINDINGS[transport]
+    port = 4791 if transport == "roce" else 5420
+    args = [sys.executable, "-m", "kbtp_scapy", "fuzz", "--role", "initiator", "--listen",
+            f"{transport}://{binding.host}:{port}", "--local", binding.guest, "--cases", str(cases),
+            "--seed", "1", "--timeout", "30", "--json", "--out", str(lab.dir / f"found-{transport}"), "--",
+            sys.executable, str(ROOT / "tools" / "rdma_lab.py"), "exec", "--lab", str(lab.dir),
+            "--timeout", "30", "--", *program]
+    with lab.shared(), in_lab(lab):
+        done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                              env={**os.environ, "TMPDIR": str(lab.dir)})
+    assert done.stdout, done.stderr[-3000:]
+    return done.returncode, json.loads(done.stdout), done.stderr
+
+
 def judged(doc: dict) -> dict[str, list[str]]:
     by: dict[str, list[str]] = {}
     for case in doc["cases"]:
@@ -59,10 +77,13 @@ def judged(doc: dict) -> dict[str, list[str]]:
 @pytest.mark.parametrize("transport", ["roce", "iwarp"], ids=["rxe", "siw"])
 def test_c_initiator_passes_the_checker(lab, c_initiator, transport):
     """Every case PASS, or SKIP for what the example leaves out (it reports those
-    UNSUPPORTED) and for what the binding lacks (siw has no atomics, RECORD is RoCEv2's)."""
+    UNSUPPORTED) and for what the binding lacks (siw has no atomics, RECORD is RoCEv2's),
+    and one WARN: it asks for no INVALIDATE (a SHOULD), because MRs from ibv_reg_mr cannot
+    be invalidated remotely; it deregisters each request's MR instead (its README)."""
     code, doc, err = check(lab, transport, [c_initiator])
     verdicts = judged(doc)
-    bad = [c for c in doc["cases"] if c["verdict"] not in ("PASS", "SKIP")]
+    bad = [c for c in doc["cases"] if c["verdict"] not in ("PASS", "SKIP")
+           and (c["verdict"], c["id"]) != ("WARN", "security.single_use_stags")]
     assert not bad and code == 0, json.dumps(bad, indent=1)[-6000:] + err[-2000:]
     assert len(verdicts["PASS"]) >= 20, verdicts
     for must in ("hello.header", "hello.id_entropy", "hello.id_retained", "credits.one",
@@ -74,19 +95,27 @@ def test_c_initiator_passes_the_checker(lab, c_initiator, transport):
 
 
 @pytest.mark.parametrize("transport", ["roce", "iwarp"], ids=["rxe", "siw"])
+def test_c_initiator_survives_the_hostile_target(lab, c_initiator, transport):
+    """Malformed HELLO_ACKs, completions with wrong IDs and lengths, garbage ring slots,
+    disconnects: no crash, no hang, no data reported that was not served, on the device."""
+    code, doc, err = hostile(lab, transport, [c_initiator], 12)
+    assert (code, doc["cases"], doc["findings"]) == (0, 12, []), json.dumps(doc, indent=1)[-6000:] + err[-2000:]
+
+
+@pytest.mark.parametrize("transport", ["roce", "iwarp"], ids=["rxe", "siw"])
 def test_reference_initiator_on_verbs_passes_the_checker(lab, transport):
     """The reference initiator on the guest's device (its Python runs about twenty times
-    slower there, so the cases that judge the RDMA a device does: HELLO, credits, the
-    LOAD descriptor's edges probed by the device, data before completion, Direct Load)."""
+    slower there, so four cases, those that judge what the device does: HELLO, credits,
+    the LOAD descriptor's edges probed through the device, Direct Load's RDMA Reads)."""
     binding = BINDINGS[transport]
     program = [*lab.kbtp(), "initiator", "{url}", "--io", "verbs", "--device", binding.device,
                "--local", "{local}", "--id-file", "{state}/id", "--timeout", "{timeout}", "script",
                "--ops", "{ops}", "--in", "{in}", "--out", "{out}"]
     code, doc, err = check(lab, transport, program, "hello.header", "credits.one",
-                           "descriptor.load_length", "load.data_after_completion", "direct_load.order")
+                           "descriptor.load_length", "direct_load.order")
     bad = [c for c in doc["cases"] if c["verdict"] != "PASS"]
     assert not bad and code == 0, json.dumps(bad, indent=1)[-6000:] + err[-2000:]
-    assert len(doc["cases"]) == 5
+    assert len(doc["cases"]) == 4
 
 
 def test_exec_passes_the_checker_variables_and_kills_in_the_guest(lab):

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ...initiator.script import UNSUPPORTED
+from ...initiator.script import UNSUPPORTED, parse
 from ...target.config import TargetConfig
 from ...vocab import Feature
 from ..context import FrameBuffer
@@ -110,7 +110,8 @@ class ICtx:
     async def run(self, ops: str, inputs: dict[str, bytes] | None = None, *,
                   state: Path | None = None, connect: bool = True) -> Run:
         """Run the program once with ``ops``; ``Unjudged`` when it cannot be judged
-        (and, with ``connect``, when it never opened a session)."""
+        and, with ``connect`` (a conformance case), when it never opened a session, and
+        Skip when it reported an operation of ``ops`` UNSUPPORTED."""
         if self.target is None:
             await self.serve()
         n = next(self._n)
@@ -131,10 +132,14 @@ class ICtx:
         if run.timed_out:
             raise Unjudged(f"the program did not exit within {self.timeout:g} s and was killed "
                            f"with its process group (ops {ops!r}; raise --timeout for a slow one)")
-        missing = sorted({op for op, _, status in run.results if status == UNSUPPORTED})
+        if not connect:
+            return run
+        statements = [op for st in parse(ops) for op in st]
+        missing = sorted({" ".join([op.name, *sorted(op.words)]) for op, (_, _, status)
+                          in zip(statements, run.results) if status == UNSUPPORTED})
         if missing:
-            self.skip(f"the initiator does not implement {', '.join(missing)} (reported {UNSUPPORTED})")
-        if connect and len(self.record.sessions) == sessions:
+            self.skip(f"the initiator does not implement {'; '.join(missing)} (reported {UNSUPPORTED})")
+        if len(self.record.sessions) == sessions:
             raise Unjudged(f"the program exited with status {run.exit_code} in {run.seconds:.1f} s "
                            f"without connecting to {self.url}: {run.tail()}")
         return run
