@@ -66,7 +66,8 @@ class Initiator(DirectModes):
         memory = memory_table(options.get("io"))
         qp = await connect(url, memory, recv_size=COMPLETION_BUFFER,
                            frame_listeners=list(frame_listeners or ()), **options)
-        self = cls(qp, memory, initiator_id or secrets.token_bytes(16), credits, invalidate)
+        self = cls(qp, memory, initiator_id or secrets.token_bytes(16), credits,
+                   invalidate and qp.remote_invalidate)
         if not qp.atomics:           # an RDMA device without FetchAdd cannot take tickets
             features &= ~Feature.DIRECT_ALLOC
         qp.post_recv(credits)

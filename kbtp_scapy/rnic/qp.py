@@ -129,6 +129,7 @@ class QueuePair:
     transport = ""            # "iwarp" or "roce"
     masked_atomics = False    # RFC 7306 masked FetchAdd (iWARP) or unmasked (InfiniBand)
     atomics = True            # the binding's FetchAdd can be posted at all (not on siw)
+    remote_invalidate = True  # a peer's Send with Invalidate can end our buffers' STags
 
     def __init__(self, memory: MemoryTable, *, recv_size: int = 4096, posted: int = 0) -> None:
         """``posted`` receive buffers exist from the start: a listener's peer may send at

@@ -104,6 +104,14 @@ def _comp_channel(ctx):
     return channel, new[0]
 
 
+#: Devices whose memory windows do not bound a peer's access (vendor ID: driver). Linux
+#: rxe (6.1) checks a remote access against the range of the MR under a type 2 window, not
+#: the window's, so a peer reaches the whole arena; the initiator checker's probe one octet
+#: past a LOAD descriptor was placed. There every remotely accessible buffer is an MR of its
+#: own, exactly its length (docs/DECISIONS.md, "Memory windows on rxe").
+UNBOUNDED_WINDOWS = {0xFFFFFF: "rxe"}
+
+
 class Device:
     """One RDMA device, opened once per process: what it can do, for the target's offer."""
 
@@ -120,7 +128,7 @@ class Device:
         self.transport = "iwarp" if names[name].node_type == _IBV_NODE_RNIC else "roce"
         self.atomics = attr.atomic_caps != e.IBV_ATOMIC_NONE
         self.memory_windows = bool(attr.device_cap_flags & e.IBV_DEVICE_MEM_WINDOW_TYPE_2B) \
-            and attr.max_mw > 0
+            and attr.max_mw > 0 and attr.vendor_id not in UNBOUNDED_WINDOWS
         self.max_rd_atomic = min(RESOURCES, attr.max_qp_rd_atom or RESOURCES)
         self.active_mtu = self.ctx.query_port(1).active_mtu
 
@@ -353,6 +361,8 @@ class VerbsQP(QueuePair):
         self.transport = dev.transport
         self.masked_atomics = dev.transport == "iwarp"
         self.atomics = dev.atomics and not self.masked_atomics   # verbs: unmasked only
+        # InfiniBand invalidates windows, not plain MRs (see VerbsMemory); iWARP both
+        self.remote_invalidate = dev.transport == "iwarp" or dev.memory_windows
         self._loop = asyncio.get_running_loop()
         self.pd = pd.PD(dev.ctx)
         self.channel, self._fd = _comp_channel(dev.ctx)
