@@ -447,7 +447,7 @@ static void kbtp_register_fields(int proto)
         { &hf_kbtp_ring_ticket, { "Ring Ticket", "kbtp.ring.ticket", FT_UINT32, BASE_DEC, NULL, 0x0, "Ticket of a FetchAdd on a ring counter advertised in HELLO_ACK", HFILL } },
         { &hf_kbtp_ring_slot_offset, { "Ring Slot Offset", "kbtp.ring.slot_offset", FT_UINT32, BASE_DEC, NULL, 0x0, "Slot Offset of a FetchAdd on a ring counter advertised in HELLO_ACK", HFILL } },
         { &hf_kbtp_session_addr_le, { "ADDR_LE session", "kbtp.session.addr_le", FT_BOOLEAN, BASE_NONE, NULL, 0x0, "Address fields decoded little-endian", HFILL } },
-        { &hf_kbtp_fragment_in, { "Reassembled in", "kbtp.fragment_in", FT_FRAMENUM, BASE_NONE, NULL, 0x0, "Frame whose KBTP message this Send fragment belongs to", HFILL } },
+        { &hf_kbtp_fragment_in, { "Fragment in frame", "kbtp.fragment_in", FT_FRAMENUM, BASE_NONE, NULL, 0x0, "Frame whose KBTP message this Send fragment belongs to", HFILL } },
     };
     static gint *ett[] = { &ett_kbtp, &ett_kbtp_hello_ack_table, &ett_kbtp_hello_ack_pool, &ett_kbtp_hello_ack_partition, &ett_kbtp_hello_ack_ring, &ett_kbtp_hello_ack_head, &ett_kbtp_dd, &ett_kbtp_cd, &ett_kbtp_flags, &ett_kbtp_hello_requested_features, &ett_kbtp_hello_ack_features };
     proto_register_field_array(proto, hf, array_length(hf));
@@ -2301,8 +2301,8 @@ static int dissect_kbtp_rdma(tvbuff_t *tvb, packet_info *pinfo, proto_tree *tree
             wmem_array_t *list = m->st->data_in;
             if (!list)
                 list = m->st->data_in = wmem_array_new(wmem_file_scope(), sizeof(guint32));
-            guint count = wmem_array_get_count(list);
-            if (!count || *(guint32 *)wmem_array_index(list, count - 1) != n)
+            guint listed = wmem_array_get_count(list);
+            if (!listed || *(guint32 *)wmem_array_index(list, listed - 1) != n)
                 wmem_array_append_one(list, n);
         }
         if (m) {
