@@ -78,3 +78,30 @@ def tshark_text(pcap: Path | str, *args: str) -> str:
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout + proc.stderr
+
+
+def pyshark_packets(pcap: Path | str, count: int, params: tuple[str, ...] = (),
+                    display_filter: str = "kbtp.opcode") -> list:
+    """The ``count`` packets pyshark reads from ``pcap`` with ``display_filter`` (tshark
+    run with ``params``), and then the end of the capture: no more, no fewer."""
+    import asyncio
+
+    import pyshark
+    loop = asyncio.new_event_loop()     # (other tests' asyncio.run() leave none behind)
+    cap = pyshark.FileCapture(str(pcap), display_filter=display_filter, custom_parameters=list(params),
+                              eventloop=loop)
+    packets = iter(cap)
+
+    async def tshark_ended() -> None:
+        await asyncio.gather(*(p.wait() for p in cap._running_processes))
+    try:
+        out = [next(packets) for _ in range(count)]
+        # Let the loop see tshark end before pyshark's end of file kills it: kill()
+        # polls first (Popen.send_signal), a poll that reaps the ended tshark makes
+        # asyncio's child watcher report exit status 255, and pyshark calls that a crash.
+        loop.run_until_complete(asyncio.wait_for(tshark_ended(), 60))
+        assert next(packets, None) is None, pcap
+        return out
+    finally:
+        cap.close()
+        loop.close()
