@@ -52,7 +52,8 @@ def installed_c(tmp_path, monkeypatch, c_plugin) -> Path:  # noqa: F811
     if os.geteuid() == 0:
         monkeypatch.setenv("LD_PRELOAD", str(c_plugin))
     else:
-        listed = subprocess.run([TSHARK or "tshark", "-G", "plugins"], capture_output=True, text=True, timeout=120).stdout
+        listed = subprocess.run([TSHARK or "tshark", "-G", "plugins"], capture_output=True, text=True,
+                                timeout=120).stdout
         assert str(plugin) in listed, listed
     return plugin
 
