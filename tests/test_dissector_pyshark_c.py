@@ -5,19 +5,25 @@ values and labels, frame for frame, as through the Lua form."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.cplugin import ROOT, TCP_FIRST, c_plugin, needs_toolchain  # noqa: F401 (fixture)
+from tests.cplugin import ROOT, TCP_FIRST, needs_toolchain
 from tests.test_dissector import PLUGIN
 from tests.tshark import TSHARK, needs_tshark, private_home, pyshark_packets
 
 pytestmark = [needs_tshark, needs_toolchain]
 
 PCAPS = sorted((ROOT / "pcaps").glob("*.pcap"))
+#: Wireshark reads no personal plugin folder when it runs as root: then tshark runs as this
+#: user (nobody), as a user who installed the plugin runs it.
+UNPRIVILEGED = "65534"
 
 
 def kbtp_fields(packets: list) -> list[tuple[int, list]]:
@@ -28,46 +34,59 @@ def kbtp_fields(packets: list) -> list[tuple[int, list]]:
             for pkt in packets]
 
 
-def messages(pcap: Path, params: tuple[str, ...]) -> int:
+def messages(pcap: Path, params: tuple[str, ...], tshark: str) -> int:
     """How many frames tshark itself shows with kbtp.opcode, under the same environment."""
-    proc = subprocess.run([TSHARK or "tshark", "-n", "-r", str(pcap), *params, "-Y", "kbtp.opcode"],
+    proc = subprocess.run([tshark, "-n", "-r", str(pcap), *params, "-Y", "kbtp.opcode"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return len(proc.stdout.splitlines())
 
 
 @pytest.fixture
-def installed_c(tmp_path, monkeypatch, c_plugin) -> Path:  # noqa: F811
-    """The C plugin installed into the test's own HOME, and the environment set so that
-    tshark (and so pyshark) loads it. Wireshark reads no personal plugin folder when run as
-    root: then the same sources' preload build (tests/cplugin.py) stands in for it."""
-    env = private_home(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "dissector", "install", "--c"],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    plugin = Path(next(line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("installed ")))
-    assert plugin.is_relative_to(tmp_path) and plugin.name == "kbtp.so" and plugin.parent.name == "epan"
-    for key in ("HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME"):
-        monkeypatch.setenv(key, env[key])
-    if os.geteuid() == 0:
-        monkeypatch.setenv("LD_PRELOAD", str(c_plugin))
-    else:
-        listed = subprocess.run([TSHARK or "tshark", "-G", "plugins"], capture_output=True, text=True,
-                                timeout=120).stdout
-        assert str(plugin) in listed, listed
-    return plugin
+def installed_c(monkeypatch) -> Iterator[tuple[str, Path]]:
+    """The C plugin installed into a HOME of the test's own, that HOME in the environment;
+    the tshark (as root: a wrapper that runs it as nobody) that loads it from there, and a
+    folder that tshark can read the captures from."""
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("run as root without setpriv: Wireshark would read no personal plugin folder")
+    home = Path(tempfile.mkdtemp(prefix="kbtp-pyshark-"))     # one that nobody can enter
+    try:
+        home.chmod(0o755)
+        env = private_home(home)
+        proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "dissector", "install", "--c"],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        plugin = Path(next(line.split(" ", 1)[1] for line in proc.stdout.splitlines()
+                           if line.startswith("installed ")))
+        assert plugin.is_relative_to(home) and plugin.name == "kbtp.so" and plugin.parent.name == "epan"
+        for key in ("HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME"):
+            monkeypatch.setenv(key, env[key])
+        tshark = TSHARK or "tshark"
+        if os.geteuid() == 0:
+            subprocess.run(["chmod", "-R", "a+rwX", str(home)], check=True, timeout=60)
+            tshark = str(home / "tshark")
+            Path(tshark).write_text(f'#!/bin/sh\nexec setpriv --reuid={UNPRIVILEGED} --regid={UNPRIVILEGED} '
+                                    f'--clear-groups {TSHARK} "$@"\n')
+            Path(tshark).chmod(0o755)
+        listed = subprocess.run([tshark, "-G", "plugins"], capture_output=True, text=True, timeout=120).stdout
+        assert f"\t{plugin}\n" in listed, listed          # loaded from where it was installed
+        for pcap in PCAPS:
+            shutil.copy(pcap, home)
+        yield tshark, home
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_pyshark_reads_the_same_kbtp_fields_from_the_c_plugin_as_from_the_lua_form(installed_c, monkeypatch):
+    tshark, folder = installed_c
     got = {}
     for pcap in PCAPS:
-        count = messages(pcap, TCP_FIRST)
+        count = messages(folder / pcap.name, TCP_FIRST, tshark)
         assert count, pcap.name
-        got[pcap.name] = kbtp_fields(pyshark_packets(pcap, count, TCP_FIRST))
+        got[pcap.name] = kbtp_fields(pyshark_packets(folder / pcap.name, count, TCP_FIRST, tshark_path=tshark))
     monkeypatch.undo()                  # the suite's own HOME, no C plugin: kbtp.lua alone
-    assert "LD_PRELOAD" not in os.environ
     for pcap in PCAPS:
-        lua = kbtp_fields(pyshark_packets(pcap, messages(pcap, PLUGIN), PLUGIN))
+        lua = kbtp_fields(pyshark_packets(pcap, messages(pcap, PLUGIN, TSHARK or "tshark"), PLUGIN))
         assert [n for n, _ in got[pcap.name]] == [n for n, _ in lua], pcap.name
         differ = [(a, b) for a, b in zip(got[pcap.name], lua) if a != b]
         assert not differ, (pcap.name, differ[:1])

@@ -81,15 +81,16 @@ def tshark_text(pcap: Path | str, *args: str) -> str:
 
 
 def pyshark_packets(pcap: Path | str, count: int, params: tuple[str, ...] = (),
-                    display_filter: str = "kbtp.opcode") -> list:
-    """The ``count`` packets pyshark reads from ``pcap`` with ``display_filter`` (tshark
-    run with ``params``), and then the end of the capture: no more, no fewer."""
+                    display_filter: str = "kbtp.opcode", tshark_path: str | None = None) -> list:
+    """The ``count`` packets pyshark reads from ``pcap`` with ``display_filter`` (tshark,
+    or ``tshark_path``, run with ``params``), and then the end of the capture: no more, no
+    fewer."""
     import asyncio
 
     import pyshark
     loop = asyncio.new_event_loop()     # (other tests' asyncio.run() leave none behind)
     cap = pyshark.FileCapture(str(pcap), display_filter=display_filter, custom_parameters=list(params),
-                              eventloop=loop)
+                              eventloop=loop, tshark_path=tshark_path)
     packets = iter(cap)
 
     async def tshark_ended() -> None:
