@@ -1,4 +1,5 @@
-"""The Wireshark GUI with the C plugin, under Xvfb: it opens a capture, goes to a KBTP
+"""The Wireshark GUI under Xvfb, with the C plugin as ``kbtp dissector install --c`` puts it
+into a HOME of the test's own (tests/cplugin.py): it opens a capture, goes to a KBTP
 frame (``-g``), and the packet details it draws, every item expanded and copied as text
 (Edit > Copy > All Visible Items), are the tree ``tshark -V`` prints for that frame with
 the same plugin. Wireshark says nothing of plugins, Lua or dissector errors on stderr. A
@@ -20,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cplugin import ROOT, TCP_FIRST, c_plugin, needs_toolchain  # noqa: F401 (fixture)
-from tests.tshark import TSHARK, needs_tshark, private_home
+from tests.cplugin import ROOT, TCP_FIRST, UNPRIVILEGED, Installed, installed_c_plugin, needs_toolchain
+from tests.tshark import needs_tshark
 
 TOOLS = {"wireshark": "wireshark-qt", "Xvfb": "xvfb", "xdotool": "xdotool", "xclip": "xclip",
          "xwd": "x11-apps", "xwdtopnm": "netpbm"}
@@ -66,11 +67,11 @@ def display(tmp_path) -> Iterator[str]:
         server.wait(timeout=30)
 
 
-def tshark_tree(plugin: Path, frame: int) -> list[str]:
+def tshark_tree(tshark: str, pcap: Path, frame: int, env: dict[str, str]) -> list[str]:
     """``tshark -V`` for one frame of the whole capture (every frame dissected, as the GUI
     does), as lines."""
-    proc = subprocess.run([TSHARK or "tshark", "-n", "-r", str(PCAP), *TCP_FIRST, "-V"], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "LD_PRELOAD": str(plugin)})
+    proc = subprocess.run([tshark, "-n", "-r", str(pcap), *TCP_FIRST, "-V"], capture_output=True,
+                          text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     blocks = proc.stdout.split("\n\n")
     block = next(b for b in blocks if b.lstrip("\n").startswith(f"Frame {frame}:"))
@@ -85,20 +86,29 @@ def copied(env: dict[str, str], window: str, *keys: str) -> list[str]:
     return x_tool(env, "xclip", "-o", "-selection", "clipboard").strip("\n").splitlines()
 
 
-def test_the_gui_draws_the_tree_tshark_prints(c_plugin, display, tmp_path):  # noqa: F811
-    env = private_home(tmp_path / "home")
-    (tmp_path / "home/.config/wireshark").mkdir(parents=True)
-    (tmp_path / "home/.config/wireshark/recent_common").write_text(RECENT_COMMON)
-    (tmp_path / "home/.config/wireshark/recent").write_text(RECENT)
-    runtime = tmp_path / "run"
+def test_the_gui_draws_the_tree_tshark_prints(display, tmp_path):
+    """Wireshark with the plugin as `kbtp dissector install --c` installs it."""
+    with installed_c_plugin() as installed:
+        tree_as_shown(installed, display, tmp_path)
+
+
+def tree_as_shown(installed: Installed, display: str, tmp_path: Path) -> None:
+    env = dict(installed.env)
+    config = installed.home / ".config/wireshark"
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "recent_common").write_text(RECENT_COMMON)
+    (config / "recent").write_text(RECENT)
+    runtime = installed.home / "run"            # Qt wants one of the user's own, mode 0700
     runtime.mkdir(mode=0o700)
-    # Wireshark reads no personal plugin folder as root; the preload build loads the same
-    # plugin either way (tests/cplugin.py).
-    env.update(DISPLAY=display, XDG_RUNTIME_DIR=str(runtime), LD_PRELOAD=str(c_plugin))
-    want = tshark_tree(c_plugin, FRAME)
+    if installed.as_user:
+        subprocess.run(["chmod", "-R", "a+rwX", str(config)], check=True, timeout=60)
+        os.chown(runtime, int(UNPRIVILEGED), int(UNPRIVILEGED))
+    env.update(DISPLAY=display, XDG_RUNTIME_DIR=str(runtime))
+    pcap = installed.pcaps / PCAP.name
+    want = tshark_tree(installed.tshark, pcap, FRAME, env)
     assert any(line.startswith("KV Cache Block Transfer Protocol, HELLO_ACK") for line in want)
 
-    gui = subprocess.Popen(["wireshark", "-n", "-r", str(PCAP), *TCP_FIRST, "-g", str(FRAME)],
+    gui = subprocess.Popen([*installed.as_user, "wireshark", "-n", "-r", str(pcap), *TCP_FIRST, "-g", str(FRAME)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         window, tree = "", []

@@ -4,26 +4,19 @@ the filter for messages: ``kbtp`` also matches data frames) and finds the same k
 values and labels, frame for frame, as through the Lua form."""
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.cplugin import ROOT, TCP_FIRST, needs_toolchain
+from tests.cplugin import ROOT, TCP_FIRST, Installed, installed_c_plugin, needs_toolchain
 from tests.test_dissector import PLUGIN
-from tests.tshark import TSHARK, needs_tshark, private_home, pyshark_packets
+from tests.tshark import TSHARK, needs_tshark, pyshark_packets
 
 pytestmark = [needs_tshark, needs_toolchain]
 
 PCAPS = sorted((ROOT / "pcaps").glob("*.pcap"))
-#: Wireshark reads no personal plugin folder when it runs as root: then tshark runs as this
-#: user (nobody), as a user who installed the plugin runs it.
-UNPRIVILEGED = "65534"
 
 
 def kbtp_fields(packets: list) -> list[tuple[int, list]]:
@@ -43,42 +36,17 @@ def messages(pcap: Path, params: tuple[str, ...], tshark: str) -> int:
 
 
 @pytest.fixture
-def installed_c(monkeypatch) -> Iterator[tuple[str, Path]]:
-    """The C plugin installed into a HOME of the test's own, that HOME in the environment;
-    the tshark (as root: a wrapper that runs it as nobody) that loads it from there, and a
-    folder that tshark can read the captures from."""
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
-        pytest.skip("run as root without setpriv: Wireshark would read no personal plugin folder")
-    home = Path(tempfile.mkdtemp(prefix="kbtp-pyshark-"))     # one that nobody can enter
-    try:
-        home.chmod(0o755)
-        env = private_home(home)
-        proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "dissector", "install", "--c"],
-                              capture_output=True, text=True, env=env, timeout=600)
-        assert proc.returncode == 0, proc.stderr
-        plugin = Path(next(line.split(" ", 1)[1] for line in proc.stdout.splitlines()
-                           if line.startswith("installed ")))
-        assert plugin.is_relative_to(home) and plugin.name == "kbtp.so" and plugin.parent.name == "epan"
+def installed_c(monkeypatch) -> Iterator[Installed]:
+    """The C plugin installed into a HOME of the test's own, and that HOME in the environment
+    pyshark starts tshark in."""
+    with installed_c_plugin() as installed:
         for key in ("HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME"):
-            monkeypatch.setenv(key, env[key])
-        tshark = TSHARK or "tshark"
-        if os.geteuid() == 0:
-            subprocess.run(["chmod", "-R", "a+rwX", str(home)], check=True, timeout=60)
-            tshark = str(home / "tshark")
-            Path(tshark).write_text(f'#!/bin/sh\nexec setpriv --reuid={UNPRIVILEGED} --regid={UNPRIVILEGED} '
-                                    f'--clear-groups {TSHARK} "$@"\n')
-            Path(tshark).chmod(0o755)
-        listed = subprocess.run([tshark, "-G", "plugins"], capture_output=True, text=True, timeout=120).stdout
-        assert f"\t{plugin}\n" in listed, listed          # loaded from where it was installed
-        for pcap in PCAPS:
-            shutil.copy(pcap, home)
-        yield tshark, home
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+            monkeypatch.setenv(key, installed.env[key])
+        yield installed
 
 
 def test_pyshark_reads_the_same_kbtp_fields_from_the_c_plugin_as_from_the_lua_form(installed_c, monkeypatch):
-    tshark, folder = installed_c
+    tshark, folder = installed_c.tshark, installed_c.pcaps
     got = {}
     for pcap in PCAPS:
         count = messages(folder / pcap.name, TCP_FIRST, tshark)
