@@ -1,5 +1,5 @@
 """The Wireshark GUI under Xvfb, with the C plugin as ``kbtp dissector install --c`` puts it
-into a HOME of the test's own (tests/cplugin.py): it opens a capture, goes to a KBTP
+into a HOME of the test's own (tests/tshark.py): it opens a capture, goes to a KBTP
 frame (``-g``), and the packet details it draws, every item expanded and copied as text
 (Edit > Copy > All Visible Items), are the tree ``tshark -V`` prints for that frame with
 the same plugin. Wireshark says nothing of plugins, Lua or dissector errors on stderr. A
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cplugin import ROOT, TCP_FIRST, UNPRIVILEGED, Installed, installed_c_plugin, needs_toolchain
-from tests.tshark import needs_tshark
+from tests.cplugin import ROOT, TCP_FIRST, needs_toolchain
+from tests.tshark import UNPRIVILEGED, Installed, installed_c_plugin, needs_tshark
 
 TOOLS = {"wireshark": "wireshark-qt", "Xvfb": "xvfb", "xdotool": "xdotool", "xclip": "xclip",
          "xwd": "x11-apps", "xwdtopnm": "netpbm"}

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cplugin import ROOT, TCP_FIRST, Installed, installed_c_plugin, needs_toolchain
+from tests.cplugin import ROOT, TCP_FIRST, needs_toolchain
 from tests.test_dissector import PLUGIN
-from tests.tshark import TSHARK, needs_tshark, pyshark_packets
+from tests.tshark import TSHARK, Installed, installed_c_plugin, needs_tshark, pyshark_packets
 
 pytestmark = [needs_tshark, needs_toolchain]
 
