@@ -114,7 +114,7 @@ F["data_in"] = ProtoField.framenum("kbtp.data_in", "Data in", base.NONE, nil, ni
 F["ring.ticket"] = ProtoField.uint32("kbtp.ring.ticket", "Ring Ticket", base.DEC, nil, nil, "Ticket of a FetchAdd on a ring counter advertised in HELLO_ACK")
 F["ring.slot_offset"] = ProtoField.uint32("kbtp.ring.slot_offset", "Ring Slot Offset", base.DEC, nil, nil, "Slot Offset of a FetchAdd on a ring counter advertised in HELLO_ACK")
 F["session.addr_le"] = ProtoField.bool("kbtp.session.addr_le", "ADDR_LE session", base.NONE, nil, nil, "Address fields decoded little-endian")
-F["fragment_in"] = ProtoField.framenum("kbtp.fragment_in", "Reassembled in", base.NONE, nil, nil, "Frame whose KBTP message this Send fragment belongs to")
+F["fragment_in"] = ProtoField.framenum("kbtp.fragment_in", "Fragment in frame", base.NONE, nil, nil, "Frame whose KBTP message this Send fragment belongs to")
 
 local VERSION = 1
 local HEADER_SIZE = 24

@@ -19,7 +19,7 @@ from kbtp_scapy.builders.recorder import write_pcap
 from kbtp_scapy.vocab import Opcode
 from tests.test_decode import multi_connection, streamed
 from tests.test_dissector import LUA, PLUGIN
-from tests.tshark import TSHARK, folders, needs_tshark, private_home
+from tests.tshark import TSHARK, folders, needs_tshark, private_home, pyshark_packets
 
 pytestmark = needs_tshark
 
@@ -126,34 +126,14 @@ def test_every_field_once_in_ek(captures):
 
 
 def test_every_field_once_through_pyshark(captures):
-    import asyncio
-
-    import pyshark
     for pcap in captures[:len(PCAPS) + 1]:
         want = by_frame(pcap)
-        loop = asyncio.new_event_loop()     # (other tests' asyncio.run() leave none behind)
-        cap = pyshark.FileCapture(str(pcap), display_filter="kbtp.opcode",
-                                  custom_parameters=list(PLUGIN), eventloop=loop)
-        packets = iter(cap)
-
-        async def tshark_ended() -> None:
-            await asyncio.gather(*(p.wait() for p in cap._running_processes))
-        try:
-            for _ in want:
-                pkt = next(packets)
-                fields = want[int(pkt.number)]
-                for key, value in fields.items():
-                    field = pkt.kbtp.get_field(key[5:].replace(".", "_"))
-                    assert field is not None and len(field.all_fields) == 1, (pcap.name, pkt.number, key)
-                    assert same(field.show, value), (pcap.name, pkt.number, key, field.show, value)
-            # Let the loop see tshark end before pyshark's end of file kills it: kill()
-            # polls first (Popen.send_signal), a poll that reaps the ended tshark makes
-            # asyncio's child watcher report exit status 255, and pyshark calls that a crash.
-            loop.run_until_complete(asyncio.wait_for(tshark_ended(), 60))
-            assert next(packets, None) is None, pcap.name
-        finally:
-            cap.close()
-            loop.close()
+        for pkt in pyshark_packets(pcap, len(want), PLUGIN):
+            fields = want[int(pkt.number)]
+            for key, value in fields.items():
+                field = pkt.kbtp.get_field(key[5:].replace(".", "_"))
+                assert field is not None and len(field.all_fields) == 1, (pcap.name, pkt.number, key)
+                assert same(field.show, value), (pcap.name, pkt.number, key, field.show, value)
 
 
 def test_installed_plugin_and_lua_script_together_load_once(tmp_path):

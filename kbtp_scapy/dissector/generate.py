@@ -31,7 +31,7 @@ EXTRA_FIELDS = (
     ("ring.ticket", "uint32", "Ring Ticket", "Ticket of a FetchAdd on a ring counter advertised in HELLO_ACK", None),
     ("ring.slot_offset", "uint32", "Ring Slot Offset", "Slot Offset of a FetchAdd on a ring counter advertised in HELLO_ACK", None),
     ("session.addr_le", "bool", "ADDR_LE session", "Address fields decoded little-endian", None),
-    ("fragment_in", "framenum", "Reassembled in", "Frame whose KBTP message this Send fragment belongs to", None),
+    ("fragment_in", "framenum", "Fragment in frame", "Frame whose KBTP message this Send fragment belongs to", None),
 )
 
 

@@ -754,8 +754,8 @@ static int dissect_kbtp_rdma(tvbuff_t *tvb, packet_info *pinfo, proto_tree *tree
             wmem_array_t *list = m->st->data_in;
             if (!list)
                 list = m->st->data_in = wmem_array_new(wmem_file_scope(), sizeof(guint32));
-            guint count = wmem_array_get_count(list);
-            if (!count || *(guint32 *)wmem_array_index(list, count - 1) != n)
+            guint listed = wmem_array_get_count(list);
+            if (!listed || *(guint32 *)wmem_array_index(list, listed - 1) != n)
                 wmem_array_append_one(list, n);
         }
         if (m) {
