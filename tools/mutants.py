@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How many machine-made target bugs do ``kbtp conform`` and ``kbtp fuzz`` kill?
+"""How many machine-made bugs do ``kbtp conform`` and ``kbtp fuzz`` kill, in a target or an initiator?
 
 Mutants of the reference target's protocol core are made with Cosmic Ray's operators
 (``pip install -e .[mutation]``): every place an operator can change the code of
@@ -19,10 +19,19 @@ a Wilson 95% interval, because a sample is not the whole.
     .venv/bin/python tools/mutants.py --only ring.py:core/ReplaceComparisonOperator_Lt_LtE:3
 
 Mutants are judged against the unmutated target first (the control: both tools must pass).
+
+With ``--role initiator`` the mutants are of the reference initiator's protocol code
+(client.py: requests and completions; direct.py: Direct Load and Direct Allocation;
+results.py: completion matching), and the judges are ``kbtp conform --role initiator
+--quick`` and ``kbtp fuzz --role initiator``, running ``kbtp initiator ... script`` from
+the mutated copy as the program under test, on both bindings:
+
+    nice .venv/bin/python tools/mutants.py --role initiator --sample 40 --seed 1 --markdown docs/MUTANTS_INITIATOR.md
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import contextlib
 import html
@@ -41,11 +50,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kbtp_scapy"
 CORE = ("operations.py", "table.py", "ring.py", "sessions.py", "direct.py", "connection.py")
+
+
+@dataclass(frozen=True)
+class Role:
+    """What is mutated (``modules`` of the subpackage ``package``) and what judges it."""
+
+    name: str
+    package: str
+    modules: tuple[str, ...]
+    what: str
+    fuzz_cases: int          # default --fuzz-cases: an initiator's case starts a program
+    timeout: float           # default --timeout: an initiator's runs get half of it, and the
+                             # credits cases hold completions back for seconds
+
+
+ROLES = {"target": Role("target", "target", CORE, "the target's protocol core", 1000, 3.0),
+         "initiator": Role("initiator", "initiator", ("client.py", "direct.py", "results.py"),
+                           "the reference initiator's protocol code", 40, 10.0)}
 TRANSPORTS = ("iwarp", "roce")
 #: The target's shape for the runs: small, with a short Ticket Timeout so the cases that
 #: wait for an abandoned ticket are not skipped.
 TARGET_OPTIONS = ["--blocks", "128", "--max-initiators", "8", "--ticket-timeout", "300", "--retention", "30"]
 PORTS = {"iwarp": 5420, "roce": 4791}
+#: --first-kill: judge a mutant only until a checker kills it (conform first, then fuzz;
+#: the score of both together and of conform alone stay exact, fuzz alone undercounts)
+FIRST_KILL = False
+#: Seconds one checker may take against one target: the clean target takes 10 to 40 on a
+#: loaded machine, so a mutant still running at this has hung the checker (a kill).
+VERDICT_TIMEOUT = 240
 #: Where the hand-written classification of the survivors starts in the Markdown report;
 #: a new run rewrites what is above it and keeps the rest.
 CLASSIFIED = "\n<!-- survivors classified by hand below; kept when the report is regenerated -->\n"
@@ -57,10 +90,15 @@ CHECKER_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 @dataclass(frozen=True)
 class Mutant:
-    module: str          # file name within kbtp_scapy/target
+    module: str          # file name within kbtp_scapy/PACKAGE
     operator: str        # Cosmic Ray operator name
     occurrence: int      # which place in the module that operator changes
     line: int
+    package: str = "target"
+
+    @property
+    def path(self) -> Path:
+        return PACKAGE / self.package / self.module
 
     @property
     def name(self) -> str:
@@ -90,17 +128,39 @@ def operators() -> list[tuple[str, object]]:
     return out
 
 
-def enumerate_mutants(modules: tuple[str, ...] = CORE) -> list[Mutant]:
-    """Every (module, operator, occurrence) Cosmic Ray can apply."""
+def annotations(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) of every type annotation: the modules have ``from __future__ import
+    annotations``, so a mutant there is never evaluated (equivalent by construction)."""
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        notes = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            notes = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
+                     if x is not None] + [node.returns]
+        elif isinstance(node, ast.AnnAssign):
+            notes = [node.annotation]
+        spans += [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)) for n in notes
+                  if n is not None and n.end_lineno is not None and n.end_col_offset is not None]
+    return spans
+
+
+def enumerate_mutants(role: Role = ROLES["target"]) -> list[Mutant]:
+    """Every (module, operator, occurrence) Cosmic Ray can apply, outside type annotations.
+    The occurrence counts every place, so a name means the same mutant with or without
+    the filter."""
     from cosmic_ray.ast import ast_nodes, get_ast_from_path
     found = []
     ops = operators()
-    for module in modules:
-        tree = get_ast_from_path(PACKAGE / "target" / module)
+    for module in role.modules:
+        path = PACKAGE / role.package / module
+        tree = get_ast_from_path(path)
+        skip = annotations(path.read_text())
         nodes = list(ast_nodes(tree))
         for name, op in ops:
             positions = [start for node in nodes for start, _ in op.mutation_positions(node)]
-            found += [Mutant(module, name, i, start[0]) for i, start in enumerate(positions)]
+            found += [Mutant(module, name, i, start[0], role.package) for i, start in enumerate(positions)
+                      if not any(a <= tuple(start) < b for a, b in skip)]
     return found
 
 
@@ -108,7 +168,7 @@ def mutated_source(m: Mutant) -> tuple[str, str]:
     """(original, mutated) source of the mutant's module."""
     import cosmic_ray.plugins as plugins
     from cosmic_ray.mutating import mutate_code
-    original = (PACKAGE / "target" / m.module).read_text()
+    original = m.path.read_text()
     mutated = mutate_code(original, plugins.get_operator(m.operator)(), m.occurrence)
     if mutated is None:
         raise ValueError(f"{m.name}: the operator found nothing to change there")
@@ -128,7 +188,7 @@ def package_copy(m: Mutant | None):
         shutil.copytree(PACKAGE, Path(tmp) / "kbtp_scapy",
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         if m is not None:
-            (Path(tmp) / "kbtp_scapy" / "target" / m.module).write_text(mutated_source(m)[1])
+            (Path(tmp) / "kbtp_scapy" / m.package / m.module).write_text(mutated_source(m)[1])
         yield tmp
 
 
@@ -189,15 +249,9 @@ def judge(pythonpath: str, tools: list[str], fuzz_cases: int, seed: int, timeout
                                "--fuzz-cases", str(fuzz_cases), "--seed", str(seed), "--timeout", str(timeout)]
                         for tool in ("conform", "fuzz")}
             for tool in tools:
-                try:
-                    run = subprocess.run(commands[tool], cwd=ROOT, env=CHECKER_ENV,
-                                         capture_output=True, text=True, timeout=600)
-                    code, out = run.returncode, run.stdout + run.stderr
-                except subprocess.TimeoutExpired:
-                    code, out = -1, "no verdict within 600 s"
-                if code != 0:
-                    by.append(f"{tool}/{transport}")
-                    detail.append(f"{tool}/{transport} exit {code}: " + _gist(out))
+                if by and FIRST_KILL:
+                    break
+                verdict(commands[tool], f"{tool}/{transport}", by, detail)
                 if target.proc.poll() is not None:
                     by.append(f"crash/{transport}")
                     detail.append(f"the {transport} target exited ({target.proc.returncode})")
@@ -205,6 +259,45 @@ def judge(pythonpath: str, tools: list[str], fuzz_cases: int, seed: int, timeout
         finally:
             target.stop()
     return by, False, "; ".join(detail)
+
+
+def verdict(command: list[str], name: str, by: list[str], detail: list[str]) -> None:
+    """Run one judge (a ``--judge-*`` of this script); add ``name`` to ``by`` when it kills."""
+    try:
+        run = subprocess.run(command, cwd=ROOT, env=CHECKER_ENV, capture_output=True, text=True,
+                             timeout=VERDICT_TIMEOUT)
+        code, out = run.returncode, run.stdout + run.stderr
+    except subprocess.TimeoutExpired:
+        code, out = -1, f"no verdict within {VERDICT_TIMEOUT} s (a hang is a kill)"
+    if code != 0:
+        by.append(name)
+        detail.append(f"{name} exit {code}: " + _gist(out))
+
+
+def judge_initiator(pythonpath: str, tools: list[str], fuzz_cases: int, seed: int, timeout: float,
+                    net: int, workdir: Path) -> tuple[list[str], bool, str]:
+    """The initiator checkers, each with its checking target on loopback addresses of its
+    own, running the initiator from ``pythonpath`` once per case."""
+    by: list[str] = []
+    detail: list[str] = []
+    for k, transport in enumerate(TRANSPORTS):
+        host, local = f"127.72.{net % 250}.{2 * k + 1}", f"127.72.{net % 250}.{2 * k + 2}"
+        url = f"{transport}://{host}:{PORTS[transport]}"
+        for tool in tools:
+            if by and FIRST_KILL:
+                break
+            verdict([sys.executable, __file__, f"--judge-initiator-{tool}", url, "--program-path", pythonpath,
+                     *(["--local", local] if transport == "roce" else []), "--fuzz-cases", str(fuzz_cases),
+                     "--seed", str(seed), "--timeout", str(timeout)], f"{tool}/{transport}", by, detail)
+    return by, False, "; ".join(detail)
+
+
+def initiator_program(pythonpath: str, roce: bool) -> list[str]:
+    """``kbtp initiator ... script`` from ``pythonpath`` (-P: not the checkout in the
+    working directory), as the driver interface runs it."""
+    return ["env", f"PYTHONPATH={pythonpath}", sys.executable, "-P", "-m", "kbtp_scapy", "initiator", "{url}",
+            "--timeout", "{timeout}", *(["--local", "{local}"] if roce else []), "--id-file", "{state}/id",
+            "script", "--ops", "{ops}", "--in", "{in}", "--out", "{out}"]
 
 
 # -- the judges: the checkers as kbtp conform and kbtp fuzz run them, ending at the first verdict
@@ -261,6 +354,34 @@ async def judge_fuzz(url: str, local: str | None, timeout: float, cases: int, se
     return 0
 
 
+async def judge_initiator_conform(url: str, local: str | None, timeout: float, pythonpath: str) -> int:
+    """``kbtp conform --role initiator --quick``, stopping at the first case not passed."""
+    from kbtp_scapy.conform.initiator.runner import all_cases, run
+    from kbtp_scapy.conform.registry import ERROR, FAIL, WARN
+    program = initiator_program(pythonpath, url.startswith("roce"))
+    for c in all_cases():
+        for out in await run(url, program, [c], timeout=timeout, local=local, quick=True):
+            if out.verdict in (FAIL, WARN, ERROR):
+                print(f"{out.verdict} {c.id}: expected {out.expected}; seen {out.seen} {out.detail}")
+                return 1
+    return 0
+
+
+async def judge_initiator_fuzz(url: str, local: str | None, timeout: float, cases: int, seed: int,
+                               pythonpath: str) -> int:
+    """``kbtp fuzz --role initiator --cases N --seed S`` (no minimising): 1 on a finding."""
+    from kbtp_scapy.conform.initiator import hostile
+    program = initiator_program(pythonpath, url.startswith("roce"))
+    summary = await hostile.campaign(program, url, seed=seed, count=cases, timeout=timeout,
+                                     local=local or "", budget=0)
+    for record in summary.findings:
+        print(f"finding in case {record['case']}: " + "; ".join(
+            f"{f['oracle']}: {f['detail']}" for f in record["findings"])[:400])
+    if summary.error:
+        print(f"finding: the hostile target's run failed: {summary.error}")
+    return 1 if summary.findings or summary.error else 0
+
+
 def _gist(output: str) -> str:
     """The lines of a tool's output that say what failed."""
     lines = [ln.strip() for ln in output.splitlines()
@@ -290,17 +411,19 @@ def score(verdicts: list[Verdict], tool: str | None = None) -> dict:
 
 def markdown(doc: dict) -> str:
     both, conform, fuzz = doc["score"], doc["score_conform"], doc["score_fuzz"]
+    role = ROLES[doc["role"]]
+    flag = " --role initiator" if role.name == "initiator" else ""
 
     def pct(s: dict) -> str:
         return (f"{s['killed']} of {s['judged']} ({100 * s['score']:.0f}%, 95% interval "
                 f"{100 * s['ci95'][0]:.0f}-{100 * s['ci95'][1]:.0f}%)")
     lines = [
-        "# Mutation score of the checkers", "",
+        f"# Mutation score of the {role.name} checkers", "",
         "Generated by `tools/mutants.py`; repeat with:", "",
         f"    {doc['command']}", "",
-        f"{doc['population']} mutants of the target's protocol core ({', '.join(CORE)}); a random sample "
-        f"of {both['judged']} (seed {doc['seed']}) was judged, each by `kbtp conform --quick` and "
-        f"`kbtp fuzz --cases {doc['fuzz_cases']}` on both bindings, in {doc['seconds'] / 60:.0f} minutes "
+        f"{doc['population']} mutants of {role.what} ({', '.join(role.modules)}); a random sample "
+        f"of {both['judged']} (seed {doc['seed']}) was judged, each by `kbtp conform{flag} --quick` and "
+        f"`kbtp fuzz{flag} --cases {doc['fuzz_cases']}` on both bindings, in {doc['seconds'] / 60:.0f} minutes "
         f"({doc['seconds'] / max(1, both['judged']):.0f} s a mutant).", "",
         f"- killed by conform and fuzz together: {pct(both)}",
         f"- killed by conform alone: {pct(conform)}",
@@ -320,7 +443,7 @@ def report(args: argparse.Namespace, population: list[Mutant], started: float, c
            verdicts: list[Verdict]) -> dict:
     """The run so far as a document, written to --json and --markdown (after every mutant,
     so a run stopped early still leaves its verdicts)."""
-    doc = {"command": "nice .venv/bin/python tools/mutants.py " + " ".join(sys.argv[1:]),
+    doc = {"command": "nice .venv/bin/python tools/mutants.py " + " ".join(sys.argv[1:]), "role": args.role,
            "population": len(population), "seed": args.seed, "fuzz_cases": args.fuzz_cases,
            "seconds": round(time.monotonic() - started), "control": control,
            "score": score(verdicts), "score_conform": score(verdicts, "conform"),
@@ -341,20 +464,41 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1, help="seed of the sample and of the fuzz runs")
     ap.add_argument("--only", action="append", default=[], metavar="MUTANT", help="judge only this mutant")
     ap.add_argument("--tool", choices=("conform", "fuzz"), action="append", help="only this checker")
-    ap.add_argument("--fuzz-cases", type=int, default=1000, help="kbtp fuzz --cases (default 1000)")
-    ap.add_argument("--timeout", type=float, default=3.0, help="the checkers' --timeout (default 3 s)")
+    ap.add_argument("--role", choices=sorted(ROLES), default="target",
+                    help="mutate the target's protocol core or the reference initiator's (default target)")
+    ap.add_argument("--fuzz-cases", type=int, help="kbtp fuzz --cases (default 1000; 40 for --role initiator)")
+    ap.add_argument("--timeout", type=float, help="the checkers' --timeout (default 3 s; 10 s for --role initiator)")
     ap.add_argument("--json", metavar="FILE", help="write every verdict as JSON to FILE")
     ap.add_argument("--markdown", metavar="FILE", help="write the report as Markdown to FILE")
     ap.add_argument("--no-control", action="store_true", help="skip the run against the unmutated target")
+    ap.add_argument("--first-kill", action="store_true",
+                    help="stop judging a mutant at its first kill (faster; 'fuzz alone' then undercounts)")
     ap.add_argument("--judge-conform", metavar="URL", help=argparse.SUPPRESS)
     ap.add_argument("--judge-fuzz", metavar="URL", help=argparse.SUPPRESS)
+    ap.add_argument("--judge-initiator-conform", metavar="URL", help=argparse.SUPPRESS)
+    ap.add_argument("--judge-initiator-fuzz", metavar="URL", help=argparse.SUPPRESS)
+    ap.add_argument("--program-path", help=argparse.SUPPRESS)
     ap.add_argument("--local", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    role = ROLES[args.role]
+    global FIRST_KILL
+    FIRST_KILL = args.first_kill
+    if args.fuzz_cases is None:
+        args.fuzz_cases = role.fuzz_cases
+    if args.timeout is None:
+        args.timeout = role.timeout
+    if args.judge_initiator_conform:
+        return asyncio.run(judge_initiator_conform(args.judge_initiator_conform, args.local, args.timeout,
+                                                   args.program_path))
+    if args.judge_initiator_fuzz:
+        return asyncio.run(judge_initiator_fuzz(args.judge_initiator_fuzz, args.local, args.timeout,
+                                                args.fuzz_cases, args.seed, args.program_path))
     if args.judge_conform:
         return asyncio.run(judge_conform(args.judge_conform, args.local, args.timeout))
     if args.judge_fuzz:
         return asyncio.run(judge_fuzz(args.judge_fuzz, args.local, args.timeout, args.fuzz_cases, args.seed))
-    population = enumerate_mutants()
+    population = enumerate_mutants(role)
+    judge_role = judge if role.name == "target" else judge_initiator
     if args.list:
         counts: dict[str, int] = {}
         for m in population:
@@ -378,7 +522,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kbtp-mutants-") as work:
         if not args.no_control:
             with package_copy(None) as copy:
-                by, at_start, detail = judge(copy, tools, args.fuzz_cases, args.seed, args.timeout, 0,
+                by, at_start, detail = judge_role(copy, tools, args.fuzz_cases, args.seed, args.timeout, 0,
                                              Path(work))
             control = "passes" if not by else f"DOES NOT PASS ({detail})"
             print(f"control: {control}", file=sys.stderr)
@@ -390,7 +534,8 @@ def main() -> int:
             workdir = Path(work) / f"m{i}"
             workdir.mkdir()
             with package_copy(m) as copy:
-                by, at_start, detail = judge(copy, tools, args.fuzz_cases, args.seed, args.timeout, i, workdir)
+                by, at_start, detail = judge_role(copy, tools, args.fuzz_cases, args.seed, args.timeout, i,
+                                                  workdir)
             v = Verdict(m.name, m.line, diff_of(original, mutated, m.module), bool(by), by, at_start,
                         round(time.monotonic() - t0, 1), detail)
             verdicts.append(v)
