@@ -6,7 +6,8 @@ the same plugin. Wireshark says nothing of plugins, Lua or dissector errors on s
 screenshot of the KBTP tree is what docs/dissector-gui.png shows.
 
 Needs Debian's wireshark-qt, xvfb, xdotool (keys), xclip (the clipboard) and x11-apps +
-netpbm (the screenshot); skips, saying which is missing, without them.
+netpbm (the screenshot), which tools/install.sh installs; skips, saying which is missing,
+without them.
 """
 from __future__ import annotations
 
