@@ -40,6 +40,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -480,6 +481,8 @@ def main() -> int:
     ap.add_argument("--program-path", help=argparse.SUPPRESS)
     ap.add_argument("--local", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so the target of the mutant being judged is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     role = ROLES[args.role]
     global FIRST_KILL
     FIRST_KILL = args.first_kill
