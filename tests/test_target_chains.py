@@ -109,6 +109,41 @@ def test_inline_stores_run_without_kbtp_python(chains):
     assert m.chain[Opcode.STORE] == 7 and m.python[Opcode.STORE] == 3 and m.chain[Opcode.LOAD] == 1
 
 
+def test_stores_that_read_their_data_run_without_kbtp_python(chains):
+    """Mapped STOREs without INLINE by chains: the chain RDMA-Reads the initiator's buffer
+    into the block; the entry, the block and the completion as the software target leaves
+    them, and the guards are the inline STORE's."""
+    async def main():
+        ini = await connect(chains, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"first version")                     # unsealed, software
+        for i in range(6):
+            data = os.urandom(300 + 600 * i)
+            r = await ini.store(h, data, inline=False)
+            assert (r.status, r.generation, r.data_length) == (0, 1, len(data))
+            assert (await ini.load(h, allow_unsealed=True)).data == data   # software LOAD
+        data = os.urandom(4096)
+        r = await ini.store(h, data, inline=False, seal=True, generation=1)
+        assert (r.status, r.data_length) == (0, 4096)
+        assert (await ini.load(h)).data == data                        # sealed: by chains
+        for name, coro in (("SEALED", ini.store(h, b"x" * 500, inline=False)),
+                           ("NOT_VALID", ini.store(h + 1, b"x" * 500, inline=False)),
+                           ("STALE_GENERATION", ini.store(h, b"x" * 500, inline=False, generation=7)),
+                           ("INVALID_HANDLE", ini.store(h + ini.target.handle_count, b"x" * 500,
+                                                        inline=False))):
+            with pytest.raises(KbtpError) as failed:
+                await coro
+            assert failed.value.name == name
+        await ini.close()
+        return h
+    h = run(main())
+    ended(chains)
+    m = chains.target.metrics
+    entry = chains.run(lambda: chains.target.memory.table.read(h))
+    assert (entry.flags, entry.generation, entry.data_length) == (3, 1, 4096)
+    assert m.chain[Opcode.STORE] == 7 and m.python[Opcode.STORE] == 4 and m.chain[Opcode.LOAD] == 1
+
+
 def test_failed_checks_go_to_software(chains):
     async def main():
         ini = await connect(chains, 0, credits=4)

@@ -44,22 +44,32 @@ _C_LENGTH, _C_OFFSET = (HEADER.size + COMPLETION.offset(f) for f in ("data_lengt
 # a slot's buffer: the completion and a STORE's new entry octets, scratch, the rest of a request
 _SCRATCH_AT, _REST_AT = 64, 80
 _TAG = 56                  # wr_id of a chain's completion: opcode << 56 | request number
+# guard 1's accepted (opcode, flags) words and the stage each enables
+_GUARD1 = ((Opcode.LOAD, RequestFlag.INVALIDATE, "load"),
+           (Opcode.STORE, RequestFlag.INLINE, "inline"),
+           (Opcode.STORE, RequestFlag.INLINE | RequestFlag.SEAL, "inline"),
+           (Opcode.STORE, RequestFlag.INVALIDATE, "read"),
+           (Opcode.STORE, RequestFlag.INVALIDATE | RequestFlag.SEAL, "read"))
+_OCTETS = int.from_bytes(b"\x80" * 8, "big")    # Add Mask: every octet adds on its own
 
 
 class Chain:
     """The queues of one chain slot (credit slot ``j``): P guards the request, F and O are
-    LOAD's entry stage and output, FS and OS mapped STORE's, S hands a request to software."""
+    LOAD's entry stage and output, FS and OS an inline mapped STORE's, FR and OR a mapped
+    STORE's that RDMA-Reads its data, S hands a request to software."""
 
     def __init__(self, engine: Engine, j: int, sw_cq: CompletionQueue, done_cq: CompletionQueue,
                  spare: CompletionQueue) -> None:
         self.j = j
-        self.p = engine.create_queue(8, spare, managed=True)
+        self.p = engine.create_queue(12, spare, managed=True)
         self.f = engine.create_queue(8, spare, managed=True)
         self.o = engine.create_queue(4, done_cq, managed=True)
         self.fs = engine.create_queue(16, spare, managed=True)
         self.os = engine.create_queue(4, done_cq, managed=True)
+        self.fr = engine.create_queue(20, spare, managed=True)
+        self.or_ = engine.create_queue(4, done_cq, managed=True)
         self.s = engine.create_queue(2, sw_cq, managed=True)
-        self.queues = (self.p, self.f, self.o, self.fs, self.os, self.s)
+        self.queues = (self.p, self.f, self.o, self.fs, self.os, self.fr, self.or_, self.s)
 
 
 class ChainRunner:
@@ -102,7 +112,7 @@ class ChainRunner:
         self.blocks = register_alias(memory, t.memory.pool, t.memory.pool_base, t.config.blocks, size,
                                      unit=size, connection=loopback)
         self.rest = t._recv_size() - _HEADER_SIZE - _DD_SIZE
-        self.per = _REST_AT + max(self.rest, 0)
+        self.per = -(-(_REST_AT + max(self.rest, 0)) // 8) * 8   # 8-aligned: atomics on E
         self.buffers = memory.register(bytearray(self.slots * self.per), LOOPBACK_ACCESS,
                                        connection=loopback)
         # each slot's inline data, through an alias: a Length beyond what it holds reads zeros
@@ -198,7 +208,7 @@ class ChainRunner:
         done[:2] = bytes((1, Opcode.COMPLETION))
         self.buffers.local(self._completion(j), len(done))[:] = done
         scratch = Sge(b, self._scratch(j), 1)
-        ib1 = c.p.written + 6                 # A, A2, X, three guard-1 CASes, then B1
+        ib1 = c.p.written + 3 + len(_GUARD1)  # A, A2, X, the guard-1 CASes, then B1
         iww, isend = c.o.written, c.o.written + 1                 # LOAD: WRITE, SEND
         guard = offset_of("guard")
         # P: the handle for both entry Reads of LOAD, the STag to invalidate, guard 1
@@ -209,9 +219,9 @@ class ChainRunner:
         e.post(c.p, self._copy(skey, saddr, 4, [self._sge(c.o, isend, offset_of("invalidate"), 4)]),
                doorbell=False)
         b1 = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
-        for opcode, flags, then in ((Opcode.LOAD, RequestFlag.INVALIDATE, c.f),
-                                    (Opcode.STORE, RequestFlag.INLINE, c.fs),
-                                    (Opcode.STORE, RequestFlag.INLINE | RequestFlag.SEAL, c.fs)):
+        stages = {"load": c.f, "inline": c.fs, "read": c.fr}
+        for opcode, flags, stage in _GUARD1:
+            then = stages[stage]
             word = bytes((1, opcode)) + flags.to_bytes(2, "big")
             expect = int.from_bytes(word, self.order)
             e.post(c.p, self._guard(c.p, ib1, b1, word,
@@ -235,7 +245,8 @@ class ChainRunner:
         e.post(c.o, Wqe(Op.WRITE, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
         e.post(c.o, Wqe(Op.SEND, Flag.SIGNALED | Flag.INVALIDATE, wr_id=Opcode.LOAD << _TAG | k,
                         sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
-        self._store(c, k, ib1, ib2, iww, scratch)
+        self._store(c, k, ib1, ib2, iww, scratch, inline=True)
+        self._store(c, k, ib1, ib2, iww, scratch, inline=False)
         # S: to software
         e.post(c.s, Wqe(Op.NOP, Flag.SIGNALED, wr_id=k), doorbell=False)
         for q in c.queues:
@@ -257,52 +268,79 @@ class ChainRunner:
             self.qp.post_recv(1)
         self.built += 1
 
-    def _store(self, c: Chain, k: int, ib1: int, load_b2: int, iww: int, scratch: Sge) -> None:
-        """FS and OS: a mapped STORE with inline data (docs/CHAINS.md, "Mapped Store")."""
+    def _store(self, c: Chain, k: int, ib1: int, load_b2: int, iww: int, scratch: Sge, *,
+               inline: bool) -> None:
+        """FS and OS: a mapped STORE with inline data; FR and OR: one whose data the chain
+        RDMA-Reads from the request's Data Descriptor (docs/CHAINS.md, "Mapped Store")."""
         e, b, j = self.engine, self.buffers.stag, c.j
+        front, out = (c.fs, c.os) if inline else (c.fr, c.or_)
         guard = offset_of("guard")
         entry = self._completion(j) + _COMPLETION_SIZE      # the entry's new octets 0 to 8
-        fs = c.fs.written
-        ir1, ir2, ic2, ib2 = fs + 3, fs + 4, fs + 11, fs + 13
-        iwd, iwe = c.os.written, c.os.written + 1
+        fs = front.written
+        ir1, ir2 = fs + 3, fs + 4
+        ic2 = fs + (11 if inline else 14)
+        ib2 = ic2 + 2
+        idata, iwe, isend = out.written, out.written + 1, out.written + 2
+        # inline: the block is the Write's remote side; read: the Read's local side
+        block_at = offset_of("remote_offset") if inline else sge_offset(0, "addr")
         # the handle into both entry Reads and the entry Write (own range: its own alias)
-        for q, index in ((c.fs, ir1), (c.fs, ir2), (c.os, iwe)):
-            e.post(c.fs, self._handle(j, q, index, scratch), doorbell=False)
-        e.post(c.fs, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
-                         length=M.ENTRY_SIZE, sges=[
-                             self._sge(c.fs, ib2, guard, 2),                     # Flags
-                             self._sge(c.fs, ic2, offset_of("operand") + 6, 2),  # Generation
-                             Sge(b, self._scratch(j), 4),
-                             *self._shifted(c.os, iwd, offset_of("remote_offset"), scratch)]),
+        for q, index in ((front, ir1), (front, ir2), (out, iwe)):
+            e.post(front, self._handle(j, q, index, scratch), doorbell=False)
+        e.post(front, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
+                          length=M.ENTRY_SIZE, sges=[
+                              self._sge(front, ib2, guard, 2),                    # Flags
+                              self._sge(front, ic2, offset_of("operand") + 6, 2),  # Generation
+                              Sge(b, self._scratch(j), 4),
+                              *self._shifted(out, idata, block_at, scratch)]),   # Block Offset
                doorbell=False)
-        e.post(c.fs, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
-                         length=M.ENTRY_SIZE, sges=[
-                             Sge(b, self._scratch(j), 2), Sge(b, entry + 2, 2),   # Generation
-                             Sge(b, self._scratch(j), 4),
-                             Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
+        e.post(front, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
+                          length=M.ENTRY_SIZE, sges=[
+                              Sge(b, self._scratch(j), 2), Sge(b, entry + 2, 2),   # Generation
+                              Sge(b, self._scratch(j), 4),
+                              Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
         # the Generation, the Length and the flags where the entry and the completion want them
-        e.post(c.fs, self._copy(b, entry + 2, 2, [Sge(b, self._completion(j) + _H["generation"], 2)],
-                                fence=True), doorbell=False)
+        e.post(front, self._copy(b, entry + 2, 2, [Sge(b, self._completion(j) + _H["generation"], 2)],
+                                 fence=True), doorbell=False)
         lkey, laddr = self._field(c.o, iww, offset_of("length"))             # the DD's Length
-        e.post(c.fs, self._copy(lkey, laddr, 4, [self._sge(c.os, iwd, sge_offset(0, "length"), 4)]),
+        e.post(front, self._copy(lkey, laddr, 4, [self._sge(out, idata, sge_offset(0, "length"), 4)]),
                doorbell=False)
-        e.post(c.fs, self._copy(lkey, laddr, 4, self._number_back(b, entry + 4)), doorbell=False)
-        e.post(c.fs, self._copy(b, entry + 4, 4, [Sge(b, self._completion(j) + _C_LENGTH, 4)],
-                                fence=True), doorbell=False)
+        e.post(front, self._copy(lkey, laddr, 4, self._number_back(b, entry + 4)), doorbell=False)
+        e.post(front, self._copy(b, entry + 4, 4, [Sge(b, self._completion(j) + _C_LENGTH, 4)],
+                                 fence=True), doorbell=False)
         # INLINE and SEAL have VALID's and SEALED's bit positions: the request's flags are
-        # the entry's new Flags (guard 2 saw VALID without SEALED)
+        # the entry's new Flags (guard 2 saw VALID without SEALED) ...
         fkey, faddr = self._field(c.p, ib1, guard + 2)
-        e.post(c.fs, self._copy(fkey, faddr, 2, [Sge(b, entry, 2)]), doorbell=False)
+        e.post(front, self._copy(fkey, faddr, 2, [Sge(b, entry, 2)]), doorbell=False)
+        if not inline:
+            # ... and without INLINE (guard 1 let INVALIDATE through, and SEAL), a masked add
+            # of VALID - INVALIDATE to the low octet, carry discarded, makes them so; the Data
+            # Descriptor (where the receive put it, in LOAD's Write) into the Read, its STag
+            # into the Send with Invalidate
+            low = (EntryFlag.VALID - RequestFlag.INVALIDATE) & 0xFF
+            e.post(front, Wqe(Op.FETCH_ADD, Flag.LOOPBACK | Flag.FENCE, remote_stag=b, remote_offset=entry,
+                              operand=int.from_bytes(bytes((0, low)) + bytes(6), self.order),
+                              operand2=_OCTETS), doorbell=False)
+            dkey, daddr = self._field(c.o, iww, offset_of("remote_stag"))
+            e.post(front, self._copy(dkey, daddr, _DD_SIZE,
+                                     [self._sge(out, idata, offset_of("remote_stag"), _DD_SIZE)]),
+                   doorbell=False)
+            e.post(front, self._copy(dkey, daddr, 4, [self._sge(out, isend, offset_of("invalidate"), 4)]),
+                   doorbell=False)
         rkey, raddr = self._field(c.f, load_b2, guard + 2)    # the request's Generation
-        e.post(c.fs, self._copy(rkey, raddr, 2, [self._sge(c.fs, ib2, guard + 2, 2)]), doorbell=False)
-        self._entry_guard(c, c.fs, ib2, EntryFlag.VALID, c.os)
-        # OS: the data into the block (through the block alias), the entry, the completion
-        e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
-                         sges=[Sge(self.staging.stag, handle_offset(j * self.per), 0)]), doorbell=False)
-        e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.own.stag,
-                         sges=[Sge(b, entry, 8)]), doorbell=False)
-        e.post(c.os, Wqe(Op.SEND, Flag.SIGNALED, wr_id=Opcode.STORE << _TAG | k,
-                         sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
+        e.post(front, self._copy(rkey, raddr, 2, [self._sge(front, ib2, guard + 2, 2)]), doorbell=False)
+        self._entry_guard(c, front, ib2, EntryFlag.VALID, out)
+        # OS: the inline data into the block (through the block alias); OR: the Read of the
+        # initiator's buffer into it; then the entry (after the data), the completion
+        if inline:
+            e.post(out, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
+                            sges=[Sge(self.staging.stag, handle_offset(j * self.per), 0)]), doorbell=False)
+        else:
+            e.post(out, Wqe(Op.READ, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
+        e.post(out, Wqe(Op.WRITE, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
+                        sges=[Sge(b, entry, 8)]), doorbell=False)
+        e.post(out, Wqe(Op.SEND, Flag.SIGNALED | (0 if inline else Flag.INVALIDATE),
+                        wr_id=Opcode.STORE << _TAG | k,
+                        sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
 
     def _number(self, q: WorkQueue, index: int, at: int) -> list[Sge]:
         """Scatter entries that put a 4-octet network-order number into a WQE field: one
