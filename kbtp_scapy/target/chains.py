@@ -30,6 +30,7 @@ from ..rnic.chains.wqe import ALL, byteorder, offset_of, sge_offset
 from ..tables import memory as M
 from ..tables.messages import COMPLETION, DATA_DESCRIPTOR, HEADER
 from ..vocab import EntryFlag, GoodbyeFlag, Opcode, RequestFlag
+from . import chain_alloc
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -50,6 +51,10 @@ _GUARD1 = ((Opcode.LOAD, RequestFlag.INVALIDATE, "load"),
            (Opcode.STORE, RequestFlag.INLINE | RequestFlag.SEAL, "inline"),
            (Opcode.STORE, RequestFlag.INVALIDATE, "read"),
            (Opcode.STORE, RequestFlag.INVALIDATE | RequestFlag.SEAL, "read"))
+_GUARD1_ALLOC = ((Opcode.ALLOC_STORE, RequestFlag.INLINE, "alloc-inline"),
+                 (Opcode.ALLOC_STORE, RequestFlag.INLINE | RequestFlag.SEAL, "alloc-inline"),
+                 (Opcode.ALLOC_STORE, RequestFlag.INVALIDATE, "alloc-read"),
+                 (Opcode.ALLOC_STORE, RequestFlag.INVALIDATE | RequestFlag.SEAL, "alloc-read"))
 _OCTETS = int.from_bytes(b"\x80" * 8, "big")    # Add Mask: every octet adds on its own
 
 
@@ -59,9 +64,9 @@ class Chain:
     STORE's that RDMA-Reads its data, S hands a request to software."""
 
     def __init__(self, engine: Engine, j: int, sw_cq: CompletionQueue, done_cq: CompletionQueue,
-                 spare: CompletionQueue) -> None:
+                 spare: CompletionQueue, alloc: bool) -> None:
         self.j = j
-        self.p = engine.create_queue(12, spare, managed=True)
+        self.p = engine.create_queue(16, spare, managed=True)
         self.f = engine.create_queue(8, spare, managed=True)
         self.o = engine.create_queue(4, done_cq, managed=True)
         self.fs = engine.create_queue(16, spare, managed=True)
@@ -69,7 +74,13 @@ class Chain:
         self.fr = engine.create_queue(20, spare, managed=True)
         self.or_ = engine.create_queue(4, done_cq, managed=True)
         self.s = engine.create_queue(2, sw_cq, managed=True)
-        self.queues = (self.p, self.f, self.o, self.fs, self.os, self.fr, self.or_, self.s)
+        # ALLOC_STORE, inline and read: entry guard, quota guard, output (chain_alloc.py)
+        self.alloc = {inline: (engine.create_queue(16, spare, managed=True),
+                               engine.create_queue(4, spare, managed=True),
+                               engine.create_queue(24, done_cq, managed=True))
+                      for inline in ((True, False) if alloc else ())}
+        self.queues = (self.p, self.f, self.o, self.fs, self.os, self.fr, self.or_, self.s,
+                       *(q for stages in self.alloc.values() for q in stages))
 
 
 class ChainRunner:
@@ -99,7 +110,10 @@ class ChainRunner:
         self.sw_cq = e.create_cq(polled=True)
         self.rq = e.create_queue(self.slots, self.recv_cq, receive=True)
         self.ctl = e.create_queue(3 * self.slots, self.spare)
-        self.chains = [Chain(e, j, self.sw_cq, self.done_cq, self.spare) for j in range(self.slots)]
+        self.software_alloc = chain_alloc.supported(self)   # why ALLOC_STORE is software, or None
+        self.guard1 = _GUARD1 + (() if self.software_alloc else _GUARD1_ALLOC)
+        self.chains = [Chain(e, j, self.sw_cq, self.done_cq, self.spare, not self.software_alloc)
+                       for j in range(self.slots)]
         table = t.memory.table
         loopback = e.loopback           # every region below: the chain's own, no peer's
         self.alias = register_alias(memory, t.memory.table_buffer, table.base_handle,
@@ -107,7 +121,7 @@ class ChainRunner:
         own = conn.state                # stores: the initiator's own range only
         self.own = register_alias(memory, t.memory.table_buffer, own.handle_base, own.handle_count,
                                   M.ENTRY_SIZE, start=(own.handle_base - table.base_handle) * M.ENTRY_SIZE,
-                                  connection=loopback)
+                                  connection=loopback, access=LOOPBACK_ACCESS)   # ALLOC_STORE's atomics
         size = t.memory.block_size      # blocks through an alias: no access spills over one
         self.blocks = register_alias(memory, t.memory.pool, t.memory.pool_base, t.config.blocks, size,
                                      unit=size, connection=loopback)
@@ -119,11 +133,13 @@ class ChainRunner:
         self.staging = register_alias(memory, self.buffers.buffer, 0, self.slots, max(self.rest, 0),
                                       unit=self.per, pitch=self.per, start=_REST_AT,
                                       connection=loopback)
+        self.alloc = None if self.software_alloc else chain_alloc.AllocStage(self)
         self.built = 0             # chains built so far (ticket of the next one)
         self.refilled = 0          # completions already accounted for
         self.software: deque[int] = deque()
         self.wakeup = asyncio.Event()
         self.ended: BaseException | None = None
+        self.poll: asyncio.TimerHandle | None = None
         e.completer.on_polled = self._polled
         # the idle rule (sessions._quiet) reads the receive CQ's count: requests a chain
         # ran reach no Python, so heard_at alone would age (docs/CHAINS.md, "The idle
@@ -144,6 +160,10 @@ class ChainRunner:
 
     def _rest(self, j: int) -> int:
         return self._buf(j, _REST_AT)
+
+    def _staged(self, j: int) -> int:
+        """Tagged Offset of slot ``j``'s inline data through the staging alias."""
+        return handle_offset(j * self.per)
 
     @staticmethod
     def _field(q: WorkQueue, index: int, at: int) -> tuple[int, int]:
@@ -204,11 +224,11 @@ class ChainRunner:
         e, b, j = self.engine, self.buffers.stag, c.j
         for q in c.queues:
             e.rewind(q)                 # the branches the last chain here did not take
-        done = bytearray(_COMPLETION_SIZE + 8)   # the completion's constant part, entry buffer
+        done = bytearray(_SCRATCH_AT)     # the completion's constant part, entry buffer, slot word
         done[:2] = bytes((1, Opcode.COMPLETION))
         self.buffers.local(self._completion(j), len(done))[:] = done
         scratch = Sge(b, self._scratch(j), 1)
-        ib1 = c.p.written + 3 + len(_GUARD1)  # A, A2, X, the guard-1 CASes, then B1
+        ib1 = c.p.written + 3 + len(self.guard1)  # A, A2, X, the guard-1 CASes, then B1
         iww, isend = c.o.written, c.o.written + 1                 # LOAD: WRITE, SEND
         guard = offset_of("guard")
         # P: the handle for both entry Reads of LOAD, the STag to invalidate, guard 1
@@ -220,7 +240,8 @@ class ChainRunner:
                doorbell=False)
         b1 = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
         stages = {"load": c.f, "inline": c.fs, "read": c.fr}
-        for opcode, flags, stage in _GUARD1:
+        stages.update({"alloc-" + ("inline" if inline else "read"): q[0] for inline, q in c.alloc.items()})
+        for opcode, flags, stage in self.guard1:
             then = stages[stage]
             word = bytes((1, opcode)) + flags.to_bytes(2, "big")
             expect = int.from_bytes(word, self.order)
@@ -247,6 +268,9 @@ class ChainRunner:
                         sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
         self._store(c, k, ib1, ib2, iww, scratch, inline=True)
         self._store(c, k, ib1, ib2, iww, scratch, inline=False)
+        if self.alloc is not None:
+            for inline in (True, False):
+                self.alloc.build(c, k, ib1, ib2, iww, scratch, inline=inline)
         # S: to software
         e.post(c.s, Wqe(Op.NOP, Flag.SIGNALED, wr_id=k), doorbell=False)
         for q in c.queues:
@@ -333,7 +357,7 @@ class ChainRunner:
         # initiator's buffer into it; then the entry (after the data), the completion
         if inline:
             e.post(out, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
-                            sges=[Sge(self.staging.stag, handle_offset(j * self.per), 0)]), doorbell=False)
+                            sges=[Sge(self.staging.stag, self._staged(j), 0)]), doorbell=False)
         else:
             e.post(out, Wqe(Op.READ, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
         e.post(out, Wqe(Op.WRITE, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
@@ -359,7 +383,9 @@ class ChainRunner:
     # -- completions ----------------------------------------------------------------------
 
     def _received(self) -> int:
-        """Requests the RNIC has received on this connection (its receive completions)."""
+        """Requests the RNIC has received on this connection (its receive completions). The
+        idle rule asks before it weighs the session's usage: the handles chains bound count."""
+        self._account()
         return self.recv_cq.count
 
     def _polled(self, cq: CompletionQueue) -> None:
@@ -382,18 +408,29 @@ class ChainRunner:
         wqe = Wqe.decode(self.rq.slot(k), self.little)
         return self.engine.requester.gather(wqe.sges)[:length]
 
+    def _account(self) -> None:
+        """Count the finished chains' requests, and bind in the session's books the handles
+        ALLOC_STORE chains bound (the slot's buffer holds them until the slot is rebuilt)."""
+        entries = self.done_cq.entries
+        chained = Counter(entry.wr_id >> _TAG for entry in entries)
+        chained.pop(0, None)                # software's own completions
+        if self.alloc is not None and chained[Opcode.ALLOC_STORE]:
+            bound = self.conn.state.bound
+            for entry in entries:
+                if entry.wr_id >> _TAG == Opcode.ALLOC_STORE:
+                    bound.add(self.alloc.bound(entry.wr_id % (1 << _TAG) % self.slots))
+            self.conn.ring.settle()         # deferred frees of slots the chains consumed
+        for opcode, n in chained.items():
+            self.metrics.chained(opcode, n)
+        entries.clear()
+
     def refill(self) -> None:
         """Account for the chains that finished and build their successors (one batch)."""
         done = self.done_cq.count
-        finished = done - self.refilled
-        if finished <= 0:
+        self._account()
+        if done <= self.refilled:
             return
-        chained = Counter(entry.wr_id >> _TAG for entry in self.done_cq.entries)
-        chained.pop(0, None)                # software's own completions
-        for opcode, n in chained.items():
-            self.metrics.chained(opcode, n)
         self.refilled = done
-        self.done_cq.entries.clear()
         received = self.recv_cq.entries
         while received and received[0].wr_id < done:
             received.popleft()
@@ -414,6 +451,8 @@ class ChainRunner:
             self.build()
         attach(self.engine, self.qp, self.rq, self._lost)
         self.engine.run()
+        if self.alloc is not None:
+            self._poll_data()
         while True:
             await self.wakeup.wait()
             self.wakeup.clear()
@@ -429,6 +468,14 @@ class ChainRunner:
                     return release
             self.refill()
 
+    def _poll_data(self) -> None:
+        """An RNIC re-reads the words its wait-on-data WQEs watch; the host's writes (a FREE
+        filling a ring slot) reach no engine callback, so the engine looks again every 2 ms."""
+        if self.engine.requester.data_waiters:
+            self.engine.requester.memory_changed()
+            self.engine.run()
+        self.poll = self.loop.call_later(0.002, self._poll_data)
+
     def _lost(self, error: BaseException) -> None:
         self.ended = error
         self.wakeup.set()
@@ -436,17 +483,24 @@ class ChainRunner:
     async def _software(self, k: int) -> bool | None:
         """Serve request ``k`` as the software target does; GOODBYE's RELEASE, or None."""
         conn = self.conn
+        self.refill()                   # every chain before k has completed: account for them
         req, why = conn.parse(self.request_bytes(k))
         self.metrics.python_request(req["opcode"])
         outcome, why = await conn.execute(req, None, why)
         if outcome is None:
             return bool(req["flags"] & GoodbyeFlag.RELEASE)
         conn._complete(req, outcome, why)
+        if self.alloc is not None:      # no chain in flight: the usage counter from the truth
+            self.alloc.resync()
         self.engine.signal(self.done_cq, k)
         return None
 
     def close(self) -> None:
         self.conn.state.received = None
+        if self.alloc is not None:
+            self.alloc.close()
+        if self.poll is not None:
+            self.poll.cancel()
         for region in (self.alias, self.own, self.blocks, self.staging, self.buffers):
             self.memory.deregister(region.stag)
         for q in self.engine.queues:
