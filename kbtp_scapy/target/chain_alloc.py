@@ -114,7 +114,7 @@ class AllocStage:
         entry = comp + _COMPLETION_SIZE                 # E: the entry's new octets 0 to 16
         word = r._buf(j, _SLOT_WORD)
         n_front = front.written
-        ir1, ic2 = n_front + 5, n_front + (10 if inline else 13)
+        ir1, ic2 = n_front + 5, n_front + (12 if inline else 15)
         ib2 = ic2 + 2
         o = out.written
         if inline:
@@ -127,11 +127,15 @@ class AllocStage:
         # front: the handle wherever the entry is read or written, then guard 2 (not VALID)
         for q, index in ((front, ir1), (out, iwe1), (out, ifa), (out, icas), (out, igen)):
             e.post(front, r._handle(j, q, index, scratch), doorbell=False)
+        # Block Offset's last three octets into the quota branch's Guard: all ones in an unbound
+        # entry (docs/NOTES.md decision 1), zeros through the null key (outside the range)
+        ib3 = quota.written + 2
         e.post(front, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=r.own.stag,
                           length=M.ENTRY_SIZE, sges=[
-                              r._sge(front, ib2, guard, 2),                    # Flags
+                              scratch, r._sge(front, ib2, guard + 1, 1),        # Flags
                               r._sge(front, ic2, offset_of("operand") + 6, 2),  # Generation
-                              Sge(b, r._scratch(j), 12)]), doorbell=False)
+                              Sge(b, r._scratch(j), 9),
+                              r._sge(quota, ib3, guard + 1, 3)]), doorbell=False)
         fkey, faddr = r._field(c.p, ib1, guard + 2)                        # the request's Flags
         e.post(front, r._copy(fkey, faddr, 2, [Sge(b, entry, 2)]), doorbell=False)
         lkey, laddr = r._field(c.o, iww, offset_of("length"))              # the DD's Length
@@ -148,15 +152,17 @@ class AllocStage:
                    doorbell=False)
             e.post(front, r._copy(dkey, daddr, 4, [r._sge(out, isend, offset_of("invalidate"), 4)]),
                    doorbell=False)
+        r._length_check(front, c.o, iww, inline, r._sge(front, ib2, guard, 1))
         rkey, raddr = r._field(c.f, load_b2, guard + 2)                    # the request's Generation
         e.post(front, r._copy(rkey, raddr, 2, [r._sge(front, ib2, guard + 2, 2)]), doorbell=False)
-        r._entry_guard(c, front, ib2, 0, quota)
-        # quota: add 1 to the usage counter; its original top half into the branch's Guard
-        ib3 = quota.written + 2
+        r._entry_guard(c, front, ib2, 0, quota, checked=True)
+        # quota: add 1 to the usage counter; the low octet of its original top half (0 while
+        # usage < quota, else 1) into the branch's Guard, beside the Block Offset's octets
         e.post(quota, Wqe(Op.FETCH_ADD, Flag.LOOPBACK, remote_stag=self.words.stag, operand=1,
-                          sges=[r._sge(quota, ib3, guard, 4), Sge(b, r._scratch(j), 4)]), doorbell=False)
+                          sges=[Sge(b, r._scratch(j), 3), r._sge(quota, ib3, guard, 1),
+                                Sge(b, r._scratch(j), 4)]), doorbell=False)
         fail = Wqe(Op.ENABLE, 0, target=c.s.number)
-        e.post(quota, r._guard(quota, ib3, fail, bytes(4), Wqe(Op.ENABLE, 0, target=out.number)),
+        e.post(quota, r._guard(quota, ib3, fail, bytes(1) + _ONES[:3], Wqe(Op.ENABLE, 0, target=out.number)),
                doorbell=False)
         e.post(quota, fail, doorbell=False)
         # out: a ticket (FetchAdd on Head), its slot's address four times, wait for the slot

@@ -56,6 +56,7 @@ _GUARD1_ALLOC = ((Opcode.ALLOC_STORE, RequestFlag.INLINE, "alloc-inline"),
                  (Opcode.ALLOC_STORE, RequestFlag.INVALIDATE, "alloc-read"),
                  (Opcode.ALLOC_STORE, RequestFlag.INVALIDATE | RequestFlag.SEAL, "alloc-read"))
 _OCTETS = int.from_bytes(b"\x80" * 8, "big")    # Add Mask: every octet adds on its own
+_PASS = 0x50                # what a limit key reads where a length is within its limit
 
 
 class Chain:
@@ -75,7 +76,7 @@ class Chain:
         self.or_ = engine.create_queue(4, done_cq, managed=True)
         self.s = engine.create_queue(2, sw_cq, managed=True)
         # ALLOC_STORE, inline and read: entry guard, quota guard, output (chain_alloc.py)
-        self.alloc = {inline: (engine.create_queue(16, spare, managed=True),
+        self.alloc = {inline: (engine.create_queue(20, spare, managed=True),
                                engine.create_queue(4, spare, managed=True),
                                engine.create_queue(24, done_cq, managed=True))
                       for inline in ((True, False) if alloc else ())}
@@ -133,6 +134,11 @@ class ChainRunner:
         self.staging = register_alias(memory, self.buffers.buffer, 0, self.slots, max(self.rest, 0),
                                       unit=self.per, pitch=self.per, start=_REST_AT,
                                       connection=loopback)
+        # the length checks' limit keys: PASS at Tagged Offsets 0 to the limit, the null key beyond
+        self.block_limit, self.inline_limit = (
+            register_alias(memory, bytearray([_PASS]) * (limit + 1), 0, 1, limit + 1, unit=1 << 32,
+                           connection=loopback)
+            for limit in (size, min(t.config.max_inline, size)))
         self.alloc = None if self.software_alloc else chain_alloc.AllocStage(self)
         self.built = 0             # chains built so far (ticket of the next one)
         self.refilled = 0          # completions already accounted for
@@ -205,16 +211,34 @@ class ChainRunner:
                    remote_offset=q.at(index), operand=int.from_bytes(want, self.order),
                    operand2=passed.control(self.little))
 
-    def _entry_guard(self, c: Chain, q: WorkQueue, index: int, flags: int, out: WorkQueue) -> None:
+    def _entry_guard(self, c: Chain, q: WorkQueue, index: int, flags: int, out: WorkQueue,
+                     checked: bool = False) -> None:
         """Guard 2 at WQE ``index`` of ``q``: the branch to ``out`` when the entry's Flags
         are ``flags`` and the request's Generation is the entry's (the first CAS, whose
-        compare the entry Read completed) or zero (the second), else to software."""
+        compare the entry Read completed) or zero (the second), else to software. With
+        ``checked``, the Flags' high octet (always 0 in an entry) is where ``_length_check``
+        put its verdict, which must be PASS."""
         fail = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
         passed = Wqe(Op.ENABLE, 0, target=out.number, count=ALL)
+        want = bytes((_PASS if checked else 0, flags)) + bytes(2)
         for _ in ("request Generation = entry's", "request Generation 0"):
-            self.engine.post(q, self._guard(q, index, fail, flags.to_bytes(2, "big") + bytes(2), passed),
-                             doorbell=False)
+            self.engine.post(q, self._guard(q, index, fail, want, passed), doorbell=False)
         self.engine.post(q, fail, doorbell=False)
+
+    def _length_check(self, q: WorkQueue, load_out: WorkQueue, iww: int, inline: bool, branch: Sge) -> None:
+        """Two WQEs on ``q``: the request's Length (the Data Descriptor's, in LOAD's Write)
+        into the Tagged Offset of a one-octet Read through a limit key, which reads PASS at
+        offsets 0 to the limit (Block Size, or Max Inline for inline data) and zero beyond
+        (the null key), then that Read into ``branch``: an ordered compare with a constant,
+        from an indirect key (docs/CHAINS.md, "Validation")."""
+        lkey, laddr = self._field(load_out, iww, offset_of("length"))
+        icheck = q.written + 1
+        self.engine.post(q, self._copy(lkey, laddr, 4, [self._sge(q, icheck, offset_of("remote_offset")
+                                                                  + (0 if self.little else 4), 4)]),
+                         doorbell=False)
+        limit = self.inline_limit if inline else self.block_limit
+        self.engine.post(q, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=limit.stag, length=1,
+                                sges=[branch]), doorbell=False)
 
     def build(self) -> None:
         """Post chain ``built`` into its slot: the receive, the control WQEs, the request
@@ -302,7 +326,7 @@ class ChainRunner:
         entry = self._completion(j) + _COMPLETION_SIZE      # the entry's new octets 0 to 8
         fs = front.written
         ir1, ir2 = fs + 3, fs + 4
-        ic2 = fs + (11 if inline else 14)
+        ic2 = fs + (13 if inline else 16)
         ib2 = ic2 + 2
         idata, iwe, isend = out.written, out.written + 1, out.written + 2
         # inline: the block is the Write's remote side; read: the Read's local side
@@ -312,7 +336,7 @@ class ChainRunner:
             e.post(front, self._handle(j, q, index, scratch), doorbell=False)
         e.post(front, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
                           length=M.ENTRY_SIZE, sges=[
-                              self._sge(front, ib2, guard, 2),                    # Flags
+                              scratch, self._sge(front, ib2, guard + 1, 1),       # Flags
                               self._sge(front, ic2, offset_of("operand") + 6, 2),  # Generation
                               Sge(b, self._scratch(j), 4),
                               *self._shifted(out, idata, block_at, scratch)]),   # Block Offset
@@ -350,9 +374,10 @@ class ChainRunner:
                    doorbell=False)
             e.post(front, self._copy(dkey, daddr, 4, [self._sge(out, isend, offset_of("invalidate"), 4)]),
                    doorbell=False)
+        self._length_check(front, c.o, iww, inline, self._sge(front, ib2, guard, 1))
         rkey, raddr = self._field(c.f, load_b2, guard + 2)    # the request's Generation
         e.post(front, self._copy(rkey, raddr, 2, [self._sge(front, ib2, guard + 2, 2)]), doorbell=False)
-        self._entry_guard(c, front, ib2, EntryFlag.VALID, out)
+        self._entry_guard(c, front, ib2, EntryFlag.VALID, out, checked=True)
         # OS: the inline data into the block (through the block alias); OR: the Read of the
         # initiator's buffer into it; then the entry (after the data), the completion
         if inline:
@@ -501,7 +526,8 @@ class ChainRunner:
             self.alloc.close()
         if self.poll is not None:
             self.poll.cancel()
-        for region in (self.alias, self.own, self.blocks, self.staging, self.buffers):
+        for region in (self.alias, self.own, self.blocks, self.staging, self.buffers, self.block_limit,
+                       self.inline_limit):
             self.memory.deregister(region.stag)
         for q in self.engine.queues:
             self.memory.deregister(q.region.stag)
