@@ -382,3 +382,27 @@ def test_chain_executed_requests_count_for_the_idle_rule(transport):
         assert m.chain[Opcode.LOAD] == 1 and m.python[Opcode.LOAD] == 0
     finally:
         t.stop()
+
+
+@pytest.mark.slow
+def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_path):
+    """The issue's proof: over a whole tools/bench_target.py ALLOC_STORE run against
+    ``--execution chains`` (iWARP, 4096-octet blocks: inline, and 8192: by RDMA Read), the
+    target's closing counters say no ALLOC_STORE ran KBTP Python, and many ran by chains."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, str(root / "tools" / "bench_target.py"), "--transports", "iwarp",
+                    "--ops", "ALLOC_STORE", "--sizes", "4096,8192", "--seconds", "1", "--warmup", "0.2",
+                    "--pool-mib", "64", "--round", "256", "--target-args", "--execution chains",
+                    "--json", str(out)], check=True, stdout=subprocess.DEVNULL, timeout=240)
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 2
+    for case in cases:
+        counters = re.search(r"ALLOC_STORE: KBTP Python per request (\d+), run by chains (\d+)",
+                             case["target_output"])
+        assert counters is not None, case
+        assert int(counters.group(1)) == 0 and int(counters.group(2)) >= 256
