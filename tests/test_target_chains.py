@@ -146,8 +146,8 @@ def test_stores_that_read_their_data_run_without_kbtp_python(chains):
 
 
 def test_alloc_stores_run_without_kbtp_python(chains):
-    """ALLOC_STOREs, inline and by RDMA Read, sealed and not, by chains where the binding lets
-    them (iWARP without ADDR_LE; docs/CHAINS.md): entries, blocks and completions as the
+    """ALLOC_STOREs, inline and by RDMA Read, sealed and not, by chains where the memory order
+    lets them (without ADDR_LE, on both bindings; docs/CHAINS.md): entries, blocks and completions as the
     software target leaves them, blocks from the ring, the quota and the guards held, and
     the FREEs (software) give the blocks back to chains that allocate them again."""
     async def main():
@@ -184,7 +184,7 @@ def test_alloc_stores_run_without_kbtp_python(chains):
     m = chains.target.metrics
     entry = chains.run(lambda: chains.target.memory.table.read(h))
     assert (entry.flags, entry.generation, entry.data_length) == (3, 3, 8)
-    if chains.transport == "iwarp" and not chains.target.config.addr_le:
+    if not chains.target.config.addr_le:
         assert m.python[Opcode.ALLOC_STORE] == 4 and m.chain[Opcode.ALLOC_STORE] == 2 * quota
     else:
         assert m.chain[Opcode.ALLOC_STORE] == 0
@@ -406,3 +406,31 @@ def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_pa
                              case["target_output"])
         assert counters is not None, case
         assert int(counters.group(1)) == 0 and int(counters.group(2)) >= 256
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_a_ring_of_more_than_256_slots_leaves_roce_alloc_store_in_software(transport):
+    """RoCEv2's unmasked Head gives the ticket only; the slot alias key reaches slots from
+    its low octet, so a shared ring of 512 slots keeps RoCEv2's ALLOC_STORE in software,
+    while iWARP's masked Head (the Slot Offset itself) runs it in chains at any size."""
+    config = TargetConfig(blocks=300, block_size=4096, max_initiators=2, request_credits=4,
+                          features=0, execution="chains")
+    t = TargetThread(transport, config)
+
+    async def main():
+        ini = await connect(t, 0, credits=4, features=0)
+        h = ini.target.handle_base
+        for i in range(3):
+            r = await ini.alloc_store(h + i, b"block %d" % i)
+            assert (await ini.load(h + i, allow_unsealed=True)).data == b"block %d" % i
+            assert r.generation == 1
+        await ini.close()
+    try:
+        assert t.run(lambda: t.target.memory.shared_ring.size) == 512
+        run(main())
+        ended(t)
+        m = t.target.metrics
+        chained = m.chain[Opcode.ALLOC_STORE]
+        assert (chained, m.python[Opcode.ALLOC_STORE]) == ((3, 0) if transport == "iwarp" else (0, 3))
+    finally:
+        t.stop()

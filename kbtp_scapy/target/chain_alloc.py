@@ -1,10 +1,12 @@
 """ALLOC_STORE as a work-request chain: quota, entry, free-block ring, data, entry, completion.
 
-Built where the chain is simplest (docs/CHAINS.md, "ALLOC_STORE, WR by WR"): big-endian
-memory and WQEs (no ADDR_LE), and iWARP's masked FetchAdd on Head, whose result holds the
-ticket's Slot Offset as an address a chain can place. RoCEv2's unmasked Head (the slot is
-``16 * (ticket mod N)``, which no placement computes) and ADDR_LE (the Generation's
-successor cannot be added in little-endian memory) leave ALLOC_STORE in software. In a
+Built for big-endian memory and WQEs (no ADDR_LE: the Generation's successor cannot be
+added in little-endian memory, so ALLOC_STORE stays in software there; docs/CHAINS.md,
+"ALLOC_STORE, WR by WR"). iWARP's masked FetchAdd on Head returns the ticket's Slot Offset as
+an address a chain can place. RoCEv2's unmasked Head returns the ticket only, and the slot,
+``16 * (ticket mod N)``, comes from a slot alias key: Tagged Offset ``t * 256`` reaches slot
+``t mod N`` for the ticket's low octet t, so rings of up to 256 slots (a larger one leaves
+ALLOC_STORE in software). In a
 DIRECT_ALLOC session the chains take tickets from the partition's ring, and tell the ticket
 watch which before it looks (a scan of the chain slots, per look rather than per request).
 
@@ -39,6 +41,7 @@ _U64 = (1 << 64) - 1
 # on its own, the Generation as 16 bits, Data Length as 32
 _ENTRY_MASK = (1 << 63) | (1 << 55) | (1 << 47) | (1 << 31)
 _OCTETS = int.from_bytes(b"\x80" * 8, "big")
+_SLOT_KEYS = 256                # unmasked Head: slots reached from the ticket's low octet
 
 
 def supported(runner: ChainRunner) -> str | None:
@@ -46,8 +49,8 @@ def supported(runner: ChainRunner) -> str | None:
     conn = runner.conn
     if runner.little:
         return "ADDR_LE"
-    if not conn.ring.masked:
-        return "unmasked FetchAdd (RoCEv2)"
+    if not conn.ring.masked and conn.ring.size > _SLOT_KEYS:
+        return f"unmasked FetchAdd on a ring of more than {_SLOT_KEYS} slots"
     return None
 
 
@@ -60,9 +63,14 @@ class AllocStage:
         ring = runner.conn.ring
         self.ring = ring
         slots = ring.slots.obj
-        self.slots = memory.register(slots, LOOPBACK_ACCESS, connection=loopback)
-        # Tagged Offset o reaches a slot's octet o + 8 (its Block Offset): no placement adds 8
-        self.slot_blocks = memory.register(slots, LOOPBACK_ACCESS, start=8, connection=loopback)
+        if ring.masked:             # Tagged Offset: the Slot Offset Head returns
+            self.slots = memory.register(slots, LOOPBACK_ACCESS, connection=loopback)
+            # Tagged Offset o reaches a slot's octet o + 8 (its Block Offset): no placement adds 8
+            self.slot_blocks = memory.register(slots, LOOPBACK_ACCESS, start=8, connection=loopback)
+        else:                       # Tagged Offset: the ticket's low octet * 256
+            self.slots, self.slot_blocks = (
+                register_alias(memory, slots, 0, _SLOT_KEYS, M.SLOT_SIZE - at, pitch=M.SLOT_SIZE,
+                               start=at, wrap=ring.size, connection=loopback) for at in (0, 8))
         self.head = memory.register(ring.head.obj, LOOPBACK_ACCESS, connection=loopback)
         # 0: the usage counter; 8: all ones (what consumes a slot)
         self.words = memory.register(bytearray(8) + bytearray(_ONES), LOOPBACK_ACCESS,
@@ -89,7 +97,8 @@ class AllocStage:
         for outs in self.unreported.values():
             for out, at in list(outs):
                 if out.next > at:
-                    self.watch.taken_by_target(Wqe.decode(out.slot(at + 5), False).operand >> 32)
+                    wd1 = at + (5 if self.ring.masked else 6)
+                    self.watch.taken_by_target(Wqe.decode(out.slot(wd1), False).operand >> 32)
                     outs.remove((out, at))
 
     def resync(self) -> None:
@@ -106,7 +115,7 @@ class AllocStage:
     def build(self, c: Chain, k: int, ib1: int, load_b2: int, iww: int, scratch: Sge, *,
               inline: bool) -> None:
         """The three stages of one ALLOC_STORE variant: entry guard, quota guard, output."""
-        r = self.runner
+        r, ring = self.runner, self.ring
         e, b, j = r.engine, r.buffers.stag, c.j
         front, quota, out = c.alloc[inline]
         guard = offset_of("guard")
@@ -117,12 +126,14 @@ class AllocStage:
         ir1, ic2 = n_front + 5, n_front + (12 if inline else 15)
         ib2 = ic2 + 2
         o = out.written
+        step = 0 if ring.masked else 1          # unmasked Head: one more Read, the ticket's octet
+        scratch4 = Sge(b, r._scratch(j), 4)
         if inline:
             self.report()               # the last chain of this slot is done with its ticket
             self.unreported[j] = []
         self.unreported[j].append((out, o))
         wd1, wd2, rs, cw, idata, iwe1, ifa, icas, igen, isend = (
-            o + 5, o + 6, o + 7, o + 8, o + 12, o + 13, o + 17, o + 18, o + 19, o + 20)
+            o + step + i for i in (5, 6, 7, 8, 12, 13, 17, 18, 19, 20))
         block_at = offset_of("remote_offset") if inline else sge_offset(0, "addr")
         # front: the handle wherever the entry is read or written, then guard 2 (not VALID)
         for q, index in ((front, ir1), (out, iwe1), (out, ifa), (out, icas), (out, igen)):
@@ -166,11 +177,14 @@ class AllocStage:
                doorbell=False)
         e.post(quota, fail, doorbell=False)
         # out: a ticket (FetchAdd on Head), its slot's address four times, wait for the slot
-        ring = self.ring
         e.post(out, Wqe(Op.FETCH_ADD, Flag.LOOPBACK, remote_stag=self.head.stag, operand=ring.add,
                         operand2=ring.mask or 0,
-                        sges=[r._sge(out, wd1, offset_of("operand"), 4), Sge(b, word + 4, 4)]),
+                        sges=[r._sge(out, wd1, offset_of("operand"), 4),
+                              Sge(b, word + 4, 4) if ring.masked else scratch4]),
                doorbell=False)
+        if not ring.masked:         # the ticket's low octet, shifted one octet up, into A
+            tkey, taddr = r._field(out, wd1, offset_of("operand") + 3)
+            e.post(out, r._copy(tkey, taddr, 1, [Sge(b, word + 6, 1)], fence=True), doorbell=False)
         for index in (wd1, wd2, rs, cw):
             e.post(out, r._copy(b, word, 8, [r._sge(out, index, offset_of("remote_offset"), 8)],
                                 fence=True), doorbell=False)
