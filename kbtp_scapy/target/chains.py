@@ -1,9 +1,10 @@
-"""``kbtp target --execution chains``: LOAD and inline mapped STORE as pre-posted work-request chains.
+"""``kbtp target --execution chains``: LOAD, STORE and ALLOC_STORE as pre-posted work-request chains.
 
 The target's Python builds, for each of twice the connection's request credits, a receive
 and the chain behind it (docs/CHAINS.md), and refills finished chains in batches, woken
-once per batch by CQ moderation. The chain engine (``rnic/chains``) then executes a LOAD or
-an inline mapped STORE from its arrival to its COMPLETION without any KBTP code: the
+once per batch by CQ moderation. The chain engine (``rnic/chains``) then executes a LOAD, a
+mapped STORE (inline, or its data RDMA-Read) or an ALLOC_STORE (``chain_alloc``) from its
+arrival to its COMPLETION without any KBTP code: the
 receive's scatter list places the request's fields into later WQEs, loopback Reads place
 the table entry there, Compare and Swap on branch WQEs' control words decides between the
 operations' paths and software, and the path moves the data and sends the completion.
