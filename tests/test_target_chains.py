@@ -387,20 +387,21 @@ def test_chain_executed_requests_count_for_the_idle_rule(transport):
 @pytest.mark.slow
 def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_path):
     """The issue's proof: over a whole tools/bench_target.py ALLOC_STORE run against
-    ``--execution chains`` (iWARP, 4096-octet blocks: inline, and 8192: by RDMA Read), the
-    target's closing counters say no ALLOC_STORE ran KBTP Python, and many ran by chains."""
+    ``--execution chains`` (both bindings; 4096-octet blocks: inline, and 8192: by RDMA
+    Read), the target's closing counters say no ALLOC_STORE ran KBTP Python, and many ran
+    by chains."""
     import re
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, str(root / "tools" / "bench_target.py"), "--transports", "iwarp",
+    subprocess.run([sys.executable, str(root / "tools" / "bench_target.py"), "--transports", "iwarp,roce",
                     "--ops", "ALLOC_STORE", "--sizes", "4096,8192", "--seconds", "1", "--warmup", "0.2",
                     "--pool-mib", "64", "--round", "256", "--target-args", "--execution chains",
                     "--json", str(out)], check=True, stdout=subprocess.DEVNULL, timeout=240)
     cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 2
+    assert len(cases) == 4
     for case in cases:
         counters = re.search(r"ALLOC_STORE: KBTP Python per request (\d+), run by chains (\d+)",
                              case["target_output"])
@@ -409,11 +410,11 @@ def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_pa
 
 
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
-def test_a_ring_of_more_than_256_slots_leaves_roce_alloc_store_in_software(transport):
+def test_a_ring_of_more_than_65536_slots_leaves_roce_alloc_store_in_software(transport):
     """RoCEv2's unmasked Head gives the ticket only; the slot alias key reaches slots from
-    its low octet, so a shared ring of 512 slots keeps RoCEv2's ALLOC_STORE in software,
-    while iWARP's masked Head (the Slot Offset itself) runs it in chains at any size."""
-    config = TargetConfig(blocks=300, block_size=4096, max_initiators=2, request_credits=4,
+    its two low octets, so a shared ring of 2^17 slots keeps RoCEv2's ALLOC_STORE in
+    software, while iWARP's masked Head (the Slot Offset itself) runs it in chains at any size."""
+    config = TargetConfig(blocks=65537, block_size=64, max_initiators=2, request_credits=4,
                           features=0, execution="chains")
     t = TargetThread(transport, config)
 
@@ -426,7 +427,7 @@ def test_a_ring_of_more_than_256_slots_leaves_roce_alloc_store_in_software(trans
             assert r.generation == 1
         await ini.close()
     try:
-        assert t.run(lambda: t.target.memory.shared_ring.size) == 512
+        assert t.run(lambda: t.target.memory.shared_ring.size) == 1 << 17
         run(main())
         ended(t)
         m = t.target.metrics

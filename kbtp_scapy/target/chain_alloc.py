@@ -5,8 +5,8 @@ added in little-endian memory, so ALLOC_STORE stays in software there; docs/CHAI
 "ALLOC_STORE, WR by WR"). iWARP's masked FetchAdd on Head returns the ticket's Slot Offset as
 an address a chain can place. RoCEv2's unmasked Head returns the ticket only, and the slot,
 ``16 * (ticket mod N)``, comes from a slot alias key: Tagged Offset ``t * 256`` reaches slot
-``t mod N`` for the ticket's low octet t, so rings of up to 256 slots (a larger one leaves
-ALLOC_STORE in software). In a
+``t mod N`` for the ticket's two low octets t, so rings of up to 65,536 slots (a larger one
+leaves ALLOC_STORE in software). In a
 DIRECT_ALLOC session the chains take tickets from the partition's ring, and tell the ticket
 watch which before it looks (a scan of the chain slots, per look rather than per request).
 
@@ -41,7 +41,7 @@ _U64 = (1 << 64) - 1
 # on its own, the Generation as 16 bits, Data Length as 32
 _ENTRY_MASK = (1 << 63) | (1 << 55) | (1 << 47) | (1 << 31)
 _OCTETS = int.from_bytes(b"\x80" * 8, "big")
-_SLOT_KEYS = 256                # unmasked Head: slots reached from the ticket's low octet
+_SLOT_KEYS = 1 << 16            # unmasked Head: slots reached from the ticket's two low octets
 
 
 def supported(runner: ChainRunner) -> str | None:
@@ -126,7 +126,7 @@ class AllocStage:
         ir1, ic2 = n_front + 5, n_front + (12 if inline else 15)
         ib2 = ic2 + 2
         o = out.written
-        step = 0 if ring.masked else 1          # unmasked Head: one more Read, the ticket's octet
+        step = 0 if ring.masked else 1          # unmasked Head: one more Read, the ticket's octets
         scratch4 = Sge(b, r._scratch(j), 4)
         if inline:
             self.report()               # the last chain of this slot is done with its ticket
@@ -182,9 +182,9 @@ class AllocStage:
                         sges=[r._sge(out, wd1, offset_of("operand"), 4),
                               Sge(b, word + 4, 4) if ring.masked else scratch4]),
                doorbell=False)
-        if not ring.masked:         # the ticket's low octet, shifted one octet up, into A
-            tkey, taddr = r._field(out, wd1, offset_of("operand") + 3)
-            e.post(out, r._copy(tkey, taddr, 1, [Sge(b, word + 6, 1)], fence=True), doorbell=False)
+        if not ring.masked:         # the ticket's two low octets, shifted one octet up, into A
+            tkey, taddr = r._field(out, wd1, offset_of("operand") + 2)
+            e.post(out, r._copy(tkey, taddr, 2, [Sge(b, word + 5, 2)], fence=True), doorbell=False)
         for index in (wd1, wd2, rs, cw):
             e.post(out, r._copy(b, word, 8, [r._sge(out, index, offset_of("remote_offset"), 8)],
                                 fence=True), doorbell=False)
