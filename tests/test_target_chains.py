@@ -164,6 +164,12 @@ def test_alloc_stores_run_without_kbtp_python(chains):
             assert (r.status, r.generation, r.data_length) == (0, 1, len(data))
             stored[h + i] = (data, r.block_offset)
         assert len({block for _, block in stored.values()}) == quota          # distinct blocks
+        # past the Ticket Timeout (300 ms): the watch knew the chains' tickets for the target's,
+        # so none is pending or abandoned, and the initiator's direct modes stand
+        await asyncio.sleep(0.6)
+        state = chains.run(lambda: chains.target.sessions.by_id[ini.initiator_id])
+        assert state.watch is not None          # a DIRECT_ALLOC session: its partition's ring
+        assert (state.tickets, state.direct_disabled) == (0, False)
         for handle, (data, _) in stored.items():
             assert (await ini.load(handle, allow_unsealed=True)).data == data
         for name, coro in (("NO_SPACE", ini.alloc_store(h + quota, b"over")),
