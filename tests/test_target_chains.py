@@ -69,7 +69,8 @@ def test_loads_run_without_kbtp_python(chains):
     ended(chains)
     m = chains.target.metrics
     assert m.python[Opcode.LOAD] == 0 and m.chain[Opcode.LOAD] == 21
-    assert m.python[Opcode.ALLOC_STORE] == 4 and m.operations[Opcode.LOAD, 0] == 21
+    assert m.python[Opcode.ALLOC_STORE] + m.chain[Opcode.ALLOC_STORE] == 4
+    assert m.operations[Opcode.LOAD, 0] == 21
     # what --metrics serves
     samples = {(s.name, s.labels.get("opcode")): s.value for family in m.collect()
                for s in family.samples}
@@ -107,6 +108,92 @@ def test_inline_stores_run_without_kbtp_python(chains):
     entry = chains.run(lambda: chains.target.memory.table.read(h))
     assert (entry.flags, entry.generation, entry.data_length) == (3, 1, 10)
     assert m.chain[Opcode.STORE] == 7 and m.python[Opcode.STORE] == 3 and m.chain[Opcode.LOAD] == 1
+
+
+def test_stores_that_read_their_data_run_without_kbtp_python(chains):
+    """Mapped STOREs without INLINE by chains: the chain RDMA-Reads the initiator's buffer
+    into the block; the entry, the block and the completion as the software target leaves
+    them, and the guards are the inline STORE's."""
+    async def main():
+        ini = await connect(chains, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"first version")                     # unsealed, software
+        for i in range(6):
+            data = os.urandom(300 + 600 * i)
+            r = await ini.store(h, data, inline=False)
+            assert (r.status, r.generation, r.data_length) == (0, 1, len(data))
+            assert (await ini.load(h, allow_unsealed=True)).data == data   # software LOAD
+        data = os.urandom(4096)
+        r = await ini.store(h, data, inline=False, seal=True, generation=1)
+        assert (r.status, r.data_length) == (0, 4096)
+        assert (await ini.load(h)).data == data                        # sealed: by chains
+        for name, coro in (("SEALED", ini.store(h, b"x" * 500, inline=False)),
+                           ("NOT_VALID", ini.store(h + 1, b"x" * 500, inline=False)),
+                           ("STALE_GENERATION", ini.store(h, b"x" * 500, inline=False, generation=7)),
+                           ("INVALID_HANDLE", ini.store(h + ini.target.handle_count, b"x" * 500,
+                                                        inline=False))):
+            with pytest.raises(KbtpError) as failed:
+                await coro
+            assert failed.value.name == name
+        await ini.close()
+        return h
+    h = run(main())
+    ended(chains)
+    m = chains.target.metrics
+    entry = chains.run(lambda: chains.target.memory.table.read(h))
+    assert (entry.flags, entry.generation, entry.data_length) == (3, 1, 4096)
+    assert m.chain[Opcode.STORE] == 7 and m.python[Opcode.STORE] == 4 and m.chain[Opcode.LOAD] == 1
+
+
+def test_alloc_stores_run_without_kbtp_python(chains):
+    """ALLOC_STOREs, inline and by RDMA Read, sealed and not, by chains where the memory order
+    lets them (without ADDR_LE, on both bindings; docs/CHAINS.md): entries, blocks and completions as the
+    software target leaves them, blocks from the ring, the quota and the guards held, and
+    the FREEs (software) give the blocks back to chains that allocate them again."""
+    async def main():
+        ini = await connect(chains, 0, credits=4)
+        h, quota = ini.target.handle_base, ini.target.quota
+        for handle in (h + ini.target.handle_count, h - 1):     # unbound entries of others
+            with pytest.raises(KbtpError) as failed:
+                await ini.alloc_store(handle, b"not mine")
+            assert failed.value.name == "INVALID_HANDLE"
+        stored = {}
+        for i in range(quota):
+            data = os.urandom(20 + 250 * i % 4000)
+            r = await ini.alloc_store(h + i, data, seal=i % 2 == 0)
+            assert (r.status, r.generation, r.data_length) == (0, 1, len(data))
+            stored[h + i] = (data, r.block_offset)
+        assert len({block for _, block in stored.values()}) == quota          # distinct blocks
+        # past the Ticket Timeout (300 ms): the watch knew the chains' tickets for the target's,
+        # so none is pending or abandoned, and the initiator's direct modes stand
+        await asyncio.sleep(0.6)
+        state = chains.run(lambda: chains.target.sessions.by_id[ini.initiator_id])
+        assert state.watch is not None          # a DIRECT_ALLOC session: its partition's ring
+        assert (state.tickets, state.direct_disabled) == (0, False)
+        for handle, (data, _) in stored.items():
+            assert (await ini.load(handle, allow_unsealed=True)).data == data
+        for name, coro in (("NO_SPACE", ini.alloc_store(h + quota, b"over")),
+                           ("ALREADY_BOUND", ini.alloc_store(h, b"again"))):
+            with pytest.raises(KbtpError) as failed:
+                await coro
+            assert failed.value.name == name
+        for handle in stored:
+            await ini.free(handle)
+        for i in range(quota):                          # the freed blocks come back, Generation 3
+            r = await ini.alloc_store(h + i, b"second %d" % i, seal=True)
+            assert (r.status, r.generation) == (0, 3)
+            assert (await ini.load(h + i, generation=3)).data == b"second %d" % i
+        await ini.close()
+        return h, quota
+    h, quota = run(main())
+    ended(chains)
+    m = chains.target.metrics
+    entry = chains.run(lambda: chains.target.memory.table.read(h))
+    assert (entry.flags, entry.generation, entry.data_length) == (3, 3, 8)
+    if not chains.target.config.addr_le:
+        assert m.python[Opcode.ALLOC_STORE] == 4 and m.chain[Opcode.ALLOC_STORE] == 2 * quota
+    else:
+        assert m.chain[Opcode.ALLOC_STORE] == 0
 
 
 def test_failed_checks_go_to_software(chains):
@@ -180,14 +267,14 @@ def test_finding_a_load_with_trailing_octets(either):
 
 
 
-def test_finding_an_inline_store_longer_than_a_block(either):
-    """docs/NOTES.md decision 5 (INLINE Length above Max Inline or Block Size: TOO_LARGE):
-    nothing in a chain bounds the Length the descriptor claims. Through the block alias
-    the chain's Write of 5,000 octets ends in the null key: the next block is untouched,
-    but the entry records the Length and the STORE completes OK."""
+def test_stores_longer_than_a_block_are_refused_as_in_software(either):
+    """docs/NOTES.md decision 5 (Length above Max Inline or Block Size: TOO_LARGE): the
+    chains compare the Length with the limit through a limit key (PASS up to the limit, the
+    null key beyond), so a STORE or ALLOC_STORE one octet too long takes the software branch,
+    one of exactly Block Size runs in the chain, and the neighbouring block is untouched."""
     mode, t = either
 
-    async def main() -> tuple[int, bytes]:
+    async def main() -> list[int]:
         ini = await connect(t, 0, credits=4)
         h = ini.target.handle_base
         await ini.alloc_store(h, b"mine")
@@ -197,11 +284,22 @@ def test_finding_an_inline_store_longer_than_a_block(either):
                                 "flags": RequestFlag.INLINE, "dd.stag": 0,
                                 "dd.offset": 0, "dd.length": 5000})
         (answer,) = await ini.raw(request + b"ten octets")
-        status = codec.decode(answer.payload)["status"]
+        statuses = [codec.decode(answer.payload)["status"]]
+        for coro in (ini.store(h, os.urandom(4097), inline=False),
+                     ini.alloc_store(h + 2, os.urandom(4097), inline=False),
+                     ini.store(h, os.urandom(4096), inline=False)):
+            try:
+                statuses.append((await coro).status)
+            except KbtpError as failed:
+                statuses.append(failed.status)
         assert (await ini.load(h + 1)).data == neighbour
-        return status, neighbour
-    status, _ = run(main())
-    assert status == (Status.TOO_LARGE if mode == "software" else 0)
+        await ini.close()
+        return statuses
+    statuses = run(main())
+    ended(t)
+    assert statuses == [Status.TOO_LARGE] * 3 + [0]
+    if mode == "chains":
+        assert t.target.metrics.chain[Opcode.STORE] == 1
 
 
 def test_the_cli_says_chains_need_the_soft_rnic() -> None:
@@ -288,5 +386,58 @@ def test_chain_executed_requests_count_for_the_idle_rule(transport):
         run(main())
         m = t.target.metrics
         assert m.chain[Opcode.LOAD] == 1 and m.python[Opcode.LOAD] == 0
+    finally:
+        t.stop()
+
+
+@pytest.mark.slow
+def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_path):
+    """The issue's proof: over a whole tools/bench_target.py ALLOC_STORE run against
+    ``--execution chains`` (both bindings; 4096-octet blocks: inline, and 8192: by RDMA
+    Read), the target's closing counters say no ALLOC_STORE ran KBTP Python, and many ran
+    by chains."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, str(root / "tools" / "bench_target.py"), "--transports", "iwarp,roce",
+                    "--ops", "ALLOC_STORE", "--sizes", "4096,8192", "--seconds", "1", "--warmup", "0.2",
+                    "--pool-mib", "64", "--round", "256", "--target-args", "--execution chains",
+                    "--json", str(out)], check=True, stdout=subprocess.DEVNULL, timeout=240)
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 4
+    for case in cases:
+        counters = re.search(r"ALLOC_STORE: KBTP Python per request (\d+), run by chains (\d+)",
+                             case["target_output"])
+        assert counters is not None, case
+        assert int(counters.group(1)) == 0 and int(counters.group(2)) >= 256
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_a_ring_of_more_than_65536_slots_leaves_roce_alloc_store_in_software(transport):
+    """RoCEv2's unmasked Head gives the ticket only; the slot alias key reaches slots from
+    its two low octets, so a shared ring of 2^17 slots keeps RoCEv2's ALLOC_STORE in
+    software, while iWARP's masked Head (the Slot Offset itself) runs it in chains at any size."""
+    config = TargetConfig(blocks=65537, block_size=64, max_initiators=2, request_credits=4,
+                          features=0, execution="chains")
+    t = TargetThread(transport, config)
+
+    async def main():
+        ini = await connect(t, 0, credits=4, features=0)
+        h = ini.target.handle_base
+        for i in range(3):
+            r = await ini.alloc_store(h + i, b"block %d" % i)
+            assert (await ini.load(h + i, allow_unsealed=True)).data == b"block %d" % i
+            assert r.generation == 1
+        await ini.close()
+    try:
+        assert t.run(lambda: t.target.memory.shared_ring.size) == 1 << 17
+        run(main())
+        ended(t)
+        m = t.target.metrics
+        chained = m.chain[Opcode.ALLOC_STORE]
+        assert (chained, m.python[Opcode.ALLOC_STORE]) == ((3, 0) if transport == "iwarp" else (0, 3))
     finally:
         t.stop()

@@ -1,9 +1,10 @@
-"""``kbtp target --execution chains``: LOAD and inline mapped STORE as pre-posted work-request chains.
+"""``kbtp target --execution chains``: LOAD, STORE and ALLOC_STORE as pre-posted work-request chains.
 
 The target's Python builds, for each of twice the connection's request credits, a receive
 and the chain behind it (docs/CHAINS.md), and refills finished chains in batches, woken
-once per batch by CQ moderation. The chain engine (``rnic/chains``) then executes a LOAD or
-an inline mapped STORE from its arrival to its COMPLETION without any KBTP code: the
+once per batch by CQ moderation. The chain engine (``rnic/chains``) then executes a LOAD, a
+mapped STORE (inline, or its data RDMA-Read) or an ALLOC_STORE (``chain_alloc``) from its
+arrival to its COMPLETION without any KBTP code: the
 receive's scatter list places the request's fields into later WQEs, loopback Reads place
 the table entry there, Compare and Swap on branch WQEs' control words decides between the
 operations' paths and software, and the path moves the data and sends the completion.
@@ -30,6 +31,7 @@ from ..rnic.chains.wqe import ALL, byteorder, offset_of, sge_offset
 from ..tables import memory as M
 from ..tables.messages import COMPLETION, DATA_DESCRIPTOR, HEADER
 from ..vocab import EntryFlag, GoodbyeFlag, Opcode, RequestFlag
+from . import chain_alloc
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -44,22 +46,43 @@ _C_LENGTH, _C_OFFSET = (HEADER.size + COMPLETION.offset(f) for f in ("data_lengt
 # a slot's buffer: the completion and a STORE's new entry octets, scratch, the rest of a request
 _SCRATCH_AT, _REST_AT = 64, 80
 _TAG = 56                  # wr_id of a chain's completion: opcode << 56 | request number
+# guard 1's accepted (opcode, flags) words and the stage each enables
+_GUARD1 = ((Opcode.LOAD, RequestFlag.INVALIDATE, "load"),
+           (Opcode.STORE, RequestFlag.INLINE, "inline"),
+           (Opcode.STORE, RequestFlag.INLINE | RequestFlag.SEAL, "inline"),
+           (Opcode.STORE, RequestFlag.INVALIDATE, "read"),
+           (Opcode.STORE, RequestFlag.INVALIDATE | RequestFlag.SEAL, "read"))
+_GUARD1_ALLOC = ((Opcode.ALLOC_STORE, RequestFlag.INLINE, "alloc-inline"),
+                 (Opcode.ALLOC_STORE, RequestFlag.INLINE | RequestFlag.SEAL, "alloc-inline"),
+                 (Opcode.ALLOC_STORE, RequestFlag.INVALIDATE, "alloc-read"),
+                 (Opcode.ALLOC_STORE, RequestFlag.INVALIDATE | RequestFlag.SEAL, "alloc-read"))
+_OCTETS = int.from_bytes(b"\x80" * 8, "big")    # Add Mask: every octet adds on its own
+_PASS = 0x50                # what a limit key reads where a length is within its limit
 
 
 class Chain:
     """The queues of one chain slot (credit slot ``j``): P guards the request, F and O are
-    LOAD's entry stage and output, FS and OS mapped STORE's, S hands a request to software."""
+    LOAD's entry stage and output, FS and OS an inline mapped STORE's, FR and OR a mapped
+    STORE's that RDMA-Reads its data, S hands a request to software."""
 
     def __init__(self, engine: Engine, j: int, sw_cq: CompletionQueue, done_cq: CompletionQueue,
-                 spare: CompletionQueue) -> None:
+                 spare: CompletionQueue, alloc: bool) -> None:
         self.j = j
-        self.p = engine.create_queue(8, spare, managed=True)
+        self.p = engine.create_queue(16, spare, managed=True)
         self.f = engine.create_queue(8, spare, managed=True)
         self.o = engine.create_queue(4, done_cq, managed=True)
         self.fs = engine.create_queue(16, spare, managed=True)
         self.os = engine.create_queue(4, done_cq, managed=True)
+        self.fr = engine.create_queue(20, spare, managed=True)
+        self.or_ = engine.create_queue(4, done_cq, managed=True)
         self.s = engine.create_queue(2, sw_cq, managed=True)
-        self.queues = (self.p, self.f, self.o, self.fs, self.os, self.s)
+        # ALLOC_STORE, inline and read: entry guard, quota guard, output (chain_alloc.py)
+        self.alloc = {inline: (engine.create_queue(20, spare, managed=True),
+                               engine.create_queue(4, spare, managed=True),
+                               engine.create_queue(24, done_cq, managed=True))
+                      for inline in ((True, False) if alloc else ())}
+        self.queues = (self.p, self.f, self.o, self.fs, self.os, self.fr, self.or_, self.s,
+                       *(q for stages in self.alloc.values() for q in stages))
 
 
 class ChainRunner:
@@ -89,7 +112,10 @@ class ChainRunner:
         self.sw_cq = e.create_cq(polled=True)
         self.rq = e.create_queue(self.slots, self.recv_cq, receive=True)
         self.ctl = e.create_queue(3 * self.slots, self.spare)
-        self.chains = [Chain(e, j, self.sw_cq, self.done_cq, self.spare) for j in range(self.slots)]
+        self.software_alloc = chain_alloc.supported(self)   # why ALLOC_STORE is software, or None
+        self.guard1 = _GUARD1 + (() if self.software_alloc else _GUARD1_ALLOC)
+        self.chains = [Chain(e, j, self.sw_cq, self.done_cq, self.spare, not self.software_alloc)
+                       for j in range(self.slots)]
         table = t.memory.table
         loopback = e.loopback           # every region below: the chain's own, no peer's
         self.alias = register_alias(memory, t.memory.table_buffer, table.base_handle,
@@ -97,23 +123,30 @@ class ChainRunner:
         own = conn.state                # stores: the initiator's own range only
         self.own = register_alias(memory, t.memory.table_buffer, own.handle_base, own.handle_count,
                                   M.ENTRY_SIZE, start=(own.handle_base - table.base_handle) * M.ENTRY_SIZE,
-                                  connection=loopback)
+                                  connection=loopback, access=LOOPBACK_ACCESS)   # ALLOC_STORE's atomics
         size = t.memory.block_size      # blocks through an alias: no access spills over one
         self.blocks = register_alias(memory, t.memory.pool, t.memory.pool_base, t.config.blocks, size,
                                      unit=size, connection=loopback)
         self.rest = t._recv_size() - _HEADER_SIZE - _DD_SIZE
-        self.per = _REST_AT + max(self.rest, 0)
+        self.per = -(-(_REST_AT + max(self.rest, 0)) // 8) * 8   # 8-aligned: atomics on E
         self.buffers = memory.register(bytearray(self.slots * self.per), LOOPBACK_ACCESS,
                                        connection=loopback)
         # each slot's inline data, through an alias: a Length beyond what it holds reads zeros
         self.staging = register_alias(memory, self.buffers.buffer, 0, self.slots, max(self.rest, 0),
                                       unit=self.per, pitch=self.per, start=_REST_AT,
                                       connection=loopback)
+        # the length checks' limit keys: PASS at Tagged Offsets 0 to the limit, the null key beyond
+        self.block_limit, self.inline_limit = (
+            register_alias(memory, bytearray([_PASS]) * (limit + 1), 0, 1, limit + 1, unit=1 << 32,
+                           connection=loopback)
+            for limit in (size, min(t.config.max_inline, size)))
+        self.alloc = None if self.software_alloc else chain_alloc.AllocStage(self)
         self.built = 0             # chains built so far (ticket of the next one)
         self.refilled = 0          # completions already accounted for
         self.software: deque[int] = deque()
         self.wakeup = asyncio.Event()
         self.ended: BaseException | None = None
+        self.poll: asyncio.TimerHandle | None = None
         e.completer.on_polled = self._polled
         # the idle rule (sessions._quiet) reads the receive CQ's count: requests a chain
         # ran reach no Python, so heard_at alone would age (docs/CHAINS.md, "The idle
@@ -134,6 +167,10 @@ class ChainRunner:
 
     def _rest(self, j: int) -> int:
         return self._buf(j, _REST_AT)
+
+    def _staged(self, j: int) -> int:
+        """Tagged Offset of slot ``j``'s inline data through the staging alias."""
+        return handle_offset(j * self.per)
 
     @staticmethod
     def _field(q: WorkQueue, index: int, at: int) -> tuple[int, int]:
@@ -175,16 +212,34 @@ class ChainRunner:
                    remote_offset=q.at(index), operand=int.from_bytes(want, self.order),
                    operand2=passed.control(self.little))
 
-    def _entry_guard(self, c: Chain, q: WorkQueue, index: int, flags: int, out: WorkQueue) -> None:
+    def _entry_guard(self, c: Chain, q: WorkQueue, index: int, flags: int, out: WorkQueue,
+                     checked: bool = False) -> None:
         """Guard 2 at WQE ``index`` of ``q``: the branch to ``out`` when the entry's Flags
         are ``flags`` and the request's Generation is the entry's (the first CAS, whose
-        compare the entry Read completed) or zero (the second), else to software."""
+        compare the entry Read completed) or zero (the second), else to software. With
+        ``checked``, the Flags' high octet (always 0 in an entry) is where ``_length_check``
+        put its verdict, which must be PASS."""
         fail = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
         passed = Wqe(Op.ENABLE, 0, target=out.number, count=ALL)
+        want = bytes((_PASS if checked else 0, flags)) + bytes(2)
         for _ in ("request Generation = entry's", "request Generation 0"):
-            self.engine.post(q, self._guard(q, index, fail, flags.to_bytes(2, "big") + bytes(2), passed),
-                             doorbell=False)
+            self.engine.post(q, self._guard(q, index, fail, want, passed), doorbell=False)
         self.engine.post(q, fail, doorbell=False)
+
+    def _length_check(self, q: WorkQueue, load_out: WorkQueue, iww: int, inline: bool, branch: Sge) -> None:
+        """Two WQEs on ``q``: the request's Length (the Data Descriptor's, in LOAD's Write)
+        into the Tagged Offset of a one-octet Read through a limit key, which reads PASS at
+        offsets 0 to the limit (Block Size, or Max Inline for inline data) and zero beyond
+        (the null key), then that Read into ``branch``: an ordered compare with a constant,
+        from an indirect key (docs/CHAINS.md, "Validation")."""
+        lkey, laddr = self._field(load_out, iww, offset_of("length"))
+        icheck = q.written + 1
+        self.engine.post(q, self._copy(lkey, laddr, 4, [self._sge(q, icheck, offset_of("remote_offset")
+                                                                  + (0 if self.little else 4), 4)]),
+                         doorbell=False)
+        limit = self.inline_limit if inline else self.block_limit
+        self.engine.post(q, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=limit.stag, length=1,
+                                sges=[branch]), doorbell=False)
 
     def build(self) -> None:
         """Post chain ``built`` into its slot: the receive, the control WQEs, the request
@@ -194,11 +249,11 @@ class ChainRunner:
         e, b, j = self.engine, self.buffers.stag, c.j
         for q in c.queues:
             e.rewind(q)                 # the branches the last chain here did not take
-        done = bytearray(_COMPLETION_SIZE + 8)   # the completion's constant part, entry buffer
+        done = bytearray(_SCRATCH_AT)     # the completion's constant part, entry buffer, slot word
         done[:2] = bytes((1, Opcode.COMPLETION))
         self.buffers.local(self._completion(j), len(done))[:] = done
         scratch = Sge(b, self._scratch(j), 1)
-        ib1 = c.p.written + 6                 # A, A2, X, three guard-1 CASes, then B1
+        ib1 = c.p.written + 3 + len(self.guard1)  # A, A2, X, the guard-1 CASes, then B1
         iww, isend = c.o.written, c.o.written + 1                 # LOAD: WRITE, SEND
         guard = offset_of("guard")
         # P: the handle for both entry Reads of LOAD, the STag to invalidate, guard 1
@@ -209,9 +264,10 @@ class ChainRunner:
         e.post(c.p, self._copy(skey, saddr, 4, [self._sge(c.o, isend, offset_of("invalidate"), 4)]),
                doorbell=False)
         b1 = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
-        for opcode, flags, then in ((Opcode.LOAD, RequestFlag.INVALIDATE, c.f),
-                                    (Opcode.STORE, RequestFlag.INLINE, c.fs),
-                                    (Opcode.STORE, RequestFlag.INLINE | RequestFlag.SEAL, c.fs)):
+        stages = {"load": c.f, "inline": c.fs, "read": c.fr}
+        stages.update({"alloc-" + ("inline" if inline else "read"): q[0] for inline, q in c.alloc.items()})
+        for opcode, flags, stage in self.guard1:
+            then = stages[stage]
             word = bytes((1, opcode)) + flags.to_bytes(2, "big")
             expect = int.from_bytes(word, self.order)
             e.post(c.p, self._guard(c.p, ib1, b1, word,
@@ -235,7 +291,11 @@ class ChainRunner:
         e.post(c.o, Wqe(Op.WRITE, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
         e.post(c.o, Wqe(Op.SEND, Flag.SIGNALED | Flag.INVALIDATE, wr_id=Opcode.LOAD << _TAG | k,
                         sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
-        self._store(c, k, ib1, ib2, iww, scratch)
+        self._store(c, k, ib1, ib2, iww, scratch, inline=True)
+        self._store(c, k, ib1, ib2, iww, scratch, inline=False)
+        if self.alloc is not None:
+            for inline in (True, False):
+                self.alloc.build(c, k, ib1, ib2, iww, scratch, inline=inline)
         # S: to software
         e.post(c.s, Wqe(Op.NOP, Flag.SIGNALED, wr_id=k), doorbell=False)
         for q in c.queues:
@@ -257,52 +317,80 @@ class ChainRunner:
             self.qp.post_recv(1)
         self.built += 1
 
-    def _store(self, c: Chain, k: int, ib1: int, load_b2: int, iww: int, scratch: Sge) -> None:
-        """FS and OS: a mapped STORE with inline data (docs/CHAINS.md, "Mapped Store")."""
+    def _store(self, c: Chain, k: int, ib1: int, load_b2: int, iww: int, scratch: Sge, *,
+               inline: bool) -> None:
+        """FS and OS: a mapped STORE with inline data; FR and OR: one whose data the chain
+        RDMA-Reads from the request's Data Descriptor (docs/CHAINS.md, "Mapped Store")."""
         e, b, j = self.engine, self.buffers.stag, c.j
+        front, out = (c.fs, c.os) if inline else (c.fr, c.or_)
         guard = offset_of("guard")
         entry = self._completion(j) + _COMPLETION_SIZE      # the entry's new octets 0 to 8
-        fs = c.fs.written
-        ir1, ir2, ic2, ib2 = fs + 3, fs + 4, fs + 11, fs + 13
-        iwd, iwe = c.os.written, c.os.written + 1
+        fs = front.written
+        ir1, ir2 = fs + 3, fs + 4
+        ic2 = fs + (13 if inline else 16)
+        ib2 = ic2 + 2
+        idata, iwe, isend = out.written, out.written + 1, out.written + 2
+        # inline: the block is the Write's remote side; read: the Read's local side
+        block_at = offset_of("remote_offset") if inline else sge_offset(0, "addr")
         # the handle into both entry Reads and the entry Write (own range: its own alias)
-        for q, index in ((c.fs, ir1), (c.fs, ir2), (c.os, iwe)):
-            e.post(c.fs, self._handle(j, q, index, scratch), doorbell=False)
-        e.post(c.fs, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
-                         length=M.ENTRY_SIZE, sges=[
-                             self._sge(c.fs, ib2, guard, 2),                     # Flags
-                             self._sge(c.fs, ic2, offset_of("operand") + 6, 2),  # Generation
-                             Sge(b, self._scratch(j), 4),
-                             *self._shifted(c.os, iwd, offset_of("remote_offset"), scratch)]),
+        for q, index in ((front, ir1), (front, ir2), (out, iwe)):
+            e.post(front, self._handle(j, q, index, scratch), doorbell=False)
+        e.post(front, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
+                          length=M.ENTRY_SIZE, sges=[
+                              scratch, self._sge(front, ib2, guard + 1, 1),       # Flags
+                              self._sge(front, ic2, offset_of("operand") + 6, 2),  # Generation
+                              Sge(b, self._scratch(j), 4),
+                              *self._shifted(out, idata, block_at, scratch)]),   # Block Offset
                doorbell=False)
-        e.post(c.fs, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
-                         length=M.ENTRY_SIZE, sges=[
-                             Sge(b, self._scratch(j), 2), Sge(b, entry + 2, 2),   # Generation
-                             Sge(b, self._scratch(j), 4),
-                             Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
+        e.post(front, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
+                          length=M.ENTRY_SIZE, sges=[
+                              Sge(b, self._scratch(j), 2), Sge(b, entry + 2, 2),   # Generation
+                              Sge(b, self._scratch(j), 4),
+                              Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
         # the Generation, the Length and the flags where the entry and the completion want them
-        e.post(c.fs, self._copy(b, entry + 2, 2, [Sge(b, self._completion(j) + _H["generation"], 2)],
-                                fence=True), doorbell=False)
+        e.post(front, self._copy(b, entry + 2, 2, [Sge(b, self._completion(j) + _H["generation"], 2)],
+                                 fence=True), doorbell=False)
         lkey, laddr = self._field(c.o, iww, offset_of("length"))             # the DD's Length
-        e.post(c.fs, self._copy(lkey, laddr, 4, [self._sge(c.os, iwd, sge_offset(0, "length"), 4)]),
+        e.post(front, self._copy(lkey, laddr, 4, [self._sge(out, idata, sge_offset(0, "length"), 4)]),
                doorbell=False)
-        e.post(c.fs, self._copy(lkey, laddr, 4, self._number_back(b, entry + 4)), doorbell=False)
-        e.post(c.fs, self._copy(b, entry + 4, 4, [Sge(b, self._completion(j) + _C_LENGTH, 4)],
-                                fence=True), doorbell=False)
+        e.post(front, self._copy(lkey, laddr, 4, self._number_back(b, entry + 4)), doorbell=False)
+        e.post(front, self._copy(b, entry + 4, 4, [Sge(b, self._completion(j) + _C_LENGTH, 4)],
+                                 fence=True), doorbell=False)
         # INLINE and SEAL have VALID's and SEALED's bit positions: the request's flags are
-        # the entry's new Flags (guard 2 saw VALID without SEALED)
+        # the entry's new Flags (guard 2 saw VALID without SEALED) ...
         fkey, faddr = self._field(c.p, ib1, guard + 2)
-        e.post(c.fs, self._copy(fkey, faddr, 2, [Sge(b, entry, 2)]), doorbell=False)
+        e.post(front, self._copy(fkey, faddr, 2, [Sge(b, entry, 2)]), doorbell=False)
+        if not inline:
+            # ... and without INLINE (guard 1 let INVALIDATE through, and SEAL), a masked add
+            # of VALID - INVALIDATE to the low octet, carry discarded, makes them so; the Data
+            # Descriptor (where the receive put it, in LOAD's Write) into the Read, its STag
+            # into the Send with Invalidate
+            low = (EntryFlag.VALID - RequestFlag.INVALIDATE) & 0xFF
+            e.post(front, Wqe(Op.FETCH_ADD, Flag.LOOPBACK | Flag.FENCE, remote_stag=b, remote_offset=entry,
+                              operand=int.from_bytes(bytes((0, low)) + bytes(6), self.order),
+                              operand2=_OCTETS), doorbell=False)
+            dkey, daddr = self._field(c.o, iww, offset_of("remote_stag"))
+            e.post(front, self._copy(dkey, daddr, _DD_SIZE,
+                                     [self._sge(out, idata, offset_of("remote_stag"), _DD_SIZE)]),
+                   doorbell=False)
+            e.post(front, self._copy(dkey, daddr, 4, [self._sge(out, isend, offset_of("invalidate"), 4)]),
+                   doorbell=False)
+        self._length_check(front, c.o, iww, inline, self._sge(front, ib2, guard, 1))
         rkey, raddr = self._field(c.f, load_b2, guard + 2)    # the request's Generation
-        e.post(c.fs, self._copy(rkey, raddr, 2, [self._sge(c.fs, ib2, guard + 2, 2)]), doorbell=False)
-        self._entry_guard(c, c.fs, ib2, EntryFlag.VALID, c.os)
-        # OS: the data into the block (through the block alias), the entry, the completion
-        e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
-                         sges=[Sge(self.staging.stag, handle_offset(j * self.per), 0)]), doorbell=False)
-        e.post(c.os, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.own.stag,
-                         sges=[Sge(b, entry, 8)]), doorbell=False)
-        e.post(c.os, Wqe(Op.SEND, Flag.SIGNALED, wr_id=Opcode.STORE << _TAG | k,
-                         sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
+        e.post(front, self._copy(rkey, raddr, 2, [self._sge(front, ib2, guard + 2, 2)]), doorbell=False)
+        self._entry_guard(c, front, ib2, EntryFlag.VALID, out, checked=True)
+        # OS: the inline data into the block (through the block alias); OR: the Read of the
+        # initiator's buffer into it; then the entry (after the data), the completion
+        if inline:
+            e.post(out, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
+                            sges=[Sge(self.staging.stag, self._staged(j), 0)]), doorbell=False)
+        else:
+            e.post(out, Wqe(Op.READ, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
+        e.post(out, Wqe(Op.WRITE, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
+                        sges=[Sge(b, entry, 8)]), doorbell=False)
+        e.post(out, Wqe(Op.SEND, Flag.SIGNALED | (0 if inline else Flag.INVALIDATE),
+                        wr_id=Opcode.STORE << _TAG | k,
+                        sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
 
     def _number(self, q: WorkQueue, index: int, at: int) -> list[Sge]:
         """Scatter entries that put a 4-octet network-order number into a WQE field: one
@@ -321,7 +409,9 @@ class ChainRunner:
     # -- completions ----------------------------------------------------------------------
 
     def _received(self) -> int:
-        """Requests the RNIC has received on this connection (its receive completions)."""
+        """Requests the RNIC has received on this connection (its receive completions). The
+        idle rule asks before it weighs the session's usage: the handles chains bound count."""
+        self._account()
         return self.recv_cq.count
 
     def _polled(self, cq: CompletionQueue) -> None:
@@ -344,18 +434,29 @@ class ChainRunner:
         wqe = Wqe.decode(self.rq.slot(k), self.little)
         return self.engine.requester.gather(wqe.sges)[:length]
 
+    def _account(self) -> None:
+        """Count the finished chains' requests, and bind in the session's books the handles
+        ALLOC_STORE chains bound (the slot's buffer holds them until the slot is rebuilt)."""
+        entries = self.done_cq.entries
+        chained = Counter(entry.wr_id >> _TAG for entry in entries)
+        chained.pop(0, None)                # software's own completions
+        if self.alloc is not None and chained[Opcode.ALLOC_STORE]:
+            bound = self.conn.state.bound
+            for entry in entries:
+                if entry.wr_id >> _TAG == Opcode.ALLOC_STORE:
+                    bound.add(self.alloc.bound(entry.wr_id % (1 << _TAG) % self.slots))
+            self.conn.ring.settle()         # deferred frees of slots the chains consumed
+        for opcode, n in chained.items():
+            self.metrics.chained(opcode, n)
+        entries.clear()
+
     def refill(self) -> None:
         """Account for the chains that finished and build their successors (one batch)."""
         done = self.done_cq.count
-        finished = done - self.refilled
-        if finished <= 0:
+        self._account()
+        if done <= self.refilled:
             return
-        chained = Counter(entry.wr_id >> _TAG for entry in self.done_cq.entries)
-        chained.pop(0, None)                # software's own completions
-        for opcode, n in chained.items():
-            self.metrics.chained(opcode, n)
         self.refilled = done
-        self.done_cq.entries.clear()
         received = self.recv_cq.entries
         while received and received[0].wr_id < done:
             received.popleft()
@@ -376,6 +477,8 @@ class ChainRunner:
             self.build()
         attach(self.engine, self.qp, self.rq, self._lost)
         self.engine.run()
+        if self.alloc is not None:
+            self._poll_data()
         while True:
             await self.wakeup.wait()
             self.wakeup.clear()
@@ -391,6 +494,14 @@ class ChainRunner:
                     return release
             self.refill()
 
+    def _poll_data(self) -> None:
+        """An RNIC re-reads the words its wait-on-data WQEs watch; the host's writes (a FREE
+        filling a ring slot) reach no engine callback, so the engine looks again every 2 ms."""
+        if self.engine.requester.data_waiters:
+            self.engine.requester.memory_changed()
+            self.engine.run()
+        self.poll = self.loop.call_later(0.002, self._poll_data)
+
     def _lost(self, error: BaseException) -> None:
         self.ended = error
         self.wakeup.set()
@@ -398,18 +509,26 @@ class ChainRunner:
     async def _software(self, k: int) -> bool | None:
         """Serve request ``k`` as the software target does; GOODBYE's RELEASE, or None."""
         conn = self.conn
+        self.refill()                   # every chain before k has completed: account for them
         req, why = conn.parse(self.request_bytes(k))
         self.metrics.python_request(req["opcode"])
         outcome, why = await conn.execute(req, None, why)
         if outcome is None:
             return bool(req["flags"] & GoodbyeFlag.RELEASE)
         conn._complete(req, outcome, why)
+        if self.alloc is not None:      # no chain in flight: the usage counter from the truth
+            self.alloc.resync()
         self.engine.signal(self.done_cq, k)
         return None
 
     def close(self) -> None:
         self.conn.state.received = None
-        for region in (self.alias, self.own, self.blocks, self.staging, self.buffers):
+        if self.alloc is not None:
+            self.alloc.close()
+        if self.poll is not None:
+            self.poll.cancel()
+        for region in (self.alias, self.own, self.blocks, self.staging, self.buffers, self.block_limit,
+                       self.inline_limit):
             self.memory.deregister(region.stag)
         for q in self.engine.queues:
             self.memory.deregister(q.region.stag)

@@ -15,6 +15,7 @@ connection (another initiator, or the same one after a reconnect) can use it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from ..rnic.memory import Access, MemoryRegion, MemoryTable
 from ..rnic.qp import QueuePair
@@ -84,6 +85,8 @@ class TicketWatch:
         self._target: set[int] = set()                       # taken by target-executed allocs
         self._abandoned: set[int] = set()
         self.windows: list[MemoryRegion] = []
+        # work-request chains take tickets with no Python: they report them before a look
+        self.before_poll: Callable[[], None] | None = None
 
     def taken_by_target(self, ticket: int) -> None:
         self._target.add(ticket)
@@ -101,6 +104,8 @@ class TicketWatch:
 
     def poll(self) -> None:
         """Notice tickets the initiator took since the last look, then expire old ones."""
+        if self.before_poll is not None:
+            self.before_poll()
         now = asyncio.get_running_loop().time()
         head = self.part.ring.counter("head") >> 32
         # A trusted initiator's FetchAdd with a wrong Add Data can put any value in Head

@@ -26,32 +26,35 @@ class HandleAlias(MemoryRegion):
     """Tagged Offset ``(first + i * unit) * 256 + j`` is octet j of entry i, for j below
     ``entry_size``; entries lie ``pitch`` octets apart in the buffer. Handles: unit 1 and
     16-octet entries. Blocks (``Block Offset * 256``): unit and entry the Block Size, so a
-    Write longer than a block ends in the null key instead of the next block."""
+    Write longer than a block ends in the null key instead of the next block. With ``wrap``,
+    entry i lies where entry ``i mod wrap`` does (a ring's slot of ticket t: t mod N)."""
 
     first: int = 0
     entries: int = 0
     entry_size: int = 16
     unit: int = 1
     pitch: int = 0
+    wrap: int = 0
 
     def local(self, offset: int, length: int) -> memoryview:
         index, j = divmod(offset - self.first * STRIDE, self.unit * STRIDE)
         if 0 <= index < self.entries and j + length <= self.entry_size:
-            at = index * (self.pitch or self.entry_size) + j
+            at = (index % self.wrap if self.wrap else index) * (self.pitch or self.entry_size) + j
             return self.view[at:at + length]
         return memoryview(bytearray(length))       # the null key
 
 
 def register_alias(memory: MemoryTable, buffer: Any, first: int, entries: int, entry_size: int, *,
                    unit: int = 1, pitch: int = 0, start: int = 0, connection: object | None = None,
-                   access: Access = Access.REMOTE_READ | Access.REMOTE_WRITE) -> HandleAlias:
-    """An alias key over ``entries`` entries at ``buffer[start:]``, bound to ``connection``
-    (the engine's loopback: no peer reaches it)."""
-    length = (entries - 1) * (pitch or entry_size) + entry_size if entries else 0
+                   access: Access = Access.REMOTE_READ | Access.REMOTE_WRITE, wrap: int = 0) -> HandleAlias:
+    """An alias key over ``entries`` entries at ``buffer[start:]`` (``wrap`` of them, if
+    given, repeated), bound to ``connection`` (the engine's loopback: no peer reaches it)."""
+    stored = min(entries, wrap) if wrap else entries
+    length = (stored - 1) * (pitch or entry_size) + entry_size if stored else 0
 
     def make(stag: int) -> MemoryRegion:
         return HandleAlias(stag, buffer, access, start, length, 0, connection, first=first,
-                           entries=entries, entry_size=entry_size, unit=unit, pitch=pitch)
+                           entries=entries, entry_size=entry_size, unit=unit, pitch=pitch, wrap=wrap)
     region = memory.register_indirect(make)
     assert isinstance(region, HandleAlias)
     return region
