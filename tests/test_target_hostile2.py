@@ -403,6 +403,61 @@ def test_idle_and_frozen_peers_give_way_to_a_newcomer(transport):
     assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= 1, metrics
 
 
+async def session_from(transport: str, url: str, local: str, ident: bytes):
+    """A HELLO with ``ident`` from ``local``: (its HELLO_ACK Status, a coroutine function that
+    ends the connection without GOODBYE). iWARP by raw MPA from the given address."""
+    if transport == "roce":
+        try:
+            ini = await Initiator.connect(url, initiator_id=ident, features=0, local=local)
+        except KbtpError as exc:
+            return exc.name, None
+        return "OK", ini.qp.close
+    host, port = url.split("://")[1].rsplit(":", 1)
+    reader, writer = await mpa_peer(host, int(port), local)
+    writer.write(fpdu_send(hello(ident), 1))
+    (_, payload), = await read_fpdus(reader, 5, limit=1)
+    status = Status(codec.decode(payload)["status"]).name
+
+    async def close() -> None:
+        writer.close()
+        await writer.wait_closed()
+    return status, close
+
+
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_one_untrusted_source_holds_at_most_its_cap_of_sessions(transport):
+    """N5, per source: from an address outside --trust, four sessions (the default cap) with
+    throw-away IDs are admitted and the fifth is refused NO_SPACE while a host at another
+    address is admitted; once one of the four leaves without RELEASE, a new ID from the same
+    address takes its place, and the retained one gives way."""
+    host, attacker, other = fresh_hosts(3)
+    t = TargetProc(transport, host, "-F", "96", "--features", "none", "--trust", f"{host}/32")
+
+    async def scenario():
+        held = [await session_from(transport, t.url, attacker, secrets.token_bytes(16)) for _ in range(4)]
+        fifth, _ = await session_from(transport, t.url, attacker, secrets.token_bytes(16))
+        newcomer, bye = await session_from(transport, t.url, other, secrets.token_bytes(16))
+        await held[0][1]()                            # leaves without GOODBYE: retained
+        await asyncio.sleep(0.5)
+        again = "NO_SPACE"
+        for _ in range(20):                           # until the target saw it go
+            again, close = await session_from(transport, t.url, attacker, secrets.token_bytes(16))
+            if again == "OK":
+                break
+            await asyncio.sleep(0.25)
+        return [s for s, _ in held], fifth, newcomer, again
+    try:
+        held, fifth, newcomer, again = asyncio.run(asyncio.wait_for(scenario(), 60))
+        metrics = t.metrics()
+    finally:
+        log = t.stop()
+    assert held == ["OK"] * 4 and fifth == "NO_SPACE" and newcomer == "OK" and again == "OK", \
+        (held, fifth, newcomer, again, log[-2000:])
+    assert metrics['kbtp_sessions_total{event="refused_per_source"}'] >= 1, metrics
+    assert metrics['kbtp_sessions_total{event="evicted"}'] >= 1, metrics
+    assert f"{attacker} already has 4 active sessions" in log, log[-2000:]
+
+
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_alloc_store_right_after_direct_tickets_is_charged_for_them(transport):
     """Quota, raced: a Feature.DIRECT_ALLOC session takes its whole quota in tickets with FetchAdd

@@ -42,6 +42,9 @@ LIMITS = (
     ("--idle-timeout", "idle_timeout_s", "Seconds an active session may send nothing; after "
      "that, when a new initiator finds no room, the one silent longest is ended (a live "
      "but idle or frozen peer answers the liveness probes)."),
+    ("--max-sessions-per-source", "max_sessions_per_source", "Sessions (active or retained) "
+     "one source address outside --trust may hold; beyond, its own retained ones give way, "
+     "oldest first, and when all are active its HELLO is refused NO_SPACE."),
     ("--hello-timeout", "hello_timeout_s", "Seconds a connection may stay without a session: "
      "its HELLO must have come by then."),
 )

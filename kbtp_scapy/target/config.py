@@ -50,6 +50,7 @@ class TargetConfig:
     backlog_timeout_s: float = 10.0  # throttled longer than this: the connection is terminated
     max_half_open: int = 128         # connections in set-up or without a session, per listener
     max_half_open_per_source: int = 16   # the same, per source address
+    max_sessions_per_source: int = 4     # sessions (active or retained) per untrusted source
     cm_timeout_s: float = 1.0        # RoCEv2: REP resent after this long without RTU
     cm_retries: int = 2              # RoCEv2: REP resends per REQ
     mpa_timeout_s: float = 5.0       # iWARP: MPA set-up deadline after the TCP handshake
@@ -118,7 +119,7 @@ class TargetConfig:
         names = ("probe_interval_s", "probe_timeout_s", "max_backlog", "backlog_timeout_s",
                  "max_half_open", "max_half_open_per_source", "cm_timeout_s", "cm_retries",
                  "mpa_timeout_s", "hello_timeout_s", "retention_s", "min_retention_s",
-                 "idle_timeout_s")
+                 "idle_timeout_s", "max_sessions_per_source")
         return {name.removesuffix("_s"): getattr(self, name) for name in names}
 
     @property

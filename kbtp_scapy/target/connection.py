@@ -146,13 +146,14 @@ class Connection:
         requested = hello["hello.requested_features"]
         offered = t.offered_features(self.qp)
         ident = bytes(hello["hello.initiator_id"])
+        partition = bool(requested & offered & Feature.DIRECT_ALLOC)
         try:
             try:
-                self._state, restored = t.sessions.admit(ident, bool(requested & offered & Feature.DIRECT_ALLOC))
+                self._state, restored = t.sessions.admit(ident, partition, self.qp.remote[0])
             except Refused as refusal:
                 if refusal.status != "ALREADY_BOUND" or not await self._gone(ident):
                     raise
-                self._state, restored = t.sessions.admit(ident, bool(requested & offered & Feature.DIRECT_ALLOC))
+                self._state, restored = t.sessions.admit(ident, partition, self.qp.remote[0])
         except Refused as refusal:
             t.metrics.hello(refusal.status)
             log.info("HELLO refused: %s", refusal)

@@ -100,9 +100,10 @@ class Metrics:
         yield CounterMetricFamily("kbtp_liveness_probes", "Zero-length RDMA Writes sent to silent "
                                   "connections", value=self.probes)
         sessions = CounterMetricFamily("kbtp_sessions", "Sessions moved to retention, dropped "
-                                       "from it for a new initiator, expired, ended idle for one", labels=["event"])
+                                       "from it for a new initiator, expired, ended idle for one, "
+                                       "refused for their source's cap", labels=["event"])
         for event, n in (("retained", s.retained), ("evicted", s.evicted), ("expired", s.expired),
-                         ("ended_idle", s.ended_idle)):
+                         ("ended_idle", s.ended_idle), ("refused_per_source", s.refused_per_source)):
             sessions.add_metric([event], n)
         yield sessions
         yield GaugeMetricFamily("kbtp_connections_half_open", "Connections in set-up or without "
@@ -181,7 +182,8 @@ class Metrics:
             lines.append(f"chain refills: {self.refills} batches")
         s = self.target.sessions
         lines.append(f"liveness probes: {self.probes}; sessions retained {s.retained}, "
-                     f"evicted {s.evicted}, expired {s.expired}, ended idle {s.ended_idle}")
+                     f"evicted {s.evicted}, expired {s.expired}, ended idle {s.ended_idle}, "
+                     f"refused per source {s.refused_per_source}")
         for name, ring in self.target.rings():
             lines.append(f"ring {name}: {ring.occupancy()} free blocks, {ring.deferred} deferred frees")
         for state in self.target.sessions.by_id.values():

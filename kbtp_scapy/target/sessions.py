@@ -13,7 +13,10 @@ pressure"), so IDs that each store a block and vanish hold others out for that l
 An active session whose peer has sent nothing for ``idle_timeout_s`` gives way too: its
 connection is ended, and it is dropped at once if it holds nothing, or retained as any
 departed one is (a live but idle or frozen peer, whose RNIC still answers the liveness
-probes, holds a slot for that long only while others wait).
+probes, holds a slot for that long only while others wait). A source address outside
+``trust`` holds at most ``max_sessions_per_source`` sessions, active or retained: beyond,
+its own retained sessions give way, oldest first, and when all of them are active the HELLO
+is refused, so one host cannot take every slot with throw-away IDs.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class InitiatorState:
     # rule, since requests a chain runs reach no Python to set heard_at (docs/CHAINS.md)
     received: Callable[[], int] | None = None
     received_seen: int = 0
+    source: str = ""               # the address of its first HELLO (its per-source count)
 
     def owns(self, handle: int) -> bool:
         return self.handle_base <= handle < self.handle_base + self.handle_count
@@ -92,9 +96,12 @@ class Sessions:
         self._release = release
         self.retained = self.evicted = self.expired = 0   # counters, for the metrics
         self.ended_idle = 0
+        self.refused_per_source = 0
 
-    def admit(self, initiator_id: bytes, want_partition: bool) -> tuple[InitiatorState, bool]:
-        """The initiator's state and whether it was restored from retention."""
+    def admit(self, initiator_id: bytes, want_partition: bool,
+              source: str = "") -> tuple[InitiatorState, bool]:
+        """The initiator's state and whether it was restored from retention; ``source``
+        is the peer's address, for the per-source cap (none when empty)."""
         known = self.by_id.get(initiator_id)
         if known is not None:
             if known.active:
@@ -106,6 +113,7 @@ class Sessions:
             if want_partition and known.partition is None:   # given back while it was away
                 known.partition = self._take_partition(initiator_id)
             return known, True
+        self._room_for(source)
         while True:
             partition = None
             if want_partition:
@@ -128,7 +136,7 @@ class Sessions:
         index = self._free_ranges.pop(0)
         c = self.config
         state = InitiatorState(initiator_id, index, c.base_handle + index * c.handles_per_initiator,
-                               c.handles_per_initiator, c.quota, partition, active=True)
+                               c.handles_per_initiator, c.quota, partition, active=True, source=source)
         if partition is not None:
             partition.owner = initiator_id
         self.by_id[initiator_id] = state
@@ -148,6 +156,24 @@ class Sessions:
         while they hold bindings or tickets from it)."""
         held = [s for s in self.by_id.values() if s.partition is not None]
         return sum(s.active for s in held), sum(not s.active for s in held)
+
+    def _room_for(self, source: str) -> None:
+        """Enforce ``max_sessions_per_source`` for an untrusted ``source``: its retained
+        sessions give way, oldest first; Refused when all it holds are active."""
+        cap = self.config.max_sessions_per_source
+        if not source or self.config.trusts(source):
+            return
+        mine = [s for s in self.by_id.values() if s.source == source]
+        while len(mine) >= cap:
+            retained = [s for s in mine if not s.active]
+            if not retained:
+                self.refused_per_source += 1
+                raise Refused("NO_SPACE", f"{source} already has {cap} active sessions "
+                                          "(--max-sessions-per-source)")
+            oldest = min(retained, key=lambda s: s.retained_at)
+            self.evicted += 1
+            self.forget(oldest)
+            mine.remove(oldest)
 
     def _idle(self, with_partition: bool) -> InitiatorState | None:
         """The retained session that holds nothing and was retained first (one with a
