@@ -317,7 +317,7 @@ def plant_load_early() -> None:
 
 
 def _direct_load(same: Callable[[dict, dict], bool] = lambda a, b: a == b, reread: bool = True,
-                 together: bool = False, check_sealed: bool = True) -> Plant:
+                 together: bool = False, check_sealed: bool = True, check_valid: bool = True) -> Plant:
     def plant() -> None:
         async def direct_load(self, handle, *, attempts=8):
             stag, base, count = self._direct("table")
@@ -325,7 +325,7 @@ def _direct_load(same: Callable[[dict, dict], bool] = lambda a, b: a == b, rerea
             at = base + (handle - self.target.fields["table_base_handle"]) * M.ENTRY_SIZE
             for _ in range(attempts):
                 first = await self._entry(stag, at)
-                if not first["entry.flags"] & EntryFlag.VALID:
+                if check_valid and not first["entry.flags"] & EntryFlag.VALID:
                     raise KbtpError(Status.NOT_VALID)
                 if check_sealed and not first["entry.flags"] & EntryFlag.SEALED:
                     raise KbtpError(Status.NOT_SEALED)
@@ -556,6 +556,8 @@ CORPUS = [
     Bug("table_base_assumed", "The entry for handle h is at Table Offset + 16 * (h - Table Base Handle)",
         "direct_load.table_range",
         after_hello(lambda self: self.target.fields.update(table_base_handle=self.target.handle_base))),
+    Bug("direct_load_sealed_only", "with VALID and SEALED set", "direct_load.invalid",
+        _direct_load(check_valid=False)),
     Bug("direct_load_together", "issuing each read only after the previous one has completed",
         "direct_load.order", _direct_load(together=True)),
     Bug("fetch_add_mask_wide", "FetchAdd on its Head with the Add Data and Add Mask of ()",

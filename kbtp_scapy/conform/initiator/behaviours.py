@@ -246,6 +246,27 @@ class DirectLoadWindow(Behaviour):
         hold.release()
 
 
+class EntryShown(Behaviour):
+    """DIRECT_LOAD: every read of a Table entry shows it with the flags ``clear`` cleared
+    and all else as memory holds it (a target that leaves SEALED set when it unbinds),
+    and every read of the Pool returns decoy octets (a block no binding holds may hold
+    anything)."""
+
+    def __init__(self, clear: int) -> None:
+        self.clear = clear
+        self.decoy = b""
+
+    def read(self, conn: CheckedConnection, access: Access, data: bytes) -> bytes:
+        if access.region == "pool":
+            self.decoy = bytes(b ^ 0x5A for b in data)
+            return self.decoy
+        if access.region != "table":
+            return data
+        entry = codec.decode_struct(M.TABLE_ENTRY, data, conn.addr_le)
+        entry["entry.flags"] &= ~self.clear
+        return codec.encode_struct(M.TABLE_ENTRY, entry, conn.addr_le)
+
+
 def _hold_responses(conn: CheckedConnection) -> ReadHold:
     """Hold the Read Responses of the target's queue pair (``conform/hold.py`` works on
     either end of a connection)."""

@@ -12,7 +12,7 @@ from ... import codec
 from ...ring import add_mask
 from ...tables import RING_COUNTER, memory as M
 from ...tables.enums import OPCODES
-from ...vocab import Feature, GoodbyeFlag, Opcode, RequestFlag, Status
+from ...vocab import EntryFlag, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 from ..registry import MUST, MUST_NOT, RULE, SHOULD
 from . import behaviours as B
 from .context import ICtx, icase
@@ -420,7 +420,7 @@ DIRECT_VALID_TEXT = """The data is valid if both entry reads show the same Gener
        changes the Generation."""
 
 
-async def _direct_load(ctx: ICtx, behaviour: B.DirectLoadWindow, seal: bool = True):
+async def _direct_load(ctx: ICtx, behaviour: B.Behaviour, seal: bool = True):
     await ctx.serve(behaviour)
     data = ctx.data(2000, 1)
     run = await ctx.run_ok(f"alloc_store 1 @kv{' seal' if seal else ''}; direct_load 1 @back",
@@ -485,6 +485,20 @@ async def direct_load_unsealed(ctx: ICtx) -> None:
     ctx.check(last != "OK" and run.output("back") is None,
               "DIRECT_LOAD of an unsealed block not reported as valid data",
               f"{last} with {len(run.output('back') or b'')} octets")
+
+
+@icase("direct_load.invalid", DIRECT, RULE, DIRECT_VALID_TEXT)
+async def direct_load_invalid(ctx: ICtx) -> None:
+    """Both entry reads agree, with SEALED set but VALID clear, and the block they name
+    holds other octets: no valid data (a LOAD instead may return the stored block)."""
+    behaviour = B.EntryShown(EntryFlag.VALID)
+    run, data, s = await _direct_load(ctx, behaviour)
+    back = run.output("back")
+    ctx.check(not behaviour.decoy or back != behaviour.decoy, "the block an entry without VALID names "
+              "not reported as data", "its octets reported as the block")
+    if run.statuses()[-1:] == ["OK"]:
+        ctx.check(back == data, "data reported valid only as the target served it (by LOAD)",
+                  "other octets")
 
 
 @icase("direct_load.table_range", "Block Table", RULE, """The entry for handle h is at Table Offset
