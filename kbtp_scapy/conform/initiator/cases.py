@@ -132,11 +132,13 @@ async def quota_tickets(ctx: ICtx) -> None:
     """Quota 3: two ALLOC_STOREs and one DIRECT_ALLOC fill it; a fourth allocation by
     DIRECT_ALLOC must take no ticket (and report a failure). After a FREE the usage is
     2, so one more DIRECT_ALLOC is within the quota and is not refused by the initiator
-    itself, and the one after it, again past the quota, takes no ticket."""
+    itself, and the one after it, again past the quota, takes no ticket. Two FREEs more
+    leave a usage of 1, and a last DIRECT_ALLOC is within the quota again."""
     await ctx.serve(quota=3)
-    inputs = {f"d{i}": ctx.data(100, i) for i in range(6)}
+    inputs = {f"d{i}": ctx.data(100, i) for i in range(7)}
     run = await ctx.run_ok("alloc_store 0 @d0 seal; alloc_store 1 @d1 seal; direct_alloc 2 @d2; "
-                           "direct_alloc 3 @d3; free 0; direct_alloc 4 @d4; direct_alloc 5 @d5", inputs)
+                           "direct_alloc 3 @d3; free 0; direct_alloc 4 @d4; direct_alloc 5 @d5; "
+                           "free 1; free 2; direct_alloc 6 @d6", inputs)
     s = ctx.record.sessions[0]
     if not s.granted_features() & Feature.DIRECT_ALLOC:
         ctx.skip("DIRECT_ALLOC was not granted")
@@ -163,11 +165,11 @@ async def quota_tickets(ctx: ICtx) -> None:
     ctx.check(worst <= 3, "usage (handles bound plus tickets taken and not bound) never above "
               "the quota of 3", f"{worst} at the worst")
     statuses = run.statuses()
-    ctx.check(len(statuses) == 7 and statuses[3] != "OK" and statuses[6] != "OK",
+    ctx.check(len(statuses) == 10 and statuses[3] != "OK" and statuses[6] != "OK",
               "the allocations past the quota (the fourth, and the one after the FREE's "
               "replacement) reported as failed", " ".join(statuses))
-    ctx.check(statuses[5] == "OK", "the DIRECT_ALLOC after the FREE (usage 2 of 3) not refused",
-              " ".join(statuses))
+    ctx.check(statuses[5] == "OK" and statuses[9] == "OK", "the DIRECT_ALLOCs after a FREE (usage "
+              "2 of 3, then 1 of 3) not refused", " ".join(statuses))
 
 
 @icase("handles.own_range", "Conventions and Definitions", RULE, """Block Handle: A 64-bit name,
