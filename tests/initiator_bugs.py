@@ -103,6 +103,17 @@ def plant_usage_ignored() -> None:
     Initiator.usage = property(lambda self: 0, lambda self, value: None)
 
 
+def plant_free_uncounted() -> None:
+    """A FREE leaves the usage as it was: the quota looks reached when it is not."""
+    def make(original):
+        async def free(self, *args, **kwargs):
+            r = await original(self, *args, **kwargs)
+            self.usage += 1
+            return r
+        return free
+    patch(Initiator, "free", make)
+
+
 def plant_alloc_store_uncounted() -> None:
     def make(original):
         async def alloc_store(self, *args, **kwargs):
@@ -233,6 +244,26 @@ def plant_unmatched_to_oldest() -> None:
     client.match_completion = match
 
 
+def plant_opcode_unchecked() -> None:
+    """Any message with a waiting Request ID is taken as that request's completion,
+    whatever its opcode (the Request ID looked at, the opcode not)."""
+    real = results.match_completion
+
+    def match(msg, waiting, addr_le):
+        if msg.write_imm:
+            return real(msg, waiting, addr_le)
+        try:
+            c = codec.decode(msg.payload, addr_le)
+        except codec.Malformed:
+            return None
+        if c["request_id"] not in waiting:
+            return None
+        future, _ = waiting.pop(c["request_id"])
+        return future, Result(c["request_id"], c["status"], c["generation"],
+                              c.get("completion.data_length", 0), c.get("completion.block_offset", 0))
+    client.match_completion = match
+
+
 def plant_unknown_fatal() -> None:
     def make(original):
         def dispatch(self, msg):
@@ -286,7 +317,7 @@ def plant_load_early() -> None:
 
 
 def _direct_load(same: Callable[[dict, dict], bool] = lambda a, b: a == b, reread: bool = True,
-                 together: bool = False, check_sealed: bool = True) -> Plant:
+                 together: bool = False, check_sealed: bool = True, check_valid: bool = True) -> Plant:
     def plant() -> None:
         async def direct_load(self, handle, *, attempts=8):
             stag, base, count = self._direct("table")
@@ -294,7 +325,7 @@ def _direct_load(same: Callable[[dict, dict], bool] = lambda a, b: a == b, rerea
             at = base + (handle - self.target.fields["table_base_handle"]) * M.ENTRY_SIZE
             for _ in range(attempts):
                 first = await self._entry(stag, at)
-                if not first["entry.flags"] & EntryFlag.VALID:
+                if check_valid and not first["entry.flags"] & EntryFlag.VALID:
                     raise KbtpError(Status.NOT_VALID)
                 if check_sealed and not first["entry.flags"] & EntryFlag.SEALED:
                     raise KbtpError(Status.NOT_SEALED)
@@ -340,6 +371,21 @@ def _take_ticket(masked_add: int, mask_extra: int = 0, unmasked_add: int | None 
             return ticket, M.SLOT_SIZE * (ticket % (1 << n))
         Initiator.take_ticket = take_ticket
     return plant
+
+
+def plant_slot_unwrapped() -> None:
+    """The slot taken as 16 * ticket on both bindings: right while tickets stay below N,
+    wrong (and outside the ring) once they do not."""
+    async def take_ticket(self):
+        head_stag, head_offset, n = self._ring()
+        if self.qp.masked_atomics:
+            value = await self.qp.fetch_add(head_stag, head_offset, RING_COUNTER.masked_add_data,
+                                            counters.add_mask(n))
+        else:
+            value = await self.qp.fetch_add(head_stag, head_offset, RING_COUNTER.unmasked_add_data)
+        ticket = value >> RING_COUNTER.ticket_shift
+        return ticket, M.SLOT_SIZE * ticket
+    Initiator.take_ticket = take_ticket
 
 
 def _wait_slot(check_sequence: bool = True, check_consumed: bool = True, confirm: bool = True) -> Plant:
@@ -458,6 +504,8 @@ CORPUS = [
     Bug("quota_ignored", "An initiator MUST NOT exceed its quota", "quota.tickets", plant_usage_ignored),
     Bug("quota_alloc_store_uncounted", "An initiator's usage is the number of handles it has bound plus "
         "the number of tickets it has taken", "quota.tickets", plant_alloc_store_uncounted),
+    Bug("quota_free_uncounted", "An initiator's usage is the number of handles it has bound plus "
+        "the number of tickets it has taken and not yet bound", "quota.tickets", plant_free_uncounted),
     Bug("handle_off_by_one", "chosen by an initiator within the handle range assigned to it",
         "handles.own_range", _handle(1)),
     Bug("handle_without_base", "chosen by an initiator within the handle range assigned to it",
@@ -487,6 +535,8 @@ CORPUS = [
         "completion.duplicate", plant_unmatched_to_oldest),
     Bug("unknown_id_fatal", "Request ID is chosen by the initiator and echoed in the completion.",
         "completion.unknown_id", plant_unknown_fatal),
+    Bug("opcode_unchecked", "Request ID is chosen by the initiator and echoed in the completion.",
+        "completion.other_opcode", plant_opcode_unchecked),
     Bug("status_collapsed", "KBTP Status Codes", "status.every_code",
         _status_names(lambda status, name: "INTERNAL" if status else name)),
     Bug("status_table_shifted", "KBTP Status Codes", "status.every_code",
@@ -503,6 +553,11 @@ CORPUS = [
         _direct_load(same=_valid_and_generation)),
     Bug("direct_load_unsealed", "with VALID and SEALED set", "direct_load.unsealed",
         _direct_load(check_sealed=False)),
+    Bug("table_base_assumed", "The entry for handle h is at Table Offset + 16 * (h - Table Base Handle)",
+        "direct_load.table_range",
+        after_hello(lambda self: self.target.fields.update(table_base_handle=self.target.handle_base))),
+    Bug("direct_load_sealed_only", "with VALID and SEALED set", "direct_load.invalid",
+        _direct_load(check_valid=False)),
     Bug("direct_load_together", "issuing each read only after the previous one has completed",
         "direct_load.order", _direct_load(together=True)),
     Bug("fetch_add_mask_wide", "FetchAdd on its Head with the Add Data and Add Mask of ()",
@@ -516,6 +571,8 @@ CORPUS = [
         _wait_slot(check_sequence=False)),
     Bug("slot_accepts_consumed", "and the Block Offset is not all ones", "direct_alloc.slot",
         _wait_slot(check_consumed=False)),
+    Bug("slot_unwrapped", "FetchAdd on Head returns ticket t and offset o. The slot at o holds the "
+        "block for this allocation", "direct_alloc.ring_wrap", plant_slot_unwrapped),
     Bug("slot_marked_by_initiator", "The initiator never writes ring slots.", "direct_alloc.partition_only",
         _direct_alloc(mark_slot=True)),
     Bug("write_past_data", "RDMA-writes the data into the block", "direct_alloc.partition_only",

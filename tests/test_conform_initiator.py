@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from kbtp_scapy.conform.initiator.runner import all_cases
 from kbtp_scapy.initiator.script import ScriptError, parse, parse_results
 
-from .initiator_bugs import BY_NAME, program
+from .initiator_bugs import BY_NAME, CORPUS, program
 from .kbtp_harness import fresh_hosts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,6 +112,11 @@ def test_reference_initiator_passes_every_case(transport):
 
 
 # -- planted bugs are caught by their own case ---------------------------------------------------
+
+def test_every_case_has_a_planted_bug_meant_for_it():
+    assert {c.id for c in all_cases()} <= {b.case for b in CORPUS}
+    assert len(BY_NAME) == len(CORPUS)
+
 
 #: a few of the corpus, each on one binding (tools/initiator_catch_rate.py runs them all)
 PLANTED = [("fifo_matching", "iwarp"), ("load_data_early", "roce"), ("slot_no_confirm", "roce")]

@@ -6,13 +6,15 @@ what it did, so the case can say what the initiator was shown.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
-from ... import codec
+from ... import codec, ring as counters
 from ...rnic.qp import ConnectionLost, RemoteError
 from ...tables import memory as M
+from ...target.direct import TicketWatch
 from ...target.operations import Outcome
-from ...vocab import AnyMessage, EntryFlag, HelloAck, Opcode, RequestFlag, Status
+from ...target.ring import FreeRing
+from ...vocab import AnyMessage, EntryFlag, Feature, HelloAck, Opcode, RequestFlag, Status
 from ..hold import SETTLE, ReadHold
 from .observe import Access
 from .target import Behaviour, CheckedConnection
@@ -244,6 +246,27 @@ class DirectLoadWindow(Behaviour):
         hold.release()
 
 
+class EntryShown(Behaviour):
+    """DIRECT_LOAD: every read of a Table entry shows it with the flags ``clear`` cleared
+    and all else as memory holds it (a target that leaves SEALED set when it unbinds),
+    and every read of the Pool returns decoy octets (a block no binding holds may hold
+    anything)."""
+
+    def __init__(self, clear: int) -> None:
+        self.clear = clear
+        self.decoy = b""
+
+    def read(self, conn: CheckedConnection, access: Access, data: bytes) -> bytes:
+        if access.region == "pool":
+            self.decoy = bytes(b ^ 0x5A for b in data)
+            return self.decoy
+        if access.region != "table":
+            return data
+        entry = codec.decode_struct(M.TABLE_ENTRY, data, conn.addr_le)
+        entry["entry.flags"] &= ~self.clear
+        return codec.encode_struct(M.TABLE_ENTRY, entry, conn.addr_le)
+
+
 def _hold_responses(conn: CheckedConnection) -> ReadHold:
     """Hold the Read Responses of the target's queue pair (``conform/hold.py`` works on
     either end of a connection)."""
@@ -294,3 +317,89 @@ class Abandon(Behaviour):
             return Outcome(Status.TICKET_ABANDONED)
         return await run()
 
+
+
+class OtherOpcodes(Behaviour):
+    """Before each completion, the same octets under every other opcode (cut or padded to
+    that opcode's length, Status INTERNAL): messages that carry the Request ID of a
+    waiting request but are not its COMPLETION. Never more of them than the Completion
+    Credits the HELLO announced leave room for, beside the completion itself."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
+                 send: Callable[[], None]) -> None:
+        room = (conn.session.hello or {}).get("hello.completion_credits", 1) - 1
+        completion = codec.encode({
+            "opcode": Opcode.COMPLETION, "request_id": req["request_id"], "handle": req["handle"],
+            "generation": outcome.generation, "status": Status.INTERNAL,
+            "completion.data_length": outcome.data_length, "completion.reserved": 0,
+            "completion.block_offset": outcome.block_offset}, conn.addr_le)
+        for opcode in [o for o in Opcode if o != Opcode.COMPLETION][:max(room, 0)]:
+            length = codec.message_length(opcode, 0)
+            raw = bytearray(completion[:length].ljust(length, b"\0"))
+            raw[1] = opcode
+            if not conn.qp.closed:
+                conn.qp.send(bytes(raw), signaled=False)
+                self.sent += 1
+        send()
+
+
+class TableWindow(Behaviour):
+    """DIRECT_LOAD: a Table descriptor that names the entries of the initiator's range
+    except its first ``skip`` and its last ``short`` handles (Table Base Handle, Tagged
+    Offset and Count moved together, so every entry it names is where the text puts it).
+    The entries left out stay in the Table STag's memory, just outside the descriptor."""
+
+    def __init__(self, skip: int = 1, short: int = 1) -> None:
+        self.skip, self.short = skip, short
+
+    def hello_ack(self, conn: CheckedConnection, body: HelloAck) -> None:
+        if not body["hello_ack.features"] & Feature.DIRECT_LOAD:
+            return
+        first = body["hello_ack.handle_base"] + self.skip
+        moved = first - body["hello_ack.table_base_handle"]
+        body["hello_ack.table_base_handle"] = first
+        body["hello_ack.table.offset"] += M.ENTRY_SIZE * moved
+        body["hello_ack.table.count"] = body["hello_ack.handle_count"] - self.skip - self.short
+
+
+class RingStart(Behaviour):
+    """DIRECT_ALLOC: the initiator's ring as it is after ``first`` allocations each freed
+    again in turn (Head at Ticket ``first``), instead of at Ticket 0: its tickets are far
+    from 0, and the Slot Offset wraps at the end of the ring while the Ticket goes on."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+
+    def hello_ack(self, conn: CheckedConnection, body: HelloAck) -> None:
+        part, watch = conn.state.partition, conn.state.watch
+        if not body["hello_ack.features"] & Feature.DIRECT_ALLOC or part is None or watch is None:
+            return
+        start_ring(part.ring, self.first, part.offsets)
+        moved = TicketWatch(conn.state, conn.target.rnic_memory, conn.target.config.ticket_timeout_ms)
+        moved.windows = watch.windows           # a watch starts at the Head it finds
+        conn.state.watch = moved
+
+
+def start_ring(ring: FreeRing, first: int, blocks: Sequence[int]) -> None:
+    """The text's "Initialization" rule with every ticket moved on by ``first``: ticket
+    t = first + i (mod 2**32) has slot t mod N, holding {t, the i-th block} for i < F
+    and {t - N, all ones} after; Head at Ticket ``first``, Tail at ``first`` + F, each
+    with its Slot Offset 16 * (Ticket mod N) when counters are masked."""
+    size, f = ring.size, len(blocks)
+
+    def counter(ticket: int) -> bytes:
+        ticket &= 0xFFFFFFFF
+        value = counters.join(ticket, M.SLOT_SIZE * (ticket % size) if ring.masked else 0)
+        return value.to_bytes(8, ring.memory.order)
+
+    for i in range(size):
+        ticket = (first + i) & 0xFFFFFFFF
+        sequence, block = (ticket, blocks[i]) if i < f else ((ticket - size) & 0xFFFFFFFF, M.SLOT_CONSUMED)
+        at = M.SLOT_SIZE * (ticket % size)
+        ring.slots[at:at + M.SLOT_SIZE] = codec.encode_struct(
+            M.RING_SLOT, {"slot.sequence": sequence, "slot.reserved": 0, "slot.block_offset": block},
+            ring.addr_le)
+    ring.head[:], ring.tail[:] = counter(first), counter(first + f)

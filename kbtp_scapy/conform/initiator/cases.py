@@ -12,7 +12,7 @@ from ... import codec
 from ...ring import add_mask
 from ...tables import RING_COUNTER, memory as M
 from ...tables.enums import OPCODES
-from ...vocab import Feature, GoodbyeFlag, Opcode, RequestFlag, Status
+from ...vocab import EntryFlag, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 from ..registry import MUST, MUST_NOT, RULE, SHOULD
 from . import behaviours as B
 from .context import ICtx, icase
@@ -130,11 +130,15 @@ async def credits_two(ctx: ICtx) -> None:
        NOT exceed its quota""")
 async def quota_tickets(ctx: ICtx) -> None:
     """Quota 3: two ALLOC_STOREs and one DIRECT_ALLOC fill it; a fourth allocation by
-    DIRECT_ALLOC must take no ticket (and report a failure), and after a FREE one may."""
+    DIRECT_ALLOC must take no ticket (and report a failure). After a FREE the usage is
+    2, so one more DIRECT_ALLOC is within the quota and is not refused by the initiator
+    itself, and the one after it, again past the quota, takes no ticket. Two FREEs more
+    leave a usage of 1, and a last DIRECT_ALLOC is within the quota again."""
     await ctx.serve(quota=3)
-    inputs = {f"d{i}": ctx.data(100, i) for i in range(5)}
+    inputs = {f"d{i}": ctx.data(100, i) for i in range(7)}
     run = await ctx.run_ok("alloc_store 0 @d0 seal; alloc_store 1 @d1 seal; direct_alloc 2 @d2; "
-                           "direct_alloc 3 @d3; free 0; direct_alloc 4 @d4", inputs)
+                           "direct_alloc 3 @d3; free 0; direct_alloc 4 @d4; direct_alloc 5 @d5; "
+                           "free 1; free 2; direct_alloc 6 @d6", inputs)
     s = ctx.record.sessions[0]
     if not s.granted_features() & Feature.DIRECT_ALLOC:
         ctx.skip("DIRECT_ALLOC was not granted")
@@ -161,8 +165,11 @@ async def quota_tickets(ctx: ICtx) -> None:
     ctx.check(worst <= 3, "usage (handles bound plus tickets taken and not bound) never above "
               "the quota of 3", f"{worst} at the worst")
     statuses = run.statuses()
-    ctx.check(len(statuses) == 6 and statuses[3] != "OK",
-              "the fourth allocation reported as failed", " ".join(statuses))
+    ctx.check(len(statuses) == 10 and statuses[3] != "OK" and statuses[6] != "OK",
+              "the allocations past the quota (the fourth, and the one after the FREE's "
+              "replacement) reported as failed", " ".join(statuses))
+    ctx.check(statuses[5] == "OK" and statuses[9] == "OK", "the DIRECT_ALLOCs after a FREE (usage "
+              "2 of 3, then 1 of 3) not refused", " ".join(statuses))
 
 
 @icase("handles.own_range", "Conventions and Definitions", RULE, """Block Handle: A 64-bit name,
@@ -362,6 +369,20 @@ async def completion_unknown_id(ctx: ICtx) -> None:
     await _three_loads(ctx, B.Unknown())
 
 
+@icase("completion.other_opcode", "Common Header", RULE, MATCH)
+async def completion_other_opcode(ctx: ICtx) -> None:
+    """Before each COMPLETION, a message of every other opcode with the same Request ID
+    (and Status INTERNAL): only the COMPLETION answers the request."""
+    behaviour = B.OtherOpcodes()
+    await ctx.serve(behaviour)
+    a = ctx.data(1000, 1)
+    run = await ctx.run_ok("alloc_store 0 @a seal; load 0 @ra; load 1 @rb", {"a": a})
+    ctx.check(behaviour.sent > 0, "messages of other opcodes sent", "none (no Completion Credits to spare)")
+    ctx.expect_statuses(run, ["OK", "OK", "NOT_VALID"], "each request with its COMPLETION's status")
+    ctx.check(run.output("ra") == a and run.output("rb") is None, "the stored data back, none for "
+              "the unbound handle", f"{len(run.output('ra') or b'')} octets")
+
+
 @icase("status.every_code", OPERATIONS, RULE, """A failed check completes the request with the
        corresponding status and has no other effect.""")
 async def status_every_code(ctx: ICtx) -> None:
@@ -401,7 +422,7 @@ DIRECT_VALID_TEXT = """The data is valid if both entry reads show the same Gener
        changes the Generation."""
 
 
-async def _direct_load(ctx: ICtx, behaviour: B.DirectLoadWindow, seal: bool = True):
+async def _direct_load(ctx: ICtx, behaviour: B.Behaviour, seal: bool = True):
     await ctx.serve(behaviour)
     data = ctx.data(2000, 1)
     run = await ctx.run_ok(f"alloc_store 1 @kv{' seal' if seal else ''}; direct_load 1 @back",
@@ -468,6 +489,56 @@ async def direct_load_unsealed(ctx: ICtx) -> None:
               f"{last} with {len(run.output('back') or b'')} octets")
 
 
+@icase("direct_load.invalid", DIRECT, RULE, DIRECT_VALID_TEXT)
+async def direct_load_invalid(ctx: ICtx) -> None:
+    """Both entry reads agree, with SEALED set but VALID clear, and the block they name
+    holds other octets: no valid data (a LOAD instead may return the stored block)."""
+    behaviour = B.EntryShown(EntryFlag.VALID)
+    run, data, s = await _direct_load(ctx, behaviour)
+    back = run.output("back")
+    ctx.check(not behaviour.decoy or back != behaviour.decoy, "the block an entry without VALID names "
+              "not reported as data", "its octets reported as the block")
+    if run.statuses()[-1:] == ["OK"]:
+        ctx.check(back == data, "data reported valid only as the target served it (by LOAD)",
+                  "other octets")
+
+
+@icase("direct_load.table_range", "Block Table", RULE, """The entry for handle h is at Table Offset
+       + 16 * (h - Table Base Handle) within the Table STag.""")
+async def direct_load_table_range(ctx: ICtx) -> None:
+    """A Table descriptor that starts one handle after the initiator's range and ends one
+    before its end: the handles at both ends have no entry it names. Direct Loads of
+    them read nothing outside it (the initiator may use LOAD instead), and a handle
+    inside is read at its own entry."""
+    behaviour = B.TableWindow()
+    await ctx.serve(behaviour)
+    last = ctx.config.handles_per_initiator - 1
+    data = [ctx.data(500, i) for i in range(3)]
+    run = await ctx.run_ok(f"alloc_store 0 @a seal; alloc_store 1 @b seal; alloc_store {last} @c seal; "
+                           f"direct_load 0 @ra; direct_load 1 @rb; direct_load {last} @rc",
+                           dict(zip("abc", data)))
+    s = ctx.record.sessions[0]
+    if not s.granted_features() & Feature.DIRECT_LOAD:
+        ctx.skip("DIRECT_LOAD was not granted")
+    g = s.granted
+    start, count = g["hello_ack.table.offset"], g["hello_ack.table.count"]
+    end = start + M.ENTRY_SIZE * count
+    for a in s.reads("table"):
+        ctx.check(start <= a.offset and a.offset + a.length <= end, f"Table reads inside the "
+                  f"{count} entries the descriptor names ({start:#x} to {end:#x})",
+                  f"{a.length} octets at {a.offset:#x}")
+    inside = start + M.ENTRY_SIZE * (g["hello_ack.handle_base"] + 1 - g["hello_ack.table_base_handle"])
+    ctx.check(any(a.offset == inside for a in s.reads("table")),
+              f"the entry of handle 1 read at {inside:#x}", [hex(a.offset) for a in s.reads("table")])
+    statuses = run.statuses()
+    ctx.check(statuses[4:5] == ["OK"] and run.output("rb") == data[1], "the Direct Load of handle 1 "
+              "with its data", " ".join(statuses))
+    for k, name, stored in ((3, "ra", data[0]), (5, "rc", data[2])):
+        if statuses[k:k + 1] == ["OK"]:
+            ctx.check(run.output(name) == stored, "a handle outside the Table reported only with "
+                      "its own data (by LOAD)", "other octets")
+
+
 # -- Direct Allocation --------------------------------------------------------------------------
 
 DIRECT_ALLOC_TEXT = """Direct Allocation (DIRECT_ALLOC): the initiator performs FetchAdd on its
@@ -526,6 +597,40 @@ async def direct_alloc_slot(ctx: ICtx) -> None:
               f"({reads.stale:#x})", f"{binds[0]['bind.block_offset']:#x}" if binds else "no BIND")
     ctx.check(run.statuses() == ["OK", "OK"] and run.output("back") == data,
               "the data back by LOAD", " ".join(run.statuses()))
+
+
+#: Head's first ticket in direct_alloc.ring_wrap: five tickets cross the end of the ring
+FIRST_TICKET = (1 << 32) - 11
+
+
+@icase("direct_alloc.ring_wrap", "Free-Block Ring", RULE, """Allocation: FetchAdd on Head returns
+       ticket t and offset o. The slot at o holds the block for this allocation once its Sequence
+       equals t and its Block Offset is not all ones""")
+async def direct_alloc_ring_wrap(ctx: ICtx) -> None:
+    """Quota 6 (a ring of 8 slots, two of them empty) whose Head starts at Ticket
+    2^32 - 3: five DIRECT_ALLOCs take tickets whose slots run past the end of the ring
+    (on RoCEv2 "the slot is computed as 16 * (ticket mod N) by the initiator"). Each
+    BIND names its ticket and the block that ticket's slot holds."""
+    await ctx.serve(B.RingStart(FIRST_TICKET), quota=6)
+    inputs = {f"d{i}": ctx.data(300, i) for i in range(5)}
+    run = await ctx.run("; ".join([f"direct_alloc {i} @d{i}" for i in range(5)]
+                                  + [f"load {i} @b{i}" for i in range(5)]), inputs)
+    s = ctx.record.sessions[0]
+    if not s.granted_features() & Feature.DIRECT_ALLOC:
+        ctx.skip("DIRECT_ALLOC was not granted")
+    g = s.granted
+    slots, first_block = g["hello_ack.ring.count"], g["hello_ack.partition.offset"]
+    for i, bind in enumerate(s.requests("BIND")):
+        ticket = (FIRST_TICKET + i) & 0xFFFFFFFF
+        want = (ticket, first_block + i * ctx.config.block_size)
+        seen = (bind["bind.ticket"], bind["bind.block_offset"])
+        ctx.check(seen == want, f"BIND {i + 1} with ticket {ticket:#x} and the Block Offset "
+                  f"{want[1]:#x} of its slot {ticket % slots}", f"ticket {seen[0]:#x}, Block Offset "
+                  f"{seen[1]:#x}")
+    ctx.check(run.exit_code == 0 and run.statuses() == ["OK"] * 10, "5 DIRECT_ALLOCs across the end of "
+              "the ring, each loaded back", f"exit {run.exit_code}: {' '.join(run.statuses())}")
+    ctx.check(all(run.output(f"b{i}") == inputs[f"d{i}"] for i in range(5)), "each block's data back",
+              "other octets")
 
 
 @icase("direct_alloc.partition_only", DIRECT, RULE, """The initiator never writes ring slots.""")
