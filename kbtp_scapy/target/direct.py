@@ -21,7 +21,10 @@ from ..rnic.memory import Access, MemoryRegion, MemoryTable
 from ..rnic.qp import QueuePair
 from ..vocab import HelloAck
 from .pool import Partition, TargetMemory
+from .ring import TICKET_MASK
 from .sessions import InitiatorState
+
+HALF = 1 << 31          # a Ticket ahead of another by less than this is after it
 
 
 def grant_direct_load(memory: TargetMemory, qp: QueuePair) -> tuple[HelloAck, list[MemoryRegion]]:
@@ -113,9 +116,13 @@ class TicketWatch:
         # waits on more than N unfilled tickets, so Head stays within N of Tail (which
         # only the target moves): learn nothing from another value, rather than walk
         # billions of tickets.
+        # Tickets are 32 bits and wrap (spec "Free-Block Ring"): "a after b" is a - b
+        # modulo 2^32 below 2^31, as for TCP sequence numbers.
         tail = self.part.ring.counter("tail") >> 32
-        if self._seen < head <= tail + self.part.ring.size:
-            for ticket in range(self._seen, head):
+        new = (head - self._seen) & TICKET_MASK
+        room = (tail + self.part.ring.size - head) & TICKET_MASK     # head <= tail + N
+        if 0 < new < HALF and room < HALF:
+            for ticket in ((self._seen + i) & TICKET_MASK for i in range(new)):
                 if ticket in self._target:
                     self._target.discard(ticket)
                 else:

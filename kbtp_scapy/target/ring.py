@@ -19,7 +19,7 @@ from ..rnic.memory import MemoryTable
 from ..tables import RING_COUNTER, memory as M
 
 CONSUMED = M.SLOT_CONSUMED
-_U32 = 0xFFFFFFFF
+TICKET_MASK = 0xFFFFFFFF     # Tickets and Sequences are 32 bits, and wrap
 
 
 def ring_log2(blocks: int) -> int:
@@ -58,7 +58,7 @@ class FreeRing:
         """
         f, size = len(blocks), self.size
         sequences = array("I", range(f))
-        sequences.extend((s - size) & _U32 for s in range(f, size))
+        sequences.extend((s - size) & TICKET_MASK for s in range(f, size))
         offsets = array("Q", blocks)
         offsets.extend([CONSUMED] * (size - f))
         little = sys.byteorder == "little"
@@ -108,7 +108,7 @@ class FreeRing:
     def ready(self, ticket: int, offset: int) -> int | None:
         """The block the slot holds for ``ticket``, or None while it does not yet."""
         sequence, block = self.slot(offset)
-        return block if sequence == ticket & _U32 and block != CONSUMED else None
+        return block if sequence == ticket & TICKET_MASK and block != CONSUMED else None
 
     async def allocate(self, pause: Callable[[int], Awaitable[None]] | None = None,
                        timeout: float = 5.0) -> tuple[int, int]:
@@ -166,7 +166,7 @@ class FreeRing:
             self._deferred[offset] = (ticket, block)
 
     def _fill(self, offset: int, ticket: int, block: int) -> None:
-        self._write_slot(offset, ticket & _U32, block)
+        self._write_slot(offset, ticket & TICKET_MASK, block)
         self._changed.set()
         if ticket in self._abandoned:
             self._abandoned.discard(ticket)

@@ -600,7 +600,8 @@ async def direct_alloc_slot(ctx: ICtx) -> None:
 
 
 #: Head's first ticket in direct_alloc.ring_wrap: five tickets cross the end of the ring
-FIRST_TICKET = (1 << 32) - 11
+#: and the 32-bit Ticket's wrap to 0
+FIRST_TICKET = (1 << 32) - 3
 
 
 @icase("direct_alloc.ring_wrap", "Free-Block Ring", RULE, """Allocation: FetchAdd on Head returns
