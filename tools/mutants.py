@@ -64,11 +64,14 @@ class Role:
     fuzz_cases: int          # default --fuzz-cases: an initiator's case starts a program
     timeout: float           # default --timeout: an initiator's runs get half of it, and the
                              # credits cases hold completions back for seconds
+    outside: tuple[str, ...] = ()   # functions that are not the protocol code (left out)
 
 
 ROLES = {"target": Role("target", "target", CORE, "the target's protocol core", 1000, 3.0),
          "initiator": Role("initiator", "initiator", ("client.py", "direct.py", "results.py"),
-                           "the reference initiator's protocol code", 40, 10.0)}
+                           "the reference initiator's protocol code", 40, 10.0,
+                           # the tools' way to send any octets: no program under test calls it
+                           ("raw",))}
 TRANSPORTS = ("iwarp", "roce")
 #: The target's shape for the runs: small, with a short Ticket Timeout so the cases that
 #: wait for an abandoned ticket are not skipped.
@@ -129,13 +132,16 @@ def operators() -> list[tuple[str, object]]:
     return out
 
 
-def annotations(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """(start, end) of every type annotation: the modules have ``from __future__ import
-    annotations``, so a mutant there is never evaluated (equivalent by construction)."""
+def left_out(source: str, functions: tuple[str, ...] = ()) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) of every type annotation (the modules have ``from __future__ import
+    annotations``, so a mutant there is never evaluated: equivalent by construction) and of
+    the functions named in ``functions`` (the role's ``outside``)."""
     spans = []
     for node in ast.walk(ast.parse(source)):
-        notes = []
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        notes: list = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in functions:
+            notes = [node]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             a = node.args
             notes = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
                      if x is not None] + [node.returns]
@@ -156,7 +162,7 @@ def enumerate_mutants(role: Role = ROLES["target"]) -> list[Mutant]:
     for module in role.modules:
         path = PACKAGE / role.package / module
         tree = get_ast_from_path(path)
-        skip = annotations(path.read_text())
+        skip = left_out(path.read_text(), role.outside)
         nodes = list(ast_nodes(tree))
         for name, op in ops:
             positions = [start for node in nodes for start, _ in op.mutation_positions(node)]
@@ -414,6 +420,7 @@ def markdown(doc: dict) -> str:
     both, conform, fuzz = doc["score"], doc["score_conform"], doc["score_fuzz"]
     role = ROLES[doc["role"]]
     flag = " --role initiator" if role.name == "initiator" else ""
+    first_kill = "--first-kill" in doc["command"]
 
     def pct(s: dict) -> str:
         return (f"{s['killed']} of {s['judged']} ({100 * s['score']:.0f}%, 95% interval "
@@ -428,8 +435,9 @@ def markdown(doc: dict) -> str:
         f"({doc['seconds'] / max(1, both['judged']):.0f} s a mutant).", "",
         f"- killed by conform and fuzz together: {pct(both)}",
         f"- killed by conform alone: {pct(conform)}",
-        f"- killed by fuzz alone: {pct(fuzz)}",
-        f"- control (the unmutated target): {doc['control']}", "",
+        f"- killed by fuzz alone: {pct(fuzz)}" + (" (not measured: with --first-kill fuzz judged only the "
+                                                  "mutants conform left)" if first_kill else ""),
+        f"- control (the unmutated {role.name}): {doc['control']}", "",
         "| mutant | line | killed by | change |", "| --- | --- | --- | --- |"]
     for v in doc["mutants"]:
         change = " → ".join(ln[1:].strip() for ln in v["diff"].splitlines()
