@@ -23,7 +23,7 @@ from kbtp_scapy.target.ring import FreeRing
 from kbtp_scapy.target.server import Target
 from kbtp_scapy.target.sessions import InitiatorState, Sessions
 from kbtp_scapy.target.table import UNBOUND_OFFSET, BlockTable, Entry
-from kbtp_scapy.vocab import EntryFlag, Feature, Opcode, RequestFlag
+from kbtp_scapy.vocab import EntryFlag, Feature, Opcode, RequestFlag, Status
 
 from .kbtp_harness import TargetThread
 
@@ -240,6 +240,30 @@ def plant_lost_connection_releases(t, mp):
             return original(self, state, release or state.qp is None or state.qp.closed)
         return detach
     wrap_method(mp, Sessions, "detach", wrapper)
+
+
+def plant_partition_released_with_bindings(t, mp):
+    """A departing DIRECT_ALLOC session gives its partition back even while blocks of it
+    are still bound (its ring starts afresh for the next owner)."""
+    def wrapper(original):
+        def detach(self, state, release):
+            if not release and state.partition is not None and state.usage:
+                state.partition.release()
+                state.partition, state.watch = None, None
+            return original(self, state, release)
+        return detach
+    wrap_method(mp, Sessions, "detach", wrapper)
+
+
+def plant_unparseable_too_large(t, mp):
+    """Every request that cannot be parsed is refused TOO_LARGE, whatever its lengths."""
+    def wrapper(original):
+        async def execute(self, req, fetch, why):
+            if why:
+                return self.target.executor.failure(Status.TOO_LARGE, req["handle"]), ""
+            return await original(self, req, fetch, why)
+        return execute
+    wrap_method(mp, Connection, "execute", wrapper)
 
 
 def plant_credits(extra: int):
@@ -756,6 +780,9 @@ CORPUS: list[Bug] = [
         lambda t, mp: wrap_method(mp, Connection, "_requests", _goodbye_releases(True))),
     Bug("lost_connection_releases", "and when a connection fails, the target keeps the initiator's "
         "bindings", "session.retention.connection_lost", plant_lost_connection_releases),
+    Bug("partition_released_with_bindings", "the target keeps the initiator's bindings ... With these "
+        "rules no block is ever lost or handed out twice", "session.retention.partition",
+        plant_partition_released_with_bindings),
     Bug("release_frees_nothing", "With flag 0x0001 RELEASE, the target frees all handles bound by "
         "the initiator", "session.goodbye.release",
         lambda t, mp: set_attr(t, t.target.sessions, "_release", lambda state: None)),
@@ -778,6 +805,8 @@ CORPUS: list[Bug] = [
     Bug("unknown_opcode_executed", "Opcodes are listed in ... MALFORMED", "ops.header.opcode",
         lambda t, mp: shim_decode(mp, lambda b, le: codec.decode(
             b[:1] + b"\x12" + b[2:] if b[1:2] == b"\x7e" else b, le))),
+    Bug("unparseable_too_large", "A failed check completes the request with the corresponding status; "
+        "TOO_LARGE: Length exceeds block or buffer", "ops.header.opcode", plant_unparseable_too_large),
     Bug("short_inline_padded", "MALFORMED: Request cannot be parsed", "ops.header.length",
         lambda t, mp: shim_decode(mp, lambda b, le: codec.decode(
             b + bytes(7) if b[1:2] == b"\x12" and len(b) == 45 else b, le))),
