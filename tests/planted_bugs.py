@@ -1002,6 +1002,9 @@ CORPUS: list[Bug] = [
         "ops.quota.carried", plant_usage_forgotten_on_reconnect),
     Bug("full_target_drops_hello", "the initiator sends HELLO and the target answers with HELLO_ACK",
         "session.hello_ack.when_full", plant_full_target_drops_hello),
+    Bug("full_target_evicts_active", "Quotas and handle ranges are set at session setup and changed by "
+        "reconnecting", "session.hello_ack.when_full",
+        lambda t, mp: mp.setattr(InitiatorState, "heard", lambda self, now: float("-inf"))),
     Bug("reclaim_keeps_usage", "the target releases one unit of usage ... when an abandoned ticket is "
         "reclaimed", "direct.ticket.reclaimed_unit", plant_reclaim_keeps_usage),
 ]
