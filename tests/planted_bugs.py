@@ -303,6 +303,15 @@ def _ignore_generation(conn, req):
     req["generation"] = 0
 
 
+def _low_octet_generation(conn, req):
+    """A Generation compared in its low octet only (as if the entry kept 8 bits of it)."""
+    table = conn.target.executor.table
+    if req["generation"] and req["handle"] in table:
+        current = table.read(req["handle"]).generation
+        if not (req["generation"] ^ current) & 0xFF:
+            req["generation"] = current
+
+
 def plant_outside_is_not_valid(t, mp):
     """A handle outside every range reads as an unbound entry of the table."""
     def contains(self, handle):
@@ -823,6 +832,9 @@ CORPUS: list[Bug] = [
         "ops.generation.stale", lambda t, mp: set_handler(t, "FREE", with_request(_ignore_generation))),
     Bug("load_ignores_generation", "if the request Generation is non-zero, it MUST equal the entry's",
         "ops.generation.stale", lambda t, mp: set_handler(t, "LOAD", with_request(_ignore_generation))),
+    Bug("generation_low_octet", "if the request Generation is non-zero, it MUST equal the entry's "
+        "(Generation: A 16-bit counter)", "ops.generation.full_width",
+        lambda t, mp: set_handler(t, "LOAD", with_request(_low_octet_generation))),
     # Block Load
     Bug("load_unbound_ok", "The entry MUST be VALID", "ops.load.not_valid",
         lambda t, mp: set_handler(t, "LOAD", if_entry(_not_valid, _ok))),
