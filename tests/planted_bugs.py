@@ -266,6 +266,13 @@ def plant_unparseable_too_large(t, mp):
     wrap_method(mp, Connection, "execute", wrapper)
 
 
+def _settle_unconsumed(self):
+    """Deferred frees written at the next free whether or not their slots were consumed."""
+    for offset in list(self._deferred):
+        self._fill(offset, *self._deferred.pop(offset))
+    return 0
+
+
 def plant_credits(extra: int):
     def plant(t, mp):
         wrap_method(mp, Connection, "_hello_ack", hello_ack_body(
@@ -970,6 +977,9 @@ CORPUS: list[Bug] = [
     # Free-Block Ring
     Bug("deferred_free_overwrites", "the target MUST defer the write until the slot is consumed; it "
         "MUST NOT overwrite the slot", "direct.ring.deferred_free", plant_deferred_free_overwrites),
+    Bug("settle_overwrites", "the target MUST defer the write until the slot is consumed; it MUST NOT "
+        "overwrite the slot", "direct.ring.deferred_free",
+        lambda t, mp: mp.setattr(FreeRing, "settle", _settle_unconsumed)),
     Bug("bind_keeps_slot", "the slot is marked consumed ... by the target when it processes BIND",
         "direct.ring.laps", lambda t, mp: set_handler(t, "BIND", shadowed(
             lambda conn: conn.state.partition and conn.state.partition.ring, "consume", lambda offset: None))),
