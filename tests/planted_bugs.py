@@ -23,7 +23,7 @@ from kbtp_scapy.target.ring import FreeRing
 from kbtp_scapy.target.server import Target
 from kbtp_scapy.target.sessions import InitiatorState, Sessions
 from kbtp_scapy.target.table import UNBOUND_OFFSET, BlockTable, Entry
-from kbtp_scapy.vocab import EntryFlag, Feature, Opcode, RequestFlag
+from kbtp_scapy.vocab import EntryFlag, Feature, Opcode, RequestFlag, Status
 
 from .kbtp_harness import TargetThread
 
@@ -242,6 +242,37 @@ def plant_lost_connection_releases(t, mp):
     wrap_method(mp, Sessions, "detach", wrapper)
 
 
+def plant_partition_released_with_bindings(t, mp):
+    """A departing DIRECT_ALLOC session gives its partition back even while blocks of it
+    are still bound (its ring starts afresh for the next owner)."""
+    def wrapper(original):
+        def detach(self, state, release):
+            if not release and state.partition is not None and state.usage:
+                state.partition.release()
+                state.partition, state.watch = None, None
+            return original(self, state, release)
+        return detach
+    wrap_method(mp, Sessions, "detach", wrapper)
+
+
+def plant_unparseable_too_large(t, mp):
+    """Every request that cannot be parsed is refused TOO_LARGE, whatever its lengths."""
+    def wrapper(original):
+        async def execute(self, req, fetch, why):
+            if why:
+                return self.target.executor.failure(Status.TOO_LARGE, req["handle"]), ""
+            return await original(self, req, fetch, why)
+        return execute
+    wrap_method(mp, Connection, "execute", wrapper)
+
+
+def _settle_unconsumed(self):
+    """Deferred frees written at the next free whether or not their slots were consumed."""
+    for offset in list(self._deferred):
+        self._fill(offset, *self._deferred.pop(offset))
+    return 0
+
+
 def plant_credits(extra: int):
     def plant(t, mp):
         wrap_method(mp, Connection, "_hello_ack", hello_ack_body(
@@ -277,6 +308,15 @@ def plant_no_generation_check(t, mp):
 
 def _ignore_generation(conn, req):
     req["generation"] = 0
+
+
+def _low_octet_generation(conn, req):
+    """A Generation compared in its low octet only (as if the entry kept 8 bits of it)."""
+    table = conn.target.executor.table
+    if req["generation"] and req["handle"] in table:
+        current = table.read(req["handle"]).generation
+        if not (req["generation"] ^ current) & 0xFF:
+            req["generation"] = current
 
 
 def plant_outside_is_not_valid(t, mp):
@@ -756,6 +796,9 @@ CORPUS: list[Bug] = [
         lambda t, mp: wrap_method(mp, Connection, "_requests", _goodbye_releases(True))),
     Bug("lost_connection_releases", "and when a connection fails, the target keeps the initiator's "
         "bindings", "session.retention.connection_lost", plant_lost_connection_releases),
+    Bug("partition_released_with_bindings", "the target keeps the initiator's bindings ... With these "
+        "rules no block is ever lost or handed out twice", "session.retention.partition",
+        plant_partition_released_with_bindings),
     Bug("release_frees_nothing", "With flag 0x0001 RELEASE, the target frees all handles bound by "
         "the initiator", "session.goodbye.release",
         lambda t, mp: set_attr(t, t.target.sessions, "_release", lambda state: None)),
@@ -778,6 +821,8 @@ CORPUS: list[Bug] = [
     Bug("unknown_opcode_executed", "Opcodes are listed in ... MALFORMED", "ops.header.opcode",
         lambda t, mp: shim_decode(mp, lambda b, le: codec.decode(
             b[:1] + b"\x12" + b[2:] if b[1:2] == b"\x7e" else b, le))),
+    Bug("unparseable_too_large", "A failed check completes the request with the corresponding status; "
+        "TOO_LARGE: Length exceeds block or buffer", "ops.header.opcode", plant_unparseable_too_large),
     Bug("short_inline_padded", "MALFORMED: Request cannot be parsed", "ops.header.length",
         lambda t, mp: shim_decode(mp, lambda b, le: codec.decode(
             b + bytes(7) if b[1:2] == b"\x12" and len(b) == 45 else b, le))),
@@ -794,6 +839,9 @@ CORPUS: list[Bug] = [
         "ops.generation.stale", lambda t, mp: set_handler(t, "FREE", with_request(_ignore_generation))),
     Bug("load_ignores_generation", "if the request Generation is non-zero, it MUST equal the entry's",
         "ops.generation.stale", lambda t, mp: set_handler(t, "LOAD", with_request(_ignore_generation))),
+    Bug("generation_low_octet", "if the request Generation is non-zero, it MUST equal the entry's "
+        "(Generation: A 16-bit counter)", "ops.generation.full_width",
+        lambda t, mp: set_handler(t, "LOAD", with_request(_low_octet_generation))),
     # Block Load
     Bug("load_unbound_ok", "The entry MUST be VALID", "ops.load.not_valid",
         lambda t, mp: set_handler(t, "LOAD", if_entry(_not_valid, _ok))),
@@ -929,6 +977,9 @@ CORPUS: list[Bug] = [
     # Free-Block Ring
     Bug("deferred_free_overwrites", "the target MUST defer the write until the slot is consumed; it "
         "MUST NOT overwrite the slot", "direct.ring.deferred_free", plant_deferred_free_overwrites),
+    Bug("settle_overwrites", "the target MUST defer the write until the slot is consumed; it MUST NOT "
+        "overwrite the slot", "direct.ring.deferred_free",
+        lambda t, mp: mp.setattr(FreeRing, "settle", _settle_unconsumed)),
     Bug("bind_keeps_slot", "the slot is marked consumed ... by the target when it processes BIND",
         "direct.ring.laps", lambda t, mp: set_handler(t, "BIND", shadowed(
             lambda conn: conn.state.partition and conn.state.partition.ring, "consume", lambda offset: None))),
@@ -973,6 +1024,9 @@ CORPUS: list[Bug] = [
         "ops.quota.carried", plant_usage_forgotten_on_reconnect),
     Bug("full_target_drops_hello", "the initiator sends HELLO and the target answers with HELLO_ACK",
         "session.hello_ack.when_full", plant_full_target_drops_hello),
+    Bug("full_target_evicts_active", "Quotas and handle ranges are set at session setup and changed by "
+        "reconnecting", "session.hello_ack.when_full",
+        lambda t, mp: mp.setattr(InitiatorState, "heard", lambda self, now: float("-inf"))),
     Bug("reclaim_keeps_usage", "the target releases one unit of usage ... when an abandoned ticket is "
         "reclaimed", "direct.ticket.reclaimed_unit", plant_reclaim_keeps_usage),
 ]

@@ -356,8 +356,9 @@ async def ring_laps(ctx: Ctx) -> None:
       slot.""", features=Feature.DIRECT_ALLOC)
 async def deferred_free(ctx: Ctx) -> None:
     """Take ticket t and leave it unbound; allocate and free until a FREE's ticket is t + N,
-    whose slot is t's, still unconsumed: the slot must keep t's block, BIND of t with that
-    block must succeed, and only then may the freed block appear there, as ticket t + N's."""
+    whose slot is t's, still unconsumed, and (quota permitting) one more FREE while that one
+    waits: the slot must keep t's block, BIND of t with that block must succeed, and only
+    then may the freed block appear there, as ticket t + N's."""
     a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     n, q = _ring_session_checks(ctx, a)
     if q < 2:
@@ -376,6 +377,9 @@ async def deferred_free(ctx: Ctx) -> None:
         await ctx.ok(a.free(cycle), "FREE (moving Tail on)")
     freed = await ctx.ok(a.direct_alloc(cycle, b"freed"), "DIRECT_ALLOC")
     await ctx.ok(a.free(cycle), f"FREE whose ticket {ticket + n} reaches the slot of ticket {ticket}")
+    if q > 2:         # a block left besides t's and the deferred one: another free meanwhile
+        await ctx.ok(a.direct_alloc(cycle, b"again"), "DIRECT_ALLOC while a FREE waits deferred")
+        await ctx.ok(a.free(cycle), "another FREE while the first waits deferred")
     seen = await read_slot(ctx, a, ticket)
     if asyncio.get_running_loop().time() - started > a.target.ticket_timeout_ms / 1000 * 0.8:
         ctx.skip("the steps took nearly the Ticket Timeout: ticket t may be abandoned meanwhile")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+from ...initiator import Initiator, KbtpError
 from ...vocab import Feature
 from ..context import Ctx
 from ..registry import MUST, RULE, case
@@ -102,13 +103,27 @@ async def within_timeout(ctx: Ctx) -> None:
 FULL_AT_MOST = 64     # sessions opened at most to find the target's limit
 
 
+async def _still_served(ctx: Ctx, opened: list[Initiator], when: str) -> None:
+    """Every session of ``opened`` still answers a request (any status): none was ended,
+    its range given to a newcomer, while it was in use."""
+    for i, ini in enumerate(opened):
+        try:
+            await ctx.wait(ini.load(ini.target.handle_base, allow_unsealed=True),
+                           f"an answer in session {i + 1} of the {len(opened)} admitted, {when} (no "
+                           "session in use is ended to make room: its range is set at session setup)")
+        except KbtpError:
+            pass                         # refused: still served
+
+
 @case("session.hello_ack.when_full", "Session Establishment", RULE, """After the RDMA connection is
       established, the initiator sends HELLO and the target answers with HELLO_ACK ... (Status
-      reports an error in HELLO_ACK)""")
+      reports an error in HELLO_ACK) (Operational Considerations: Quotas and handle ranges are set
+      at session setup and changed by reconnecting)""")
 async def when_full(ctx: Ctx) -> None:
     """Sessions opened until the target refuses one: the refusal is a HELLO_ACK with a
-    non-zero Status (not silence, not a closed connection), and once one session ends
-    with RELEASE, a HELLO is granted again."""
+    non-zero Status (not silence, not a closed connection), the sessions admitted before
+    are all still served (none was ended to make room), and once one session ends with
+    RELEASE, a HELLO is granted again."""
     opened = []
     for _ in range(FULL_AT_MOST):
         status, ini = await ctx.hello_status(ctx.new_id())
@@ -116,8 +131,10 @@ async def when_full(ctx: Ctx) -> None:
             break
         opened.append(ini)
     else:
+        await _still_served(ctx, opened, f"after {FULL_AT_MOST} HELLOs")
         ctx.skip(f"the target admitted {FULL_AT_MOST} sessions at once")
     ctx.check(bool(opened), "at least one session granted", f"the first HELLO refused with {status}")
+    await _still_served(ctx, opened, f"after a HELLO was refused {status}")
     await ctx.goodbye(opened[-1], release=True)
     status, again = await ctx.hello_status(ctx.new_id())
     ctx.check(again is not None, f"a HELLO granted once one of the {len(opened)} sessions ended with RELEASE",

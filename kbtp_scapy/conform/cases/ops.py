@@ -29,14 +29,23 @@ VALIDATE = """It validates every request before touching memory: the handle MUST
 UNPARSEABLE = """Version is 1. Opcodes are listed in (); MALFORMED: Request cannot be parsed"""
 
 
-async def _not_executed(ctx: Ctx, raw: Callable[[Initiator, int], bytes], what: str) -> None:
-    """A request the target must not execute: any answer is not OK, the handle stays unbound."""
+async def _not_executed(ctx: Ctx, raw: Callable[[Initiator, int], bytes], what: str,
+                        sized: bool = True) -> None:
+    """A request the target must not execute: any answer is not OK, the handle stays unbound.
+
+    Which refusal is the project's choice (NOTES decision 4), but not every one is free: a
+    failed check completes "with the corresponding status", and when every Length the
+    request declares is within Block Size, Max Inline and the octets it carries (``sized``),
+    TOO_LARGE ("Length exceeds block or buffer") names a check it passed."""
     a = await ctx.connect(features=0)
     h = await ctx.handle(a)
     got = await ctx.raw(a, raw(a, h))
     if got and got[0][0] is not None:
         c = got[0][0]
         ctx.check(c["status"] != Status.OK, f"{what}: not executed (a non-OK status)", "status OK")
+        if sized:
+            ctx.check(c["status"] != Status.TOO_LARGE, f"{what}, whose every Length is within the "
+                      "limits: not TOO_LARGE (the status of a check it passed)", "TOO_LARGE")
         if c["status"] != Status.MALFORMED:
             ctx.note(f"{what}: answered {status_name(c['status'])}; the reference answers MALFORMED "
                      "(NOTES decision 4)")
@@ -70,7 +79,8 @@ async def opcode(ctx: Ctx) -> None:
 async def length(ctx: Ctx) -> None:
     await _not_executed(ctx, lambda a, h: ctx.encode(a, {
         "opcode": Opcode.ALLOC_STORE, "handle": h, "flags": RequestFlag.INLINE, "dd.length": 12,
-        "inline_data": b"SHORT"}), "an inline ALLOC_STORE with fewer octets than its Length")
+        "inline_data": b"SHORT"}), "an inline ALLOC_STORE with fewer octets than its Length",
+        sized=False)
     await _not_executed(ctx, lambda a, h: _alloc_inline(ctx, a, h)[:30],
                         "an ALLOC_STORE truncated to 30 octets")
 

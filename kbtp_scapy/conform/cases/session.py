@@ -6,11 +6,12 @@ import asyncio
 from ... import codec
 from ...initiator import Initiator
 from ...rnic import Access
-from ...vocab import GoodbyeFlag, Opcode
+from ...vocab import Feature, GoodbyeFlag, Opcode
 from ..context import Ctx, status_name
 from ..hold import SETTLE
 from ..registry import MUST, RULE, case, untestable
 from .common import bind, buffer, data, holds, load_request
+from .ops import quota_of
 
 SECTION = "Session Establishment"
 
@@ -82,6 +83,40 @@ async def retained_after_goodbye(ctx: Ctx) -> None:
 @case("session.retention.connection_lost", SECTION, RULE, RETENTION)
 async def retained_after_loss(ctx: Ctx) -> None:
     await _retained(ctx, graceful=False)
+
+
+async def _allocated(ctx: Ctx, ini: Initiator, hs: list[int], what: str) -> list[int]:
+    """The Block Offsets of ALLOC_STOREs of ``ini`` to ``hs`` that must complete OK."""
+    results = await ctx.wait(asyncio.gather(*(ctx.ok(ini.alloc_store(h, data(16)), f"ALLOC_STORE {what}")
+                                              for h in hs)), f"{len(hs)} ALLOC_STOREs")
+    return [r.block_offset for r in results]
+
+
+@case("session.retention.partition", SECTION, RULE, f"""{RETENTION} (For DIRECT_ALLOC, the target
+      instead gives each initiator its own ring and Head counter over a partition of the pool whose
+      size equals the initiator's quota, so that every ticket on that ring belongs to that
+      initiator. With these rules no block is ever lost or handed out twice.)""",
+      features=Feature.DIRECT_ALLOC)
+async def retained_partition(ctx: Ctx) -> None:
+    """One block bound from a DIRECT_ALLOC session's partition (exactly one: the smallest
+    usage that must keep the partition), GOODBYE without RELEASE, and a reconnect that asks
+    for DIRECT_ALLOC again: the block is still bound, and neither the rest of the quota nor
+    the whole quota of a second session is allocated from it."""
+    a = await ctx.connect(features=Feature.DIRECT_ALLOC, need=Feature.DIRECT_ALLOC)
+    q = quota_of(ctx, a, 0)
+    (h, *rest), payload = await ctx.handles(a, q), data(200)   # all at once: none is freed for another
+    r = await bind(ctx, a, h, payload)
+    await ctx.goodbye(a, release=False)
+    b = await ctx.reconnect(a, features=Feature.DIRECT_ALLOC)
+    await holds(ctx, b, h, payload, "after reconnecting", r.generation)
+    c = await ctx.connect(features=Feature.DIRECT_ALLOC)
+    others = await ctx.handles(c, quota_of(ctx, c, 0))
+    for ini, hs, who in ((b, rest, "the reconnected session's other quota"),
+                         (c, others, "a second session's quota")):
+        offsets = await _allocated(ctx, ini, hs, f"of {who}")
+        ctx.check(r.block_offset not in offsets, f"{who} allocated without the block "
+                  f"{r.block_offset:#x} still bound to 0x{h:x}", "that block allocated again")
+        await holds(ctx, b, h, payload, f"after {who} was allocated", r.generation)
 
 
 @case("session.goodbye.release", SECTION, RULE, """With flag 0x0001 RELEASE, the target frees all
