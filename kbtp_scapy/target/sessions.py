@@ -244,8 +244,3 @@ class Sessions:
         self._free_ranges.sort()
         if state.partition is not None:
             state.partition.release()
-
-    def owner_of(self, handle: int) -> InitiatorState | None:
-        c = self.config
-        index = (handle - c.base_handle) // c.handles_per_initiator
-        return next((s for s in self.by_id.values() if s.index == index), None)
