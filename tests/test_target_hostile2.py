@@ -22,11 +22,12 @@ import pytest
 from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
 from kbtp_scapy.rnic import cm
-from kbtp_scapy.vocab import Feature, Opcode, Status
+from kbtp_scapy.vocab import Feature, GoodbyeFlag, Opcode, Status
 from kbtp_scapy.wire import iwarp as w, roce as rw
 from kbtp_scapy.wire.iwarp_defs import DDP_TAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
 
 from .hostile import (
+    MPA_REQUEST,
     SLACK,
     CmFlooder,
     RssWatch,
@@ -36,6 +37,7 @@ from .hostile import (
     hello,
     mpa_peer,
     read_fpdus,
+    rtr,
     start_peer,
 )
 from .kbtp_harness import fresh_hosts
@@ -347,6 +349,78 @@ def test_iwarp_setup_lockout_from_eight_sources_admits_a_newcomer():
     assert len(times) == 20 and max(times) < 1 + SLACK, times
     assert made >= 128, made
     assert metrics['kbtp_connections_refused_total{reason="half_open_evicted"}'] >= 20, metrics
+
+
+async def dribble_setups(target: tuple[str, int], sources: list[str], per_source: int,
+                         stop: asyncio.Event) -> int:
+    """Connections that stay just inside the set-up deadlines (--mpa-timeout 5 s,
+    --hello-timeout 5 s): the MPA Request one octet at a time over 4 s, the HELLO 4.5 s
+    after the RTR, then GOODBYE RELEASE, and again, ``per_source`` from each source, until
+    ``stop``: the sessions they got."""
+    got = 0
+
+    async def one(source: str) -> None:
+        nonlocal got
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(*target, local_addr=(source, 0))
+                for i in range(len(MPA_REQUEST)):
+                    writer.write(MPA_REQUEST[i:i + 1])
+                    await asyncio.sleep(4.0 / len(MPA_REQUEST))
+                reply = await asyncio.wait_for(reader.readexactly(20), 5)
+                await asyncio.wait_for(reader.readexactly(int.from_bytes(reply[18:20], "big")), 5)
+                writer.write(rtr())
+                await asyncio.sleep(4.5)
+                writer.write(fpdu_send(hello(), 1))
+                if await read_fpdus(reader, 5, limit=1):
+                    got += 1
+                    writer.write(fpdu_send(codec.encode({"opcode": Opcode.GOODBYE,
+                                                         "flags": GoodbyeFlag.RELEASE}), 2))
+                writer.close()
+            except (OSError, TimeoutError, asyncio.IncompleteReadError):
+                await asyncio.sleep(0.05)
+    tasks = [asyncio.create_task(one(s)) for s in sources for _ in range(per_source)]
+    await stop.wait()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return got
+
+
+@pytest.mark.slow
+def test_iwarp_setups_dribbled_inside_the_deadlines_from_eight_sources_admit_a_newcomer():
+    """N2, the second attack: 8 addresses with 16 connections each that dribble the MPA
+    Request over 4 s and send HELLO 4.5 s after it (inside both 5 s deadlines), then
+    GOODBYE, and again: the half-open slots are taken. A newcomer from an address
+    the attacker does not use connects, says HELLO and GOODBYE 10 times of 10 over the
+    attack's whole cycle, each within a bound."""
+    host, *attackers = fresh_hosts(9)
+    t = TargetProc("iwarp", host, "-F", "96", "--features", "none")
+    port = int(t.url.rsplit(":", 1)[1])
+
+    async def scenario():
+        stop = asyncio.Event()
+        attack = asyncio.create_task(dribble_setups((host, port), attackers, 16, stop))
+        await asyncio.sleep(2)                     # every slot taken, MPA still dribbling
+        loop = asyncio.get_running_loop()
+        times = []
+        for _ in range(10):                        # 10 s: through the dribble and the HELLO wait
+            start = loop.time()
+            ini = await asyncio.wait_for(Initiator.connect(t.url, features=0), 10)
+            await ini.goodbye(release=True)
+            times.append(loop.time() - start)
+            await asyncio.sleep(max(0.0, 1 - (loop.time() - start)))
+        stop.set()
+        return times, await attack
+    try:
+        times, _ = asyncio.run(asyncio.wait_for(scenario(), 120))
+        metrics = t.metrics()
+    finally:
+        t.stop()
+    assert len(times) == 10 and max(times) < 1 + SLACK, times
+    # the first newcomer finds all 128 slots dribbling; an evicted dribbler notices only at
+    # its next read, so later newcomers may find a slot free
+    assert metrics['kbtp_connections_refused_total{reason="half_open_evicted"}'] >= 1, metrics
 
 
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
