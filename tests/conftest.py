@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,11 @@ def pytest_configure(config) -> None:
     env = private_home(_HOME)
     os.environ.clear()
     os.environ.update(env)
+    # A suite started in the background (``cmd &``, nohup, some CI runners) inherits SIGINT
+    # ignored, and so would every program it starts: Python does not install its Ctrl-C
+    # handler then, and the tests that press Ctrl-C on a tool would see it ignored. The
+    # suite's programs run as from a terminal.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config) -> None:
