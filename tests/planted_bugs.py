@@ -215,11 +215,11 @@ def plant_hello_ack_request_id(t, mp):
 
 def plant_admit_active(t, mp):
     def wrapper(original):
-        def admit(self, ident, want):
+        def admit(self, ident, want, *source):
             known = self.by_id.get(ident)
             if known is not None:
                 known.active = False
-            return original(self, ident, want)
+            return original(self, ident, want, *source)
         return admit
     wrap_method(mp, Sessions, "admit", wrapper)
 
@@ -641,8 +641,8 @@ def plant_offset_32_bits(t, mp):
 def plant_initiator_id_low_half(t, mp):
     """Sessions are told apart by the low 64 bits of the Initiator ID only."""
     def wrapper(original):
-        def admit(self, ident, want):
-            return original(self, bytes(8) + ident[8:], want)
+        def admit(self, ident, want, *source):
+            return original(self, bytes(8) + ident[8:], want, *source)
         return admit
     wrap_method(mp, Sessions, "admit", wrapper)
 
@@ -747,8 +747,8 @@ def plant_credit_lost_on_reconnect(t, mp):
 def plant_usage_forgotten_on_reconnect(t, mp):
     """A restored session starts counting its usage afresh (its bindings stay bound)."""
     def wrapper(original):
-        def admit(self, ident, want):
-            state, restored = original(self, ident, want)
+        def admit(self, ident, want, *source):
+            state, restored = original(self, ident, want, *source)
             if restored:
                 state.bound = set()
             return state, restored
@@ -759,9 +759,9 @@ def plant_usage_forgotten_on_reconnect(t, mp):
 def plant_full_target_drops_hello(t, mp):
     """A HELLO the target has no room for ends the connection instead of a HELLO_ACK."""
     def wrapper(original):
-        def admit(self, ident, want):
+        def admit(self, ident, want, *source):
             try:
-                return original(self, ident, want)
+                return original(self, ident, want, *source)
             except conn_mod.Refused as refused:
                 if refused.status == "NO_SPACE":
                     raise RuntimeError("no handle range left") from None
