@@ -27,7 +27,9 @@ from kbtp_scapy.initiator import Initiator, KbtpError
 
 from .planted_bugs import BY_NAME, CORPUS, Bug, set_handler, start
 
-RUNS = 5
+#: Runs of each planted bug's case: the suite checks the bug is caught every time it looks;
+#: five of five per binding is tools/conform_catch_rate.py's measure, not the suite's.
+RUNS = 2
 _net = itertools.count(1)
 
 

@@ -55,28 +55,34 @@ def kbtp(*args: str, **kw) -> subprocess.Popen:
                             text=True, **kw)
 
 
+#: cases of the long clean run, per binding
+CASES = 4000
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_reference_target_passes(transport, tmp_path, capsys):
-    """10,000 cases against ``kbtp target`` in a process of its own, as users run it (and
-    on a core of its own, which halves the time a target thread of this process took)."""
+    """4,000 cases against ``kbtp target`` in a process of its own, as users run it (and
+    on a core of its own, which halves the time a target thread of this process took).
+    (10,000 took 2.5 minutes a binding, the biggest share of the suite's 30 minutes;
+    ``kbtp fuzz --cases 100000`` is a maintainer's run.)"""
     host, initiator = hosts()
     target = TargetProc(transport, host, "--blocks", "256", "--max-initiators", "8",
                         "--ticket-timeout", "200", "--duration", "1200")
     summary = tmp_path / "s.json"
     try:
-        assert main(["fuzz", "--target", target.url, "-q", "--cases", "10000", "--seed", "11",
+        assert main(["fuzz", "--target", target.url, "-q", "--cases", str(CASES), "--seed", "11",
                      *(["--local", initiator] if transport == "roce" else []),
                      "--out", str(tmp_path / "f"), "--json-file", str(summary)]) == 0
     finally:
         assert "Traceback" not in target.stop()
     doc = json.loads(summary.read_text())
-    assert doc["cases"] == 10000 and doc["findings"] == [] and doc["exit_code"] == 0
-    steps = [s for i in range(10000) for s in make_case(transport, 11, i).steps]
+    assert doc["cases"] == CASES and doc["findings"] == [] and doc["exit_code"] == 0
+    steps = [s for i in range(CASES) for s in make_case(transport, 11, i).steps]
     assert sum(doc["steps"].values()) == len(steps)        # every step counted, none lost
-    assert doc["steps"]["quota"] > 100 and doc["steps"]["abandon"] > 0
-    assert doc["answers"]["send with invalidate"] > 1000
-    assert (doc["answers"].get("record", 0) > 100) == (transport == "roce")
+    assert doc["steps"]["quota"] > CASES // 100 and doc["steps"]["abandon"] > 0
+    assert doc["answers"]["send with invalidate"] > CASES // 10
+    assert (doc["answers"].get("record", 0) > CASES // 100) == (transport == "roce")
     assert "(no findings)" in capsys.readouterr().out
 
 

@@ -19,9 +19,9 @@ from .test_target_faults import mixed_workload
 
 pytestmark = pytest.mark.lab
 #: per binding; the guest's emulated CPU is what limits it (about 0.2 s of it per case),
-#: so the suite runs 400 (its 30 minutes also hold the initiator checks of
+#: so the suite runs 200 (its 30 minutes also hold the initiator checks of
 #: test_lab_iconform.py) and a maintainer 2,000 or more with KBTP_LAB_FUZZ_CASES
-FUZZ_CASES = int(os.environ.get("KBTP_LAB_FUZZ_CASES", "400"))
+FUZZ_CASES = int(os.environ.get("KBTP_LAB_FUZZ_CASES", "200"))
 
 
 def kbtp(lab, *args: str, timeout: float) -> subprocess.CompletedProcess:
