@@ -201,11 +201,7 @@ class AllocStage:
                             fence=True), doorbell=False)
         e.post(out, r._copy(b, comp + _C_OFFSET, 8, [Sge(b, entry + 8, 8)]), doorbell=False)
         e.post(out, r._copy(b, entry + 4, 4, [Sge(b, comp + _C_LENGTH, 4)]), doorbell=False)
-        if inline:
-            e.post(out, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=r.blocks.stag,
-                            sges=[Sge(r.staging.stag, r._staged(j), 0)]), doorbell=False)
-        else:
-            e.post(out, Wqe(Op.READ, 0, sges=[Sge(r.blocks.stag, 0, 0)]), doorbell=False)
+        r._post_data(out, j, inline)
         # the entry: Data Length and Block Offset, then Flags and the Generation's successor
         e.post(out, Wqe(Op.WRITE, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.tail.stag,
                         sges=[Sge(b, entry + 4, 12)]), doorbell=False)

@@ -168,6 +168,16 @@ class ChainRunner:
     def _rest(self, j: int) -> int:
         return self._buf(j, _REST_AT)
 
+    def _post_data(self, queue: WorkQueue, j: int, inline: bool) -> None:
+        """The request's data into the block, through the block alias: slot ``j``'s inline
+        data from the staging buffer, or an RDMA Read of the initiator's buffer (its
+        descriptor placed into this READ by the receive's scatter list)."""
+        if inline:
+            self.engine.post(queue, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
+                                        sges=[Sge(self.staging.stag, self._staged(j), 0)]), doorbell=False)
+        else:
+            self.engine.post(queue, Wqe(Op.READ, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
+
     def _staged(self, j: int) -> int:
         """Tagged Offset of slot ``j``'s inline data through the staging alias."""
         return handle_offset(j * self.per)
@@ -381,11 +391,7 @@ class ChainRunner:
         self._entry_guard(c, front, ib2, EntryFlag.VALID, out, checked=True)
         # OS: the inline data into the block (through the block alias); OR: the Read of the
         # initiator's buffer into it; then the entry (after the data), the completion
-        if inline:
-            e.post(out, Wqe(Op.WRITE, Flag.LOOPBACK, remote_stag=self.blocks.stag,
-                            sges=[Sge(self.staging.stag, self._staged(j), 0)]), doorbell=False)
-        else:
-            e.post(out, Wqe(Op.READ, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
+        self._post_data(out, j, inline)
         e.post(out, Wqe(Op.WRITE, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.own.stag,
                         sges=[Sge(b, entry, 8)]), doorbell=False)
         e.post(out, Wqe(Op.SEND, Flag.SIGNALED | (0 if inline else Flag.INVALIDATE),
