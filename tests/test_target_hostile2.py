@@ -320,6 +320,20 @@ async def hold_setups(target: tuple[str, int], sources: list[str], per_source: i
     return made
 
 
+async def newcomers(url: str, count: int, every: float = 0.0) -> list[float]:
+    """``count`` times, at most one per ``every`` seconds: connect from an address the
+    attacker does not use, HELLO, GOODBYE RELEASE; the seconds each took."""
+    loop = asyncio.get_running_loop()
+    times = []
+    for _ in range(count):
+        start = loop.time()
+        ini = await asyncio.wait_for(Initiator.connect(url, features=0), 10)
+        await ini.goodbye(release=True)
+        times.append(loop.time() - start)
+        await asyncio.sleep(max(0.0, every - (loop.time() - start)))
+    return times
+
+
 def test_iwarp_setup_lockout_from_eight_sources_admits_a_newcomer():
     """N2: 8 addresses keep 16 bare TCP connections each open (all 128 half-open slots),
     re-opening each as it ends. A newcomer from an address the attacker does not use
@@ -332,13 +346,7 @@ def test_iwarp_setup_lockout_from_eight_sources_admits_a_newcomer():
         stop = asyncio.Event()
         attack = asyncio.create_task(hold_setups((host, port), attackers, 16, stop))
         await asyncio.sleep(2)                     # every slot taken
-        loop = asyncio.get_running_loop()
-        times = []
-        for _ in range(20):
-            start = loop.time()
-            ini = await asyncio.wait_for(Initiator.connect(t.url, features=0), 10)
-            await ini.goodbye(release=True)
-            times.append(loop.time() - start)
+        times = await newcomers(t.url, 20)
         stop.set()
         return times, await attack
     try:
@@ -402,14 +410,7 @@ def test_iwarp_setups_dribbled_inside_the_deadlines_from_eight_sources_admit_a_n
         stop = asyncio.Event()
         attack = asyncio.create_task(dribble_setups((host, port), attackers, 16, stop))
         await asyncio.sleep(2)                     # every slot taken, MPA still dribbling
-        loop = asyncio.get_running_loop()
-        times = []
-        for _ in range(10):                        # 10 s: through the dribble and the HELLO wait
-            start = loop.time()
-            ini = await asyncio.wait_for(Initiator.connect(t.url, features=0), 10)
-            await ini.goodbye(release=True)
-            times.append(loop.time() - start)
-            await asyncio.sleep(max(0.0, 1 - (loop.time() - start)))
+        times = await newcomers(t.url, 10, every=1.0)    # 10 s: the dribble and the HELLO wait
         stop.set()
         return times, await attack
     try:
