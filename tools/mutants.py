@@ -77,9 +77,6 @@ TRANSPORTS = ("iwarp", "roce")
 #: wait for an abandoned ticket are not skipped.
 TARGET_OPTIONS = ["--blocks", "128", "--max-initiators", "8", "--ticket-timeout", "300", "--retention", "30"]
 PORTS = {"iwarp": 5420, "roce": 4791}
-#: --first-kill: judge a mutant only until a checker kills it (conform first, then fuzz;
-#: the score of both together and of conform alone stay exact, fuzz alone undercounts)
-FIRST_KILL = False
 #: Seconds one checker may take against one target: the clean target takes 10 to 40 on a
 #: loaded machine, so a mutant still running at this has hung the checker (a kill).
 VERDICT_TIMEOUT = 240
@@ -242,8 +239,9 @@ class TargetProcess:
 
 
 def judge(pythonpath: str, tools: list[str], fuzz_cases: int, seed: int, timeout: float,
-          net: int, workdir: Path) -> tuple[list[str], bool, str]:
-    """Run the checkers against a target from ``pythonpath`` on each binding: which
+          net: int, workdir: Path, first_kill: bool = False) -> tuple[list[str], bool, str]:
+    """Run the checkers against a target from ``pythonpath`` on each binding (with
+    ``first_kill``, only until one kills it): which
     (tool/binding) exited non-zero, whether the target failed to start, and why."""
     by, detail = [], []
     for k, transport in enumerate(TRANSPORTS):
@@ -256,7 +254,7 @@ def judge(pythonpath: str, tools: list[str], fuzz_cases: int, seed: int, timeout
                                "--fuzz-cases", str(fuzz_cases), "--seed", str(seed), "--timeout", str(timeout)]
                         for tool in ("conform", "fuzz")}
             for tool in tools:
-                if by and FIRST_KILL:
+                if by and first_kill:
                     break
                 verdict(commands[tool], f"{tool}/{transport}", by, detail)
                 if target.proc.poll() is not None:
@@ -282,7 +280,7 @@ def verdict(command: list[str], name: str, by: list[str], detail: list[str]) -> 
 
 
 def judge_initiator(pythonpath: str, tools: list[str], fuzz_cases: int, seed: int, timeout: float,
-                    net: int, workdir: Path) -> tuple[list[str], bool, str]:
+                    net: int, workdir: Path, first_kill: bool = False) -> tuple[list[str], bool, str]:
     """The initiator checkers, each with its checking target on loopback addresses of its
     own, running the initiator from ``pythonpath`` once per case."""
     by: list[str] = []
@@ -291,7 +289,7 @@ def judge_initiator(pythonpath: str, tools: list[str], fuzz_cases: int, seed: in
         host, local = f"127.72.{net % 250}.{2 * k + 1}", f"127.72.{net % 250}.{2 * k + 2}"
         url = f"{transport}://{host}:{PORTS[transport]}"
         for tool in tools:
-            if by and FIRST_KILL:
+            if by and first_kill:
                 break
             verdict([sys.executable, __file__, f"--judge-initiator-{tool}", url, "--program-path", pythonpath,
                      *(["--local", local] if transport == "roce" else []), "--fuzz-cases", str(fuzz_cases),
@@ -492,8 +490,6 @@ def main() -> int:
     # SIGTERM unwinds like Ctrl-C, so the target of the mutant being judged is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     role = ROLES[args.role]
-    global FIRST_KILL
-    FIRST_KILL = args.first_kill
     if args.fuzz_cases is None:
         args.fuzz_cases = role.fuzz_cases
     if args.timeout is None:
@@ -546,7 +542,7 @@ def main() -> int:
             workdir.mkdir()
             with package_copy(m) as copy:
                 by, at_start, detail = judge_role(copy, tools, args.fuzz_cases, args.seed, args.timeout, i,
-                                                  workdir)
+                                                  workdir, args.first_kill)
             v = Verdict(m.name, m.line, diff_of(original, mutated, m.module), bool(by), by, at_start,
                         round(time.monotonic() - t0, 1), detail)
             verdicts.append(v)
