@@ -206,6 +206,22 @@ def test_role_initiator_usage_errors():
     proc = subprocess.run([*KBTP, "conform", "--role", "initiator", "--listen", "iwarp://127.0.0.1:9"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "after '--'" in proc.stderr
+    for args, why in ((["--role", "target", "--target", "iwarp://127.0.0.1:9", "--io", "verbs"],
+                       "are for --role initiator"),
+                      (["--role", "initiator", "--listen", "iwarp://127.0.0.1:9", "--device", "rxe0"],
+                       "--device needs --io verbs")):
+        proc = subprocess.run([*KBTP, "conform", *args, "--", "true"], capture_output=True, text=True, cwd=ROOT)
+        assert (proc.returncode, proc.stderr.count("\n")) == (2, 1) and why in proc.stderr, proc.stderr
+
+
+def test_checking_target_on_a_missing_device_names_what_to_check(tmp_path):
+    """``--io verbs`` on a machine without the device (this one, outside the lab): an
+    ERROR that says what could not be opened and what to check, no traceback."""
+    code, out, err = conform("iwarp", ["true"], "--io", "verbs", "--device", "nosuch0", "--only",
+                             "hello.header", "--json")
+    case = json.loads(out)["cases"][0]
+    assert (code, case["verdict"]) == (2, "ERROR"), (code, out, err)
+    assert "--device" in case["detail"] and "Traceback" not in err, case
 
 
 # -- the hostile target ------------------------------------------------------------------------

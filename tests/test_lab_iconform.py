@@ -118,6 +118,35 @@ def test_reference_initiator_on_verbs_passes_the_checker(lab, transport):
     assert len(doc["cases"]) == 4
 
 
+#: a sample of cases for the checking target on the device: what the initiator sends, what
+#: lands in its buffers, its buffers probed through the device, and one that watches its
+#: RDMA Reads on target memory (SKIP there); the checker's Python is slow in the guest
+ON_DEVICE = ("hello.header", "credits.one", "descriptor.load_length", "load.data_after_completion",
+             "completion.out_of_order", "direct_load.order")
+
+
+@pytest.mark.parametrize("transport", ["roce", "iwarp"], ids=["rxe", "siw"])
+def test_checking_target_on_verbs_judges_the_c_initiator(lab, c_initiator, transport):
+    """``--io verbs``: the checking target on the guest's device, the C initiator beside it
+    on the same device. The cases judged from the initiator's messages and its buffers pass
+    as on the soft RNIC; the one that watches its RDMA Reads is SKIP, saying why."""
+    binding = BINDINGS[transport]
+    port = 4791 if transport == "roce" else 5420
+    args = lab.kbtp("conform", "--role", "initiator", "--listen", f"{transport}://{binding.guest}:{port}",
+                    "--io", "verbs", "--device", binding.device, "--local", binding.guest,
+                    "--timeout", str(RUN_TIMEOUT), "--json", *[a for c in ON_DEVICE for a in ("--only", c)],
+                    "--", c_initiator)
+    done = lab.run(args, timeout=900, check=False, env={"TMPDIR": str(lab.dir)})
+    assert done.stdout, done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    verdicts = {c["id"]: c for c in doc["cases"]}
+    assert set(verdicts) == set(ON_DEVICE), sorted(verdicts)
+    skipped = verdicts.pop("direct_load.order")
+    assert skipped["verdict"] == "SKIP" and "--io verbs" in skipped["detail"], skipped
+    bad = [c for c in verdicts.values() if c["verdict"] != "PASS"]
+    assert not bad and done.returncode == 0, json.dumps(bad, indent=1)[-6000:] + done.stderr[-2000:]
+
+
 def test_exec_passes_the_checker_variables_and_kills_in_the_guest(lab):
     """The wrapper itself: KBTP_* reach the guest, the exit status comes back, and a run
     past --timeout is killed in the guest (the checker's SIGKILL cannot reach it there)."""

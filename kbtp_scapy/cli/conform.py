@@ -16,6 +16,7 @@ from ..harness import HarnessError
 from ..initiator.results import TargetInfo
 from ..words import count
 from .errors import Exit
+from .options import raw_io
 
 
 class _Console(Listener):
@@ -62,6 +63,11 @@ class _Console(Listener):
 @click.option("--keep", type=click.Path(file_okay=False), metavar="DIR",
               help="--role initiator: keep each run's inputs, outputs and stderr in DIR.")
 @click.option("--local", metavar="ADDR", help="Local address of the checker's initiator (RoCEv2).")
+@click.option("--io", type=click.Choice(["udp", "verbs"]), default="udp", show_default=True,
+              help="--role initiator: the checking target on the soft RNIC (udp) or on an RDMA "
+                   "device (verbs, with --device); on a device the cases that watch the "
+                   "initiator's one-sided accesses are SKIP.")
+@click.option("--device", metavar="DEV", help="--io verbs: the RDMA device (as 'ibv_devices' lists it).")
 @click.option("--list", "list_only", is_flag=True, help="List the cases and their requirements, run nothing.")
 @click.option("--coverage", is_flag=True,
               help="Print the requirement-to-case matrix (every normative sentence of the text, the cases "
@@ -84,7 +90,7 @@ class _Console(Listener):
 @click.option("-q", "--quiet", is_flag=True, help="No progress; print only cases that did not pass.")
 @click.argument("program", nargs=-1, type=click.UNPROCESSED)
 def conform(role: str, url: str | None, listen: str | None, keep: str | None, local: str | None,
-            list_only: bool, coverage: bool, spec: str | None, only: tuple[str, ...],
+            io: str, device: str | None, list_only: bool, coverage: bool, spec: str | None, only: tuple[str, ...],
             exclude: tuple[str, ...], quick: bool, strict: bool, as_json: bool, json_file: str | None,
             junit_file: str | None, pcap_dir: str | None, timeout: float, quiet: bool,
             program: tuple[str, ...]) -> None:
@@ -107,6 +113,10 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     kbtp conform --role initiator --listen URL -- kbtp initiator {url} --id-file {state}/id
     script --ops {ops} --in {in} --out {out}
 
+    With --io verbs --device DEV the checking target runs on an RDMA device (rxe, siw, a
+    NIC); the cases that watch or change the initiator's RDMA accesses on target memory
+    are then SKIP, because the device serves those in the kernel.
+
     \b
     Examples:
       kbtp conform --target roce://127.0.0.1 --local 127.0.0.2
@@ -126,14 +136,15 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         code = check_initiator(listen, program, local=local, list_only=list_only, only=only,
                                exclude=exclude, quick=quick, strict=strict, as_json=as_json,
                                json_file=json_file, junit_file=junit_file, pcap_dir=pcap_dir,
-                               keep=keep, timeout=timeout, quiet=quiet, console=console)
+                               keep=keep, timeout=timeout, quiet=quiet, console=console,
+                               io=raw_io("", io, None, None, device))   # no --io raw here
         console.clear()
         if code:
             raise Exit(code, f"conform: the initiator did not pass (exit status {code}); see each "
                               "case's expected/seen above")
         return
-    if program or listen or keep:
-        raise click.UsageError("--listen, --keep and a command are for --role initiator")
+    if program or listen or keep or io != "udp" or device:
+        raise click.UsageError("--listen, --keep, --io, --device and a command are for --role initiator")
     cases = select(all_cases(), only, exclude)
     if not cases:
         raise click.UsageError("no case matches --only/--exclude (see --list)")

@@ -23,7 +23,7 @@ def check_initiator(listen: str | None, program: tuple[str, ...], *, local: str 
                     list_only: bool, only: tuple[str, ...], exclude: tuple[str, ...], quick: bool,
                     strict: bool, as_json: bool, json_file: str | None, junit_file: str | None,
                     pcap_dir: str | None, keep: str | None, timeout: float, quiet: bool,
-                    console: Listener) -> int:
+                    console: Listener, io: dict | None = None) -> int:
     """Run the initiator cases; returns the exit code (the caller raises it)."""
     cases = select(all_cases(), only, exclude)
     if not cases:
@@ -43,7 +43,7 @@ def check_initiator(listen: str | None, program: tuple[str, ...], *, local: str 
     try:
         outcomes = asyncio.run(run(listen, list(program), cases, timeout=timeout, local=local,
                                    quick=quick, pcap_dir=Path(pcap_dir) if pcap_dir else None,
-                                   listener=console, keep=Path(keep) if keep else None))
+                                   listener=console, keep=Path(keep) if keep else None, io=io))
     except HarnessError as exc:
         doc = _doc(listen, program, [], str(exc), strict, quick)
         _emit(as_json, json_file, doc)

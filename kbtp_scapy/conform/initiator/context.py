@@ -23,7 +23,7 @@ from ..context import FrameBuffer
 from ..registry import Case, Fail, Skip
 from .observe import Record
 from .program import ProgramMissing, Run, run as run_program
-from .target import Behaviour, CheckingTarget
+from .target import DEVICE_RESPONDER, Behaviour, CheckingTarget
 
 #: The checking target's defaults: small, so a case can fill a quota or a range quickly.
 #: Max Inline below the Block Size, so a large store travels by RDMA Read from the
@@ -63,8 +63,10 @@ class ICtx:
     """One initiator case: ``serve`` a checking target, ``run`` the program against it."""
 
     def __init__(self, program: list[str], url: str, transport: str, *, local: str,
-                 timeout: float, frames: FrameBuffer, workdir: Path) -> None:
+                 timeout: float, frames: FrameBuffer, workdir: Path,
+                 io: dict[str, Any] | None = None) -> None:
         self.program, self.url, self.transport = program, url, transport
+        self.io = io or {}           # the checking target's backend: {} (the soft RNIC) or verbs
         self.local, self.timeout, self.frames, self.workdir = local, timeout, frames, workdir
         self.target: CheckingTarget | None = None
         self.notes: list[str] = []
@@ -76,13 +78,17 @@ class ICtx:
         return self.served.record
 
     async def serve(self, behaviour: Behaviour | None = None, **config: Any) -> CheckingTarget:
-        """Start this case's checking target, ``config`` changing the defaults."""
+        """Start this case's checking target, ``config`` changing the defaults; a SKIP
+        where ``behaviour`` changes what Reads return and an RDMA device serves them."""
         await self.close()
-        target = CheckingTarget(replace(BASE, **config), self.transport, behaviour)
+        if self.io.get("io") == "verbs" and behaviour is not None \
+                and type(behaviour).read is not Behaviour.read:
+            self.skip(DEVICE_RESPONDER)
+        target = CheckingTarget(replace(BASE, **config), self.transport, behaviour, self.io.get("io"))
         target.frame_listeners.append(self.frames)
         for attempt in range(20):            # the previous case's address may linger a moment
             try:
-                await target.start(self.url)
+                await target.start(self.url, **self.io)
                 break
             except OSError:
                 if attempt == 19:

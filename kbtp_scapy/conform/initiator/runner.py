@@ -33,7 +33,8 @@ def default_local(url: str) -> str:
 
 
 async def run_case(case: Case, program: list[str], url: str, transport: str, *, local: str,
-                   timeout: float, pcap_dir: Path | None, quick: bool, workdir: Path) -> Outcome:
+                   timeout: float, pcap_dir: Path | None, quick: bool, workdir: Path,
+                   io: dict | None = None) -> Outcome:
     started = time.monotonic()
     if case.transport and case.transport != transport:
         return Outcome(case, SKIP, detail=f"applies to the {case.transport} binding only")
@@ -41,7 +42,7 @@ async def run_case(case: Case, program: list[str], url: str, transport: str, *, 
         return Outcome(case, SKIP, detail=f"slow ({case.slow}); left out by --quick")
     frames = FrameBuffer()
     ctx = ICtx(program, url, transport, local=local, timeout=timeout, frames=frames,
-               workdir=workdir / case.id)
+               workdir=workdir / case.id, io=io)
     budget = timeout * CASE_RUNS
     try:
         await asyncio.wait_for(case.fn(ctx), budget)   # type: ignore[arg-type]
@@ -55,8 +56,10 @@ async def run_case(case: Case, program: list[str], url: str, transport: str, *, 
     except TimeoutError:
         out = Outcome(case, ERROR, detail=f"the case did not end within {budget:g} s; raise --timeout")
     except OSError as exc:
+        fix = ("check --device and that the --listen address is the device's" if (io or {}).get("io")
+               else "pick another --listen")
         out = Outcome(case, ERROR, detail=f"the checking target cannot listen on {url} "
-                                          f"({describe(exc, timeout)}); pick another --listen")
+                                          f"({describe(exc, timeout)}); {fix}")
     except Exception as exc:          # the checker could not judge: never a pass
         out = Outcome(case, ERROR, detail=f"the checker failed ({describe(exc, timeout)}); "
                                           "please report it with the case's pcap")
@@ -72,9 +75,11 @@ async def run_case(case: Case, program: list[str], url: str, transport: str, *, 
 
 async def run(url: str, program: list[str], cases: list[Case], *, timeout: float = 10.0,
               local: str | None = None, pcap_dir: Path | None = None, quick: bool = False,
-              listener: Listener | None = None, keep: Path | None = None) -> list[Outcome]:
+              listener: Listener | None = None, keep: Path | None = None,
+              io: dict | None = None) -> list[Outcome]:
     """Run ``cases`` one after the other against ``program``; ``keep`` keeps each run's
-    directories (inputs, outputs, stderr) there instead of a temporary directory."""
+    directories (inputs, outputs, stderr) there instead of a temporary directory; ``io``
+    puts the checking target on an RDMA device ({"io": "verbs", "device": ...})."""
     try:
         transport = parse_url(url).transport
     except ValueError as exc:
@@ -92,7 +97,7 @@ async def run(url: str, program: list[str], cases: list[Case], *, timeout: float
         for i, case in enumerate(cases, 1):
             listener.started(i, len(cases), case)
             out = await run_case(case, program, url, transport, local=local, timeout=timeout,
-                                 pcap_dir=pcap_dir, quick=quick, workdir=workdir)
+                                 pcap_dir=pcap_dir, quick=quick, workdir=workdir, io=io)
             outcomes.append(out)
             listener.finished(i, len(cases), out)
     finally:

@@ -31,6 +31,12 @@ GRANTS = {"hello_ack.table.stag": "table", "hello_ack.pool.stag": "pool",
           "hello_ack.partition.stag": "partition", "hello_ack.ring.stag": "ring",
           "hello_ack.head.stag": "head"}
 
+#: Why a case that watches or changes the initiator's one-sided accesses cannot run on
+#: ``--io verbs``: the device answers them in the kernel, the checker sees none of them.
+DEVICE_RESPONDER = ("it judges the initiator's RDMA Reads, Writes or atomics on target memory, "
+                    "which an RDMA device (--io verbs) serves in the kernel, out of the checker's "
+                    "sight: run it with the checking target on the soft RNIC (--io udp)")
+
 
 class Behaviour:
     """How the checking target deviates from the reference target in one case; every
@@ -145,6 +151,8 @@ def _observe(qp: QueuePair, conn: CheckedConnection) -> None:
         return note(recv_nowait())
 
     qp.recv, qp.recv_nowait = recv_observed, recv_nowait_observed   # type: ignore[method-assign]
+    if session.hidden:                           # an RDMA device's responder: not ours to watch
+        return
     duplicate = [False]
     served: dict[tuple[int, int, int], bytes] = {}
     now = time.monotonic
@@ -164,7 +172,7 @@ def _observe(qp: QueuePair, conn: CheckedConnection) -> None:
 
     def access(kind: str, stag: int, offset: int, length: int, **extra: Any) -> Access:
         a = Access(now(), kind, session.region(stag), stag, offset, length, **extra)
-        session.accesses.append(a)
+        session.observed.append(a)
         return a
 
     def read(stag: int, offset: int, length: int) -> bytes:
@@ -219,10 +227,11 @@ class CheckingTarget(Target):
 
     connection_class = CheckedConnection
 
-    def __init__(self, config: TargetConfig, transport: str, behaviour: Behaviour | None = None) -> None:
+    def __init__(self, config: TargetConfig, transport: str, behaviour: Behaviour | None = None,
+                 io: str | None = None) -> None:
         self.behaviour = behaviour or Behaviour()
-        self.record = Record()
-        super().__init__(config, transport)
+        self.record = Record(DEVICE_RESPONDER if io == "verbs" else "")
+        super().__init__(config, transport, io)
 
     def _build(self) -> None:
         super()._build()
