@@ -44,6 +44,7 @@ def test_percentiles_are_nearest_rank():
     assert lines[0].split("|")[1].split()[1:] == ["9", "90.0%"] and lines[-1].endswith("10.0%")
 
 
+@pytest.mark.slow
 @needs_tshark
 def test_latency_agrees_with_tshark_and_the_dissector(tmp_path, target):
     """The capture holds the soft RNIC's own stamp of each frame (a RoCEv2 packet as it
@@ -71,6 +72,7 @@ def test_latency_agrees_with_tshark_and_the_dissector(tmp_path, target):
         assert abs(ours - theirs) <= max(0.01 * theirs, 2), (p, ours, theirs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["store", "alloc_store", "direct_load", "direct_alloc"])
 def test_every_operation_in_a_table_and_json(target, op):
     proc = bench(target, "--op", op, "-s", "512,4096", "-t", "4", "-n", "200", "--json", index=1)
@@ -89,6 +91,7 @@ def test_every_operation_in_a_table_and_json(target, op):
     assert "t_p99.9" in text.stdout and "CPU/op[usec]" in text.stdout and " us | #" in text.stdout
 
 
+@pytest.mark.slow
 def test_plot_png_and_svg(tmp_path, target):
     pytest.importorskip("matplotlib")
     for name in ("bench.png", "bench.svg"):

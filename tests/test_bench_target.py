@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_one_iwarp_case_against_its_baseline(tmp_path):
     out = tmp_path / "bench.json"
     page = tmp_path / "PERFORMANCE.md"
@@ -39,6 +40,7 @@ def test_one_iwarp_case_against_its_baseline(tmp_path):
     assert "| iwarp | LOAD | 4096 |" in table and "old table" not in table
 
 
+@pytest.mark.slow
 def test_the_floor_moves_what_the_target_moves_beside_its_baseline(tmp_path):
     """tools/bench_floor.py: the floor's LOAD puts the reference target's octets on the
     wire, so its baseline is the same as the target's."""

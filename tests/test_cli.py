@@ -33,6 +33,7 @@ def test_craft_the_specification_example():
     assert out == SPEC_ALLOC_STORE
 
 
+@pytest.mark.slow
 def test_craft_keeps_lies_and_names():
     out = kbtp("craft", "STORE", "--flags", "INLINE+SEAL", "--dd-length", "4096",
                "--inline-data", "00").stdout.strip()
@@ -77,6 +78,7 @@ def test_decode_sample_capture_text_and_addr_le():
     assert "handle=0x4001 " not in forced
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_with_the_right_exit_code(tmp_path):
     junk = tmp_path / "junk.pcap"
     junk.write_bytes(os.urandom(300))
@@ -98,11 +100,13 @@ def test_truncated_capture_is_one_line_not_a_traceback(tmp_path):
     assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_help_explains_with_examples():
     for cmd in (("--help",), ("decode", "--help"), ("craft", "--help"), ("demo", "--help")):
         assert "Example" in kbtp(*cmd).stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", [(), ("dissector",), ("initiator",)])
 def test_a_bare_group_prints_its_help_on_stdout(group):
     """As click does: the help on stdout, exit 2 (click 8.2 and later; 0 before)."""
@@ -133,6 +137,7 @@ def tshark_ends(path: Path) -> tuple[str, str, int]:
     return out[0], out[1], int(out[2], 0)
 
 
+@pytest.mark.slow
 @needs_tshark
 @pytest.mark.parametrize("transport", ["roce", "iwarp"])
 def test_craft_writes_responses_from_the_target(tmp_path, transport):
@@ -149,6 +154,7 @@ def test_craft_writes_responses_from_the_target(tmp_path, transport):
     assert ends["COMPLETION", ("--from-initiator",)][:2] == (initiator, target)
 
 
+@pytest.mark.slow
 def test_craft_checks_the_length_of_fixed_octet_fields():
     short = kbtp("craft", "HELLO", "--hello-initiator-id", "0102", check=False)
     assert short.returncode == 2 and "2 octets given" in short.stderr and "16 octets" in short.stderr
@@ -158,6 +164,7 @@ def test_craft_checks_the_length_of_fixed_octet_fields():
     assert codec.decode(wire)["hello.initiator_id"] == b"\xab" * 16
 
 
+@pytest.mark.slow
 def test_craft_builds_the_lies_it_is_asked_for():
     """An item given whose flag or feature bit the given word lacks is built, with a note."""
     proc = kbtp("craft", "LOAD", "--flags", "0", "--cd-stag", "0x99")
@@ -179,6 +186,7 @@ def test_craft_builds_the_lies_it_is_asked_for():
     assert honest.stderr == "" and bytes.fromhex(honest.stdout)[3] & RequestFlag.RECORD
 
 
+@pytest.mark.slow
 def test_craft_trailer_and_raw_files(tmp_path):
     plain = bytes.fromhex(kbtp("craft", "FREE", "--handle", "0x4001").stdout)
     kbtp("craft", "FREE", "--handle", "0x4001", "--trailer", "de:ad be ef", "-o", str(tmp_path / "f.raw"))

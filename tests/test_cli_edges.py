@@ -186,6 +186,7 @@ def test_counters_table_keeps_its_columns_with_unknown_opcodes(roce_target):
     assert all(r[at - 1] == " " and r[at] != " " for r in rows), rows
 
 
+@pytest.mark.slow
 def test_fuzz_with_nothing_listening_says_one_line(tmp_path):
     """D18: no empty tables, no error twice: one line, exit 2."""
     with socket.create_server(("127.0.0.1", 0)) as probe:
@@ -207,6 +208,7 @@ def test_fuzz_progress_has_rate_and_eta(done, total, elapsed, limit, shown):
     assert _pace(done, total, elapsed, limit) == shown
 
 
+@pytest.mark.slow
 def test_craft_names_the_version_field_kbtp_version(tmp_path):
     """D22: the header's Version is --kbtp-version; --version is not a field option."""
     from kbtp_scapy import codec
@@ -219,6 +221,7 @@ def test_craft_names_the_version_field_kbtp_version(tmp_path):
     assert proc.returncode == 2 and "--kbtp-version" in proc.stderr
 
 
+@pytest.mark.slow
 def test_replay_of_a_capture_just_made_matches(tmp_path, roce_target):
     """D10: a capture whose entry had been used before (Generation 3) replays to MATCH on a
     fresh range (Generation 1); --strict compares Generations as captured and differs."""
@@ -292,6 +295,7 @@ def test_decode_interrupted_says_so_and_exits_130(tmp_path):
     assert "KBTP message" in text and "interrupted (Ctrl-C)" in text and "Traceback" not in text, text
 
 
+@pytest.mark.slow
 def test_conform_interrupted_writes_the_partial_reports(tmp_path):
     """D12: Ctrl-C after the first verdicts: exit 130, JUnit and JSON with the cases judged."""
     t = TargetThread("roce", hosts=[f"127.45.{secrets.randbelow(250) + 1}.{i}" for i in (20, 21)])

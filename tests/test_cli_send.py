@@ -46,6 +46,7 @@ def pipe(tmp_path, target, craft: list[str], *options: str) -> subprocess.Comple
                           input=made.stdout, capture_output=True, timeout=60, env={"HOME": str(tmp_path)})
 
 
+@pytest.mark.slow
 def test_crafted_lie_is_answered_malformed(tmp_path, target):
     proc = pipe(tmp_path, target, ["LOAD", "--kbtp-version", "2", "--request-id", "77", "--handle", "7"])
     assert proc.returncode == 0, proc.stderr
@@ -55,6 +56,7 @@ def test_crafted_lie_is_answered_malformed(tmp_path, target):
     assert lines[2].startswith("connection: answered:")
 
 
+@pytest.mark.slow
 def test_json_answers_and_fate(tmp_path, target):
     proc = pipe(tmp_path, target, ["FREE", "--request-id", "5", "--handle", "0x4000"], "--json")
     assert proc.returncode == 0, proc.stderr
@@ -67,6 +69,7 @@ def test_json_answers_and_fate(tmp_path, target):
     assert records[2] == {"connection": "answered", "reason": records[2]["reason"], "unsent": 0}
 
 
+@pytest.mark.slow
 def test_goodbye_ends_the_connection_as_the_binding_does(tmp_path, target):
     proc = pipe(tmp_path, target, ["GOODBYE"])
     assert proc.returncode == 0, proc.stderr
@@ -74,6 +77,7 @@ def test_goodbye_ends_the_connection_as_the_binding_does(tmp_path, target):
     assert fate.startswith("connection: fin:" if target.transport == "iwarp" else "connection: dreq:"), fate
 
 
+@pytest.mark.slow
 def test_a_send_too_long_for_the_buffer_is_the_qps_end(tmp_path, target):
     """iWARP: the target's DDP layer answers with a Terminate; RoCEv2: a NAK, the QP's error."""
     data = tmp_path / "big.bin"

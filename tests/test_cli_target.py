@@ -48,6 +48,7 @@ def initiator(t, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_a_session_from_the_command_line(target):
     t = target
     base = int(json.loads(initiator(t, "--json", "hello").stdout)["handle_base"])
@@ -82,6 +83,7 @@ def test_a_session_from_the_command_line(target):
     assert (t["tmp"] / "target.pcap").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_command_line_errors_are_one_line(target):
     t = target
     bad = subprocess.run([*KBTP, "initiator", "tcp://1.2.3.4", "hello"], capture_output=True,
@@ -95,6 +97,7 @@ def test_command_line_errors_are_one_line(target):
     assert len(wrong.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_failed_requests_say_why_and_what_to_do(target):
     t = target
     hello = initiator(t, "hello").stdout
@@ -159,6 +162,7 @@ def test_a_second_session_with_the_same_id_is_told_about_id_file(target):
     assert "--id-file" in err.decode() and str(t["tmp"] / "id") in err.decode()
 
 
+@pytest.mark.slow
 def test_replay_json_file_keeps_the_text_on_stdout(target):
     t = target
     cap = t["tmp"] / "session.pcap"

@@ -67,6 +67,7 @@ def suite(request, tmp_path_factory):
     return request.param, code, doc, tmp
 
 
+@pytest.mark.slow
 def test_suite_passes_against_the_reference(suite):
     transport, code, doc, tmp = suite
     bad = {c["id"]: (c["verdict"], c["expected"], c["seen"], c["detail"])
@@ -80,6 +81,7 @@ def test_suite_passes_against_the_reference(suite):
     assert not any(c["notes"] for c in doc["cases"]), [c["notes"] for c in doc["cases"] if c["notes"]]
 
 
+@pytest.mark.slow
 def test_reports_are_well_formed(suite):
     _, _, doc, tmp = suite
     suite_xml = ET.parse(tmp / "junit.xml").getroot()
@@ -142,6 +144,7 @@ def test_planted_bug_fails_its_case_every_run(bug, transport, monkeypatch, tmp_p
 
 # -- the checker's own behaviour ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["release_frees_nothing", "release_ignored"])
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_broken_release_fails_only_its_own_case(name, transport, monkeypatch, tmp_path):
@@ -160,6 +163,7 @@ def test_broken_release_fails_only_its_own_case(name, transport, monkeypatch, tm
     assert skipped == {c.id for c in all_cases() if c.slow or c.transport not in (None, transport)}
 
 
+@pytest.mark.slow
 def test_a_refused_hello_is_no_header_error(tmp_path):
     """A target with every initiator slot taken refuses the case's HELLO with NO_SPACE: the
     header is judged without Status (PASS, with a note); Request ID 1 in it still fails."""
@@ -207,6 +211,7 @@ def test_a_failed_set_up_step_is_an_error_naming_it(monkeypatch, tmp_path):
     assert "set-up step failed (ALLOC_STORE to 0x" in sealed["detail"] and sealed["seen"] == "NO_SPACE"
 
 
+@pytest.mark.slow
 def test_strict_and_junit_show_a_warn(monkeypatch, tmp_path):
     bug = BY_NAME["no_clear_on_free"]
     t = start("roce", hosts(), bug)
@@ -238,6 +243,7 @@ def reference():
     t.stop()
 
 
+@pytest.mark.slow
 def test_json_alone_on_stdout(reference, tmp_path):
     only = ["--only", "ops.store.", "--only", "generation.", "--quick"]
     flag = _kbtp("conform", "--target", reference.url, "--json", *only)
@@ -255,6 +261,7 @@ def test_json_alone_on_stdout(reference, tmp_path):
     assert "result: " in text.stdout and not flag.stderr and not dash.stderr
 
 
+@pytest.mark.slow
 def test_each_case_once_on_a_terminal(reference):
     """Progress on stderr (a terminal) is one line rewritten in place, cleared before each
     result; the result is printed once. On a pipe there is no progress at all."""
@@ -298,6 +305,7 @@ def test_exit_codes_for_usage_and_harness_errors(tmp_path, capsys):
     assert "connection refused" in err[0] and "; check" in err[0]
 
 
+@pytest.mark.slow
 def test_a_timeout_is_said_in_words(capsys):
     """Nothing answers on RoCEv2: the reason says how long it waited, never "(TimeoutError: )"."""
     code = main(["conform", "--target", "roce://127.51.251.1", "--local", "127.51.251.2", "--timeout", "1"])

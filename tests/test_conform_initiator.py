@@ -71,6 +71,7 @@ QUICK = ("--only", "hello.header", "--only", "completion.", "--only", "direct_lo
          "--only", "direct_alloc.slot", "--only", "load.")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_kbtp_initiator_passes_with_json_and_junit(tmp_path, transport):
     cmd = [*KBTP, "initiator", "{url}", "--local", "{local}", "--id-file", "{state}/id", "script",
@@ -89,6 +90,7 @@ def test_kbtp_initiator_passes_with_json_and_junit(tmp_path, transport):
     assert int(suite.get("tests")) == len(got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_python_driver_passes_through_the_environment_alone(transport):
     """No placeholders: the adapter reads KBTP_TARGET_URL, KBTP_OPS, ... (and KBTP_LOCAL)."""
@@ -147,6 +149,7 @@ def _no_process(marker: str) -> bool:
     return marker not in ps
 
 
+@pytest.mark.slow
 def test_missing_program_is_error_with_the_reason():
     code, out, err = conform("iwarp", ["/nonexistent/kbtp-initiator"], "--only", "hello.header", "--json")
     doc = json.loads(out)
@@ -155,6 +158,7 @@ def test_missing_program_is_error_with_the_reason():
     assert "no such program" in case["detail"]
 
 
+@pytest.mark.slow
 def test_program_exiting_at_once_is_error_with_its_words():
     code, out, err = conform("iwarp", ["sh", "-c", "echo cannot start the engine >&2; exit 3"],
                              "--only", "hello.header", "--json")
@@ -163,6 +167,7 @@ def test_program_exiting_at_once_is_error_with_its_words():
     assert "status 3" in case["detail"] and "cannot start the engine" in case["detail"]
 
 
+@pytest.mark.slow
 def test_hanging_program_is_killed_with_its_children(tmp_path):
     marker = f"hang-{uuid.uuid4().hex}"
     script = tmp_path / "hang.sh"
@@ -186,6 +191,7 @@ def without_direct_alloc(tmp_path: Path) -> list[str]:
     return ["sh", str(wrapper)]
 
 
+@pytest.mark.slow
 def test_unsupported_operation_skips_the_case_naming_it(tmp_path):
     """A program without DIRECT_ALLOC reports it UNSUPPORTED: those cases are SKIP, not FAIL,
     and the rest is judged as before (the reference initiator does the other scripts)."""
@@ -199,6 +205,7 @@ def test_unsupported_operation_skips_the_case_naming_it(tmp_path):
     assert all("does not implement direct_alloc (reported UNSUPPORTED)" in d for d in skipped), skipped
 
 
+@pytest.mark.slow
 def test_role_initiator_usage_errors():
     proc = subprocess.run([*KBTP, "conform", "--role", "initiator", "--", "true"], capture_output=True,
                           text=True, cwd=ROOT, env={**os.environ})
@@ -214,6 +221,7 @@ def test_role_initiator_usage_errors():
         assert (proc.returncode, proc.stderr.count("\n")) == (2, 1) and why in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_checking_target_on_a_missing_device_names_what_to_check(tmp_path):
     """``--io verbs`` on a machine without the device (this one, outside the lab): an
     ERROR that says what could not be opened and what to check, no traceback."""
@@ -234,6 +242,7 @@ def fuzz(transport: str, cmd: list[str], *args: str, timeout: float = 240) -> tu
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_fuzz_finds_nothing_in_the_reference_initiator(tmp_path):
     code, out, err = fuzz("iwarp", program(None), "--cases", "8", "--seed", "3", "--json",
                           "--out", str(tmp_path))
@@ -242,6 +251,7 @@ def test_fuzz_finds_nothing_in_the_reference_initiator(tmp_path):
     assert sum(doc["kinds"].values()) == 8
 
 
+@pytest.mark.slow
 def test_fuzz_judges_a_program_that_lacks_an_operation(tmp_path):
     """UNSUPPORTED is an answer the oracles judge like any other, not a harness error: the
     hostile target's cases run to the end (seed 1's fourth case scripts direct_alloc)."""
@@ -252,6 +262,7 @@ def test_fuzz_judges_a_program_that_lacks_an_operation(tmp_path):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_fuzz_catches_a_crash_minimises_and_saves_it(tmp_path):
     bug = BY_NAME["hello_ack_unchecked"]
     index = bug.case.split("-")[1]

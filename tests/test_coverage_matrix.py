@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kbtp_scapy.cli import main
 from kbtp_scapy.conform import matrix
 from kbtp_scapy.conform.cases import all_cases
@@ -55,6 +57,7 @@ def test_a_new_sentence_without_a_case_is_a_gap():
     assert gaps == ["A target MUST answer within 7 ms."]
 
 
+@pytest.mark.slow
 def test_cli_coverage_text_json_and_gap(tmp_path, capsys):
     assert main(["conform", "--coverage"]) == 0
     out = capsys.readouterr().out
@@ -70,6 +73,7 @@ def test_cli_coverage_text_json_and_gap(tmp_path, capsys):
     assert "BINDs MUST be rare" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_page_is_fresh_and_check_catches_staleness(tmp_path):
     tool = [sys.executable, str(ROOT / "tools" / "coverage_page.py")]
     assert subprocess.run([*tool, "--check"], capture_output=True, timeout=120).returncode == 0

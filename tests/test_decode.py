@@ -160,6 +160,7 @@ def test_stream_equals_the_scapy_path(pcap):
     assert without_where(streamed(pcap)) == without_where(scapy_path(read_packets(pcap)))
 
 
+@pytest.mark.slow
 def test_variants_equal_the_scapy_path_and_find_every_message(variants):
     multi = streamed(variants["multi"])
     assert without_where(multi) == without_where(scapy_path(read_packets(variants["multi"])))
@@ -176,6 +177,7 @@ def test_variants_equal_the_scapy_path_and_find_every_message(variants):
     assert len(mixed) == sum(len(streamed(p)) for p in PCAPS)
 
 
+@pytest.mark.slow
 def test_truncated_captures_equal_the_scapy_path_on_the_whole_frames(tmp_path):
     whole = (ROOT / "pcaps" / "iwarp_session.pcap").read_bytes()
     frames = records(ROOT / "pcaps" / "iwarp_session.pcap")
@@ -257,6 +259,7 @@ def test_pcapng_nanoseconds_and_big_endian_read_the_same(tmp_path):
     assert without_where(streamed(big)) == want
 
 
+@pytest.mark.slow
 def test_captures_without_kbtp_say_so_and_nothing_else():
     for pcap in REAL:
         proc = kbtp("decode", str(pcap))
@@ -273,6 +276,7 @@ def test_summary_counts_messages_connections_and_malformed(variants):
     assert len(lines) == 35 and sum("[malformed:" in line for line in lines) == 5
 
 
+@pytest.mark.slow
 def test_count_and_filters(variants):
     path = str(variants["multi"])
     one = kbtp("decode", "-c", "1", "--opcode", "STORE", path)
@@ -338,6 +342,7 @@ def test_hex_takes_0x_spaces_and_names_odd_digits():
     assert odd.stderr == b"kbtp: --hex: odd number of hex digits (3); give two digits per octet\n"
 
 
+@pytest.mark.slow
 def test_every_help_example_runs_as_written(tmp_path):
     shim = tmp_path / "bin" / "kbtp"
     shim.parent.mkdir()
@@ -430,6 +435,7 @@ def _memory(pid: int) -> tuple[int, int]:
     return values.get("VmRSS", 0), values.get("VmHWM", 0)
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_on_a_large_capture_from_a_pipe():
     """A capture of over 200 MB generated on the fly into `kbtp decode --json -`: peak
     resident memory stays under 100 MB and does not grow with the input."""
@@ -487,6 +493,7 @@ _frames = st.one_of(
               st.binary(max_size=200), st.integers(-30, 30)))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([1, 101, 113, 276, 0, 197]), _frames), max_size=12))
 def test_decoder_survives_any_frames(frames):

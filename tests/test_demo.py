@@ -64,6 +64,7 @@ def screen(output: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 @needs_tshark
 def test_demo_on_a_terminal_shows_each_step_once(tmp_path):
     main, sub = pty.openpty()

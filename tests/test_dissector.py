@@ -65,6 +65,7 @@ def expected(pcap: Path) -> dict[int, dict[str, str | int]]:
     return out
 
 
+@pytest.mark.slow
 def test_generated_files_are_fresh_and_check_catches_staleness(tmp_path):
     """The committed dissector and Python vocabulary match the tables; an edit to each is caught."""
     run = [sys.executable, "-m", "kbtp_scapy", "dissector", "generate"]
@@ -85,6 +86,7 @@ def test_generated_files_are_fresh_and_check_catches_staleness(tmp_path):
     assert all(str(tmp_path / name) in proc.stderr for name in edits), proc.stderr
 
 
+@pytest.mark.slow
 def test_installed_plugin_registers_every_table_field(tmp_path):
     """`kbtp dissector install` puts the plugin where tshark looks; tshark then knows a
     filter name for every field and flag bit of the tables."""
@@ -98,6 +100,7 @@ def test_installed_plugin_registers_every_table_field(tmp_path):
     assert not missing, missing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_pass", [False, True], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("pcap", PCAPS, ids=lambda p: p.name)
 def test_every_field_of_every_frame_equals_the_scapy_decode(pcap, two_pass):
@@ -197,6 +200,7 @@ def test_expert_notes_for_unanswered_credits_and_undefined_flags(tmp_path, trans
     assert messages.count("Answer to a request not seen") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["roce", "iwarp"])
 def test_multi_packet_send_is_reassembled_and_every_fragment_claimed(tmp_path, transport):
     data = bytes(range(256)) * 12
@@ -242,6 +246,7 @@ p:register_heuristic("iwarp_ddp_rdmap", no)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pcap", REAL, ids=lambda p: p.name)
 def test_real_captures_decode_exactly_as_without_the_plugin(pcap, tmp_path):
     """The plugin claims nothing in other software's captures. tshark 4.0 itself changes

@@ -84,6 +84,7 @@ def same_text(plugin: Path, pcap: Path) -> None:
     assert lua == c, next(f"line {i}: {a!r} / {b!r}" for i, (a, b) in enumerate(zip(lua, c)) if a != b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_pass", [False, True], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("pcap", PCAPS, ids=lambda p: p.name)
 def test_committed_captures_decode_the_same_in_both_forms(c_plugin, pcap, two_pass):  # noqa: F811
@@ -117,6 +118,7 @@ FUZZ = ["fuzz_raw_roce", "fuzz_raw_iwarp", "fuzz_reframed_roce", "fuzz_reframed_
 LUA_TREELESS = pytest.mark.xfail(strict=True, reason="Lua's tree-less first pass reads FPDUs tshark skips")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_pass", [False, True], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("name", SUITE)
 def test_suite_captures_decode_the_same_in_both_forms(c_plugin, built, name, two_pass):  # noqa: F811
@@ -134,6 +136,7 @@ def test_fuzz_corpus_decodes_the_same_in_both_forms(c_plugin, built, name, two_p
     same(c_plugin, built[name], *(("-2",) if two_pass else ()))
 
 
+@pytest.mark.slow
 def test_plugin_builds_at_wall_wextra_without_a_warning(c_plugin, tmp_path):  # noqa: F811
     """The build treats warnings as errors; the installable plugin builds too, and the
     generated sources are what `kbtp dissector generate --check` expects."""
@@ -143,6 +146,7 @@ def test_plugin_builds_at_wall_wextra_without_a_warning(c_plugin, tmp_path):  # 
     assert c_plugin.exists()
 
 
+@pytest.mark.slow
 def test_install_chooses_a_form_and_says_why(tmp_path):
     """The C plugin when it builds and Wireshark will load it; as root (Wireshark then reads
     no personal plugin folder) kbtp.lua, unless --c says otherwise."""
@@ -181,6 +185,7 @@ def test_install_without_a_compiler_falls_back_to_lua(tmp_path):
     assert proc.returncode == 1 and proc.stderr.startswith("kbtp: cannot build the C plugin: gcc is not installed")
 
 
+@pytest.mark.slow
 def test_both_forms_loaded_register_once(c_plugin, tmp_path):  # noqa: F811
     """The C plugin and kbtp.lua at once: the C plugin registers, kbtp.lua steps aside;
     one kbtp.opcode field, no error, and the output of the C plugin alone."""
@@ -202,6 +207,7 @@ def test_both_forms_loaded_register_once(c_plugin, tmp_path):  # noqa: F811
 FORMS = ["lua", "c"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_names_of_opcodes_and_statuses_work_in_display_filters(c_plugin, form, tmp_path):  # noqa: F811
     """`kbtp.opcode == LOAD` and `kbtp.status == NOT_VALID` select what the numbers select
@@ -322,6 +328,7 @@ def _corrupted(tmp_path: Path) -> tuple[Path, set[int], set[int]]:
     return pcap, bad, masked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_a_wrong_icrc_is_an_expert_info_on_rocev2_and_rocev1(c_plugin, form, tmp_path):  # noqa: F811
     pcap, bad, masked = _corrupted(tmp_path)

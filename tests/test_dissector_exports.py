@@ -83,6 +83,7 @@ def leaves(node, out: Counter, values: dict) -> None:
             values[key] = value
 
 
+@pytest.mark.slow
 def test_every_field_once_in_the_default_json(captures):
     for pcap in captures:
         dups: list[tuple[str, str]] = []
@@ -113,6 +114,7 @@ def test_subtrees_are_named_fields(captures):
     assert "_ws.lua.text" not in json.dumps(frames)
 
 
+@pytest.mark.slow
 def test_every_field_once_in_ek(captures):
     for pcap in captures:
         docs = [json.loads(line) for line in run(pcap, *PLUGIN, "-T", "ek").stdout.splitlines()
@@ -125,6 +127,7 @@ def test_every_field_once_in_ek(captures):
                 assert same(shown, value), (pcap.name, number, key, shown, value)
 
 
+@pytest.mark.slow
 def test_every_field_once_through_pyshark(captures):
     for pcap in captures[:len(PCAPS) + 1]:
         want = by_frame(pcap)
@@ -136,6 +139,7 @@ def test_every_field_once_through_pyshark(captures):
                 assert same(field.show, value), (pcap.name, pkt.number, key, field.show, value)
 
 
+@pytest.mark.slow
 def test_installed_plugin_and_lua_script_together_load_once(tmp_path):
     """`kbtp dissector install`, then the README's tshark -X lua_script:$(kbtp dissector
     path): no error, and the same output as either alone; uninstall removes it."""

@@ -639,6 +639,7 @@ def corpus(tmp_path_factory):
     return outdir, built, runs, baseline
 
 
+@pytest.mark.slow
 def test_variants_are_thousands_and_reach_the_dissector(corpus):
     """Not a vacuous fuzz: thousands of variants, and the KBTP dissector decodes a large
     share of the frames of each pcap (corrupted frames included)."""
@@ -650,6 +651,7 @@ def test_variants_are_thousands_and_reach_the_dissector(corpus):
         assert decoded >= 0.15 * len(frames), (name, decoded, len(frames))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_pass", (False, True), ids=("one-pass", "two-pass"))
 @pytest.mark.parametrize("name", ("raw_roce", "raw_iwarp", "reframed_roce", "reframed_iwarp"))
 def test_no_lua_error_and_no_dissector_bug(corpus, name, two_pass):
@@ -675,6 +677,7 @@ def scapy_icrc(d: bytes, w: Where) -> bytes:
     return raw(ip / udp / bth / Raw(bytes(d[w.bth + 12:w.ip_end - 4])))[-4:]
 
 
+@pytest.mark.slow
 def test_valid_framing_really_is_valid(corpus):
     """Frames meant to keep valid framing do: RoCEv2 ICRCs as scapy computes them (tshark
     does not check them), iWARP FPDU CRC32c as MPA computes it."""

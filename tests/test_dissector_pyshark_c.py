@@ -45,6 +45,7 @@ def installed_c(monkeypatch) -> Iterator[Installed]:
         yield installed
 
 
+@pytest.mark.slow
 def test_pyshark_reads_the_same_kbtp_fields_from_the_c_plugin_as_from_the_lua_form(installed_c, monkeypatch):
     tshark, folder = installed_c.tshark, installed_c.pcaps
     got = {}

@@ -224,6 +224,7 @@ def matching(pcap: Path, display_filter: str, *args: str) -> set[int]:
     return {int(line) for line in proc.stdout.split()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_pass", [False, True], ids=["one-pass", "two-pass"])
 def test_transfers_and_ring_counters_are_labelled(capture, two_pass):
     pcap, want = capture
@@ -324,6 +325,7 @@ def _decode_count(pcap: Path) -> int:
     return len(proc.stdout.splitlines())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("two_pass", [False, True], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_write_data_that_looks_like_kbtp_is_not_a_message(tmp_path, transport, two_pass):

@@ -145,6 +145,7 @@ def test_planted_range_bug_is_found(transport, tmp_path, capsys):
         t.stop()
 
 
+@pytest.mark.slow
 def test_json_alone_on_stdout(tmp_path, capfd):
     t = TargetThread("iwarp", config(), hosts=hosts())
     try:
@@ -162,6 +163,7 @@ def test_json_alone_on_stdout(tmp_path, capfd):
         t.stop()
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_the_summary_then_exits_130(tmp_path):
     t = TargetThread("iwarp", config(), hosts=hosts())
     try:
@@ -207,6 +209,7 @@ def _on_a_terminal(args: list[str]) -> tuple[int, str, str]:
     return p.returncode, out, b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_progress_on_a_terminal_only(tmp_path):
     """Cases and minimization show progress on a terminal, one line rewritten in place and
     cleared before the summary; nothing of it reaches stdout or a pipe."""
@@ -255,6 +258,7 @@ def test_same_seed_same_cases():
 
 # -- a target that fails the fuzzer's own set-up: a finding, never a harness error ------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug,transport,said", [
     ("release_frees_nothing", "iwarp", "refused with ALREADY_BOUND"),
     ("request_id_flipped", "roce", "which no request had"),

@@ -191,6 +191,7 @@ def fuzz(t: TargetThread, tmp_path, *args: str) -> tuple[int, dict]:
     return code, json.loads(summary.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 @pytest.mark.parametrize("bug,overrides,kinds,start,cases", BUGS, ids=[b[0].__name__ for b in BUGS])
 def test_planted_bug_is_found(bug, overrides, kinds, start, cases, transport, tmp_path, monkeypatch):
@@ -217,6 +218,7 @@ def test_record_sent_as_send_is_found(tmp_path, monkeypatch):
     assert code == 1 and "record" in doc["finding_kinds"], doc["finding_kinds"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_the_same_cases_pass_on_a_clean_target(transport, tmp_path):
     """Every window of cases the planted bugs ran, against the unmodified target: no finding."""

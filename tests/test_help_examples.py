@@ -70,6 +70,7 @@ def _bare(line: str) -> str:
     return line.split("#", 1)[0].strip()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,lines", [pytest.param(p, lines, marks=campaign_marks("\n".join(lines)), id=p)
                                         for p, lines in WITH_EXAMPLES])
 def test_help_examples_run_as_written(tmp_path, path, lines):

@@ -340,6 +340,7 @@ def test_rejected_connection_and_no_crc():
     assert list(iter_rdma_messages(pkts)) == []
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.binary(max_size=300), max_size=6), st.integers(0, 2**32 - 1))
 def test_decoder_survives_garbage(chunks, seq):

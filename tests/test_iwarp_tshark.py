@@ -276,6 +276,7 @@ def capture(tmp_path_factory):
     return packets, frames, verdicts, expert
 
 
+@pytest.mark.slow
 def test_capture_has_what_the_tests_need(capture):
     packets, _, _, _ = capture
     expected = _expected(packets)

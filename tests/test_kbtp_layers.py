@@ -91,6 +91,7 @@ def test_memory_structures_decode_what_direct_load_reads():
     assert entry.generation == 5 and entry.data_length == 8 and entry.block_offset == 0x150000
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None)
 @given(st.binary(max_size=200), st.booleans())
 def test_random_bytes_never_raise(data, addr_le):
@@ -103,6 +104,7 @@ def test_random_bytes_never_raise(data, addr_le):
         assert exc.reason
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_every_truncation_decodes_as_far_as_it_can(data):

@@ -38,12 +38,14 @@ def test_there_are_samples_for_both_transports():
             "siw_kernel_session.pcap"} <= names
 
 
+@pytest.mark.slow
 def test_committed_captures_are_fresh():
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "make_pcaps.py"), "--check"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 @needs_tshark
 @pytest.mark.parametrize("pcap", PCAPS, ids=lambda p: p.name)
 def test_tshark_finds_nothing_wrong(pcap):

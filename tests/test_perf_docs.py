@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kbtp_scapy import tables as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +32,7 @@ def _outside(text: str) -> str:
     return SECTION.sub(lambda m: m[1], text)
 
 
+@pytest.mark.slow
 def test_bench_codec_rewrites_its_table_and_nothing_else(tmp_path):
     page = tmp_path / "PERFORMANCE.md"
     shutil.copy(PAGE, page)

@@ -114,6 +114,7 @@ def shows(output: str, shown: list[str]) -> bool:
     return all(any(line == want.rstrip() for line in lines) for want in shown if want != "...")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line,lang,text,shown", [pytest.param(*b, marks=campaign_marks(b[2]), id=f"line{b[0]}-{b[1]}")
                                                   for b in RUNNABLE])
 def test_readme_block_runs(tmp_path, line, lang, text, shown):

@@ -24,6 +24,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", SMALL, ids=[c.label() for c in SMALL])
 def test_every_interleaving_keeps_every_block(config: rc.Config) -> None:
     result = rc.check(config)

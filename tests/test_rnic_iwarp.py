@@ -387,6 +387,7 @@ def _summary(found):
     return [(m.kind, m.conn, len(m.payload), m.info.get("msn"), m.info.get("stag")) for m in found]
 
 
+@pytest.mark.slow
 @needs_tshark
 def test_pcap_sink_tshark_and_decoder_agree(tmp_path):
     target_pcap, initiator_pcap = tmp_path / "target.pcap", tmp_path / "initiator.pcap"
@@ -425,6 +426,7 @@ def test_pcap_sink_tshark_and_decoder_agree(tmp_path):
     assert "Malformed" not in text
 
 
+@pytest.mark.slow
 @needs_tshark
 def test_live_loopback_capture_matches_listener_pcap(tmp_path):
     if os.geteuid() != 0:

@@ -471,6 +471,7 @@ def _capture_on_lo(path: Path) -> subprocess.Popen:
     pytest.skip(f"capturing on lo is not permitted here: {line.strip() or proc.returncode}")
 
 
+@pytest.mark.slow
 @needs_tshark
 def test_real_capture_on_lo_decodes_and_icrcs_verify(tmp_path):
     if shutil.which("dumpcap") is None:

@@ -117,6 +117,7 @@ test_bad_input_gets_malformed_and_others_are_served = \
     sessions.test_bad_input_gets_malformed_and_others_are_served
 
 
+@pytest.mark.slow
 def test_lossy_path_every_operation_completes(link):
     """The lossy relay of tests/relay.py in namespace B, between the initiator and the raw
     target: 5% of the datagrams lost, 10% reordered, and every operation completes."""
@@ -149,6 +150,7 @@ def test_allocation_storm_over_the_raw_backend(link):
         t.stop()
 
 
+@pytest.mark.slow
 def test_every_operation_and_status(target):
     ops.test_every_operation_and_status(target)
     assert target.run(lambda: target.device().stats.get("tx_unresolved", 0)) == 0
@@ -217,6 +219,7 @@ class VethCapture:
             self.proc.wait(10)
 
 
+@pytest.mark.slow
 @needs_tshark
 def test_cli_target_pcap_equals_the_wire_and_dissects(link, tmp_path):
     """`kbtp target --io raw` in A; a raw initiator in B with ECN bits and UDP checksums;

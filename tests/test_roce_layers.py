@@ -269,6 +269,7 @@ def test_iter_reports_what_is_missing_without_raising():
     assert [(m.frames, m.info["complete"]) for m in messages] == [([1, 2], False), ([3], False)]
 
 
+@pytest.mark.slow
 def test_truncated_frames_never_raise():
     """Cut anywhere after the Ethernet header (Scapy's Ether itself raises on less)."""
     for opcode, payload, v6 in cases()[::6]:

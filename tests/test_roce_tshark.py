@@ -3,6 +3,7 @@ no malformed frame, no expert info, and tshark's header values equal to the Scap
 All frames go into one pcap per tshark run."""
 from __future__ import annotations
 
+import pytest
 from scapy.compat import raw
 from scapy.contrib.roce import BTH, cnp
 from scapy.layers.inet import IP, UDP
@@ -94,6 +95,7 @@ def _check(packets, tframes) -> None:
             assert ("data.data" in tframe) == bool(body), number
 
 
+@pytest.mark.slow
 @needs_tshark
 def test_built_frames_read_back_by_tshark(tmp_path):
     packets = _built_frames()

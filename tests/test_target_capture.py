@@ -47,6 +47,7 @@ def dissected(pcap) -> list[tuple[int, int, int]]:
              int(r.get("kbtp.status", "0"), 0)) for _, r in sorted(rows.items())]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_pcaps_and_live_capture_decode_alike(transport, tmp_path):
     host, ini_host, *rest = fresh_hosts(6)

@@ -355,6 +355,7 @@ def test_a_session_recorded_against_software_replays_to_a_match_against_chains(
     assert m.chain[Opcode.LOAD] == 2 and m.chain[Opcode.STORE] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_chain_executed_requests_count_for_the_idle_rule(transport):
     """--idle-timeout with chains: a session whose only recent request was a LOAD a chain ran

@@ -46,6 +46,7 @@ async def mixed_workload(url: str, **options) -> None:
     await ini.goodbye(release=True)
 
 
+@pytest.mark.slow
 def test_every_operation_completes_through_a_lossy_roce_path():
     t = TargetThread("roce", LOSSY_CONFIG)
     relay_host, = fresh_hosts(1)
@@ -90,6 +91,7 @@ def test_dropped_tcp_connection_then_reconnect_finds_bindings():
         t.stop()
 
 
+@pytest.mark.slow
 def test_roce_initiator_that_vanished_is_detected_on_reconnect():
     """No DREQ, no traffic: the old session looks active until the target probes it."""
     t = TargetThread("roce", TargetConfig(blocks=64, max_initiators=2))

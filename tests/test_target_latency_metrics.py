@@ -7,12 +7,15 @@ import secrets
 import subprocess
 import sys
 
+import pytest
+
 from .hostile import TargetProc
 
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
 NAME = "kbtp_request_latency_seconds"
 
 
+@pytest.mark.slow
 def test_latency_histograms_per_opcode():
     net = f"127.49.{secrets.randbelow(250) + 1}"
     t = TargetProc("roce", f"{net}.1", "--blocks", "64", "--max-initiators", "2")
