@@ -56,6 +56,7 @@ def load_request(rid: int, handle: int, stag: int = 0, length: int = 4096) -> by
 
 # -- 1: vanished peers are noticed without traffic from them ---------------------------
 
+@pytest.mark.slow
 def test_roce_peers_killed_after_hello_release_their_slots_within_the_liveness_bound():
     """Two RoCEv2 peers SIGKILLed after HELLO (one holding a block): with probes every
     0.5 s a new initiator is admitted within the probe interval plus the RC retry budget
@@ -100,6 +101,7 @@ def test_roce_peers_killed_after_hello_release_their_slots_within_the_liveness_b
     assert ops >= 30
 
 
+@pytest.mark.slow
 def test_iwarp_peer_whose_link_went_down_is_noticed_by_tcp():
     """A peer in another network namespace whose link goes down: no FIN, no RST, no
     traffic. TCP_USER_TIMEOUT at the probe timeout (2 s) behind the zero-length Write
@@ -154,6 +156,7 @@ async def stored_block(qp) -> int:
     return handle
 
 
+@pytest.mark.slow
 def test_iwarp_peer_that_never_reads_is_throttled_then_terminated():
     """LOADs as fast as it can, its socket never read: the target stops serving it once
     256 KiB are not taken, ends the connection, and its memory stays bounded."""
@@ -182,6 +185,7 @@ def test_iwarp_peer_that_never_reads_is_throttled_then_terminated():
     assert served - steady_loads < sent
 
 
+@pytest.mark.slow
 def test_roce_peer_that_posts_no_receive_buffers_is_terminated_at_the_backlog_timeout():
     """Every COMPLETION meets an RNR NAK (retried for ever, RNR retry 7): the target
     stops at twice the Request Credits of answers not taken and ends the connection
@@ -214,6 +218,7 @@ def test_roce_peer_that_posts_no_receive_buffers_is_terminated_at_the_backlog_ti
 
 # -- 4: connection set-up on RoCEv2 ---------------------------------------------------
 
+@pytest.mark.slow
 def test_roce_req_floods_are_capped_and_never_amplified():
     """300 REQs from one address, then 30,000 from 50: each source holds at most 8
     half-open connections, each costs at most 1 + 2 REPs, so REPs out never exceed REQs
@@ -265,6 +270,7 @@ def test_roce_req_floods_are_capped_and_never_amplified():
 
 # -- 5: iWARP connections that stall --------------------------------------------------
 
+@pytest.mark.slow
 def test_iwarp_stalled_connections_are_closed_by_their_deadlines():
     """40 connections that send nothing (MPA deadline, 1 s), 40 that finish MPA and stall,
     40 that stall in the middle of their HELLO's FPDU (HELLO deadline, 1 s after MPA),

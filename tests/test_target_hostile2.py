@@ -66,6 +66,7 @@ async def direct_session(host: str, port: int):
     return reader, writer, ack["hello_ack.pool.stag"], ack["hello_ack.pool.offset"]
 
 
+@pytest.mark.slow
 def test_iwarp_read_flood_of_the_whole_pool_keeps_memory_bounded():
     """N1: IRD Read Requests for the whole 4 MiB Pool, the socket never read, for 4 s.
     Answered all at once they would cost 64 MiB of Read Responses; built as TCP takes
@@ -183,6 +184,7 @@ def test_trust_that_is_not_a_network_is_refused_in_one_line():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_retained_sessions_holding_blocks_give_way_after_min_retention():
     """N4: 8 throw-away Initiator IDs each store a sealed block and leave without RELEASE.
     A newcomer is refused NO_SPACE only until the oldest has been retained for
@@ -334,6 +336,7 @@ async def newcomers(url: str, count: int, every: float = 0.0) -> list[float]:
     return times
 
 
+@pytest.mark.slow
 def test_iwarp_setup_lockout_from_eight_sources_admits_a_newcomer():
     """N2: 8 addresses keep 16 bare TCP connections each open (all 128 half-open slots),
     re-opening each as it ends. A newcomer from an address the attacker does not use
@@ -424,6 +427,7 @@ def test_iwarp_setups_dribbled_inside_the_deadlines_from_eight_sources_admit_a_n
     assert metrics['kbtp_connections_refused_total{reason="half_open_evicted"}'] >= 1, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_a_hosts_100_parallel_connects_all_succeed(transport):
     """N6: 100 connects at once from one host, beyond its 16 half-open slots: the listener
@@ -445,6 +449,7 @@ def test_a_hosts_100_parallel_connects_all_succeed(transport):
     assert good == 100, bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_idle_and_frozen_peers_give_way_to_a_newcomer(transport):
     """N5: 7 live sessions that send nothing after HELLO and one peer frozen with SIGSTOP
@@ -499,6 +504,7 @@ async def session_from(transport: str, url: str, local: str, ident: bytes):
     return status, close
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_one_untrusted_source_holds_at_most_its_cap_of_sessions(transport):
     """N5, per source: from an address outside --trust, four sessions (the default cap) with
@@ -560,6 +566,7 @@ def test_alloc_store_right_after_direct_tickets_is_charged_for_them(transport):
     assert outcome == "NO_SPACE"
 
 
+@pytest.mark.slow
 def test_roce_dreqs_and_reqs_for_nothing_get_rate_limited_answers():
     """Smaller: a DREQ for a comm ID the target never gave out gets a DREP, and a REQ for
     a service nobody listens on a REJ, each to a source nobody authenticated. 2,000 of
@@ -642,6 +649,7 @@ def test_hello_with_no_completion_credits_is_refused_malformed():
     assert metrics['kbtp_hellos_total{status="MALFORMED"}'] == 1, metrics
 
 
+@pytest.mark.slow
 def test_roce_spoofed_req_flood_from_eight_sources_admits_newcomers():
     """N3: CM REQs from 8 sources at about 1,500 a second fill every half-open slot; 13
     connects from an address the flood does not use all get their sessions, each within
