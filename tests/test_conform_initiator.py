@@ -121,14 +121,13 @@ def test_every_case_has_a_planted_bug_meant_for_it():
 
 
 #: a few of the corpus, each on one binding (tools/initiator_catch_rate.py runs them all)
-PLANTED = [("fifo_matching", "iwarp"), ("load_data_early", "roce"), ("slot_no_confirm", "roce")]
-PLANTED_SLOW = [("credits_completion_only", "iwarp"), ("direct_load_generation_only", "iwarp"),
-                ("record_stag_zero", "roce"), ("fetch_add_mask_wide", "iwarp"), ("quota_ignored", "roce")]
+PLANTED = [("fifo_matching", "iwarp"), ("load_data_early", "roce"), ("slot_no_confirm", "roce"),
+           ("credits_completion_only", "iwarp"), ("direct_load_generation_only", "iwarp"),
+           ("record_stag_zero", "roce"), ("fetch_add_mask_wide", "iwarp"), ("quota_ignored", "roce")]
 
 
-@pytest.mark.parametrize("name,transport", PLANTED + [pytest.param(*p, marks=pytest.mark.slow)
-                                                      for p in PLANTED_SLOW],
-                         ids=[f"{b}-{t}" for b, t in PLANTED + PLANTED_SLOW])
+@pytest.mark.slow
+@pytest.mark.parametrize("name,transport", PLANTED, ids=[f"{b}-{t}" for b, t in PLANTED])
 def test_planted_bug_fails_its_own_case(tmp_path, name, transport):
     bug = BY_NAME[name]
     assert transport in bug.transports

@@ -701,6 +701,7 @@ def test_valid_framing_really_is_valid(corpus):
     assert min(checked.values()) > 300, checked
 
 
+@pytest.mark.slow
 def test_the_checks_catch_what_tshark_prints_for_a_lua_error(corpus, tmp_path):
     """A plugin whose heuristic raises is caught by the same checks, with its frames."""
     _, built, _, _ = corpus
