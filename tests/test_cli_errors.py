@@ -14,6 +14,8 @@ import pytest
 from .kbtp_harness import fresh_hosts
 from .live_capture import free_port
 
+pytestmark = pytest.mark.slow     # every test here runs for seconds
+
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
 SAMPLE = Path(__file__).resolve().parent.parent / "pcaps" / "roce_session.pcap"
 #: ``kbtp: <what failed>: <why>; <what to do>`` with a non-empty why
@@ -42,7 +44,6 @@ def silent_iwarp():
         yield f"iwarp://{host}:{port}"
 
 
-@pytest.mark.slow
 def test_a_target_that_never_answers(tmp_path, silent_iwarp):
     url = silent_iwarp
     m = one_error(run("initiator", url, "--timeout", "1", "hello", home=tmp_path), 1)
@@ -51,7 +52,6 @@ def test_a_target_that_never_answers(tmp_path, silent_iwarp):
     assert m["what"] == f"cannot connect to {url}" and "1 s" in m["why"] and "--timeout" in m["todo"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["roce", "iwarp"])
 def test_nobody_there(tmp_path, transport):
     host, local = fresh_hosts(2)
@@ -67,7 +67,6 @@ def test_nobody_there(tmp_path, transport):
     assert m["what"] == f"cannot connect to {url}"
 
 
-@pytest.mark.slow
 def test_the_initiators_own_address_is_taken(tmp_path):
     """RoCEv2 sends from LOCAL:4791; when something holds it, that address is what failed."""
     host, local = fresh_hosts(2)

@@ -13,11 +13,12 @@ import pytest
 
 from .tshark import needs_tshark
 
+pytestmark = pytest.mark.slow     # every test here runs for seconds
+
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
 STEPS = ("workload", "decode", "replay", "fuzz", "conform")
 
 
-@pytest.mark.slow
 @needs_tshark
 def test_demo_runs_every_step_on_both_bindings():
     """``kbtp demo`` exactly as the README and ``kbtp --help`` give it."""
@@ -64,7 +65,6 @@ def screen(output: str) -> list[str]:
     return lines
 
 
-@pytest.mark.slow
 @needs_tshark
 def test_demo_on_a_terminal_shows_each_step_once(tmp_path):
     main, sub = pty.openpty()

@@ -69,7 +69,7 @@ from kbtp_scapy.layers.iwarp import (
 from kbtp_scapy.layers.roce import HEADERS
 from tests.tshark import TSHARK, needs_tshark
 
-pytestmark = [needs_tshark, pytest.mark.fuzz]
+pytestmark = [needs_tshark, pytest.mark.fuzz, pytest.mark.slow]
 
 LUA = ROOT / "dissector" / "kbtp.lua"
 SAMPLES = sorted((ROOT / "pcaps").glob("*.pcap"))
@@ -639,7 +639,6 @@ def corpus(tmp_path_factory):
     return outdir, built, runs, baseline
 
 
-@pytest.mark.slow
 def test_variants_are_thousands_and_reach_the_dissector(corpus):
     """Not a vacuous fuzz: thousands of variants, and the KBTP dissector decodes a large
     share of the frames of each pcap (corrupted frames included)."""
@@ -651,7 +650,6 @@ def test_variants_are_thousands_and_reach_the_dissector(corpus):
         assert decoded >= 0.15 * len(frames), (name, decoded, len(frames))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("two_pass", (False, True), ids=("one-pass", "two-pass"))
 @pytest.mark.parametrize("name", ("raw_roce", "raw_iwarp", "reframed_roce", "reframed_iwarp"))
 def test_no_lua_error_and_no_dissector_bug(corpus, name, two_pass):
@@ -677,7 +675,6 @@ def scapy_icrc(d: bytes, w: Where) -> bytes:
     return raw(ip / udp / bth / Raw(bytes(d[w.bth + 12:w.ip_end - 4])))[-4:]
 
 
-@pytest.mark.slow
 def test_valid_framing_really_is_valid(corpus):
     """Frames meant to keep valid framing do: RoCEv2 ICRCs as scapy computes them (tshark
     does not check them), iWARP FPDU CRC32c as MPA computes it."""
@@ -701,7 +698,6 @@ def test_valid_framing_really_is_valid(corpus):
     assert min(checked.values()) > 300, checked
 
 
-@pytest.mark.slow
 def test_the_checks_catch_what_tshark_prints_for_a_lua_error(corpus, tmp_path):
     """A plugin whose heuristic raises is caught by the same checks, with its frames."""
     _, built, _, _ = corpus

@@ -36,8 +36,7 @@ def c_initiator() -> str:
 def check(lab, transport: str, program: list[str], *only: str) -> tuple[int, dict, str]:
     """``kbtp conform --role initiator`` on the host side of the binding, ``program`` in the guest."""
     binding = BINDINGS[transport]
-    port = 4791 if transport == "roce" else 5420
-    listen = f"{transport}://{binding.host}:{port}"
+    listen = binding.url(binding.host)
     keep = lab.dir / f"keep-{transport}-{len(program)}"
     args = [sys.executable, "-m", "kbtp_scapy", "conform", "--role", "initiator", "--listen", listen,
             "--local", binding.guest, "--keep", str(keep), "--timeout", str(RUN_TIMEOUT), "--json",
@@ -54,9 +53,8 @@ def hostile(lab, transport: str, program: list[str], cases: int) -> tuple[int, d
     """``kbtp fuzz --role initiator`` likewise; its working files go to the lab's directory
     (TMPDIR), where the guest can write."""
     binding = BINDINGS[transport]
-    port = 4791 if transport == "roce" else 5420
     args = [sys.executable, "-m", "kbtp_scapy", "fuzz", "--role", "initiator", "--listen",
-            f"{transport}://{binding.host}:{port}", "--local", binding.guest, "--cases", str(cases),
+            binding.url(binding.host), "--local", binding.guest, "--cases", str(cases),
             "--seed", "1", "--timeout", "30", "--json", "--out", str(lab.dir / f"found-{transport}"), "--",
             sys.executable, str(ROOT / "tools" / "rdma_lab.py"), "exec", "--lab", str(lab.dir),
             "--timeout", "30", "--", *program]
@@ -131,8 +129,7 @@ def test_checking_target_on_verbs_judges_the_c_initiator(lab, c_initiator, trans
     on the same device. The cases judged from the initiator's messages and its buffers pass
     as on the soft RNIC; the one that watches its RDMA Reads is SKIP, saying why."""
     binding = BINDINGS[transport]
-    port = 4791 if transport == "roce" else 5420
-    args = lab.kbtp("conform", "--role", "initiator", "--listen", f"{transport}://{binding.guest}:{port}",
+    args = lab.kbtp("conform", "--role", "initiator", "--listen", binding.url(binding.guest),
                     "--io", "verbs", "--device", binding.device, "--local", binding.guest,
                     "--timeout", str(RUN_TIMEOUT), "--json", *[a for c in ON_DEVICE for a in ("--only", c)],
                     "--", c_initiator)

@@ -56,8 +56,7 @@ async def run_case(case: Case, program: list[str], url: str, transport: str, *, 
     except TimeoutError:
         out = Outcome(case, ERROR, detail=f"the case did not end within {budget:g} s; raise --timeout")
     except OSError as exc:
-        fix = ("check --device and that the --listen address is the device's" if (io or {}).get("io")
-               else "pick another --listen")
+        fix = "check --device and that the --listen address is the device's" if io else "pick another --listen"
         out = Outcome(case, ERROR, detail=f"the checking target cannot listen on {url} "
                                           f"({describe(exc, timeout)}); {fix}")
     except Exception as exc:          # the checker could not judge: never a pass
