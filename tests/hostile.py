@@ -1,16 +1,14 @@
-"""Helpers of the attacks in tests/test_target_hostile.py: a ``kbtp target`` process with
-its resident memory, file descriptors and metrics, a well-behaved client that keeps
-checking its data in a thread of its own, and the attackers' raw tools (CM REQs on a UDP
-socket, an MPA peer on a TCP socket).
+"""Helpers of the attack tests (tests/test_target_hostile*.py): a ``kbtp target`` process
+with its resident memory, file descriptors and metrics, and the well-behaved clients that
+must not suffer, the project's own ``Initiator``. The attackers themselves are in
+``tests/attack.py``, which shares no code with the target.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import random
-import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,13 +16,9 @@ import threading
 import time
 import urllib.request
 from contextlib import nullcontext
+from pathlib import Path
 
-from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
-from kbtp_scapy.rnic import cm
-from kbtp_scapy.vocab import Opcode
-from kbtp_scapy.wire import iwarp as w, roce as rw
-from kbtp_scapy.wire.iwarp_defs import DDP_UNTAGGED_LEN, FPDU_OVERHEAD, Op, fpdu_pad_len
 
 from .live_capture import free_port
 from .netns import enter
@@ -195,134 +189,18 @@ class Steady:
         return self.ops
 
 
-def hello(initiator_id: bytes | None = None, credits: int = 32) -> bytes:
-    return codec.encode({"opcode": Opcode.HELLO, "hello.completion_credits": credits,
-                         "hello.initiator_id": initiator_id or secrets.token_bytes(16)})
-
-
-# -- RoCEv2: CM REQs from a plain UDP socket --------------------------------------------
-
-class CmFlooder:
-    """A UDP socket at (``host``, 4791) sending CM REQs to a target and counting its REPs
-    (RoCEv2 answers the sender's address at port 4791, so this is where they come)."""
-
-    def __init__(self, host: str, target: str) -> None:
-        self.host, self.target = host, target
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        self.sock.bind((host, 4791))
-        self.sock.setblocking(False)
-        self.tx = rw.Path((host, 4791), (target, 4791))
-        self.sent = 0
-        self.reps = 0
-
-    def req(self, port: int = 4791) -> bytes:
-        """A REQ with a comm ID, QPN and PSN of its own, as librdmacm sends one."""
-        msg = cm.CmMessage(cm.CmAttr.REQ, secrets.randbits(64), local_comm_id=secrets.randbits(32),
-                           service_id=cm.rdma_cm_service_id(port), local_qpn=secrets.randbits(24) | 2,
-                           starting_psn=secrets.randbits(24), local_gid=self.host,
-                           remote_gid=self.target, responder_resources=16, initiator_depth=16,
-                           private_data=cm.rdma_cm_private_data(self.host, self.target, 40000))
-        head = rw.BTH_DETH.pack(rw.UD_SEND_ONLY, 0, rw.DEFAULT_PKEY, rw.CM_QPN, 0, rw.CM_QKEY,
-                                rw.CM_QPN)
-        return b"".join(rw.seal(self.tx, [head, cm.encode(msg)], 0))
-
-    def send(self, count: int) -> None:
-        for _ in range(count):
-            datagram = self.req()
-            while True:
-                try:
-                    self.sock.sendto(datagram, (self.target, 4791))
-                    break
-                except BlockingIOError:
-                    time.sleep(0.001)
-            self.sent += 1
-            self.collect()
-
-    def collect(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(4096)
-            except BlockingIOError:
-                return
-            msg = cm.decode(data[20:20 + cm.MAD_SIZE]) if len(data) >= 20 + cm.MAD_SIZE else None
-            if msg is not None and msg.attr == cm.CmAttr.REP:
-                self.reps += 1
-
-    def close(self) -> None:
-        self.collect()
-        self.sock.close()
-
-
-# -- iWARP: an MPA peer on a plain TCP socket -------------------------------------------
-
-MPA_REQUEST = w.build_startup(True, w.FLAG_C, 2, 16, 16, w.IRD_P2P, w.ORD_RTR_WRITE)
-
-
-def fpdu_send(payload: bytes, msn: int) -> bytes:
-    """An untagged Send FPDU (queue 0) with its CRC."""
-    head = w.untagged_head(True, Op.SEND, 0, msn, 0, len(payload))
-    return head + payload + w.fpdu_tail(head, payload, True)
-
-
-def rtr() -> bytes:
-    head = w.tagged_head(True, Op.WRITE, 0, 0, 0)
-    return head + w.fpdu_tail(head, b"", True)
-
-
-async def mpa_peer(host: str, port: int, local: str | None = None):
-    """TCP connect, MPA Request/Reply with CRCs, RTR: (reader, writer) of a ready stream."""
-    reader, writer = await asyncio.open_connection(host, port, local_addr=(local, 0) if local else None)
-    writer.write(MPA_REQUEST)
-    reply = await asyncio.wait_for(reader.readexactly(20), 5)
-    await asyncio.wait_for(reader.readexactly(int.from_bytes(reply[18:20], "big")), 5)
-    writer.write(rtr())
-    return reader, writer
-
-
-async def read_fpdus(reader: asyncio.StreamReader, timeout: float,
-                     limit: int | None = None) -> list[tuple[int, bytes]]:
-    """(RDMAP opcode, untagged payload) of each FPDU until the stream ends, ``timeout``
-    passes or ``limit`` FPDUs came."""
-    out: list[tuple[int, bytes]] = []
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    try:
-        while loop.time() < end and (limit is None or len(out) < limit):
-            length = await asyncio.wait_for(reader.readexactly(2), end - loop.time())
-            ulen = int.from_bytes(length, "big")
-            rest = await asyncio.wait_for(
-                reader.readexactly(ulen + FPDU_OVERHEAD - 2 + fpdu_pad_len(ulen)), 5)
-            fpdu = length + rest
-            out.append((fpdu[3] & 0x0F, fpdu[2 + DDP_UNTAGGED_LEN:2 + ulen]))
-    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-        pass
-    return out
-
-
-# -- vanished peers and their successors ---------------------------------------------
-
-PEER = """
-import asyncio, sys
-from kbtp_scapy.initiator import Initiator
-async def main():
-    ini = await Initiator.connect(sys.argv[1], initiator_id=bytes.fromhex(sys.argv[2]),
-                                  features=0, **({"local": sys.argv[4]} if sys.argv[4:] else {}))
-    if sys.argv[3] == "bind":
-        await ini.alloc_store(ini.target.handle_base, b"left behind", seal=True)
-    print("ready", flush=True)
-    await asyncio.sleep(3600)
-asyncio.run(main())
-"""
+PEER = [sys.executable, "-m", "tests.attack"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def start_peer(url: str, ident: bytes, bind: bool, *extra: str, netns: str | None = None):
-    """An initiator in a process of its own (to be killed), once it has had its HELLO_ACK
-    (and stored a sealed block if ``bind``); ``extra``: its local address."""
-    cmd = [sys.executable, "-c", PEER, url, ident.hex(), "bind" if bind else "idle", *extra]
+    """An attacker's session in a process of its own (to be killed or stopped), once it
+    has had its HELLO_ACK (and stored a sealed block if ``bind``); ``extra``: its local
+    address (needed on RoCEv2)."""
+    cmd = [*PEER, url, ident.hex(), "bind" if bind else "idle", *extra]
     if netns:
         cmd = ["ip", "netns", "exec", netns, *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stdout.readline()
     assert line.strip() == "ready", line + proc.stderr.read()
     return proc

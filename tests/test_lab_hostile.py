@@ -20,7 +20,8 @@ from kbtp_scapy.initiator import Initiator
 from kbtp_scapy.rnic import MemoryTable
 from kbtp_scapy.vocab import Opcode
 
-from .hostile import SLACK, admitted_after, hello, keep_sending, samples, start_peer
+from .attack import hello
+from .hostile import SLACK, admitted_after, keep_sending, samples, start_peer
 from .lab import BINDINGS, GuestTarget, in_lab, rdma_lab
 
 pytestmark = pytest.mark.lab

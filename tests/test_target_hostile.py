@@ -21,23 +21,9 @@ from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.audit import audit
 from kbtp_scapy.vocab import Opcode, RequestFlag, Status
 from kbtp_scapy.wire import roce as rw
-from kbtp_scapy.wire.iwarp_defs import Op
 
-from .hostile import (
-    SLACK,
-    CmFlooder,
-    RssWatch,
-    Steady,
-    TargetProc,
-    admitted_after,
-    fpdu_send,
-    hello,
-    keep_sending,
-    mpa_peer,
-    read_fpdus,
-    start_peer,
-    under_attack,
-)
+from . import attack as a
+from .hostile import SLACK, RssWatch, Steady, TargetProc, admitted_after, keep_sending, start_peer, under_attack
 from .kbtp_harness import TargetThread, fresh_hosts
 from .netns import Link, enter, ip
 from .relay import Relay
@@ -144,7 +130,7 @@ def test_iwarp_peer_whose_link_went_down_is_noticed_by_tcp():
 async def stored_block(qp) -> int:
     """HELLO, then one sealed 4 KiB block in the attacker's own range: its handle."""
     qp.post_recv(2)
-    await qp.send(hello())
+    await qp.send(a.hello())
     ack = codec.decode((await asyncio.wait_for(qp.recv(), 10)).payload)
     assert ack["status"] == 0
     handle = ack["hello_ack.handle_base"]
@@ -196,7 +182,7 @@ def test_roce_peer_that_posts_no_receive_buffers_is_terminated_at_the_backlog_ti
     async def attack():
         qp = await rnic.connect(t.url, MemoryTable(), local=a_host, recv_size=256)
         qp.post_recv(1)                      # the HELLO_ACK's, then none
-        await qp.send(hello(credits=16))
+        await qp.send(a.hello(credits=16))
         ack = codec.decode((await asyncio.wait_for(qp.recv(), 10)).payload)
         assert ack["status"] == 0 and ack["hello_ack.request_credits"] == 16
         handle = ack["hello_ack.handle_base"]
@@ -229,18 +215,18 @@ def test_roce_req_floods_are_capped_and_never_amplified():
                    "--max-half-open", "64", "--max-half-open-per-source", "8")
     try:
         steady = Steady(t.url, local=w_host)
-        one = CmFlooder(sources[0], host)
-        one.send(300)
+        one = a.CmFlooder(sources[0], host)
+        one.flood(300)
         time.sleep(0.3 * 3 + 0.6)
         one.close()
         time.sleep(0.5)
         base = t.rss_mb()
         watch = RssWatch(t)
-        flood = [CmFlooder(s, host) for s in sources[1:]]
+        flood = [a.CmFlooder(s, host) for s in sources[1:]]
         started = time.monotonic()
         for _ in range(12):
             for f in flood:
-                f.send(50)
+                f.flood(50)
         flood_s = time.monotonic() - started
         time.sleep(0.3 * 3 + 0.6)
         for f in flood:
@@ -300,12 +286,12 @@ def test_iwarp_stalled_connections_are_closed_by_their_deadlines():
             return took
 
         async def stalled(src: str, partial: bool) -> float:
-            reader, writer = await mpa_peer(host, port, src)
+            s = await a.MpaStream.open(host, port, src)
             start = asyncio.get_running_loop().time()
             if partial:
-                writer.write(fpdu_send(hello(), 1)[:10])
-            took = await closed_after(reader, start)
-            writer.close()
+                s.writer.write(a.send(a.hello(), 1)[:10])
+            took = await closed_after(s.reader, start)
+            await s.end()
             return took
 
         async def main():
@@ -383,25 +369,23 @@ def test_iwarp_credit_overrun_answers_the_requests_that_had_credits_first():
     t = TargetThread("iwarp", TargetConfig(blocks=16, max_initiators=2, request_credits=8))
 
     async def main():
-        reader, writer = await mpa_peer(t.address.host, t.address.port)
-        writer.write(fpdu_send(hello(credits=8), 1))
-        (_, payload), = await read_fpdus(reader, 5, limit=1)
-        ack = codec.decode(payload)
-        assert ack["hello_ack.request_credits"] == 8
-        h = ack["hello_ack.handle_base"]
-        writer.write(b"".join(fpdu_send(load_request(100 + i, h), 2 + i) for i in range(13)))
-        got = await read_fpdus(reader, 5)
-        writer.close()
+        s = await a.MpaStream.open(t.address.host, t.address.port)
+        ack = await s.session(credits=8)
+        assert ack["credits"] == 8
+        h = ack["handle_base"]
+        s.writer.write(b"".join(a.send(a.load(100 + i, h), 2 + i) for i in range(13)))
+        got = await s.fpdus(5)
+        await s.end()
         return got
     try:
         got = run(main())
     finally:
         t.stop()
-    sends = [codec.decode(p) for op, p in got if op == Op.SEND]
+    sends = [a.parse(f.payload) for f in got if f.opcode == a.SEND]
     assert [c["request_id"] for c in sends] == list(range(100, 108))
-    assert all(c["status"] == Status.NOT_VALID for c in sends)
-    assert [op for op, _ in got][-1] == Op.TERMINATE
-    term = got[-1][1]
+    assert [c["status"] for c in sends] == ["NOT_VALID"] * 8
+    assert got[-1].opcode == a.TERMINATE
+    term = got[-1].payload
     assert (term[0] >> 4, term[0] & 0xF, term[1]) == (1, 2, 0x02)
 
 

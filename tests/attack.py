@@ -1,0 +1,566 @@
+"""An attacker of KBTP targets that shares no code with them (issue 23).
+
+Every octet it sends is framed here from the published texts alone, with the standard library:
+KBTP from the specification and ``NOTES.md`` section 2, MPA (RFC 5044, v2 of RFC 6581), DDP
+(RFC 5041) and RDMAP (RFC 5040) on a TCP socket, and RoCEv2 (InfiniBand Architecture
+Specification, Annex A17: BTH, DETH, AETH, the ICRC; chapter 12: the CM MADs; rdma_cm's
+private data) on a UDP socket. It imports nothing of ``kbtp_scapy`` and none of the test
+helpers that do (``tests/test_attack.py`` checks that), so a defence the target has can only
+be shown by the target's behaviour, and a framing mistake the target shares with its own
+client cannot hide one. The well-behaved clients of the attack tests are the project's
+``Initiator``: they are the users the attacks must not hurt.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import struct
+import time
+import zlib
+
+# -- CRC32c (Castagnoli, RFC 3385), for MPA -------------------------------------------
+
+_POLY = 0x82F63B78            # the reflected Castagnoli polynomial
+
+
+def _table() -> list[int]:
+    out = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ _POLY if c & 1 else c >> 1
+        out.append(c)
+    return out
+
+
+_CRC32C = _table()
+
+
+def crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for octet in data:
+        crc = _CRC32C[(crc ^ octet) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+# -- KBTP messages (NOTES.md section 2) ------------------------------------------------
+
+HELLO, HELLO_ACK, LOAD, STORE, ALLOC_STORE, FREE, COMPLETION, GOODBYE = (
+    0x01, 0x02, 0x10, 0x11, 0x12, 0x13, 0x20, 0x30)
+INLINE, SEAL = 0x0001, 0x0002
+RELEASE = 0x0001
+DIRECT_LOAD, DIRECT_ALLOC = 0x0001, 0x0002
+STATUS = {0: "OK", 1: "INVALID_HANDLE", 2: "STALE_GENERATION", 3: "NOT_VALID", 4: "ALREADY_BOUND",
+          5: "NO_SPACE", 6: "SEALED", 7: "NOT_SEALED", 8: "TOO_LARGE", 9: "MALFORMED",
+          10: "INTERNAL", 11: "TICKET_ABANDONED"}        # the specification's "Status Codes"
+_HEAD = struct.Struct(">BBHQQHH")        # Version, Opcode, Flags, Request ID, Handle, Generation, Status
+_DESC = struct.Struct(">IQI")            # STag, Tagged Offset, Length (or Count, or reserved)
+_ACK = struct.Struct(">HHIIIQII")        # HELLO_ACK's body before its descriptors
+
+
+def header(opcode: int, flags: int = 0, request_id: int = 0, handle: int = 0) -> bytes:
+    return _HEAD.pack(1, opcode, flags, request_id, handle, 0, 0)
+
+
+def hello(initiator_id: bytes | None = None, credits: int = 32, features: int = 0) -> bytes:
+    return header(HELLO) + struct.pack(">HH16s", features, credits,
+                                       initiator_id or secrets.token_bytes(16))
+
+
+def goodbye(release: bool = True) -> bytes:
+    return header(GOODBYE, RELEASE if release else 0)
+
+
+def free(request_id: int, handle: int) -> bytes:
+    return header(FREE, 0, request_id, handle)
+
+
+def load(request_id: int, handle: int, stag: int = 0, offset: int = 0, length: int = 4096) -> bytes:
+    """LOAD into the initiator's buffer (``stag``, ``offset``, ``length``)."""
+    return header(LOAD, 0, request_id, handle) + _DESC.pack(stag, offset, length)
+
+
+def alloc_store(request_id: int, handle: int, data: bytes, seal: bool = False) -> bytes:
+    """ALLOC_STORE with the data inline: STag and Tagged Offset zero, Length the data's."""
+    return (header(ALLOC_STORE, INLINE | (SEAL if seal else 0), request_id, handle)
+            + _DESC.pack(0, 0, len(data)) + data)
+
+
+def parse(message: bytes) -> dict:
+    """The common header's fields of any KBTP message, and a HELLO_ACK's or COMPLETION's body."""
+    if len(message) < _HEAD.size:
+        return {"short": message.hex()}
+    _, opcode, flags, rid, handle, generation, status = _HEAD.unpack_from(message)
+    out = {"size": len(message), "opcode": opcode, "flags": flags, "request_id": rid, "handle": handle,
+           "generation": generation, "status": STATUS.get(status, hex(status))}
+    if opcode == HELLO_ACK and len(message) >= _HEAD.size + _ACK.size:
+        names = ("features", "credits", "block_size", "max_inline", "quota", "handle_base",
+                 "handle_count", "ticket_timeout")
+        out.update(zip(names, _ACK.unpack_from(message, _HEAD.size)))
+        at = _HEAD.size + _ACK.size
+        if out["features"] & DIRECT_LOAD and len(message) >= at + 48:
+            # Table descriptor, Table Base Handle, 8 reserved octets, Pool descriptor
+            out["table"] = _DESC.unpack_from(message, at)
+            out["pool"] = _DESC.unpack_from(message, at + 32)
+    elif opcode == COMPLETION and len(message) >= 40:
+        out["length"], _, out["block_offset"] = struct.unpack_from(">IIQ", message, _HEAD.size)
+    return out
+
+
+# -- iWARP: MPA, DDP, RDMAP ------------------------------------------------------------
+
+WRITE, READ_REQUEST, READ_RESPONSE, SEND, SEND_INV, SEND_SE, SEND_SE_INV, TERMINATE = range(8)
+SENDS = (SEND, SEND_INV, SEND_SE, SEND_SE_INV)
+_MPA_CRC, _MPA_ENHANCED = 0x40, 0x10           # MPA frame flags (RFC 5044, RFC 6581)
+_P2P, _WRITE_RTR = 0x8000, 0x8000              # RFC 6581 section 5: IRD's and ORD's top bits
+_TAGGED, _LAST, _DDP_V1, _RDMAP_V1 = 0x80, 0x40, 0x01, 0x40
+UNTAGGED_LEN, TAGGED_LEN = 18, 14              # DDP + RDMAP headers (RFC 5041 section 4)
+
+
+def mpa_request(ird: int = 16, ord_: int = 16) -> bytes:
+    """An MPA v2 Request with CRCs, no markers, peer-to-peer with a zero-length Write as RTR."""
+    private = struct.pack(">HH", _P2P | ird, _WRITE_RTR | ord_)
+    return b"MPA ID Req Frame" + bytes([_MPA_CRC | _MPA_ENHANCED, 2]) + struct.pack(">H", len(private)) + private
+
+
+def fpdu(ulpdu: bytes) -> bytes:
+    """MPA framing: the ULPDU's length, the ULPDU, pad to four octets, CRC32c LSB first."""
+    framed = struct.pack(">H", len(ulpdu)) + ulpdu
+    framed += bytes(-len(framed) % 4)
+    return framed + struct.pack("<I", crc32c(framed))
+
+
+def untagged(opcode: int, queue: int, msn: int, payload: bytes, offset: int = 0) -> bytes:
+    return fpdu(struct.pack(">BBIIII", _LAST | _DDP_V1, _RDMAP_V1 | opcode, 0, queue, msn, offset)
+                + payload)
+
+
+def tagged(opcode: int, stag: int, offset: int, payload: bytes) -> bytes:
+    return fpdu(struct.pack(">BBIQ", _TAGGED | _LAST | _DDP_V1, _RDMAP_V1 | opcode, stag, offset)
+                + payload)
+
+
+def send(message: bytes, msn: int) -> bytes:
+    """A Send on queue 0; ``msn`` counts Sends from 1."""
+    return untagged(SEND, 0, msn, message)
+
+
+def rtr() -> bytes:
+    """The ready-to-receive of RFC 6581: a zero-length RDMA Write."""
+    return tagged(WRITE, 0, 0, b"")
+
+
+def read_request(msn: int, stag: int, offset: int, size: int, sink: int = 0x77) -> bytes:
+    """An RDMA Read Request (queue 1, RFC 5040 section 4.4): ``size`` octets at (``stag``,
+    ``offset``) into the sink STag ``sink``; ``msn`` counts Read Requests from 1."""
+    return untagged(READ_REQUEST, 1, msn, struct.pack(">IQIIQ", sink, 0, size, stag, offset))
+
+
+class Fpdu:
+    """One FPDU as it came: RDMAP opcode, tagged or not, Last, the STag (tagged) and payload."""
+
+    def __init__(self, ulpdu: bytes) -> None:
+        self.tagged, self.last = bool(ulpdu[0] & _TAGGED), bool(ulpdu[0] & _LAST)
+        self.opcode = ulpdu[1] & 0x0F
+        self.stag = struct.unpack_from(">I", ulpdu, 2)[0] if self.tagged else None
+        self.payload = ulpdu[TAGGED_LEN if self.tagged else UNTAGGED_LEN:]
+
+    def __repr__(self) -> str:
+        return f"Fpdu(opcode={self.opcode}, tagged={self.tagged}, {len(self.payload)} octets)"
+
+
+class MpaStream:
+    """A TCP connection that has done the MPA exchange and sent the RTR."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.msn = 0
+
+    @classmethod
+    async def open(cls, host: str, port: int, local: str | None = None, timeout: float = 5) -> MpaStream:
+        reader, writer = await asyncio.open_connection(host, port,
+                                                       local_addr=(local, 0) if local else None)
+        writer.write(mpa_request())
+        await cls.read_reply(reader, timeout)
+        writer.write(rtr())
+        return cls(reader, writer)
+
+    @staticmethod
+    async def read_reply(reader: asyncio.StreamReader, timeout: float) -> bytes:
+        reply = await asyncio.wait_for(reader.readexactly(20), timeout)
+        assert reply[:16] == b"MPA ID Rep Frame", reply
+        assert not reply[16] & 0x20, f"MPA Reply with Reject: {reply.hex()}"
+        return await asyncio.wait_for(reader.readexactly(struct.unpack(">H", reply[18:20])[0]), timeout)
+
+    def say(self, message: bytes) -> None:
+        """A KBTP message as a Send."""
+        self.msn += 1
+        self.writer.write(send(message, self.msn))
+
+    async def next(self, timeout: float) -> Fpdu:
+        """The next FPDU, its CRC checked; TimeoutError, IncompleteReadError at the end."""
+        length = await asyncio.wait_for(self.reader.readexactly(2), timeout)
+        ulen = struct.unpack(">H", length)[0]
+        rest = await asyncio.wait_for(self.reader.readexactly(ulen + -(2 + ulen) % 4 + 4), 5)
+        framed = length + rest
+        assert crc32c(framed[:-4]) == struct.unpack("<I", framed[-4:])[0], f"bad CRC: {framed[:24].hex()}"
+        return Fpdu(framed[2:2 + ulen])
+
+    async def fpdus(self, timeout: float, limit: int | None = None) -> list[Fpdu]:
+        """Every FPDU until the stream ends, ``timeout`` passes or ``limit`` came."""
+        out: list[Fpdu] = []
+        end = time.monotonic() + timeout
+        try:
+            while time.monotonic() < end and (limit is None or len(out) < limit):
+                out.append(await self.next(end - time.monotonic()))
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            pass
+        return out
+
+    async def message(self, timeout: float = 5) -> dict:
+        """The next KBTP message the target sent (the next Send): its fields."""
+        end = time.monotonic() + timeout
+        while True:
+            f = await self.next(max(0.0, end - time.monotonic()))
+            if f.opcode in SENDS:
+                return parse(f.payload)
+
+    async def session(self, initiator_id: bytes | None = None, features: int = 0,
+                      credits: int = 32) -> dict:
+        """HELLO; the HELLO_ACK's fields."""
+        self.say(hello(initiator_id, credits, features))
+        for f in await self.fpdus(5, limit=1):
+            return parse(f.payload)
+        raise AssertionError("no HELLO_ACK within 5 s")
+
+    async def end(self) -> None:
+        """The TCP connection closed, without GOODBYE unless one was said."""
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except ConnectionError:
+            pass
+
+
+# -- RoCEv2: BTH, DETH, AETH, ICRC over UDP port 4791 ---------------------------------
+
+ROCE_PORT = 4791
+UD_SEND_ONLY, RC_SEND_ONLY, RC_SEND_ONLY_IMM, RC_ACK, RC_READ_REQUEST = 0x64, 0x04, 0x05, 0x11, 0x0C
+RC_READ_RESPONSE_ONLY, RC_SEND_ONLY_INV = 0x10, 0x17
+_GSI_QPN, _GSI_QKEY, _PKEY = 1, 0x80010000, 0xFFFF
+# <linux/in.h>: DF set, so Linux writes Identification 0 from an unconnected socket
+_IP_MTU_DISCOVER, _IP_PMTUDISC_DO = 10, 2
+
+
+def _bth(opcode: int, dest_qp: int, psn: int, ack_req: bool = False, solicited: bool = False) -> bytes:
+    return struct.pack(">BBHII", opcode, (0x80 if solicited else 0), _PKEY, dest_qp & 0xFFFFFF,
+                       (0x80000000 if ack_req else 0) | (psn & 0xFFFFFF))
+
+
+def icrc_of(ip: bytes, udp: bytes, packet: bytes) -> bytes:
+    """The ICRC of BTH and everything after it (``packet``, without the ICRC) under the
+    IPv4 header ``ip`` and UDP header ``udp``: a CRC-32 over eight octets of ones, the IPv4
+    header with TOS, TTL and checksum all ones, the UDP header with its checksum all ones,
+    the BTH with its reserved octet 4 all ones, and the rest; least significant octet first."""
+    ip = ip[:1] + b"\xff" + ip[2:8] + b"\xff" + ip[9:10] + b"\xff\xff" + ip[12:]
+    masked = udp[:6] + b"\xff\xff" + packet[:4] + b"\xff" + packet[5:]
+    return struct.pack("<I", zlib.crc32(b"\xff" * 8 + ip + masked))
+
+
+def icrc(src: str, dst: str, sport: int, packet: bytes) -> bytes:
+    """The ICRC of ``packet`` as a UDP socket with DF set sends it: Identification 0."""
+    length = 20 + 8 + len(packet) + 4
+    ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, length, 0, 0x4000, 64, 17, 0,
+                     socket.inet_aton(src), socket.inet_aton(dst))
+    return icrc_of(ip, struct.pack(">HHHH", sport, ROCE_PORT, length - 20, 0), packet)
+
+
+class RocePort:
+    """A UDP socket at (``local``, 4791), where a RoCEv2 peer answers, sending to ``target``."""
+
+    def __init__(self, local: str, target: str) -> None:
+        self.local, self.target = local, target
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
+        self.sock.bind((local, ROCE_PORT))
+        self.sock.setblocking(False)
+        self.sent = 0
+
+    def send(self, packet: bytes) -> None:
+        datagram = packet + icrc(self.local, self.target, ROCE_PORT, packet)
+        while True:
+            try:
+                self.sock.sendto(datagram, (self.target, ROCE_PORT))
+                break
+            except BlockingIOError:
+                time.sleep(0.001)
+        self.sent += 1
+
+    def received(self) -> list[bytes]:
+        """Every datagram waiting, without its ICRC."""
+        out = []
+        while True:
+            try:
+                out.append(self.sock.recv(65536)[:-4])
+            except BlockingIOError:
+                return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# -- RoCEv2 connection management: CM MADs on QP1 (IBA 12.6) ----------------------------
+
+CM_REQ, CM_REJ, CM_REP, CM_RTU, CM_DREQ, CM_DREP = 0x0010, 0x0012, 0x0013, 0x0014, 0x0015, 0x0016
+_MAD = struct.Struct(">BBBBHHQHHI")     # the MAD common header (24 octets)
+_CM_CLASS, _CM_VERSION, _MAD_SEND = 0x07, 2, 0x03
+RDMA_PS_TCP = 0x0106
+
+
+def _gid(address: str) -> bytes:
+    """The RoCEv2 GID of an IPv4 address: an IPv4-mapped IPv6 address."""
+    return bytes(10) + b"\xff\xff" + socket.inet_aton(address)
+
+
+def ud_mad(attribute: int, data: bytes, tid: int | None = None) -> bytes:
+    """BTH and DETH to QP1 and the 256-octet CM MAD (``data``: its 232 octets of CM data)."""
+    tid = secrets.randbits(64) if tid is None else tid
+    mad = _MAD.pack(1, _CM_CLASS, _CM_VERSION, _MAD_SEND, 0, 0, tid, attribute, 0, 0)
+    return (_bth(UD_SEND_ONLY, _GSI_QPN, 0) + struct.pack(">II", _GSI_QKEY, _GSI_QPN)
+            + mad + data.ljust(232, b"\0"))
+
+
+def cm_req(local: str, target: str, port: int, comm_id: int, qpn: int, psn: int) -> bytes:
+    """A REQ as librdmacm sends one for an RC connection to rdma_cm port ``port``."""
+    private = (bytes([0x00, 0x40]) + struct.pack(">H", 40000) + bytes(12) + socket.inet_aton(local)
+               + bytes(12) + socket.inet_aton(target))
+    path = (struct.pack(">HH", 0xFFFF, 0xFFFF) + _gid(local) + _gid(target)
+            + struct.pack(">IBBBB", 0, 0, 64, 0, 18 << 3))
+    data = (struct.pack(">IIQQII", comm_id, 0, (RDMA_PS_TCP << 16) | port, secrets.randbits(64), 0, 0)
+            + struct.pack(">II", (qpn << 8) | 16, 16)                # QPN, Responder Resources; Initiator Depth
+            + struct.pack(">I", (22 << 3) << 0)                       # remote CM timeout, RC, no flow control
+            + struct.pack(">I", (psn << 8) | (22 << 3) | 7)           # Starting PSN, CM timeout, retry 7
+            + struct.pack(">HBB", _PKEY, (3 << 4) | 7, 15 << 4)       # P_Key, MTU 1024 and RNR retry, CM retries
+            + path + bytes(44) + private.ljust(92, b"\0"))
+    return ud_mad(CM_REQ, data)
+
+
+def cm_rtu(comm_id: int, remote_comm_id: int, tid: int) -> bytes:
+    return ud_mad(CM_RTU, struct.pack(">II", comm_id, remote_comm_id), tid)
+
+
+def cm_dreq(comm_id: int, remote_comm_id: int, remote_qpn: int = 0) -> bytes:
+    return ud_mad(CM_DREQ, struct.pack(">III", comm_id, remote_comm_id, remote_qpn << 8))
+
+
+def cm_attribute(datagram: bytes) -> int | None:
+    """The attribute of a CM MAD received on QP1 (BTH 12, DETH 8, then the MAD), or None."""
+    if len(datagram) < 20 + 24 or datagram[0] != UD_SEND_ONLY or datagram[21] != _CM_CLASS:
+        return None
+    return struct.unpack_from(">H", datagram, 20 + 16)[0]
+
+
+def cm_rep(datagram: bytes) -> dict:
+    """A REP's fields a requester needs: the MAD's TID, the target's comm ID, QPN and PSN."""
+    tid = struct.unpack_from(">Q", datagram, 20 + 8)[0]
+    local_comm, remote_comm, _, qpn, _, psn = struct.unpack_from(">IIIIII", datagram, 44)
+    return {"tid": tid, "comm_id": local_comm, "our_comm_id": remote_comm, "qpn": qpn >> 8,
+            "psn": psn >> 8}
+
+
+class CmFlooder(RocePort):
+    """CM REQs with comm IDs, QPNs and PSNs of their own, counting the answers by attribute."""
+
+    def __init__(self, local: str, target: str) -> None:
+        super().__init__(local, target)
+        self.answers: dict[int, int] = {}
+
+    def req(self, port: int = ROCE_PORT) -> bytes:
+        return cm_req(self.local, self.target, port, secrets.randbits(32), secrets.randbits(24) | 2,
+                      secrets.randbits(24))
+
+    def flood(self, count: int, port: int = ROCE_PORT) -> None:
+        for _ in range(count):
+            self.send(self.req(port))
+            self.collect()
+
+    def collect(self) -> None:
+        for datagram in self.received():
+            attribute = cm_attribute(datagram)
+            if attribute is not None:
+                self.answers[attribute] = self.answers.get(attribute, 0) + 1
+
+    @property
+    def reps(self) -> int:
+        return self.answers.get(CM_REP, 0)
+
+
+class _SharedPort(RocePort):
+    """The one socket at (``local``, 4791) that all RC sessions from ``local`` to one target
+    share, as an RNIC's port: a packet goes to the session its BTH's destination QP names,
+    a CM REP or REJ to the session its Remote Communication ID names."""
+
+    ports: dict[tuple[str, str], _SharedPort] = {}
+
+    @classmethod
+    def get(cls, local: str, target: str) -> _SharedPort:
+        port = cls.ports.get((local, target))
+        if port is None:
+            port = cls.ports[local, target] = cls(local, target)
+            asyncio.get_running_loop().add_reader(port.sock, port._dispatch)
+        return port
+
+    def __init__(self, local: str, target: str) -> None:
+        super().__init__(local, target)
+        self.by_qpn: dict[int, RcSession] = {}
+        self.by_comm: dict[int, RcSession] = {}
+
+    def _dispatch(self) -> None:
+        for datagram in self.received():
+            if len(datagram) < 12:
+                continue
+            qpn = int.from_bytes(datagram[5:8], "big")
+            if qpn != _GSI_QPN:
+                session = self.by_qpn.get(qpn)
+                if session is not None:
+                    session._packet(datagram)
+            elif cm_attribute(datagram) in (CM_REP, CM_REJ) and len(datagram) >= 52:
+                session = self.by_comm.get(struct.unpack_from(">I", datagram, 48)[0])
+                if session is not None and not session.answered.done():
+                    session.answered.set_result(datagram)
+            # DREQs go unanswered: an attacker owes the target nothing
+
+    def drop(self, session: RcSession) -> None:
+        self.by_qpn.pop(session.qpn, None)
+        self.by_comm.pop(session.comm_id, None)
+        if not self.by_qpn:
+            asyncio.get_running_loop().remove_reader(self.sock)
+            self.ports.pop((self.local, self.target), None)
+            self.close()
+
+
+class RcSession:
+    """A RoCEv2 RC connection made by CM REQ, REP, RTU from ``local``, just enough of a
+    requester and responder to hold a KBTP session: it sends Sends, acknowledges every
+    request packet of the target's (its liveness probes are zero-length RDMA Writes),
+    answers Read Requests with zeros, and keeps the KBTP messages the target sent it.
+    It answers from the event loop by itself; ``frozen`` stops that, as a stopped
+    process would."""
+
+    def __init__(self, port: _SharedPort) -> None:
+        self.port = port
+        self.qpn, self.psn = secrets.randbits(23) | 0x100, secrets.randbits(24)
+        self.comm_id = secrets.randbits(32)
+        self.remote_qpn = self.remote_comm = 0           # from the REP
+        self.messages: list[dict] = []
+        self.arrived = asyncio.Event()
+        self.answered: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.frozen = False
+        port.by_qpn[self.qpn] = port.by_comm[self.comm_id] = self
+
+    @classmethod
+    async def open(cls, local: str, target: str, timeout: float = 5) -> RcSession:
+        """Connected: REQ, the target's REP, RTU; ConnectionRefusedError on a REJ."""
+        self = cls(_SharedPort.get(local, target))
+        try:
+            self.port.send(cm_req(local, target, ROCE_PORT, self.comm_id, self.qpn, self.psn))
+            try:
+                answer = await asyncio.wait_for(self.answered, timeout)
+            except TimeoutError:
+                raise TimeoutError(f"no CM REP from {target} within {timeout} s") from None
+            if cm_attribute(answer) == CM_REJ:
+                raise ConnectionRefusedError(f"CM REJ from {target}")
+        except BaseException:
+            self.port.drop(self)
+            raise
+        rep = cm_rep(answer)
+        self.remote_qpn, self.remote_comm = rep["qpn"], rep["comm_id"]
+        # each side sends from the PSN the other's CM message names, as Linux's CM sets
+        # both up (rxe_linlin_rping.pcap: the active side's first SEND carries the REP's
+        # Starting PSN)
+        self.psn = rep["psn"]
+        self.port.send(cm_rtu(self.comm_id, self.remote_comm, rep["tid"]))
+        return self
+
+    def say(self, message: bytes) -> None:
+        """A KBTP message as an RC SEND ONLY, with AckReq."""
+        pad = -len(message) % 4
+        bth = bytearray(_bth(RC_SEND_ONLY, self.remote_qpn, self.psn, ack_req=True))
+        bth[1] |= pad << 4
+        self.port.send(bytes(bth) + message + bytes(pad))
+        self.psn = (self.psn + 1) & 0xFFFFFF
+
+    def _packet(self, packet: bytes) -> None:
+        """One packet of the target's: a KBTP message kept, a request acknowledged or
+        read-answered."""
+        if self.frozen:
+            return
+        opcode, flags = packet[0], packet[1]
+        psn = struct.unpack_from(">I", packet, 8)[0] & 0xFFFFFF
+        if opcode in (RC_SEND_ONLY, RC_SEND_ONLY_IMM, RC_SEND_ONLY_INV):
+            body = packet[12 + (4 if opcode != RC_SEND_ONLY else 0):]
+            self.messages.append(parse(body[:len(body) - ((flags >> 4) & 3)]))
+            self.arrived.set()
+        if opcode == RC_READ_REQUEST and len(packet) >= 28:
+            size = struct.unpack_from(">I", packet, 24)[0]
+            self.port.send(_bth(RC_READ_RESPONSE_ONLY, self.remote_qpn, psn)
+                           + struct.pack(">I", 0x1F << 24) + bytes(min(size, 4096)))
+        elif opcode < RC_READ_REQUEST or opcode in (0x16, RC_SEND_ONLY_INV):
+            self.port.send(_bth(RC_ACK, self.remote_qpn, psn) + struct.pack(">I", 0x1F << 24))
+
+    async def message(self, timeout: float = 5) -> dict:
+        """The next KBTP message the target sent."""
+        end = time.monotonic() + timeout
+        while not self.messages:
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                raise TimeoutError(f"no KBTP message from {self.port.target} within {timeout} s") from None
+        return self.messages.pop(0)
+
+    async def session(self, initiator_id: bytes | None = None, features: int = 0,
+                      credits: int = 32) -> dict:
+        """HELLO; the HELLO_ACK's fields."""
+        self.say(hello(initiator_id, credits, features))
+        return await self.message()
+
+    async def end(self) -> None:
+        """The connection closed with a DREQ, without GOODBYE unless one was said."""
+        self.port.send(cm_dreq(self.comm_id, self.remote_comm, self.remote_qpn))
+        self.port.drop(self)
+
+
+async def connect(url: str, local: str | None = None) -> MpaStream | RcSession:
+    """A connection to the target at ``url`` (iwarp://HOST:PORT or roce://HOST[:4791]),
+    from ``local``; RoCEv2 needs a local address of its own, where the target answers."""
+    scheme, _, where = url.partition("://")
+    host, _, port = where.rpartition(":") if ":" in where else (where, "", "")
+    if scheme == "iwarp":
+        return await MpaStream.open(host, int(port), local)
+    if scheme == "roce":
+        assert local, "a RoCEv2 attacker needs a local address (its port 4791 is where answers come)"
+        return await RcSession.open(local, host)
+    raise ValueError(f"{url}: not iwarp:// or roce://")
+
+
+async def _peer(url: str, initiator_id: bytes, bind: bool, local: str | None) -> None:
+    conn = await connect(url, local)
+    ack = await conn.session(initiator_id)
+    assert ack["status"] == "OK", ack
+    if bind:
+        conn.say(alloc_store(1, ack["handle_base"], b"left behind", seal=True))
+        done = await conn.message()
+        assert done["status"] == "OK", done
+    print("ready", flush=True)
+    await asyncio.sleep(3600)
+
+
+if __name__ == "__main__":
+    # python -m tests.attack URL INITIATOR_ID_HEX bind|idle [LOCAL]: a session that stays
+    # (having stored a sealed block at its first handle if "bind") until it is killed
+    import sys
+    asyncio.run(_peer(sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3] == "bind",
+                      sys.argv[4] if sys.argv[4:] else None))
