@@ -103,6 +103,10 @@ def parse(message: bytes) -> dict:
             # Table descriptor, Table Base Handle, 8 reserved octets, Pool descriptor
             out["table"] = _DESC.unpack_from(message, at)
             out["pool"] = _DESC.unpack_from(message, at + 32)
+            at += 48
+        if out["features"] & DIRECT_ALLOC and len(message) >= at + 48:
+            # Partition (Count: the quota), Ring (Count: N) and Head (Count: 1) descriptors
+            out["partition"], out["ring"], out["head"] = (_DESC.unpack_from(message, at + k) for k in (0, 16, 32))
     elif opcode == COMPLETION and len(message) >= 40:
         out["length"], _, out["block_offset"] = struct.unpack_from(">IIQ", message, _HEAD.size)
     return out
@@ -111,6 +115,7 @@ def parse(message: bytes) -> dict:
 # -- iWARP: MPA, DDP, RDMAP ------------------------------------------------------------
 
 WRITE, READ_REQUEST, READ_RESPONSE, SEND, SEND_INV, SEND_SE, SEND_SE_INV, TERMINATE = range(8)
+ATOMIC_REQUEST, ATOMIC_RESPONSE, FETCH_ADD = 10, 11, 0       # RFC 7306
 SENDS = (SEND, SEND_INV, SEND_SE, SEND_SE_INV)
 _MPA_CRC, _MPA_ENHANCED = 0x40, 0x10           # MPA frame flags (RFC 5044, RFC 6581)
 _P2P, _WRITE_RTR = 0x8000, 0x8000              # RFC 6581 section 5: IRD's and ORD's top bits
@@ -157,6 +162,22 @@ def read_request(msn: int, stag: int, offset: int, size: int, sink: int = 0x77) 
     return untagged(READ_REQUEST, 1, msn, struct.pack(">IQIIQ", sink, 0, size, stag, offset))
 
 
+def atomic_fetch_add(msn: int, request_id: int, stag: int, offset: int, add: int, mask: int = 0) -> bytes:
+    """An RFC 7306 FetchAdd (queue 1, counted with the Read Requests): ``add`` added to the
+    64 bits at (``stag``, ``offset``), a carry stopped above each bit set in ``mask``."""
+    return untagged(ATOMIC_REQUEST, 1, msn, struct.pack(">IIIQQQQQ", FETCH_ADD, request_id, stag, offset,
+                                                       add, mask, 0, 0))
+
+
+def ring_add_mask(slots: int) -> int:
+    """The Add Mask of the ring counters (NOTES.md section 2) for a ring of ``slots`` = 2**n."""
+    n = slots.bit_length() - 1
+    return 1 << 63 | 1 << 31 | 1 << (n + 3)
+
+
+TICKET_ADD = 0x0000000100000010        # one ticket, one 16-octet slot
+
+
 class Fpdu:
     """One FPDU as it came: RDMAP opcode, tagged or not, Last, the STag (tagged) and payload."""
 
@@ -175,7 +196,7 @@ class MpaStream:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.msn = 0
+        self.msn = self.read_msn = 0         # Sends; Read and Atomic Requests
 
     @classmethod
     async def open(cls, host: str, port: int, local: str | None = None, timeout: float = 5) -> MpaStream:
@@ -226,6 +247,20 @@ class MpaStream:
             if f.opcode in SENDS:
                 return parse(f.payload)
 
+    async def fetch_add(self, descriptor: tuple[int, int, int], slots: int) -> int:
+        """A ticket: masked FetchAdd on the ring counter ``descriptor`` names; its old value."""
+        self.read_msn += 1
+        stag, offset, _ = descriptor
+        self.writer.write(atomic_fetch_add(self.read_msn, self.read_msn, stag, offset, TICKET_ADD,
+                                           ring_add_mask(slots)))
+        while True:
+            f = await self.next(5)
+            if f.opcode == ATOMIC_RESPONSE:
+                rid, value = struct.unpack_from(">IQ", f.payload)
+                assert rid == self.read_msn, (rid, self.read_msn)
+                return value
+            assert f.opcode != TERMINATE, f"Terminate: {f.payload.hex()}"
+
     async def session(self, initiator_id: bytes | None = None, features: int = 0,
                       credits: int = 32) -> dict:
         """HELLO; the HELLO_ACK's fields."""
@@ -247,7 +282,7 @@ class MpaStream:
 
 ROCE_PORT = 4791
 UD_SEND_ONLY, RC_SEND_ONLY, RC_SEND_ONLY_IMM, RC_ACK, RC_READ_REQUEST = 0x64, 0x04, 0x05, 0x11, 0x0C
-RC_READ_RESPONSE_ONLY, RC_SEND_ONLY_INV = 0x10, 0x17
+RC_READ_RESPONSE_ONLY, RC_SEND_ONLY_INV, RC_ATOMIC_ACK, RC_FETCH_ADD = 0x10, 0x17, 0x12, 0x14
 _GSI_QPN, _GSI_QKEY, _PKEY = 1, 0x80010000, 0xFFFF
 # <linux/in.h>: DF set, so Linux writes Identification 0 from an unconnected socket
 _IP_MTU_DISCOVER, _IP_PMTUDISC_DO = 10, 2
@@ -455,6 +490,7 @@ class RcSession:
         self.comm_id = secrets.randbits(32)
         self.remote_qpn = self.remote_comm = 0           # from the REP
         self.messages: list[dict] = []
+        self.atomics: list[int] = []         # original values of ATOMIC ACKNOWLEDGEs
         self.arrived = asyncio.Event()
         self.answered: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.frozen = False
@@ -503,12 +539,28 @@ class RcSession:
             body = packet[12 + (4 if opcode != RC_SEND_ONLY else 0):]
             self.messages.append(parse(body[:len(body) - ((flags >> 4) & 3)]))
             self.arrived.set()
+        if opcode == RC_ATOMIC_ACK and len(packet) >= 24:
+            self.atomics.append(struct.unpack_from(">Q", packet, 16)[0])
+            self.arrived.set()
         if opcode == RC_READ_REQUEST and len(packet) >= 28:
             size = struct.unpack_from(">I", packet, 24)[0]
             self.port.send(_bth(RC_READ_RESPONSE_ONLY, self.remote_qpn, psn)
                            + struct.pack(">I", 0x1F << 24) + bytes(min(size, 4096)))
         elif opcode < RC_READ_REQUEST or opcode in (0x16, RC_SEND_ONLY_INV):
             self.port.send(_bth(RC_ACK, self.remote_qpn, psn) + struct.pack(">I", 0x1F << 24))
+
+    async def fetch_add(self, descriptor: tuple[int, int, int], slots: int) -> int:
+        """A ticket: FETCH ADD of one ticket (InfiniBand's unmasked Fetch and Add, the
+        ticket in the high 32 bits) on the counter ``descriptor`` names; its old value."""
+        va, rkey = descriptor[1], descriptor[0]
+        self.port.send(_bth(RC_FETCH_ADD, self.remote_qpn, self.psn, ack_req=True)
+                       + struct.pack(">QIQQ", va, rkey, 1 << 32, 0))
+        self.psn = (self.psn + 1) & 0xFFFFFF
+        end = time.monotonic() + 5
+        while not self.atomics:
+            self.arrived.clear()
+            await asyncio.wait_for(self.arrived.wait(), max(0.0, end - time.monotonic()))
+        return self.atomics.pop(0)
 
     async def message(self, timeout: float = 5) -> dict:
         """The next KBTP message the target sent."""

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from kbtp_scapy.initiator import Initiator, KbtpError
-from kbtp_scapy.vocab import Feature
 
 from . import attack as a
 from .hostile import SLACK, RssWatch, TargetProc, admitted_after, start_peer
@@ -506,28 +505,29 @@ def test_one_untrusted_source_holds_at_most_its_cap_of_sessions(transport):
 
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_alloc_store_right_after_direct_tickets_is_charged_for_them(transport):
-    """Quota, raced: a Feature.DIRECT_ALLOC session takes its whole quota in tickets with FetchAdd
-    and sends ALLOC_STORE at once. The target looks at Head before it answers, so the
-    ALLOC_STORE is NO_SPACE, not a block beyond the quota."""
+    """Quota, raced: a DIRECT_ALLOC session takes its whole quota in tickets with FetchAdd
+    on its ring's Head and sends ALLOC_STORE at once. The target looks at Head before it
+    answers, so the ALLOC_STORE is NO_SPACE, not a block beyond the quota."""
     host, local = fresh_hosts(2)
     t = TargetProc(transport, host, "-F", "96", "--features", "DIRECT_ALLOC")
 
     async def scenario():
-        options = {"local": local} if transport == "roce" else {}
-        ini = await Initiator.connect(t.url, features=Feature.DIRECT_ALLOC, **options)
-        for _ in range(ini.target.quota):
-            await ini.take_ticket()
-        try:
-            await ini.alloc_store(ini.target.handle_base, b"one too many")
-            outcome = "OK"
-        except KbtpError as exc:
-            outcome = exc.name
-        await ini.goodbye(release=True)
-        return outcome
+        conn = await a.connect(t.url, local)
+        ack = await conn.session(features=a.DIRECT_ALLOC)
+        assert ack["status"] == "OK" and "head" in ack, ack
+        slots = ack["ring"][2]
+        tickets = [await conn.fetch_add(ack["head"], slots) >> 32 for _ in range(ack["quota"])]
+        conn.say(a.alloc_store(1, ack["handle_base"], b"one too many"))
+        done = await conn.message()
+        conn.say(a.goodbye(release=True))
+        await asyncio.sleep(0.1)
+        await conn.end()
+        return tickets, ack["quota"], done["status"]
     try:
-        outcome = asyncio.run(asyncio.wait_for(scenario(), 30))
+        tickets, quota, outcome = asyncio.run(asyncio.wait_for(scenario(), 30))
     finally:
         t.stop()
+    assert tickets == list(range(quota)), tickets
     assert outcome == "NO_SPACE"
 
 
