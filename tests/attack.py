@@ -214,6 +214,17 @@ class MpaStream:
         assert not reply[16] & 0x20, f"MPA Reply with Reject: {reply.hex()}"
         return await asyncio.wait_for(reader.readexactly(struct.unpack(">H", reply[18:20])[0]), timeout)
 
+    @property
+    def closed(self) -> bool:
+        """The target ended the connection (seen even while reading is paused)."""
+        return self.writer.transport.is_closing() or self.reader.at_eof()
+
+    async def wait_closed(self, timeout: float) -> bool:
+        """Read (and drop) what comes until the target ends the connection or ``timeout``
+        passes: whether it ended."""
+        await self.fpdus(timeout)
+        return self.closed
+
     def say(self, message: bytes) -> None:
         """A KBTP message as a Send."""
         self.msn += 1
@@ -431,6 +442,11 @@ class CmFlooder(RocePort):
     def reps(self) -> int:
         return self.answers.get(CM_REP, 0)
 
+    def close(self) -> None:
+        """Counted what came, then closed."""
+        self.collect()
+        super().close()
+
 
 class _SharedPort(RocePort):
     """The one socket at (``local``, 4791) that all RC sessions from ``local`` to one target
@@ -461,11 +477,14 @@ class _SharedPort(RocePort):
                 session = self.by_qpn.get(qpn)
                 if session is not None:
                     session._packet(datagram)
-            elif cm_attribute(datagram) in (CM_REP, CM_REJ) and len(datagram) >= 52:
+            elif cm_attribute(datagram) in (CM_REP, CM_REJ, CM_DREQ) and len(datagram) >= 52:
                 session = self.by_comm.get(struct.unpack_from(">I", datagram, 48)[0])
-                if session is not None and not session.answered.done():
+                if session is None:
+                    continue
+                if cm_attribute(datagram) == CM_DREQ:
+                    session.closed = True     # unanswered: an attacker owes the target nothing
+                elif not session.answered.done():
                     session.answered.set_result(datagram)
-            # DREQs go unanswered: an attacker owes the target nothing
 
     def drop(self, session: RcSession) -> None:
         self.by_qpn.pop(session.qpn, None)
@@ -493,7 +512,10 @@ class RcSession:
         self.atomics: list[int] = []         # original values of ATOMIC ACKNOWLEDGEs
         self.arrived = asyncio.Event()
         self.answered: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self.frozen = False
+        self.frozen = self.closed = False    # closed: the target sent a DREQ
+        self.epsn = self.psn                 # what we receive with: our REQ's Starting PSN
+        self.receive_buffers = 1 << 30       # Sends the target may still place
+        self.rnr_naks = 0
         port.by_qpn[self.qpn] = port.by_comm[self.comm_id] = self
 
     @classmethod
@@ -529,25 +551,50 @@ class RcSession:
         self.psn = (self.psn + 1) & 0xFFFFFF
 
     def _packet(self, packet: bytes) -> None:
-        """One packet of the target's: a KBTP message kept, a request acknowledged or
-        read-answered."""
+        """One packet of the target's. Responses (ACKs, ATOMIC ACKNOWLEDGE) are taken as
+        they come. Requests are taken in PSN order: a Send kept as a KBTP message, or
+        answered with an RNR NAK while ``receive_buffers`` is 0; a Write (the liveness
+        probe) acknowledged; a Read answered with zeros; a duplicate acknowledged again;
+        one beyond a gap dropped, as IB 9.7.5 has a responder do."""
         if self.frozen:
             return
         opcode, flags = packet[0], packet[1]
         psn = struct.unpack_from(">I", packet, 8)[0] & 0xFFFFFF
-        if opcode in (RC_SEND_ONLY, RC_SEND_ONLY_IMM, RC_SEND_ONLY_INV):
-            body = packet[12 + (4 if opcode != RC_SEND_ONLY else 0):]
-            self.messages.append(parse(body[:len(body) - ((flags >> 4) & 3)]))
-            self.arrived.set()
         if opcode == RC_ATOMIC_ACK and len(packet) >= 24:
             self.atomics.append(struct.unpack_from(">Q", packet, 16)[0])
             self.arrived.set()
-        if opcode == RC_READ_REQUEST and len(packet) >= 28:
-            size = struct.unpack_from(">I", packet, 24)[0]
-            self.port.send(_bth(RC_READ_RESPONSE_ONLY, self.remote_qpn, psn)
-                           + struct.pack(">I", 0x1F << 24) + bytes(min(size, 4096)))
-        elif opcode < RC_READ_REQUEST or opcode in (0x16, RC_SEND_ONLY_INV):
+        if not (opcode <= RC_READ_REQUEST or opcode in (0x16, RC_SEND_ONLY_INV)):
+            return                                   # a response to one of ours
+        behind = (self.epsn - psn) & 0xFFFFFF
+        if behind and behind < 1 << 23:              # a duplicate: acknowledge it again
             self.port.send(_bth(RC_ACK, self.remote_qpn, psn) + struct.pack(">I", 0x1F << 24))
+            return
+        if psn != self.epsn:
+            return                                   # beyond a gap: dropped
+        is_send = opcode in (RC_SEND_ONLY, RC_SEND_ONLY_IMM, RC_SEND_ONLY_INV)
+        if is_send and self.receive_buffers == 0:
+            self.rnr_naks += 1                       # RNR NAK, timer code 1 (0.01 ms)
+            self.port.send(_bth(RC_ACK, self.remote_qpn, psn) + struct.pack(">I", 0x21 << 24))
+            return
+        self.epsn = (psn + 1) & 0xFFFFFF
+        if is_send:
+            self.receive_buffers -= 1
+            body = packet[12 + (4 if opcode != RC_SEND_ONLY else 0):]
+            self.messages.append(parse(body[:len(body) - ((flags >> 4) & 3)]))
+            self.arrived.set()
+        if opcode == RC_READ_REQUEST and len(packet) >= 28:
+            size = min(struct.unpack_from(">I", packet, 24)[0], 1024)     # one packet's worth
+            self.port.send(_bth(RC_READ_RESPONSE_ONLY, self.remote_qpn, psn)
+                           + struct.pack(">I", 0x1F << 24) + bytes(size))
+        else:
+            self.port.send(_bth(RC_ACK, self.remote_qpn, psn) + struct.pack(">I", 0x1F << 24))
+
+    async def wait_closed(self, timeout: float) -> bool:
+        """Until the target sends a DREQ or ``timeout`` passes: whether it did."""
+        end = time.monotonic() + timeout
+        while not self.closed and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        return self.closed
 
     async def fetch_add(self, descriptor: tuple[int, int, int], slots: int) -> int:
         """A ticket: FETCH ADD of one ticket (InfiniBand's unmasked Fetch and Add, the
@@ -583,6 +630,19 @@ class RcSession:
         """The connection closed with a DREQ, without GOODBYE unless one was said."""
         self.port.send(cm_dreq(self.comm_id, self.remote_comm, self.remote_qpn))
         self.port.drop(self)
+
+
+async def keep_saying(conn: MpaStream | RcSession, message, per_tick: int, tick: float,
+                      limit: float = 8.0) -> tuple[float, int, bool]:
+    """``message(n)``, ``per_tick`` every ``tick`` seconds, until the target ends the
+    connection or ``limit`` seconds pass: (seconds, messages sent, ended)."""
+    start, sent = time.monotonic(), 0
+    while not conn.closed and time.monotonic() - start < limit:
+        for _ in range(per_tick):
+            conn.say(message(sent))
+            sent += 1
+        await asyncio.sleep(tick)
+    return time.monotonic() - start, sent, conn.closed
 
 
 async def connect(url: str, local: str | None = None) -> MpaStream | RcSession:

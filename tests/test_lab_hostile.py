@@ -15,13 +15,10 @@ import signal
 
 import pytest
 
-from kbtp_scapy import codec, rnic
 from kbtp_scapy.initiator import Initiator
-from kbtp_scapy.rnic import MemoryTable
-from kbtp_scapy.vocab import Opcode
 
-from .attack import hello
-from .hostile import SLACK, admitted_after, keep_sending, samples, start_peer
+from . import attack as a
+from .hostile import SLACK, admitted_after, samples, start_peer
 from .lab import BINDINGS, GuestTarget, in_lab, rdma_lab
 
 pytestmark = pytest.mark.lab
@@ -48,10 +45,11 @@ def test_verbs_target_probes_idle_sessions_and_closes_silent_connections(lab, tr
                      "--hello-timeout", "1", "--metrics", str(METRICS)) as target:
         async def main():
             loop = asyncio.get_running_loop()
-            silent = await rnic.connect(target.url, MemoryTable())
+            silent = await a.connect(target.url, binding.host)     # and no HELLO
             start = loop.time()
-            await asyncio.wait_for(silent.wait_closed(), 1 + SLACK)
+            assert await silent.wait_closed(1 + SLACK), "the silent connection is still open"
             closed_after = loop.time() - start
+            await silent.end()
             ini = await Initiator.connect(target.url, features=0)
             h = ini.target.handle_base
             await ini.alloc_store(h, b"idle but alive", seal=True)
@@ -104,15 +102,14 @@ def test_rxe_target_stops_serving_a_peer_without_receive_buffers(lab):
     binding = BINDINGS["roce"]
     with GuestTarget(lab, binding, "--backlog-timeout", "2", "--metrics", str(METRICS)) as target:
         async def attack():
-            qp = await rnic.connect(target.url, MemoryTable(), local=binding.host, recv_size=256)
-            qp.post_recv(1)                  # the HELLO_ACK's, then none
-            await qp.send(hello(credits=16))
-            ack = codec.decode((await asyncio.wait_for(qp.recv(), 10)).payload)
-            assert ack["status"] == 0 and ack["hello_ack.request_credits"] == 16, ack
-            handle = ack["hello_ack.handle_base"]
-            return await keep_sending(qp, lambda n: codec.encode({
-                "opcode": Opcode.LOAD, "request_id": n, "handle": handle, "flags": 0,
-                "dd.stag": 0, "dd.offset": 0, "dd.length": 4096}), 16, 0.01)
+            conn = await a.connect(target.url, binding.host)
+            ack = await conn.session(credits=16)
+            assert ack["status"] == "OK" and ack["credits"] == 16, ack
+            conn.receive_buffers = 0         # the HELLO_ACK's was the last
+            handle = ack["handle_base"]
+            result = await a.keep_saying(conn, lambda n: a.load(n, handle), 16, 0.01)
+            await conn.end()
+            return result
         with in_lab(lab):
             took, sent, closed = run(attack())
         m = metrics(lab)

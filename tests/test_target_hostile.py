@@ -13,17 +13,15 @@ import time
 
 import pytest
 
-from kbtp_scapy import codec, rnic
+from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError
-from kbtp_scapy.rnic import MemoryTable
-from kbtp_scapy.rnic.memory import Access
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.audit import audit
 from kbtp_scapy.vocab import Opcode, RequestFlag, Status
 from kbtp_scapy.wire import roce as rw
 
 from . import attack as a
-from .hostile import SLACK, RssWatch, Steady, TargetProc, admitted_after, keep_sending, start_peer, under_attack
+from .hostile import SLACK, RssWatch, Steady, TargetProc, admitted_after, start_peer, under_attack
 from .kbtp_harness import TargetThread, fresh_hosts
 from .netns import Link, enter, ip
 from .relay import Relay
@@ -127,19 +125,14 @@ def test_iwarp_peer_whose_link_went_down_is_noticed_by_tcp():
 
 # -- 2 and 3: backpressure -----------------------------------------------------------
 
-async def stored_block(qp) -> int:
+async def stored_block(conn: a.MpaStream | a.RcSession, credits: int = 32) -> int:
     """HELLO, then one sealed 4 KiB block in the attacker's own range: its handle."""
-    qp.post_recv(2)
-    await qp.send(a.hello())
-    ack = codec.decode((await asyncio.wait_for(qp.recv(), 10)).payload)
-    assert ack["status"] == 0
-    handle = ack["hello_ack.handle_base"]
-    await qp.send(codec.encode({"opcode": Opcode.ALLOC_STORE, "request_id": 1, "handle": handle,
-                                "flags": RequestFlag.INLINE | RequestFlag.SEAL,
-                                "inline_data": bytes(4096)}))
-    done = codec.decode((await asyncio.wait_for(qp.recv(), 10)).payload)
-    assert done["status"] == 0, done
-    return handle
+    ack = await conn.session(credits=credits)
+    assert ack["status"] == "OK", ack
+    conn.say(a.alloc_store(1, ack["handle_base"], bytes(4096), seal=True))
+    done = await conn.message(10)
+    assert done["status"] == "OK", done
+    return ack["handle_base"]
 
 
 @pytest.mark.slow
@@ -150,12 +143,12 @@ def test_iwarp_peer_that_never_reads_is_throttled_then_terminated():
     t = TargetProc("iwarp", host, *SMALL, "--max-backlog", "262144", "--backlog-timeout", "2")
 
     async def attack():
-        qp = await rnic.connect(t.url, MemoryTable(), recv_size=256)
-        handle = await stored_block(qp)
-        sink = qp.memory.register(bytearray(4096), Access.REMOTE_WRITE)
-        qp._tp.pause_reading()               # from here on nothing is read
-        # paced to stay within the 32 credits while the target keeps up
-        return await keep_sending(qp, lambda n: load_request(n, handle, sink.stag), 16, 0.005)
+        conn = await a.connect(t.url)
+        handle = await stored_block(conn)
+        conn.writer.transport.pause_reading()        # from here on nothing is read
+        # paced to stay within the 32 credits while the target keeps up; the sink STag
+        # is made up, as nothing is read
+        return await a.keep_saying(conn, lambda n: a.load(n, handle, stag=0x1234), 16, 0.005)
     try:
         r = under_attack(t, attack)
     finally:
@@ -180,19 +173,21 @@ def test_roce_peer_that_posts_no_receive_buffers_is_terminated_at_the_backlog_ti
     t = TargetProc("roce", host, *SMALL, "--backlog-timeout", "2", "--credits", "16")
 
     async def attack():
-        qp = await rnic.connect(t.url, MemoryTable(), local=a_host, recv_size=256)
-        qp.post_recv(1)                      # the HELLO_ACK's, then none
-        await qp.send(a.hello(credits=16))
-        ack = codec.decode((await asyncio.wait_for(qp.recv(), 10)).payload)
-        assert ack["status"] == 0 and ack["hello_ack.request_credits"] == 16
-        handle = ack["hello_ack.handle_base"]
-        return await keep_sending(qp, lambda n: load_request(n, handle), 16, 0.01)  # NOT_VALID
+        conn = await a.connect(t.url, a_host)
+        ack = await conn.session(credits=16)
+        assert ack["status"] == "OK" and ack["credits"] == 16, ack
+        conn.receive_buffers = 0                     # the HELLO_ACK's was the last
+        handle = ack["handle_base"]
+        result = await a.keep_saying(conn, lambda n: a.load(n, handle), 16, 0.01)   # NOT_VALID
+        await conn.end()
+        return result + (conn.rnr_naks,)
     try:
         r = under_attack(t, attack, local=w_host)
     finally:
         t.stop()
-    (took, sent, closed), m = r["result"], r["metrics"]
+    (took, sent, closed, rnr_naks), m = r["result"], r["metrics"]
     assert closed and took < 2 + SLACK, (took, sent)
+    assert rnr_naks >= 1, "the target never tried to send an answer"
     assert m['kbtp_connections_terminated_total{reason="backlog"}'] == 1
     # what the target executed of the attacker's: the credits, and at most 2 x 16 answers
     # waiting (not the thousands it sent)
