@@ -14,7 +14,7 @@ from ...initiator import Initiator
 from ...vocab import Feature
 from ..context import Ctx
 from ..registry import RULE, case
-from .common import data
+from .common import data, unbound
 from .direct import abandon_ticket
 from .ops import QUOTA, fill_quota, quota_of
 from .session import all_credits_outstanding
@@ -123,3 +123,37 @@ async def reclaimed_unit(ctx: Ctx) -> None:
     await fill_quota(ctx, a, hs[:q], "after an abandoned ticket was reclaimed")
     status, _ = await ctx.outcome(a.alloc_store(hs[q], b"over"))
     ctx.check(status == "NO_SPACE", "the allocation beyond the quota after the reclaim: NO_SPACE", status)
+
+
+@case("direct.quota.tickets", "Allocation Quotas", RULE, """An initiator's usage is the number of
+      handles it has bound plus the number of tickets it has taken and not yet bound. ... If a
+      target observes an allocation by an initiator that exceeds its quota, it completes the
+      request with NO_SPACE and MAY terminate the session.""", features=Feature.DIRECT_ALLOC)
+async def quota_tickets(ctx: Ctx) -> None:
+    """Tickets taken by FetchAdd and not bound count as usage: with the whole quota taken
+    so, an ALLOC_STORE completes NO_SPACE; with one ticket more taken past the quota (the
+    RNIC executes any FetchAdd on Head, so a misbehaving initiator can), usage is above the
+    quota and an ALLOC_STORE must still complete NO_SPACE. Both before the Ticket Timeout
+    can abandon any of the tickets."""
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
+    q = quota_of(ctx, a, 0)
+    h = await ctx.handle(a)
+    loop = asyncio.get_running_loop()
+    started, taken = loop.time(), 0
+    for extra, where in ((0, "at the quota"), (1, "one past the quota")):
+        while taken < q + extra:
+            await ctx.wait(a.take_ticket(), "FetchAdd on Head")
+            taken += 1
+        sent = loop.time()         # the tickets' age when the target can first see the request
+        try:
+            status, _ = await ctx.outcome(a.alloc_store(h, b"past the quota"))
+        except Exception as exc:   # the text allows terminating the session
+            if not a.qp.closed:
+                raise
+            ctx.note(f"the target terminated the session on the allocation {where} ({exc})")
+            return
+        if status != "NO_SPACE" and sent - started > a.target.ticket_timeout_ms / 1000 * 0.8:
+            ctx.skip("taking the tickets took nearly the Ticket Timeout: some may be abandoned meanwhile")
+        ctx.check(status == "NO_SPACE", f"ALLOC_STORE with {taken} tickets taken by FetchAdd and not "
+                  f"bound (usage {where}, the quota {q}): NO_SPACE", status)
+    await unbound(ctx, a, h, "after the ALLOC_STOREs refused for the quota")

@@ -3,16 +3,20 @@
 Features are what the HELLO requested and the target offers (ADDR_LE is the target's own
 choice). A session that was not granted RECORD_COMPLETION is answered with COMPLETION
 messages even for requests that carry RECORD and a Completion Descriptor; one that was
-not granted DIRECT_ALLOC has no ring, so a BIND in it binds nothing.
+not granted DIRECT_ALLOC has no ring, so a BIND in it binds nothing, and its target-executed
+allocations take blocks from the ring shared by all such sessions, not from a partition.
 """
 from __future__ import annotations
+
+import asyncio
 
 from ...rnic import Access
 from ...tables import memory as M
 from ...vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from ..context import Ctx, status_name
-from ..registry import RULE, case
+from ..registry import RULE, SetupFailed, case
 from .common import SENTINEL, bind, data, unbound
+from .ops import quota_of
 
 DESCRIPTORS = {Feature.DIRECT_LOAD: ("table.stag", "pool.stag"),
                Feature.DIRECT_ALLOC: ("partition.stag", "ring.stag", "head.stag")}
@@ -61,3 +65,39 @@ async def not_granted(ctx: Ctx) -> None:
     status, _ = await ctx.outcome(a.bind(other, 0, 0, r.block_offset))
     ctx.check(status != "OK", "a BIND in a session not granted DIRECT_ALLOC refused", "completed OK")
     await unbound(ctx, a, other, "after a BIND in a session not granted DIRECT_ALLOC")
+
+
+@case("session.features.shared_ring", "Allocation Quotas", RULE, """Target-executed allocations take
+      blocks from a ring shared by all initiators that the target serves this way.""")
+async def shared_ring(ctx: Ctx) -> None:
+    """Sessions not granted DIRECT_ALLOC allocate from the one shared ring, which must hold
+    a block for every ticket each of them may take ("When all initiators respect their
+    quotas, the ring always holds a block for every ticket taken"): with two such sessions
+    admitted, at least two quotas of free blocks. One of them allocates its whole quota and
+    frees it; the freed blocks go in at the Tail, behind at least a quota of others, so its
+    next allocation is none of them. A target that reserved a ring of its own for the
+    session (a partition of exactly its quota, as for DIRECT_ALLOC) hands one of them back.
+    Once with every offered feature requested but DIRECT_ALLOC, once with none."""
+    offered = ctx.info.features & ~(Feature.DIRECT_ALLOC | Feature.ADDR_LE)
+    for requested in dict.fromkeys((offered, 0)):
+        a = await ctx.connect(features=requested)
+        try:
+            b = await ctx.connect(features=requested)
+        except SetupFailed as refused:
+            ctx.skip(f"the target admits no second session on the shared ring beside the first "
+                     f"({refused.seen.split(',')[0]})")
+        for ini in (a, b):
+            ctx.check(not ini.target.features & Feature.DIRECT_ALLOC, f"HELLO_ACK to a HELLO requesting "
+                      f"{requested:#06x}: DIRECT_ALLOC not granted", f"{ini.target.features:#06x}")
+        q = quota_of(ctx, a, 1)
+        hs = await ctx.handles(a, q + 1)
+        bound = await ctx.wait(asyncio.gather(*(ctx.setup(a.alloc_store(h, b"s"), f"ALLOC_STORE to 0x{h:x}")
+                                                for h in hs[:q])), f"{q} ALLOC_STOREs")
+        freed = await asyncio.gather(*(ctx.outcome(a.free(h)) for h in hs[:q]))
+        ctx.check(all(s == "OK" for s, _ in freed), f"FREE of the {q} blocks", [s for s, _ in freed])
+        r = await ctx.ok(a.alloc_store(hs[q], b"next"), "ALLOC_STORE after the whole quota was freed")
+        blocks = {x.block_offset for x in bound}
+        ctx.check(r.block_offset not in blocks, f"with a second session ({requested:#06x}) on the shared "
+                  f"ring, the allocation after {q} allocated and freed a block other than those {q}",
+                  f"{r.block_offset:#x}, one of them")
+        await ctx.ok(a.free(hs[q]), "FREE")
