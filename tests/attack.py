@@ -467,12 +467,15 @@ class _SharedPort(RocePort):
         super().__init__(local, target)
         self.by_qpn: dict[int, RcSession] = {}
         self.by_comm: dict[int, RcSession] = {}
+        self.seen: dict[int, int] = {}          # what came, by BTH opcode (CM MADs by attribute + 0x1000)
 
     def _dispatch(self) -> None:
         for datagram in self.received():
             if len(datagram) < 12:
                 continue
             qpn = int.from_bytes(datagram[5:8], "big")
+            kind = datagram[0] if qpn != _GSI_QPN else 0x1000 + (cm_attribute(datagram) or 0)
+            self.seen[kind] = self.seen.get(kind, 0) + 1
             if qpn != _GSI_QPN:
                 session = self.by_qpn.get(qpn)
                 if session is not None:
@@ -516,6 +519,8 @@ class RcSession:
         self.epsn = self.psn                 # what we receive with: our REQ's Starting PSN
         self.receive_buffers = 1 << 30       # Sends the target may still place
         self.rnr_naks = 0
+        self.unacked: dict[int, bytes] = {}  # our requests by PSN, until acknowledged
+        self._resending = False
         port.by_qpn[self.qpn] = port.by_comm[self.comm_id] = self
 
     @classmethod
@@ -547,8 +552,34 @@ class RcSession:
         pad = -len(message) % 4
         bth = bytearray(_bth(RC_SEND_ONLY, self.remote_qpn, self.psn, ack_req=True))
         bth[1] |= pad << 4
-        self.port.send(bytes(bth) + message + bytes(pad))
+        self._request(bytes(bth) + message + bytes(pad))
+
+    def _request(self, packet: bytes) -> None:
+        """Sent, and kept until acknowledged: a NAK has it sent again, go-back-N as an RC
+        requester does (IB 9.7.5.1), so requests beyond the target's credits arrive once it
+        has receive buffers again."""
+        self.unacked[self.psn] = packet
+        if len(self.unacked) > 4096:                  # bounded: the oldest is given up
+            del self.unacked[next(iter(self.unacked))]
+        self.port.send(packet)
         self.psn = (self.psn + 1) & 0xFFFFFF
+
+    def _acknowledged(self, psn: int, syndrome: int) -> None:
+        """An ACK or NAK (AETH ``syndrome``) from the target for our ``psn``."""
+        kind = syndrome >> 5
+        done = psn if kind == 0 else psn - 1          # a NAK names the first PSN not taken
+        for old in list(self.unacked):
+            if (done - old) & 0xFFFFFF < 1 << 23:
+                del self.unacked[old]
+        if kind in (1, 3) and not self._resending:    # RNR NAK, or NAK: again from psn
+            self._resending = True
+            asyncio.get_running_loop().call_later(0.002 if kind == 1 else 0, self._resend)
+
+    def _resend(self) -> None:
+        self._resending = False
+        if not self.frozen and self.port.sock.fileno() != -1:     # not ended meanwhile
+            for packet in list(self.unacked.values()):
+                self.port.send(packet)
 
     def _packet(self, packet: bytes) -> None:
         """One packet of the target's. Responses (ACKs, ATOMIC ACKNOWLEDGE) are taken as
@@ -560,6 +591,8 @@ class RcSession:
             return
         opcode, flags = packet[0], packet[1]
         psn = struct.unpack_from(">I", packet, 8)[0] & 0xFFFFFF
+        if opcode in (RC_ACK, RC_ATOMIC_ACK) and len(packet) >= 16:
+            self._acknowledged(psn, packet[12])
         if opcode == RC_ATOMIC_ACK and len(packet) >= 24:
             self.atomics.append(struct.unpack_from(">Q", packet, 16)[0])
             self.arrived.set()
@@ -600,9 +633,8 @@ class RcSession:
         """A ticket: FETCH ADD of one ticket (InfiniBand's unmasked Fetch and Add, the
         ticket in the high 32 bits) on the counter ``descriptor`` names; its old value."""
         va, rkey = descriptor[1], descriptor[0]
-        self.port.send(_bth(RC_FETCH_ADD, self.remote_qpn, self.psn, ack_req=True)
-                       + struct.pack(">QIQQ", va, rkey, 1 << 32, 0))
-        self.psn = (self.psn + 1) & 0xFFFFFF
+        self._request(_bth(RC_FETCH_ADD, self.remote_qpn, self.psn, ack_req=True)
+                      + struct.pack(">QIQQ", va, rkey, 1 << 32, 0))
         end = time.monotonic() + 5
         while not self.atomics:
             self.arrived.clear()

@@ -785,6 +785,22 @@ def plant_reclaim_keeps_usage(t, mp):
 VALIDATE = ("It validates every request before touching memory: ... A failed check completes "
             "the request with the corresponding status and has no other effect.")
 
+def plant_usage_compared_for_equality(t, mp) -> None:
+    """The quota test ``usage == quota`` instead of ``>=``: usage above the quota, which only
+    tickets taken past it by FetchAdd can reach, passes as if below it."""
+    def usage(s: InitiatorState) -> int:
+        used = len(s.bound) + s.tickets
+        return used if used <= s.quota else s.quota - 1
+    mp.setattr(InitiatorState, "usage", property(usage))
+
+
+def plant_partition_for_every_session(t, mp) -> None:
+    """A partition reserved for every session, whatever its HELLO requested: one that did
+    not ask for DIRECT_ALLOC allocates from a partition, not from the shared ring."""
+    wrap_method(mp, Sessions, "admit", lambda admit: lambda self, ident, want, source="":
+                admit(self, ident, True, source))
+
+
 CORPUS: list[Bug] = [
     # Session Establishment
     Bug("hello_ack_request_id", "HELLO_ACK ... in which Request ID, Block Handle, Generation, and "
@@ -1029,6 +1045,13 @@ CORPUS: list[Bug] = [
         lambda t, mp: mp.setattr(InitiatorState, "heard", lambda self, now: float("-inf"))),
     Bug("reclaim_keeps_usage", "the target releases one unit of usage ... when an abandoned ticket is "
         "reclaimed", "direct.ticket.reclaimed_unit", plant_reclaim_keeps_usage),
+    # the two checker gaps mutation sample 4 found (docs/MUTANTS.md)
+    Bug("quota_by_equality", "If a target observes an allocation by an initiator that exceeds its "
+        "quota, it completes the request with NO_SPACE", "direct.quota.tickets",
+        plant_usage_compared_for_equality),
+    Bug("partition_not_requested", "Target-executed allocations take blocks from a ring shared by all "
+        "initiators that the target serves this way", "session.features.shared_ring",
+        plant_partition_for_every_session),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 assert len(BY_NAME) == len(CORPUS)

@@ -24,9 +24,8 @@ from kbtp_scapy.conform.cases import all_cases
 from kbtp_scapy.conform.registry import SHOULD
 from kbtp_scapy.conform.runner import probe, run, run_case
 from kbtp_scapy.initiator import Initiator, KbtpError
-from kbtp_scapy.target.sessions import InitiatorState, Sessions
 
-from .planted_bugs import BY_NAME, CORPUS, Bug, set_handler, start, wrap_method
+from .planted_bugs import BY_NAME, CORPUS, Bug, set_handler, start
 
 #: Runs of each planted bug's case: the suite checks the bug is caught every time it looks;
 #: five of five per binding is tools/conform_catch_rate.py's measure, not the suite's.
@@ -112,37 +111,10 @@ def test_generation_goes_round_on_a_fresh_reference(transport):
 
 # -- planted bugs: each fails its case, on each binding, every run ----------------------------
 
-def _usage_compared_for_equality(t, mp) -> None:
-    """The quota test ``usage == quota`` instead of ``>=``: usage above the quota, which only
-    tickets taken past it by FetchAdd can reach, passes as if below it."""
-    def usage(s: InitiatorState) -> int:
-        used = len(s.bound) + s.tickets
-        return used if used <= s.quota else s.quota - 1
-    mp.setattr(InitiatorState, "usage", property(usage))
-
-
-def _partition_for_every_session(t, mp) -> None:
-    """A partition reserved for every session, whatever its HELLO requested: one that did
-    not ask for DIRECT_ALLOC allocates from a partition, not from the shared ring."""
-    wrap_method(mp, Sessions, "admit", lambda admit: lambda self, ident, want, source="":
-                admit(self, ident, True, source))
-
-
-#: The two checker gaps that mutation sample 4 found (docs/MUTANTS.md), as planted bugs for
-#: the cases that close them; the rest of the corpus is tests/planted_bugs.py's.
-SAMPLE_4 = [
-    Bug("quota_by_equality", "If a target observes an allocation by an initiator that exceeds its "
-        "quota, it completes the request with NO_SPACE", "direct.quota.tickets",
-        _usage_compared_for_equality),
-    Bug("partition_not_requested", "Target-executed allocations take blocks from a ring shared by all "
-        "initiators that the target serves this way", "session.features.shared_ring",
-        _partition_for_every_session),
-]
-BUGS = [*CORPUS, *SAMPLE_4]
 
 
 def test_every_case_has_a_planted_bug():
-    assert {c.id for c in all_cases()} == {b.case for b in BUGS}
+    assert {c.id for c in all_cases()} == {b.case for b in CORPUS}
 
 
 def _planted(bug: Bug, transport: str, monkeypatch, tmp_path, runs: int = RUNS):
@@ -161,7 +133,7 @@ SAMPLE = 12
 
 @pytest.mark.parametrize("bug,transport", [
     pytest.param(b, tr, marks=() if i % SAMPLE == 0 else pytest.mark.slow)
-    for i, (b, tr) in enumerate((b, tr) for b in BUGS for tr in b.transports)],
+    for i, (b, tr) in enumerate((b, tr) for b in CORPUS for tr in b.transports)],
     ids=lambda v: v.name if isinstance(v, Bug) else v)
 def test_planted_bug_fails_its_case_every_run(bug, transport, monkeypatch, tmp_path):
     outcomes = _planted(bug, transport, monkeypatch, tmp_path)

@@ -108,12 +108,13 @@ def test_rxe_target_stops_serving_a_peer_without_receive_buffers(lab):
             conn.receive_buffers = 0         # the HELLO_ACK's was the last
             handle = ack["handle_base"]
             result = await a.keep_saying(conn, lambda n: a.load(n, handle), 16, 0.01)
+            seen = {hex(k): v for k, v in conn.port.seen.items()}
             await conn.end()
-            return result
+            return (*result, conn.rnr_naks, seen)
         with in_lab(lab):
-            took, sent, closed = run(attack())
+            took, sent, closed, rnr_naks, seen = run(attack())
         m = metrics(lab)
-    assert closed and took < 2 + SLACK, (took, sent)
+    assert closed and took < 2 + SLACK, (took, sent, rnr_naks, seen)
     assert m['kbtp_connections_terminated_total{reason="backlog"}'] == 1, m
     served = m.get('kbtp_operations_total{opcode="LOAD",status="NOT_VALID"}', 0)
     assert served <= 16 + 2 * 16 + 16 and sent > 5 * served, (served, sent)
