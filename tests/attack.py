@@ -199,11 +199,15 @@ class MpaStream:
         self.msn = self.read_msn = 0         # Sends; Read and Atomic Requests
 
     @classmethod
-    async def open(cls, host: str, port: int, local: str | None = None, timeout: float = 5) -> MpaStream:
+    async def open(cls, host: str, port: int, local: str | None = None, timeout: float = 5,
+                   rtr_after: float = 0.0) -> MpaStream:
+        """Connected: TCP, the MPA Request and Reply, and the RTR ``rtr_after`` seconds
+        after the Reply."""
         reader, writer = await asyncio.open_connection(host, port,
                                                        local_addr=(local, 0) if local else None)
         writer.write(mpa_request())
         await cls.read_reply(reader, timeout)
+        await asyncio.sleep(rtr_after)
         writer.write(rtr())
         return cls(reader, writer)
 
