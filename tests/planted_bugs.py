@@ -801,6 +801,17 @@ def plant_partition_for_every_session(t, mp) -> None:
                 admit(self, ident, True, source))
 
 
+def plant_partition_kept_when_not_granted(t, mp) -> None:
+    """A HELLO asking DIRECT_ALLOC reserves a partition, the HELLO_ACK does not grant
+    DIRECT_ALLOC (here: the partition's windows are refused, as a device may refuse them),
+    and the session keeps the partition: its target-executed allocations take blocks from
+    it, not from the shared ring (mutation sample 4's `features >> DIRECT_ALLOC` grants it
+    only with RECORD_COMPLETION or ADDR_LE beside it)."""
+    def refused(*args):
+        raise OSError("the partition's windows refused (planted)")
+    mp.setattr(conn_mod, "grant_partition", refused)
+
+
 CORPUS: list[Bug] = [
     # Session Establishment
     Bug("hello_ack_request_id", "HELLO_ACK ... in which Request ID, Block Handle, Generation, and "
@@ -1052,6 +1063,9 @@ CORPUS: list[Bug] = [
     Bug("partition_not_requested", "Target-executed allocations take blocks from a ring shared by all "
         "initiators that the target serves this way", "session.features.shared_ring",
         plant_partition_for_every_session),
+    Bug("partition_kept_not_granted", "Target-executed allocations take blocks from a ring shared by "
+        "all initiators that the target serves this way", "session.features.shared_ring",
+        plant_partition_kept_when_not_granted),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 assert len(BY_NAME) == len(CORPUS)

@@ -77,15 +77,22 @@ async def shared_ring(ctx: Ctx) -> None:
     frees it; the freed blocks go in at the Tail, behind at least a quota of others, so its
     next allocation is none of them. A target that reserved a ring of its own for the
     session (a partition of exactly its quota, as for DIRECT_ALLOC) hands one of them back.
-    Once with every offered feature requested but DIRECT_ALLOC, once with none."""
+    Once with every offered feature requested but DIRECT_ALLOC, once with none, and once
+    with DIRECT_ALLOC alone, where it counts only if neither session was granted it (a
+    target may grant fewer features than asked, but a session it does not serve by
+    DIRECT_ALLOC is served from the shared ring, not from a partition kept for it)."""
     offered = ctx.info.features & ~(Feature.DIRECT_ALLOC | Feature.ADDR_LE)
-    for requested in dict.fromkeys((offered, 0)):
+    for requested in dict.fromkeys((offered, 0, Feature.DIRECT_ALLOC)):
         a = await ctx.connect(features=requested)
         try:
             b = await ctx.connect(features=requested)
         except SetupFailed as refused:
+            if requested & Feature.DIRECT_ALLOC:
+                break          # the other rounds were judged; this one needs two sessions
             ctx.skip(f"the target admits no second session on the shared ring beside the first "
                      f"({refused.seen.split(',')[0]})")
+        if requested & Feature.DIRECT_ALLOC and (a.target.features | b.target.features) & Feature.DIRECT_ALLOC:
+            continue           # served by DIRECT_ALLOC: a partition of its own is the rule there
         for ini in (a, b):
             ctx.check(not ini.target.features & Feature.DIRECT_ALLOC, f"HELLO_ACK to a HELLO requesting "
                       f"{requested:#06x}: DIRECT_ALLOC not granted", f"{ini.target.features:#06x}")
