@@ -111,8 +111,6 @@ def test_generation_goes_round_on_a_fresh_reference(transport):
 
 # -- planted bugs: each fails its case, on each binding, every run ----------------------------
 
-
-
 def test_every_case_has_a_planted_bug():
     assert {c.id for c in all_cases()} == {b.case for b in CORPUS}
 
