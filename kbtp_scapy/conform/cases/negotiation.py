@@ -82,16 +82,19 @@ async def shared_ring(ctx: Ctx) -> None:
     target may grant fewer features than asked, but a session it does not serve by
     DIRECT_ALLOC is served from the shared ring, not from a partition kept for it)."""
     offered = ctx.info.features & ~(Feature.DIRECT_ALLOC | Feature.ADDR_LE)
+    judged = False
     for requested in dict.fromkeys((offered, 0, Feature.DIRECT_ALLOC)):
-        a = await ctx.connect(features=requested)
         try:
+            a = await ctx.connect(features=requested)
             b = await ctx.connect(features=requested)
         except SetupFailed as refused:
-            if requested & Feature.DIRECT_ALLOC:
-                break          # the other rounds were judged; this one needs two sessions
-            ctx.skip(f"the target admits no second session on the shared ring beside the first "
-                     f"({refused.seen.split(',')[0]})")
+            if judged:
+                break          # a round was judged; the next needs two sessions the target has no room for
+            ctx.skip(f"the target admits no two sessions on the shared ring beside those of earlier "
+                     f"cases ({refused.seen.split(',')[0]})")
         if requested & Feature.DIRECT_ALLOC and (a.target.features | b.target.features) & Feature.DIRECT_ALLOC:
+            for ini in (a, b):
+                await ctx.goodbye(ini, release=True)
             continue           # served by DIRECT_ALLOC: a partition of its own is the rule there
         for ini in (a, b):
             ctx.check(not ini.target.features & Feature.DIRECT_ALLOC, f"HELLO_ACK to a HELLO requesting "
@@ -108,3 +111,6 @@ async def shared_ring(ctx: Ctx) -> None:
                   f"ring, the allocation after {q} allocated and freed a block other than those {q}",
                   f"{r.block_offset:#x}, one of them")
         await ctx.ok(a.free(hs[q]), "FREE")
+        for ini in (a, b):     # the next round's two sessions take their places
+            await ctx.goodbye(ini, release=True)
+        judged = True
