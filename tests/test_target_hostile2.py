@@ -460,6 +460,35 @@ def test_idle_and_frozen_peers_give_way_to_a_newcomer(transport):
     assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= 1, metrics
 
 
+@pytest.mark.slow
+def test_sessions_stalled_inside_an_fpdu_give_way_to_a_newcomer():
+    """N5, the partial FPDU: 8 sessions (every slot) each send half an FPDU after HELLO and
+    stall there. The target's reader waits for the rest, but the session counts as silent:
+    a newcomer is admitted once they have been silent --idle-timeout (2 s), not never."""
+    host, attacker, our_local = fresh_hosts(3)
+    t = TargetProc("iwarp", host, "-F", "96", "--features", "none", "--idle-timeout", "2")
+
+    async def scenario():
+        stalled = [await a.connect(t.url, attacker) for _ in range(8)]
+        for conn in stalled:
+            assert (await conn.session())["status"] == "OK"
+            conn.writer.write(a.send(a.free(1, 0x4000), 2)[:20])     # half a FREE, then nothing
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        took, refusals, newcomer = await admitted_after(t.url, start)
+        await newcomer.goodbye(release=True)
+        for conn in stalled:
+            await conn.end()
+        return took, refusals
+    try:
+        took, refusals = asyncio.run(asyncio.wait_for(scenario(), 60))
+        metrics = t.metrics()
+    finally:
+        t.stop()
+    assert refusals > 0 and took < 2 + SLACK, (took, refusals)
+    assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= 1, metrics
+
+
 async def session_from(url: str, local: str, ident: bytes):
     """An attacker's HELLO with ``ident`` from ``local``: (its HELLO_ACK Status, a coroutine
     function that ends the connection without GOODBYE)."""
