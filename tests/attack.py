@@ -681,13 +681,14 @@ async def keep_saying(conn: MpaStream | RcSession, message, per_tick: int, tick:
     return time.monotonic() - start, sent, conn.closed
 
 
-async def connect(url: str, local: str | None = None) -> MpaStream | RcSession:
+async def connect(url: str, local: str | None = None, rtr_after: float = 0.0) -> MpaStream | RcSession:
     """A connection to the target at ``url`` (iwarp://HOST:PORT or roce://HOST[:4791]),
-    from ``local``; RoCEv2 needs a local address of its own, where the target answers."""
+    from ``local``; RoCEv2 needs a local address of its own, where the target answers.
+    ``rtr_after``: iWARP's RTR that many seconds after the MPA Reply."""
     scheme, _, where = url.partition("://")
     host, _, port = where.rpartition(":") if ":" in where else (where, "", "")
     if scheme == "iwarp":
-        return await MpaStream.open(host, int(port), local)
+        return await MpaStream.open(host, int(port), local, rtr_after=rtr_after)
     if scheme == "roce":
         assert local, "a RoCEv2 attacker needs a local address (its port 4791 is where answers come)"
         return await RcSession.open(local, host)

@@ -788,8 +788,11 @@ VALIDATE = ("It validates every request before touching memory: ... A failed che
 def plant_usage_compared_for_equality(t, mp) -> None:
     """The quota test ``usage == quota`` instead of ``>=``: usage above the quota, which only
     tickets taken past it by FetchAdd can reach, passes as if below it."""
+    real = InitiatorState.usage.fget
+    assert real is not None
+
     def usage(s: InitiatorState) -> int:
-        used = len(s.bound) + s.tickets
+        used = real(s)
         return used if used <= s.quota else s.quota - 1
     mp.setattr(InitiatorState, "usage", property(usage))
 

@@ -49,9 +49,7 @@ def test_verbs_target_probes_idle_sessions_and_closes_silent_connections(lab, tr
             # can take it before its QP is in RDMA mode, never reports the connection
             # established, and drops it at its own MPA timeout (10 s), the target none the
             # wiser (README "Limits", on siw)
-            host, port = target.url.split("://")[1].rsplit(":", 1)
-            silent = await (a.MpaStream.open(host, int(port), binding.host, rtr_after=0.05)
-                            if transport == "iwarp" else a.connect(target.url, binding.host))
+            silent = await a.connect(target.url, binding.host, rtr_after=0.05)
             start = loop.time()
             assert await silent.wait_closed(1 + SLACK), "the silent connection is still open"
             closed_after = loop.time() - start

@@ -424,6 +424,30 @@ def test_a_hosts_100_parallel_connects_all_succeed(transport):
     assert good == 100, bad
 
 
+async def silent_sessions_give_way(url: str, attacker: str, count: int, then: bytes = b"",
+                                   **newcomer_options) -> tuple[float, int]:
+    """``count`` attacker sessions from ``attacker`` that write ``then`` after HELLO and
+    nothing more, then a newcomer HELLOing until admitted: (seconds it took, refusals)."""
+    held = [await a.connect(url, attacker) for _ in range(count)]
+    for conn in held:
+        assert (await conn.session())["status"] == "OK"
+        if then:
+            assert isinstance(conn, a.MpaStream)
+            conn.writer.write(then)
+    start = asyncio.get_running_loop().time()
+    took, refusals, newcomer = await admitted_after(url, start, **newcomer_options)
+    await newcomer.goodbye(release=True)
+    for conn in held:
+        await conn.end()
+    return took, refusals
+
+
+def assert_gave_way(took: float, refusals: int, metrics: dict) -> None:
+    """Every slot was held (the newcomer was refused), and it got in at --idle-timeout (2 s)."""
+    assert refusals > 0 and took < 2 + SLACK, (took, refusals)
+    assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= 1, metrics
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_idle_and_frozen_peers_give_way_to_a_newcomer(transport):
@@ -436,28 +460,16 @@ def test_idle_and_frozen_peers_give_way_to_a_newcomer(transport):
     frozen = start_peer(t.url, secrets.token_bytes(16), False,
                         *([frozen_local] if transport == "roce" else []))
     os.kill(frozen.pid, signal.SIGSTOP)
-
-    async def scenario():
-        options = {"local": our_local} if transport == "roce" else {}
-        idle = [await a.connect(t.url, idle_local) for _ in range(7)]
-        for conn in idle:
-            assert (await conn.session())["status"] == "OK"
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        took, refusals, newcomer = await admitted_after(t.url, start, **options)
-        await newcomer.goodbye(release=True)
-        for conn in idle:
-            await conn.end()
-        return took, refusals
+    options = {"local": our_local} if transport == "roce" else {}
     try:
-        took, refusals = asyncio.run(asyncio.wait_for(scenario(), 60))
+        took, refusals = asyncio.run(asyncio.wait_for(
+            silent_sessions_give_way(t.url, idle_local, 7, **options), 60))
         metrics = t.metrics()
     finally:
         os.kill(frozen.pid, signal.SIGKILL)
         frozen.wait()
         t.stop()
-    assert refusals > 0 and took < 2 + SLACK, (took, refusals)
-    assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= 1, metrics
+    assert_gave_way(took, refusals, metrics)
 
 
 @pytest.mark.slow
@@ -465,28 +477,16 @@ def test_sessions_stalled_inside_an_fpdu_give_way_to_a_newcomer():
     """N5, the partial FPDU: 8 sessions (every slot) each send half an FPDU after HELLO and
     stall there. The target's reader waits for the rest, but the session counts as silent:
     a newcomer is admitted once they have been silent --idle-timeout (2 s), not never."""
-    host, attacker, our_local = fresh_hosts(3)
+    host, attacker = fresh_hosts(2)
     t = TargetProc("iwarp", host, "-F", "96", "--features", "none", "--idle-timeout", "2")
-
-    async def scenario():
-        stalled = [await a.connect(t.url, attacker) for _ in range(8)]
-        for conn in stalled:
-            assert (await conn.session())["status"] == "OK"
-            conn.writer.write(a.send(a.free(1, 0x4000), 2)[:20])     # half a FREE, then nothing
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        took, refusals, newcomer = await admitted_after(t.url, start)
-        await newcomer.goodbye(release=True)
-        for conn in stalled:
-            await conn.end()
-        return took, refusals
+    half_a_free = a.send(a.free(1, 0x4000), 2)[:20]
     try:
-        took, refusals = asyncio.run(asyncio.wait_for(scenario(), 60))
+        took, refusals = asyncio.run(asyncio.wait_for(
+            silent_sessions_give_way(t.url, attacker, 8, then=half_a_free), 60))
         metrics = t.metrics()
     finally:
         t.stop()
-    assert refusals > 0 and took < 2 + SLACK, (took, refusals)
-    assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= 1, metrics
+    assert_gave_way(took, refusals, metrics)
 
 
 async def session_from(url: str, local: str, ident: bytes):
