@@ -105,7 +105,7 @@ def limit_options(func):
                    "127.0.0.0/8 and ::1, this host]")
 @click.option("--execution", type=click.Choice(["software", "chains"]), default="software",
               show_default=True,
-              help="chains: LOAD, mapped STORE and ALLOC_STORE (without --addr-le) run as "
+              help="chains: LOAD, mapped STORE and ALLOC_STORE run as "
                    "pre-posted work-request chains on the soft RNIC's chain engine, other "
                    "requests in software (docs/CHAINS.md); "
                    "the memory order follows the WQE order (big-endian, or little with --addr-le).")

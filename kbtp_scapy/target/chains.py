@@ -51,11 +51,11 @@ _GUARD1 = ((Opcode.LOAD, RequestFlag.INVALIDATE, "load"),
            (Opcode.STORE, RequestFlag.INLINE, "inline"),
            (Opcode.STORE, RequestFlag.INLINE | RequestFlag.SEAL, "inline"),
            (Opcode.STORE, RequestFlag.INVALIDATE, "read"),
-           (Opcode.STORE, RequestFlag.INVALIDATE | RequestFlag.SEAL, "read"))
-_GUARD1_ALLOC = ((Opcode.ALLOC_STORE, RequestFlag.INLINE, "alloc-inline"),
-                 (Opcode.ALLOC_STORE, RequestFlag.INLINE | RequestFlag.SEAL, "alloc-inline"),
-                 (Opcode.ALLOC_STORE, RequestFlag.INVALIDATE, "alloc-read"),
-                 (Opcode.ALLOC_STORE, RequestFlag.INVALIDATE | RequestFlag.SEAL, "alloc-read"))
+           (Opcode.STORE, RequestFlag.INVALIDATE | RequestFlag.SEAL, "read"),
+           (Opcode.ALLOC_STORE, RequestFlag.INLINE, "alloc-inline"),
+           (Opcode.ALLOC_STORE, RequestFlag.INLINE | RequestFlag.SEAL, "alloc-inline"),
+           (Opcode.ALLOC_STORE, RequestFlag.INVALIDATE, "alloc-read"),
+           (Opcode.ALLOC_STORE, RequestFlag.INVALIDATE | RequestFlag.SEAL, "alloc-read"))
 _OCTETS = int.from_bytes(b"\x80" * 8, "big")    # Add Mask: every octet adds on its own
 _PASS = 0x50                # what a limit key reads where a length is within its limit
 
@@ -66,7 +66,7 @@ class Chain:
     STORE's that RDMA-Reads its data, S hands a request to software."""
 
     def __init__(self, engine: Engine, j: int, sw_cq: CompletionQueue, done_cq: CompletionQueue,
-                 spare: CompletionQueue, alloc: bool) -> None:
+                 spare: CompletionQueue) -> None:
         self.j = j
         self.p = engine.create_queue(16, spare, managed=True)
         self.f = engine.create_queue(8, spare, managed=True)
@@ -80,7 +80,7 @@ class Chain:
         self.alloc = {inline: (engine.create_queue(20, spare, managed=True),
                                engine.create_queue(4, spare, managed=True),
                                engine.create_queue(24, done_cq, managed=True))
-                      for inline in ((True, False) if alloc else ())}
+                      for inline in (True, False)}
         self.queues = (self.p, self.f, self.o, self.fs, self.os, self.fr, self.or_, self.s,
                        *(q for stages in self.alloc.values() for q in stages))
 
@@ -112,9 +112,7 @@ class ChainRunner:
         self.sw_cq = e.create_cq(polled=True)
         self.rq = e.create_queue(self.slots, self.recv_cq, receive=True)
         self.ctl = e.create_queue(3 * self.slots, self.spare)
-        self.software_alloc = chain_alloc.supported(self)   # why ALLOC_STORE is software, or None
-        self.guard1 = _GUARD1 + (() if self.software_alloc else _GUARD1_ALLOC)
-        self.chains = [Chain(e, j, self.sw_cq, self.done_cq, self.spare, not self.software_alloc)
+        self.chains = [Chain(e, j, self.sw_cq, self.done_cq, self.spare)
                        for j in range(self.slots)]
         table = t.memory.table
         loopback = e.loopback           # every region below: the chain's own, no peer's
@@ -140,7 +138,7 @@ class ChainRunner:
             register_alias(memory, bytearray([_PASS]) * (limit + 1), 0, 1, limit + 1, unit=1 << 32,
                            connection=loopback)
             for limit in (size, min(t.config.max_inline, size)))
-        self.alloc = None if self.software_alloc else chain_alloc.AllocStage(self)
+        self.alloc = chain_alloc.AllocStage(self)
         self.built = 0             # chains built so far (ticket of the next one)
         self.refilled = 0          # completions already accounted for
         self.software: deque[int] = deque()
@@ -263,7 +261,7 @@ class ChainRunner:
         done[:2] = bytes((1, Opcode.COMPLETION))
         self.buffers.local(self._completion(j), len(done))[:] = done
         scratch = Sge(b, self._scratch(j), 1)
-        ib1 = c.p.written + 3 + len(self.guard1)  # A, A2, X, the guard-1 CASes, then B1
+        ib1 = c.p.written + 3 + len(_GUARD1)      # A, A2, X, the guard-1 CASes, then B1
         iww, isend = c.o.written, c.o.written + 1                 # LOAD: WRITE, SEND
         guard = offset_of("guard")
         # P: the handle for both entry Reads of LOAD, the STag to invalidate, guard 1
@@ -276,7 +274,7 @@ class ChainRunner:
         b1 = Wqe(Op.ENABLE, 0, target=c.s.number, count=ALL)
         stages = {"load": c.f, "inline": c.fs, "read": c.fr}
         stages.update({"alloc-" + ("inline" if inline else "read"): q[0] for inline, q in c.alloc.items()})
-        for opcode, flags, stage in self.guard1:
+        for opcode, flags, stage in _GUARD1:
             then = stages[stage]
             word = bytes((1, opcode)) + flags.to_bytes(2, "big")
             expect = int.from_bytes(word, self.order)
@@ -303,9 +301,8 @@ class ChainRunner:
                         sges=[Sge(b, self._completion(j), _COMPLETION_SIZE)]), doorbell=False)
         self._store(c, k, ib1, ib2, iww, scratch, inline=True)
         self._store(c, k, ib1, ib2, iww, scratch, inline=False)
-        if self.alloc is not None:
-            for inline in (True, False):
-                self.alloc.build(c, k, ib1, ib2, iww, scratch, inline=inline)
+        for inline in (True, False):
+            self.alloc.build(c, k, ib1, ib2, iww, scratch, inline=inline)
         # S: to software
         e.post(c.s, Wqe(Op.NOP, Flag.SIGNALED, wr_id=k), doorbell=False)
         for q in c.queues:
@@ -446,7 +443,7 @@ class ChainRunner:
         entries = self.done_cq.entries
         chained = Counter(entry.wr_id >> _TAG for entry in entries)
         chained.pop(0, None)                # software's own completions
-        if self.alloc is not None and chained[Opcode.ALLOC_STORE]:
+        if chained[Opcode.ALLOC_STORE]:
             bound = self.conn.state.bound
             for entry in entries:
                 if entry.wr_id >> _TAG == Opcode.ALLOC_STORE:
@@ -483,8 +480,7 @@ class ChainRunner:
             self.build()
         attach(self.engine, self.qp, self.rq, self._lost)
         self.engine.run()
-        if self.alloc is not None:
-            self._poll_data()
+        self._poll_data()
         while True:
             await self.wakeup.wait()
             self.wakeup.clear()
@@ -522,15 +518,13 @@ class ChainRunner:
         if outcome is None:
             return bool(req["flags"] & GoodbyeFlag.RELEASE)
         conn._complete(req, outcome, why)
-        if self.alloc is not None:      # no chain in flight: the usage counter from the truth
-            self.alloc.resync()
+        self.alloc.resync()             # no chain in flight: the usage counter from the truth
         self.engine.signal(self.done_cq, k)
         return None
 
     def close(self) -> None:
         self.conn.state.received = None
-        if self.alloc is not None:
-            self.alloc.close()
+        self.alloc.close()
         if self.poll is not None:
             self.poll.cancel()
         for region in (self.alias, self.own, self.blocks, self.staging, self.buffers, self.block_limit,
