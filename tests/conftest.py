@@ -40,7 +40,17 @@ def lab():
     yield from session_guest()
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist reads the groups it adds
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """The lab's tests last: its emulated guest keeps a core busy while it is up, and it
-    is up from the first lab test to the end of the session."""
-    items.sort(key=lambda item: item.get_closest_marker("lab") is not None)
+    """Which tests share a worker, and in what order they start.
+
+    Under pytest-xdist (``-n``, pyproject's addopts) each module runs whole on one worker, as
+    its addresses come from module counters and its costly fixtures are the module's, and the
+    lab's modules share one worker, as they share one guest. The lab goes first there, so
+    its guest's minutes overlap the other workers' tests; in one process it goes last, as
+    its emulated guest keeps a core busy from the first lab test to the end of the session."""
+    for item in items:
+        lab = item.get_closest_marker("lab") is not None
+        item.add_marker(pytest.mark.xdist_group("lab" if lab else item.module.__name__))
+    parallel = bool(getattr(config.option, "numprocesses", None)) or hasattr(config, "workerinput")
+    items.sort(key=lambda item: (item.get_closest_marker("lab") is not None) != parallel)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,11 +16,12 @@ from typing import Any
 from kbtp_scapy.target import Target, TargetConfig
 from kbtp_scapy.wire.address import Address
 
-_hosts = itertools.count(1)
+#: each pytest-xdist worker (gw0, gw1, ...) counts in a range of its own: 15,000 addresses
+_hosts = itertools.count(1 + 15000 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]))
 
 
 def fresh_hosts(count: int = 2) -> list[str]:
-    """Unused loopback addresses, 127.44.x.y (each test its own)."""
+    """Unused loopback addresses, 127.44.x.y (each test its own, on every worker)."""
     out = []
     for _ in range(count):
         n = next(_hosts)
