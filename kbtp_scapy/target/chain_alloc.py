@@ -17,7 +17,7 @@ completes), and learns the handles chains bound at each refill, from their compl
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..rnic.chains import Flag, Op, Sge, Wqe
 from ..rnic.chains.alias import register_alias
@@ -42,6 +42,19 @@ _U64 = (1 << 64) - 1
 _ENTRY_MASK = (1 << 63) | (1 << 55) | (1 << 47) | (1 << 31)
 _OCTETS = int.from_bytes(b"\x80" * 8, "big")
 _SLOT_KEYS = 1 << 16            # unmasked Head: slots reached from the ticket's two low octets
+
+
+class Steps(NamedTuple):
+    """Where a chain's WQEs sit on its output queue: how far it got is ``out.next`` against
+    them (the host's look at a chain caught between its ticket and its Send, chain_tickets.py)."""
+
+    out: WorkQueue
+    ticket: int             # the FetchAdd on Head
+    wait: int               # WD1, whose Operand holds the ticket
+    consume: int            # CW: the slot consumed
+    entry: int              # WE1: the entry's Data Length and Block Offset
+    valid: int              # FAE: the entry VALID
+    send: int
 
 
 def supported(runner: ChainRunner) -> str | None:
@@ -84,6 +97,7 @@ class AllocStage:
         self.regions = (self.slots, self.slot_blocks, self.head, self.words, self.tail)
         # chain slot -> (output queue, index of its FetchAdd on Head) not yet told to the watch
         self.unreported: dict[int, list[tuple[WorkQueue, int]]] = {}
+        self.steps: dict[tuple[int, bool], Steps] = {}     # (chain slot, inline): its last build
         self.watch = runner.conn.state.watch
         if self.watch is not None:
             self.watch.before_poll = self.report
@@ -97,9 +111,13 @@ class AllocStage:
         for outs in self.unreported.values():
             for out, at in list(outs):
                 if out.next > at:
-                    wd1 = at + (5 if self.ring.masked else 6)
-                    self.watch.taken_by_target(Wqe.decode(out.slot(wd1), False).operand >> 32)
+                    self.watch.taken_by_target(self.ticket(out, at + (5 if self.ring.masked else 6)))
                     outs.remove((out, at))
+
+    @staticmethod
+    def ticket(out: WorkQueue, wd1: int) -> int:
+        """The ticket a chain took: the FetchAdd put it into its wait-on-data WQE's Operand."""
+        return Wqe.decode(out.slot(wd1), False).operand >> 32
 
     def resync(self) -> None:
         """The usage counter from the session's usage (no chain of this connection in flight)."""
@@ -134,6 +152,7 @@ class AllocStage:
         self.unreported[j].append((out, o))
         wd1, wd2, rs, cw, idata, iwe1, ifa, icas, igen, isend = (
             o + step + i for i in (5, 6, 7, 8, 12, 13, 17, 18, 19, 20))
+        self.steps[j, inline] = Steps(out, o, wd1, cw, iwe1, ifa, isend)
         block_at = offset_of("remote_offset") if inline else sge_offset(0, "addr")
         # front: the handle wherever the entry is read or written, then guard 2 (not VALID)
         for q, index in ((front, ir1), (out, iwe1), (out, ifa), (out, icas), (out, igen)):

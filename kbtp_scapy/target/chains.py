@@ -31,7 +31,7 @@ from ..rnic.chains.wqe import ALL, byteorder, offset_of, sge_offset
 from ..tables import memory as M
 from ..tables.messages import COMPLETION, DATA_DESCRIPTOR, HEADER
 from ..vocab import EntryFlag, GoodbyeFlag, Opcode, RequestFlag
-from . import chain_alloc
+from . import chain_alloc, chain_tickets
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -167,6 +167,10 @@ class ChainRunner:
 
     def _rest(self, j: int) -> int:
         return self._buf(j, _REST_AT)
+
+    def block(self, j: int) -> int:
+        """The Block Offset in slot ``j``'s completion (an address field: the memory's order)."""
+        return int.from_bytes(self.buffers.local(self._completion(j) + _C_OFFSET, 8), self.order)
 
     def _post_data(self, queue: WorkQueue, j: int, inline: bool) -> None:
         """The request's data into the block, through the block alias: slot ``j``'s inline
@@ -476,7 +480,10 @@ class ChainRunner:
         try:
             return await self._serve()
         finally:
-            self.refill()               # the counters of the last, partial batch
+            # the counters of the last, partial batch; no rebuild: a failed work request's
+            # error completion counts on the done CQ, and rebuilding its slot would wipe
+            # what chain_tickets.recover reads
+            self._account()
 
     async def _serve(self) -> bool:
         for _ in range(self.slots):
@@ -530,6 +537,7 @@ class ChainRunner:
     def close(self) -> None:
         self.conn.state.received = None
         if self.alloc is not None:
+            chain_tickets.recover(self)     # chains the connection's end cut short
             self.alloc.close()
         if self.poll is not None:
             self.poll.cancel()

@@ -1,0 +1,64 @@
+"""``--execution chains``: the findings of docs/CHAINS.md that the target now meets as the
+software target does, each with a real chains target on loopback and the real initiator.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from kbtp_scapy import codec
+from kbtp_scapy.initiator import Initiator, SessionEnded
+from kbtp_scapy.target import TargetConfig
+from kbtp_scapy.vocab import Opcode, RequestFlag
+
+from .kbtp_harness import TargetThread
+from .test_target_chains import ended, run
+
+
+@pytest.fixture(params=["iwarp", "roce"])
+def transport(request) -> str:
+    return request.param
+
+
+def test_a_block_whose_alloc_store_chain_failed_its_read_goes_back_to_the_ring(transport):
+    """Finding 12: an ALLOC_STORE chain consumes its ring slot before it RDMA-Reads the data;
+    an invalid STag ends the connection there. At teardown the target gives the block of
+    the chain caught between its ticket and its Send back to the ring, so the initiator,
+    reconnected, allocates its whole quota of a pool that holds exactly that quota."""
+    config = TargetConfig(blocks=4, block_size=4096, max_initiators=1, request_credits=4,
+                          features=0, execution="chains")
+    t = TargetThread(transport, config)
+    ident = os.urandom(16)
+
+    async def cut_short() -> int:
+        ini = await Initiator.connect(t.url, initiator_id=ident, credits=4, features=0,
+                                      **t.connect_options(0))
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"kept", seal=True)
+        request = codec.encode({"opcode": Opcode.ALLOC_STORE, "request_id": 9, "handle": h + 1,
+                                "flags": RequestFlag.INVALIDATE, "dd.stag": 0x7777,
+                                "dd.offset": 0, "dd.length": 100})
+        with pytest.raises(SessionEnded):
+            await ini.raw(request)
+        return h
+
+    async def the_rest(h: int) -> list[bytes]:
+        ini = await Initiator.connect(t.url, initiator_id=ident, credits=4, features=0,
+                                      **t.connect_options(0))
+        for i in range(1, 4):
+            await asyncio.wait_for(ini.alloc_store(h + i, b"block %d" % i, seal=True), 3)
+        data = [(await ini.load(h + i)).data for i in range(4)]
+        await ini.goodbye(release=True)
+        return data
+    try:
+        h = run(cut_short())
+        ended(t)
+        ring = t.target.memory.shared_ring
+        assert t.run(ring.occupancy) == 3          # all but the one bound
+        assert run(the_rest(h)) == [b"kept"] + [b"block %d" % i for i in range(1, 4)]
+        m = t.target.metrics
+        assert m.python[Opcode.ALLOC_STORE] == 0 and m.chain[Opcode.ALLOC_STORE] == 4
+    finally:
+        t.stop()
