@@ -32,6 +32,7 @@ from ..tables import memory as M
 from ..tables.messages import COMPLETION, DATA_DESCRIPTOR, HEADER
 from ..vocab import EntryFlag, GoodbyeFlag, Opcode, RequestFlag
 from . import chain_alloc, chain_tickets
+from .backlog import SIGNAL_EVERY
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -102,7 +103,7 @@ class ChainRunner:
         # receive buffers the transport posted already count as chains' receives
         self.owed = self.qp.posted + self.qp.undelivered
         self.slots = max(2 * max(conn.credits, 1), self.owed)
-        self.port = QueuePairPort(self.qp)
+        self.port = QueuePairPort(self.qp, SIGNAL_EVERY)
         self.engine = Engine(memory, self.port, self.little)
         self.port.engine = self.engine
         e = self.engine
@@ -144,6 +145,7 @@ class ChainRunner:
         self.built = 0             # chains built so far (ticket of the next one)
         self.refilled = 0          # completions already accounted for
         self.software: deque[int] = deque()
+        self.sent = (0, 0)         # the port's Sends and octets already in the backlog
         self.wakeup = asyncio.Event()
         self.ended: BaseException | None = None
         self.poll: asyncio.TimerHandle | None = None
@@ -499,6 +501,7 @@ class ChainRunner:
                 raise self.ended
             if self.qp.error is not None:
                 raise self.qp.error
+            await self._backpressure()
             self.refill()
             while self.software:
                 k = self.software.popleft()
@@ -506,6 +509,19 @@ class ChainRunner:
                 if release is not None:
                     return release
             self.refill()
+
+    async def _backpressure(self) -> None:
+        """Once per batch: the answers the chains sent since the last look join the
+        connection's backlog (``backlog.py``), covered by the port's last signaled Send
+        (no frame of its own). While the peer has not taken them, the refill
+        waits, so no receive is posted and the peer's requests stall after the chains
+        already built; past ``backlog_timeout_s`` the connection ends, as in software."""
+        future, sends, octets = self.port.covered
+        if future is not None and sends > self.sent[0]:
+            self.conn.backlog.posted(octets - self.sent[1], future, sends - self.sent[0])
+            self.sent = (sends, octets)
+        if self.conn.backlog.over:
+            await self.conn._throttle()
 
     def _poll_data(self) -> None:
         """An RNIC re-reads the words its wait-on-data WQEs watch; the host's writes (a FREE
