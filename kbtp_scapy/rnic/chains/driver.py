@@ -37,9 +37,9 @@ class QueuePairPort:
             if wr.verb is Verb.SEND:
                 self.sends += 1
                 if self.sends % self.every == 0:
-                    future = self.qp.post(wr, signaled=True)
-                    future.add_done_callback(_seen)
-                    self.covered = (future, self.sends, self.octets)
+                    signaled = self.qp.post(wr, signaled=True)
+                    signaled.add_done_callback(_seen)
+                    self.covered = (signaled, self.sends, self.octets)
                     return
         future = self.qp.post(wr, signaled=done is not None)
         if done is None or future is None:
