@@ -9,7 +9,7 @@ import os
 import pytest
 
 from kbtp_scapy import codec
-from kbtp_scapy.initiator import Initiator, SessionEnded
+from kbtp_scapy.initiator import Initiator, KbtpError, SessionEnded
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.vocab import Opcode, RequestFlag
 
@@ -60,5 +60,36 @@ def test_a_block_whose_alloc_store_chain_failed_its_read_goes_back_to_the_ring(t
         assert run(the_rest(h)) == [b"kept"] + [b"block %d" % i for i in range(1, 4)]
         m = t.target.metrics
         assert m.python[Opcode.ALLOC_STORE] == 0 and m.chain[Opcode.ALLOC_STORE] == 4
+    finally:
+        t.stop()
+
+
+@pytest.mark.slow
+def test_the_alloc_store_chains_quota_counts_a_direct_alloc_initiators_own_tickets(transport):
+    """Finding 14: a DIRECT_ALLOC initiator takes all but one of its quota's tickets by its
+    own FetchAdds on Head. After the ticket watch's next look (an eighth of the Ticket
+    Timeout) the chains' usage counter holds them: one ALLOC_STORE runs in its chain, the
+    next is refused NO_SPACE at once (the quota guard sends it to software), where the
+    chain used to pass the guard and wait for a slot the initiator's tickets hold."""
+    config = TargetConfig(blocks=16, block_size=4096, max_initiators=2, request_credits=4,
+                          ticket_timeout_ms=4000, execution="chains")
+    t = TargetThread(transport, config)
+
+    async def main() -> str:
+        ini = await Initiator.connect(t.url, credits=4, **t.connect_options(0))
+        h, quota = ini.target.handle_base, ini.target.quota
+        for _ in range(quota - 1):
+            await ini.take_ticket()
+        await asyncio.sleep(0.8)                     # the watch looks every 0.5 s
+        await ini.alloc_store(h, b"the last block", seal=True)
+        try:
+            await asyncio.wait_for(ini.alloc_store(h + 1, b"over the quota"), 2)
+        except KbtpError as refused:
+            return refused.name
+        return "OK"
+    try:
+        assert run(main()) == "NO_SPACE"
+        m = t.target.metrics
+        assert (m.chain[Opcode.ALLOC_STORE], m.python[Opcode.ALLOC_STORE]) == (1, 1)
     finally:
         t.stop()

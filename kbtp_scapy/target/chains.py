@@ -142,6 +142,9 @@ class ChainRunner:
                            connection=loopback)
             for limit in (size, min(t.config.max_inline, size)))
         self.alloc = None if self.software_alloc else chain_alloc.AllocStage(self)
+        self.watch = own.watch if self.alloc is not None else None
+        if self.watch is not None:
+            self.watch.counted = self._fold
         self.built = 0             # chains built so far (ticket of the next one)
         self.refilled = 0          # completions already accounted for
         self.software: deque[int] = deque()
@@ -462,10 +465,20 @@ class ChainRunner:
             self.metrics.chained(opcode, n)
         entries.clear()
 
+    def _fold(self, tickets: int) -> None:
+        """The initiator's own new tickets, seen by a look of the ticket watch, into the
+        ALLOC_STORE chains' usage counter (a host-posted loopback FetchAdd on a NIC), so their
+        quota guard counts them from that look on (docs/CHAINS.md, finding 14)."""
+        assert self.alloc is not None       # only ALLOC_STORE chains have the counter
+        self.memory.fetch_add(self.alloc.words.local(0, 8), tickets)
+
     def refill(self) -> None:
-        """Account for the chains that finished and build their successors (one batch)."""
+        """Account for the chains that finished and build their successors (one batch);
+        in a DIRECT_ALLOC session, look at the initiator's Head too (``_fold``)."""
         done = self.done_cq.count
         self._account()
+        if self.watch is not None:
+            self.watch.poll()
         if done <= self.refilled:
             return
         self.refilled = done
@@ -552,6 +565,8 @@ class ChainRunner:
 
     def close(self) -> None:
         self.conn.state.received = None
+        if self.watch is not None:
+            self.watch.counted = None
         if self.alloc is not None:
             chain_tickets.recover(self)     # chains the connection's end cut short
             self.alloc.close()
