@@ -93,3 +93,54 @@ def test_the_alloc_store_chains_quota_counts_a_direct_alloc_initiators_own_ticke
         assert (m.chain[Opcode.ALLOC_STORE], m.python[Opcode.ALLOC_STORE]) == (1, 1)
     finally:
         t.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("execution, transport", [("software", "iwarp"), ("chains", "iwarp"),
+                                                  ("chains", "roce")])
+def test_an_alloc_store_whose_slot_never_fills_is_answered_internal(execution, transport):
+    """Finding 11: only a target bug leaves a ring slot empty; here the target's own thread
+    takes the ring's free blocks out behind its back. The software target gives up after
+    its allocation timeout (0.5 s here) with INTERNAL; the chains target's watchdog, a timer
+    per connection, does the same for the chain caught in its wait-on-data, and the requests
+    behind it run again. The ticket is given up in both: a block freed later goes back to
+    the ring, not to the ticket, and the next ALLOC_STORE gets it."""
+    config = TargetConfig(blocks=4, block_size=4096, max_initiators=1, request_credits=4,
+                          features=0, execution=execution)
+    t = TargetThread(transport, config)
+    ring = t.target.memory.shared_ring
+
+    def leak() -> list[int]:
+        blocks = []
+        for _ in range(ring.occupancy()):
+            ticket, offset = ring.take_ticket()
+            blocks.append(ring.ready(ticket, offset))
+            ring.consume(offset)
+        return blocks
+
+    async def main() -> None:
+        ini = await Initiator.connect(t.url, credits=4, features=0, **t.connect_options(0))
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"kept", seal=True)
+        leaked = t.run(leak)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(KbtpError) as failed:
+            await ini.alloc_store(h + 1, b"no block for this")
+        assert failed.value.name == "INTERNAL" and 0.5 <= loop.time() - start < 2
+        assert (await ini.load(h)).data == b"kept"
+        t.run(lambda: ring.free(leaked[0]))
+        assert t.run(ring.occupancy) == 1
+        assert (await ini.alloc_store(h + 1, b"now there is", seal=True)).status == 0
+        assert (await ini.load(h + 1)).data == b"now there is"
+        await ini.close()
+    try:
+        t.run(lambda: setattr(t.target.executor, "allocate_timeout", 0.5))
+        run(main())
+        ended(t)
+        m = t.target.metrics
+        if execution == "chains":       # the INTERNAL is the watchdog's, from Python
+            assert (m.chain[Opcode.ALLOC_STORE], m.python[Opcode.ALLOC_STORE]) == (2, 1)
+            assert m.chain[Opcode.LOAD] == 2
+    finally:
+        t.stop()

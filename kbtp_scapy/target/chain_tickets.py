@@ -8,7 +8,10 @@ target's CPU would from the WQEs and buffers it posted (docs/CHAINS.md, finding 
 
 - at teardown of a failed connection (its data Read met an invalid STag, say), a ticket
   whose slot was not consumed is given up, a block consumed and not yet bound goes back to
-  the ring, and one whose entry the chain made VALID is booked as bound.
+  the ring, and one whose entry the chain made VALID is booked as bound;
+- a chain whose slot does not fill within the software target's allocation timeout is
+  answered INTERNAL and its ticket given up, as the software target does, by a timer per
+  connection (finding 11).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ..vocab import Status
 from .chain_alloc import Steps
 from .table import UNBOUND_OFFSET, Entry
 
@@ -59,3 +63,43 @@ def recover(runner: ChainRunner) -> int:
         log.info("connection from %s: %d block(s) of ALLOC_STORE chains it cut short back to "
                  "the ring", runner.conn.peer, returned)
     return returned
+
+
+class Watchdog:
+    """A connection's timer, four looks per ``timeout``: the chain caught waiting for its
+    slot (requests complete in order, so at most one) that was already caught at least
+    ``timeout`` ago gives its ticket up, its queue is flushed, and its request is answered
+    INTERNAL, as the software target answers an allocation whose slot never fills."""
+
+    def __init__(self, runner: ChainRunner, timeout: float) -> None:
+        self.runner, self.timeout = runner, timeout
+        self.seen: tuple[int, float] | None = None      # (request, first caught waiting)
+        self.timer = runner.loop.call_later(timeout / 4, self._look)
+
+    def _look(self) -> None:
+        r = self.runner
+        self.timer = r.loop.call_later(self.timeout / 4, self._look)
+        waiting = [(j, steps) for j, steps in caught(r) if steps.out.next <= steps.consume]
+        if not waiting:
+            self.seen = None
+            return
+        (j, steps), = waiting
+        k, now = r.done_cq.count, r.loop.time()         # the request it runs is the next to complete
+        assert k % r.slots == j, (k, j)
+        if self.seen is None or self.seen[0] != k:
+            self.seen = (k, now)
+            return
+        if now - self.seen[1] < self.timeout:
+            return
+        assert r.alloc is not None      # caught() yields only where ALLOC_STORE has chains
+        ticket = r.alloc.ticket(steps.out, steps.wait)
+        log.warning("connection from %s: the ALLOC_STORE chain of request %d waited %g s for "
+                    "ring slot of ticket %d; answered INTERNAL", r.conn.peer, k, now - self.seen[1],
+                    ticket)
+        self.seen = None
+        r.alloc.ring.give_up(ticket)
+        r.engine.flush(steps.out)
+        r.fail(k, Status.INTERNAL)
+
+    def stop(self) -> None:
+        self.timer.cancel()

@@ -30,12 +30,13 @@ from ..rnic.chains.queues import CompletionQueue, WorkQueue
 from ..rnic.chains.wqe import ALL, byteorder, offset_of, sge_offset
 from ..tables import memory as M
 from ..tables.messages import COMPLETION, DATA_DESCRIPTOR, HEADER
-from ..vocab import EntryFlag, GoodbyeFlag, Opcode, RequestFlag
+from ..vocab import AnyMessage, EntryFlag, GoodbyeFlag, Opcode, RequestFlag
 from . import chain_alloc, chain_tickets
 from .backlog import SIGNAL_EVERY
 
 if TYPE_CHECKING:
     from .connection import Connection
+    from .operations import Outcome
 
 log = logging.getLogger("kbtp.target")
 
@@ -152,6 +153,7 @@ class ChainRunner:
         self.wakeup = asyncio.Event()
         self.ended: BaseException | None = None
         self.poll: asyncio.TimerHandle | None = None
+        self.watchdog: chain_tickets.Watchdog | None = None
         e.completer.on_polled = self._polled
         # the idle rule (sessions._quiet) reads the receive CQ's count: requests a chain
         # ran reach no Python, so heard_at alone would age (docs/CHAINS.md, "The idle
@@ -507,6 +509,7 @@ class ChainRunner:
         self.engine.run()
         if self.alloc is not None:
             self._poll_data()
+            self.watchdog = chain_tickets.Watchdog(self, self.target.executor.allocate_timeout)
         while True:
             await self.wakeup.wait()
             self.wakeup.clear()
@@ -557,11 +560,23 @@ class ChainRunner:
         outcome, why = await conn.execute(req, None, why)
         if outcome is None:
             return bool(req["flags"] & GoodbyeFlag.RELEASE)
-        conn._complete(req, outcome, why)
+        self._finish(k, req, outcome, why)
+        return None
+
+    def fail(self, k: int, status: int) -> None:
+        """Answer request ``k`` with ``status`` from software, for a chain that cannot
+        finish it (``chain_tickets.Watchdog``); every chain before it has completed."""
+        self.refill()
+        req, why = self.conn.parse(self.request_bytes(k))
+        self.metrics.python_request(req["opcode"])
+        self._finish(k, req, self.target.executor.failure(status, req["handle"]), why)
+
+    def _finish(self, k: int, req: AnyMessage, outcome: Outcome, why: str) -> None:
+        """The COMPLETION of request ``k``, then its done completion: the next chain runs."""
+        self.conn._complete(req, outcome, why)
         if self.alloc is not None:      # no chain in flight: the usage counter from the truth
             self.alloc.resync()
         self.engine.signal(self.done_cq, k)
-        return None
 
     def close(self) -> None:
         self.conn.state.received = None
@@ -572,6 +587,8 @@ class ChainRunner:
             self.alloc.close()
         if self.poll is not None:
             self.poll.cancel()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         for region in (self.alias, self.own, self.blocks, self.staging, self.buffers, self.block_limit,
                        self.inline_limit):
             self.memory.deregister(region.stag)
