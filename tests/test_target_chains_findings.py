@@ -11,10 +11,23 @@ import pytest
 from kbtp_scapy import codec
 from kbtp_scapy.initiator import Initiator, KbtpError, SessionEnded
 from kbtp_scapy.target import TargetConfig
+from kbtp_scapy.target.ring import FreeRing
 from kbtp_scapy.vocab import Opcode, RequestFlag
 
 from .kbtp_harness import TargetThread
 from .test_target_chains import ended, run
+
+
+def leak(ring: FreeRing) -> list[int]:
+    """A target bug: every free block taken out of ``ring`` behind the target's back."""
+    blocks = []
+    for _ in range(ring.occupancy()):
+        ticket, offset = ring.take_ticket()
+        block = ring.ready(ticket, offset)
+        assert block is not None
+        blocks.append(block)
+        ring.consume(offset)
+    return blocks
 
 
 @pytest.fixture(params=["iwarp", "roce"])
@@ -60,6 +73,35 @@ def test_a_block_whose_alloc_store_chain_failed_its_read_goes_back_to_the_ring(t
         assert run(the_rest(h)) == [b"kept"] + [b"block %d" % i for i in range(1, 4)]
         m = t.target.metrics
         assert m.python[Opcode.ALLOC_STORE] == 0 and m.chain[Opcode.ALLOC_STORE] == 4
+    finally:
+        t.stop()
+
+
+def test_the_ticket_of_a_chain_waiting_for_its_slot_when_the_connection_ends_is_given_up(transport):
+    """Finding 12's other case: the connection ends while an ALLOC_STORE chain waits for its
+    ring slot (the ring emptied behind the target's back). At teardown the chain's ticket is
+    given up, so a block that fills its slot later goes back to the ring, rather than
+    waiting there for a chain that is gone."""
+    config = TargetConfig(blocks=4, block_size=4096, max_initiators=1, request_credits=4,
+                          features=0, execution="chains")
+    t = TargetThread(transport, config)
+    ring = t.target.memory.shared_ring
+
+    async def main() -> list[int]:
+        ini = await Initiator.connect(t.url, credits=4, features=0, **t.connect_options(0))
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"kept", seal=True)
+        leaked = t.run(lambda: leak(ring))
+        with pytest.raises(TimeoutError):          # the chain waits for its slot
+            await asyncio.wait_for(ini.alloc_store(h + 1, b"waits"), 0.3)
+        await ini.close()
+        return leaked
+    try:
+        leaked = run(main())
+        ended(t)
+        t.run(lambda: ring.free(leaked[0]))
+        assert t.run(ring.occupancy) == 1
+        assert t.run(lambda: ring.deferred) == 0
     finally:
         t.stop()
 
@@ -110,19 +152,11 @@ def test_an_alloc_store_whose_slot_never_fills_is_answered_internal(execution, t
     t = TargetThread(transport, config)
     ring = t.target.memory.shared_ring
 
-    def leak() -> list[int]:
-        blocks = []
-        for _ in range(ring.occupancy()):
-            ticket, offset = ring.take_ticket()
-            blocks.append(ring.ready(ticket, offset))
-            ring.consume(offset)
-        return blocks
-
     async def main() -> None:
         ini = await Initiator.connect(t.url, credits=4, features=0, **t.connect_options(0))
         h = ini.target.handle_base
         await ini.alloc_store(h, b"kept", seal=True)
-        leaked = t.run(leak)
+        leaked = t.run(lambda: leak(ring))
         loop = asyncio.get_running_loop()
         start = loop.time()
         with pytest.raises(KbtpError) as failed:
