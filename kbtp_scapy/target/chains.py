@@ -14,6 +14,11 @@ check, a handle outside the table or the initiator's range) takes the software b
 completion on the software CQ, for which the Python reassembles the request from the
 receive's scatter pieces and serves it as the software target does. Requests complete in
 order: each chain waits until the one before it (chain or software) has completed.
+
+Once per batch the target also applies the connection's backlog limit to what the chains
+sent (withholding the refill while the peer has not taken it) and, in a DIRECT_ALLOC
+session, looks at the initiator's Head; ``chain_tickets`` settles ALLOC_STORE chains that a
+failed connection or a ring slot that never fills cut short.
 """
 from __future__ import annotations
 
