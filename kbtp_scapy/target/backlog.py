@@ -34,12 +34,12 @@ class Backlog:
     def limit_messages(self, count: int) -> None:
         """At most ``count`` answers not taken; signaled often enough for that."""
         self.max_messages = count
-        self._every = max(1, min(SIGNAL_EVERY, count // 4))
+        self.every = max(1, min(SIGNAL_EVERY, count // 4))
 
     @property
     def signal_next(self) -> bool:
         """Whether the next answer is to be signaled."""
-        return self._uncovered + 1 >= self._every
+        return self._uncovered + 1 >= self.every
 
     def posted(self, octets: int, future: asyncio.Future | None, count: int = 1) -> None:
         """``count`` answers of ``octets`` in all went out; ``future``, the completion of

@@ -37,7 +37,6 @@ from ..tables import memory as M
 from ..tables.messages import COMPLETION, DATA_DESCRIPTOR, HEADER
 from ..vocab import AnyMessage, EntryFlag, GoodbyeFlag, Opcode, RequestFlag
 from . import chain_alloc, chain_tickets
-from .backlog import SIGNAL_EVERY
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -109,7 +108,7 @@ class ChainRunner:
         # receive buffers the transport posted already count as chains' receives
         self.owed = self.qp.posted + self.qp.undelivered
         self.slots = max(2 * max(conn.credits, 1), self.owed)
-        self.port = QueuePairPort(self.qp, SIGNAL_EVERY)
+        self.port = QueuePairPort(self.qp, conn.backlog.every)   # signaled as software answers
         self.engine = Engine(memory, self.port, self.little)
         self.port.engine = self.engine
         e = self.engine
