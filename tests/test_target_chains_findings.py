@@ -106,33 +106,78 @@ def test_the_ticket_of_a_chain_waiting_for_its_slot_when_the_connection_ends_is_
         t.stop()
 
 
+def direct_alloc_target(transport: str) -> TargetThread:
+    """A chains target whose sessions get DIRECT_ALLOC partitions; Ticket Timeout 4 s (the
+    ticket watch looks every 0.5 s)."""
+    return TargetThread(transport, TargetConfig(blocks=16, block_size=4096, max_initiators=2,
+                                                request_credits=4, ticket_timeout_ms=4000,
+                                                execution="chains"))
+
+
+def head(t: TargetThread, ini: Initiator) -> int:
+    """Tickets taken from the initiator's partition ring (its Head's ticket count)."""
+    def count() -> int:
+        part = t.target.sessions.by_id[ini.initiator_id].partition
+        assert part is not None
+        return part.ring.counter("head") >> 32
+    return t.run(count)
+
+
 @pytest.mark.slow
 def test_the_alloc_store_chains_quota_counts_a_direct_alloc_initiators_own_tickets(transport):
     """Finding 14: a DIRECT_ALLOC initiator takes all but one of its quota's tickets by its
-    own FetchAdds on Head. After the ticket watch's next look (an eighth of the Ticket
-    Timeout) the chains' usage counter holds them: one ALLOC_STORE runs in its chain, the
-    next is refused NO_SPACE at once (the quota guard sends it to software), where the
-    chain used to pass the guard and wait for a slot the initiator's tickets hold."""
-    config = TargetConfig(blocks=16, block_size=4096, max_initiators=2, request_credits=4,
-                          ticket_timeout_ms=4000, execution="chains")
-    t = TargetThread(transport, config)
+    own FetchAdds on Head. After the ticket watch's next look the chains' usage counter
+    holds them: one ALLOC_STORE runs in its chain, the next is refused NO_SPACE by the
+    chain's quota guard, before it takes a ticket (Head counts the initiator's tickets and
+    the one chain's), where the chain used to pass the guard and wait for a slot."""
+    t = direct_alloc_target(transport)
 
     async def main() -> str:
         ini = await Initiator.connect(t.url, credits=4, **t.connect_options(0))
         h, quota = ini.target.handle_base, ini.target.quota
         for _ in range(quota - 1):
             await ini.take_ticket()
-        await asyncio.sleep(0.8)                     # the watch looks every 0.5 s
+        await asyncio.sleep(0.8)                     # a look of the ticket watch
         await ini.alloc_store(h, b"the last block", seal=True)
         try:
             await asyncio.wait_for(ini.alloc_store(h + 1, b"over the quota"), 2)
         except KbtpError as refused:
+            assert head(t, ini) == quota
             return refused.name
         return "OK"
     try:
         assert run(main()) == "NO_SPACE"
         m = t.target.metrics
         assert (m.chain[Opcode.ALLOC_STORE], m.python[Opcode.ALLOC_STORE]) == (1, 1)
+    finally:
+        t.stop()
+
+
+@pytest.mark.slow
+def test_an_alloc_store_chain_past_tickets_the_watch_has_not_seen_yet_is_refused_no_space(transport):
+    """Finding 14's remaining window (conform's ``direct.quota.tickets``): the initiator takes
+    its whole quota's tickets and sends an ALLOC_STORE at once, before a look of the ticket
+    watch. The chain passes the quota guard and waits for a slot; the connection's watchdog
+    sees the session at its quota without it and answers NO_SPACE within a look, giving the
+    chain's ticket up, as the software target answers it."""
+    t = direct_alloc_target(transport)
+
+    async def main() -> tuple[str, float]:
+        ini = await Initiator.connect(t.url, credits=4, **t.connect_options(0))
+        h, quota = ini.target.handle_base, ini.target.quota
+        for _ in range(quota):
+            await ini.take_ticket()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(KbtpError) as refused:
+            await ini.alloc_store(h, b"past the quota")
+        took = loop.time() - start
+        assert head(t, ini) == quota + 1             # the chain took one, and gave it up
+        return refused.value.name, took
+    try:
+        status, took = run(main())
+        assert status == "NO_SPACE" and took < 0.5, took
+        assert t.target.metrics.python[Opcode.ALLOC_STORE] == 1
     finally:
         t.stop()
 

@@ -9,9 +9,10 @@ target's CPU would from the WQEs and buffers it posted (docs/CHAINS.md, finding 
 - at teardown of a failed connection (its data Read met an invalid STag, say), a ticket
   whose slot was not consumed is given up, a block consumed and not yet bound goes back to
   the ring, and one whose entry the chain made VALID is booked as bound;
-- a chain whose slot does not fill within the software target's allocation timeout is
-  answered INTERNAL and its ticket given up, as the software target does, by a timer per
-  connection (finding 11).
+- a chain that waits for its slot is answered by a timer per connection as the software
+  target would answer it: NO_SPACE when the session is at its quota without it (finding
+  14), INTERNAL once its slot has not filled within the software target's allocation
+  timeout (finding 11); its ticket is given up.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from .chains import ChainRunner
 
 log = logging.getLogger("kbtp.target")
+_PERIOD = 0.05                  # seconds between the watchdog's looks, at most
 
 
 def caught(runner: ChainRunner) -> Iterator[tuple[int, Steps]]:
@@ -66,19 +68,25 @@ def recover(runner: ChainRunner) -> int:
 
 
 class Watchdog:
-    """A connection's timer, four looks per ``timeout``: the chain caught waiting for its
-    slot (requests complete in order, so at most one) that was already caught at least
-    ``timeout`` ago gives its ticket up, its queue is flushed, and its request is answered
-    INTERNAL, as the software target answers an allocation whose slot never fills."""
+    """A connection's timer that looks, while a chain waits for its ring slot (requests
+    complete in order, so at most one), at what the software target would answer it. With
+    the session at its quota without the chain (a DIRECT_ALLOC initiator's own tickets took
+    the rest, before a look of the ticket watch told the chains' usage counter: finding 14),
+    NO_SPACE at once; after as long as the software target's allocation timeout, INTERNAL
+    (finding 11). Either way the chain's ticket is given up and its queue flushed."""
 
     def __init__(self, runner: ChainRunner, timeout: float) -> None:
         self.runner, self.timeout = runner, timeout
+        self.period = min(timeout / 4, _PERIOD)
         self.seen: tuple[int, float] | None = None      # (request, first caught waiting)
-        self.timer = runner.loop.call_later(timeout / 4, self._look)
+        self.timer = runner.loop.call_later(self.period, self._look)
 
     def _look(self) -> None:
         r = self.runner
-        self.timer = r.loop.call_later(self.timeout / 4, self._look)
+        self.timer = r.loop.call_later(self.period, self._look)
+        if not r.engine.requester.data_waiters:         # no WAIT_DATA blocked: no chain waits
+            self.seen = None
+            return
         waiting = [(j, steps) for j, steps in caught(r) if steps.out.next <= steps.consume]
         if not waiting:
             self.seen = None
@@ -88,18 +96,25 @@ class Watchdog:
         assert k % r.slots == j, (k, j)
         if self.seen is None or self.seen[0] != k:
             self.seen = (k, now)
-            return
-        if now - self.seen[1] < self.timeout:
+        state = r.conn.state
+        if state.watch is not None:
+            state.watch.poll()          # the initiator's own tickets count now
+        if state.usage >= state.quota:
+            status = Status.NO_SPACE
+        elif now - self.seen[1] >= self.timeout:
+            status = Status.INTERNAL
+        else:
             return
         assert r.alloc is not None      # caught() yields only where ALLOC_STORE has chains
         ticket = r.alloc.ticket(steps.out, steps.wait)
-        log.warning("connection from %s: the ALLOC_STORE chain of request %d waited %g s for "
-                    "ring slot of ticket %d; answered INTERNAL", r.conn.peer, k, now - self.seen[1],
-                    ticket)
+        log.log(logging.INFO if status == Status.NO_SPACE else logging.WARNING,
+                "connection from %s: the ALLOC_STORE chain of request %d waited %.3f s for the "
+                "ring slot of ticket %d; answered %s", r.conn.peer, k, now - self.seen[1], ticket,
+                status.name)
         self.seen = None
         r.alloc.ring.give_up(ticket)
         r.engine.flush(steps.out)
-        r.fail(k, Status.INTERNAL)
+        r.fail(k, status)
 
     def stop(self) -> None:
         self.timer.cancel()
