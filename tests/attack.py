@@ -48,7 +48,7 @@ def crc32c(data: bytes) -> int:
 
 HELLO, HELLO_ACK, LOAD, STORE, ALLOC_STORE, FREE, COMPLETION, GOODBYE = (
     0x01, 0x02, 0x10, 0x11, 0x12, 0x13, 0x20, 0x30)
-INLINE, SEAL = 0x0001, 0x0002
+INLINE, SEAL, INVALIDATE = 0x0001, 0x0002, 0x0008
 RELEASE = 0x0001
 DIRECT_LOAD, DIRECT_ALLOC = 0x0001, 0x0002
 STATUS = {0: "OK", 1: "INVALID_HANDLE", 2: "STALE_GENERATION", 3: "NOT_VALID", 4: "ALREADY_BOUND",
@@ -76,9 +76,10 @@ def free(request_id: int, handle: int) -> bytes:
     return header(FREE, 0, request_id, handle)
 
 
-def load(request_id: int, handle: int, stag: int = 0, offset: int = 0, length: int = 4096) -> bytes:
+def load(request_id: int, handle: int, stag: int = 0, offset: int = 0, length: int = 4096,
+         flags: int = 0) -> bytes:
     """LOAD into the initiator's buffer (``stag``, ``offset``, ``length``)."""
-    return header(LOAD, 0, request_id, handle) + _DESC.pack(stag, offset, length)
+    return header(LOAD, flags, request_id, handle) + _DESC.pack(stag, offset, length)
 
 
 def alloc_store(request_id: int, handle: int, data: bytes, seal: bool = False) -> bytes:

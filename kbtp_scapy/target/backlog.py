@@ -34,19 +34,19 @@ class Backlog:
     def limit_messages(self, count: int) -> None:
         """At most ``count`` answers not taken; signaled often enough for that."""
         self.max_messages = count
-        self._every = max(1, min(SIGNAL_EVERY, count // 4))
+        self.every = max(1, min(SIGNAL_EVERY, count // 4))
 
     @property
     def signal_next(self) -> bool:
         """Whether the next answer is to be signaled."""
-        return self._uncovered + 1 >= self._every
+        return self._uncovered + 1 >= self.every
 
-    def posted(self, octets: int, future: asyncio.Future | None) -> None:
-        """An answer of ``octets`` went out; ``future``, its completion if signaled, covers
-        it and the unsignaled ones before it."""
+    def posted(self, octets: int, future: asyncio.Future | None, count: int = 1) -> None:
+        """``count`` answers of ``octets`` in all went out; ``future``, the completion of
+        the last if signaled, covers them and the unsignaled ones before them."""
         self.octets += octets
-        self.messages += 1
-        self._uncovered += 1
+        self.messages += count
+        self._uncovered += count
         self._uncovered_octets += octets
         if future is not None:
             self._cover(future)

@@ -20,7 +20,7 @@ completes), and learns the handles chains bound at each refill, from their compl
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..rnic.chains import Flag, Op, Sge, Wqe
 from ..rnic.chains.alias import register_alias
@@ -66,6 +66,19 @@ def successors() -> bytes:
                     for g in range(1 << 8 * _GENERATION_SIZE))
 
 
+class Steps(NamedTuple):
+    """Where a chain's WQEs sit on its output queue: how far it got is ``out.next`` against
+    them (the host's look at a chain caught between its ticket and its Send, chain_tickets.py)."""
+
+    out: WorkQueue
+    ticket: int             # the FetchAdd on Head
+    wait: int               # WD1, whose Operand holds the ticket
+    consume: int            # CW: the slot consumed
+    entry: int              # WE1: the entry's Data Length and Block Offset
+    valid: int              # FAE: the entry VALID
+    send: int
+
+
 class AllocStage:
     """The regions an ALLOC_STORE chain uses beyond the runner's, and its builder."""
 
@@ -103,6 +116,7 @@ class AllocStage:
             self.regions.append(self.successor)
         # chain slot -> (output queue, index of its FetchAdd on Head) not yet told to the watch
         self.unreported: dict[int, list[tuple[WorkQueue, int]]] = {}
+        self.steps: dict[tuple[int, bool], Steps] = {}     # (chain slot, inline): its last build
         self.watch = runner.conn.state.watch
         if self.watch is not None:
             self.watch.before_poll = self.report
@@ -117,9 +131,13 @@ class AllocStage:
         for outs in self.unreported.values():
             for out, at in list(outs):
                 if out.next > at:
-                    wd1 = out.slot(at + (5 if self.ring.masked else 6))
-                    self.watch.taken_by_target(int.from_bytes(wd1[_OPERAND:_OPERAND + 4], "big"))
+                    self.watch.taken_by_target(self.ticket(out, at + (5 if self.ring.masked else 6)))
                     outs.remove((out, at))
+
+    @staticmethod
+    def ticket(out: WorkQueue, wd1: int) -> int:
+        """The ticket a chain took: the FetchAdd put it into its wait-on-data WQE's Operand."""
+        return Wqe.decode(out.slot(wd1), False).operand >> 32
 
     def resync(self) -> None:
         """The usage counter from the session's usage (no chain of this connection in flight)."""
@@ -167,6 +185,7 @@ class AllocStage:
         ir1 = n_front + 1 + len(places)
         ic2 = ir1 + (7 if inline else 10)
         ib2 = ic2 + 2
+        self.steps[j, inline] = Steps(out, o, wd1, cw, iwe1, bind[0] if not little else bind[-1], isend)
         block_at = offset_of("remote_offset") if inline else sge_offset(0, "addr")
         # front: the handle wherever the entry is read or written, then guard 2 (not VALID)
         for q, index in ((front, ir1), *places):

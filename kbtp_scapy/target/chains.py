@@ -14,6 +14,11 @@ check, a handle outside the table or the initiator's range) takes the software b
 completion on the software CQ, for which the Python reassembles the request from the
 receive's scatter pieces and serves it as the software target does. Requests complete in
 order: each chain waits until the one before it (chain or software) has completed.
+
+Once per batch the target also applies the connection's backlog limit to what the chains
+sent (withholding the refill while the peer has not taken it) and, in a DIRECT_ALLOC
+session, looks at the initiator's Head; ``chain_tickets`` settles ALLOC_STORE chains that a
+failed connection or a ring slot that never fills cut short.
 """
 from __future__ import annotations
 
@@ -30,11 +35,12 @@ from ..rnic.chains.queues import CompletionQueue, WorkQueue
 from ..rnic.chains.wqe import ALL, byteorder, offset_of, sge_offset
 from ..tables import memory as M
 from ..tables.messages import COMPLETION, DATA_DESCRIPTOR, HEADER
-from ..vocab import EntryFlag, GoodbyeFlag, Opcode, RequestFlag
-from . import chain_alloc
+from ..vocab import AnyMessage, EntryFlag, GoodbyeFlag, Opcode, RequestFlag
+from . import chain_alloc, chain_tickets
 
 if TYPE_CHECKING:
     from .connection import Connection
+    from .operations import Outcome
 
 log = logging.getLogger("kbtp.target")
 
@@ -102,7 +108,7 @@ class ChainRunner:
         # receive buffers the transport posted already count as chains' receives
         self.owed = self.qp.posted + self.qp.undelivered
         self.slots = max(2 * max(conn.credits, 1), self.owed)
-        self.port = QueuePairPort(self.qp)
+        self.port = QueuePairPort(self.qp, conn.backlog.every)   # signaled as software answers
         self.engine = Engine(memory, self.port, self.little)
         self.port.engine = self.engine
         e = self.engine
@@ -139,12 +145,17 @@ class ChainRunner:
                            connection=loopback)
             for limit in (size, min(t.config.max_inline, size)))
         self.alloc = chain_alloc.AllocStage(self)
+        self.watch = own.watch
+        if self.watch is not None:
+            self.watch.counted = self._fold
         self.built = 0             # chains built so far (ticket of the next one)
         self.refilled = 0          # completions already accounted for
         self.software: deque[int] = deque()
+        self.sent = (0, 0)         # the port's Sends and octets already in the backlog
         self.wakeup = asyncio.Event()
         self.ended: BaseException | None = None
         self.poll: asyncio.TimerHandle | None = None
+        self.watchdog: chain_tickets.Watchdog | None = None
         e.completer.on_polled = self._polled
         # the idle rule (sessions._quiet) reads the receive CQ's count: requests a chain
         # ran reach no Python, so heard_at alone would age (docs/CHAINS.md, "The idle
@@ -165,6 +176,10 @@ class ChainRunner:
 
     def _rest(self, j: int) -> int:
         return self._buf(j, _REST_AT)
+
+    def block(self, j: int) -> int:
+        """The Block Offset in slot ``j``'s completion (an address field: the memory's order)."""
+        return int.from_bytes(self.buffers.local(self._completion(j) + _C_OFFSET, 8), self.order)
 
     def _post_data(self, queue: WorkQueue, j: int, inline: bool) -> None:
         """The request's data into the block, through the block alias: slot ``j``'s inline
@@ -453,10 +468,19 @@ class ChainRunner:
             self.metrics.chained(opcode, n)
         entries.clear()
 
+    def _fold(self, tickets: int) -> None:
+        """The initiator's own new tickets, seen by a look of the ticket watch, into the
+        ALLOC_STORE chains' usage counter (a host-posted loopback FetchAdd on a NIC), so their
+        quota guard counts them from that look on (docs/CHAINS.md, finding 14)."""
+        self.memory.fetch_add(self.alloc.words.local(0, 8), tickets)
+
     def refill(self) -> None:
-        """Account for the chains that finished and build their successors (one batch)."""
+        """Account for the chains that finished and build their successors (one batch);
+        in a DIRECT_ALLOC session, look at the initiator's Head too (``_fold``)."""
         done = self.done_cq.count
         self._account()
+        if self.watch is not None:
+            self.watch.poll()
         if done <= self.refilled:
             return
         self.refilled = done
@@ -473,7 +497,10 @@ class ChainRunner:
         try:
             return await self._serve()
         finally:
-            self.refill()               # the counters of the last, partial batch
+            # the counters of the last, partial batch; no rebuild: a failed work request's
+            # error completion counts on the done CQ, and rebuilding its slot would wipe
+            # what chain_tickets.recover reads
+            self._account()
 
     async def _serve(self) -> bool:
         for _ in range(self.slots):
@@ -481,6 +508,7 @@ class ChainRunner:
         attach(self.engine, self.qp, self.rq, self._lost)
         self.engine.run()
         self._poll_data()
+        self.watchdog = chain_tickets.Watchdog(self, self.target.executor.allocate_timeout)
         while True:
             await self.wakeup.wait()
             self.wakeup.clear()
@@ -488,6 +516,7 @@ class ChainRunner:
                 raise self.ended
             if self.qp.error is not None:
                 raise self.qp.error
+            await self._backpressure()
             self.refill()
             while self.software:
                 k = self.software.popleft()
@@ -495,6 +524,19 @@ class ChainRunner:
                 if release is not None:
                     return release
             self.refill()
+
+    async def _backpressure(self) -> None:
+        """Once per batch: the answers the chains sent since the last look join the
+        connection's backlog (``backlog.py``), covered by the port's last signaled Send
+        (no frame of its own). While the peer has not taken them, the refill
+        waits, so no receive is posted and the peer's requests stall after the chains
+        already built; past ``backlog_timeout_s`` the connection ends, as in software."""
+        future, sends, octets = self.port.covered
+        if future is not None and sends > self.sent[0]:
+            self.conn.backlog.posted(octets - self.sent[1], future, sends - self.sent[0])
+            self.sent = (sends, octets)
+        if self.conn.backlog.over:
+            await self.conn._throttle()
 
     def _poll_data(self) -> None:
         """An RNIC re-reads the words its wait-on-data WQEs watch; the host's writes (a FREE
@@ -517,16 +559,33 @@ class ChainRunner:
         outcome, why = await conn.execute(req, None, why)
         if outcome is None:
             return bool(req["flags"] & GoodbyeFlag.RELEASE)
-        conn._complete(req, outcome, why)
+        self._finish(k, req, outcome, why)
+        return None
+
+    def fail(self, k: int, status: int) -> None:
+        """Answer request ``k`` with ``status`` from software, for a chain that cannot
+        finish it (``chain_tickets.Watchdog``); every chain before it has completed."""
+        self.refill()
+        req, why = self.conn.parse(self.request_bytes(k))
+        self.metrics.python_request(req["opcode"])
+        self._finish(k, req, self.target.executor.failure(status, req["handle"]), why)
+
+    def _finish(self, k: int, req: AnyMessage, outcome: Outcome, why: str) -> None:
+        """The COMPLETION of request ``k``, then its done completion: the next chain runs."""
+        self.conn._complete(req, outcome, why)
         self.alloc.resync()             # no chain in flight: the usage counter from the truth
         self.engine.signal(self.done_cq, k)
-        return None
 
     def close(self) -> None:
         self.conn.state.received = None
+        if self.watch is not None:
+            self.watch.counted = None
+        chain_tickets.recover(self)         # chains the connection's end cut short
         self.alloc.close()
         if self.poll is not None:
             self.poll.cancel()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         for region in (self.alias, self.own, self.blocks, self.staging, self.buffers, self.block_limit,
                        self.inline_limit):
             self.memory.deregister(region.stag)

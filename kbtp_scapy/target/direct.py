@@ -88,8 +88,10 @@ class TicketWatch:
         self._target: set[int] = set()                       # taken by target-executed allocs
         self._abandoned: set[int] = set()
         self.windows: list[MemoryRegion] = []
-        # work-request chains take tickets with no Python: they report them before a look
+        # work-request chains take tickets with no Python: they report them before a look,
+        # and hear of the initiator's new ones after it (their quota guard's usage counter)
         self.before_poll: Callable[[], None] | None = None
+        self.counted: Callable[[int], None] | None = None
 
     def taken_by_target(self, ticket: int) -> None:
         self._target.add(ticket)
@@ -122,6 +124,7 @@ class TicketWatch:
         new = (head - self._seen) & TICKET_MASK
         room = (tail + self.part.ring.size - head) & TICKET_MASK     # head <= tail + N
         if 0 < new < HALF and room < HALF:
+            before = self.state.tickets
             for ticket in ((self._seen + i) & TICKET_MASK for i in range(new)):
                 if ticket in self._target:
                     self._target.discard(ticket)
@@ -129,6 +132,8 @@ class TicketWatch:
                     self._pending[ticket] = now
                     self.state.tickets += 1
             self._seen = head
+            if self.counted is not None and self.state.tickets > before:
+                self.counted(self.state.tickets - before)
         for ticket, since in list(self._pending.items()):
             if now - since > self.timeout:
                 self._abandon(ticket)

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ..qp import ConnectionLost, QueuePair, Received, WorkRequest
+from ..qp import ConnectionLost, QueuePair, Received, Verb, WorkRequest
 from .engine import Engine
 from .queues import WorkQueue
 from .requester import Done
@@ -19,11 +19,28 @@ log = logging.getLogger("kbtp.rnic")
 
 
 class QueuePairPort:
-    def __init__(self, qp: QueuePair) -> None:
-        self.qp = qp
+    """Remote work requests onto ``qp``. It counts the Sends and the octets of Sends and
+    Writes it posted, as an RNIC's send counters do, and posts every ``every``-th Send
+    signaled: ``covered`` is that Send's completion (the peer took it and all before it)
+    with the counts up to it, for the host to read once per batch (the target's backlog:
+    docs/CHAINS.md, finding 5)."""
+
+    def __init__(self, qp: QueuePair, every: int = 8) -> None:
+        self.qp, self.every = qp, every
         self.engine: Engine | None = None
+        self.sends = self.octets = 0
+        self.covered: tuple[asyncio.Future | None, int, int] = (None, 0, 0)
 
     def transmit(self, wr: WorkRequest, done: Done | None) -> None:
+        if wr.verb in (Verb.SEND, Verb.WRITE):
+            self.octets += len(wr.payload)
+            if wr.verb is Verb.SEND:
+                self.sends += 1
+                if self.sends % self.every == 0:
+                    signaled = self.qp.post(wr, signaled=True)
+                    signaled.add_done_callback(_seen)
+                    self.covered = (signaled, self.sends, self.octets)
+                    return
         future = self.qp.post(wr, signaled=done is not None)
         if done is None or future is None:
             return
@@ -35,6 +52,12 @@ class QueuePairPort:
             if self.engine is not None:
                 self.engine.run()
         future.add_done_callback(finished)
+
+
+def _seen(future: asyncio.Future) -> None:
+    """A failed Send is the connection's end, which the host sees elsewhere."""
+    if not future.cancelled():
+        future.exception()
 
 
 def attach(engine: Engine, qp: QueuePair, rq: WorkQueue,

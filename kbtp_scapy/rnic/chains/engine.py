@@ -81,6 +81,13 @@ class Engine:
         q.written = q.posted = q.next
         q.enabled = min(q.enabled, q.next)
 
+    def flush(self, q: WorkQueue) -> None:
+        """The host takes a queue through the error state and back (a flush): the WQEs it
+        had not run, a WAIT_DATA it was blocked on among them, never run; the next ones
+        posted do."""
+        q.next = q.posted = q.written
+        q.enabled = min(q.enabled, q.next)
+
     def ring(self, q: WorkQueue) -> None:
         """The doorbell: every WQE written so far is there."""
         q.posted = q.written
