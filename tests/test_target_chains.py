@@ -399,7 +399,7 @@ def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_pa
     """The issue's proof: over a whole tools/bench_target.py ALLOC_STORE run against
     ``--execution chains`` (both bindings, with and without ADDR_LE; 4096-octet blocks:
     inline, and 8192: by RDMA Read), the target's closing counters say no ALLOC_STORE ran
-    KBTP Python, and many ran by chains."""
+    KBTP Python, and every one the bench timed ran by chains."""
     import re
     import subprocess
     import sys
@@ -416,8 +416,9 @@ def test_a_whole_bench_run_of_alloc_store_runs_no_kbtp_python_per_request(tmp_pa
         counters = re.search(r"ALLOC_STORE: KBTP Python per request (\d+), run by chains (\d+)",
                              case["target_output"])
         assert counters is not None, case
-        # many: a loaded two-core machine runs 130 to 250 chains' ALLOC_STOREs a second
-        assert int(counters.group(1)) == 0 and int(counters.group(2)) >= 100
+        # and every ALLOC_STORE the bench timed (its warm-up's too) ran by chains, however
+        # few a loaded machine managed in the second
+        assert int(counters.group(1)) == 0 and int(counters.group(2)) >= case["kbtp"]["ops"] > 0
 
 
 def alloc_store_answers(transport: str, config: TargetConfig,
