@@ -16,8 +16,9 @@ from ..harness import HarnessError
 from ..initiator import KbtpError
 from ..tables import memory as M
 from ..tables.enums import OPCODES, STATUS
-from ..vocab import AnyStruct, EntryFlag, Feature, Opcode
+from ..vocab import AnyMessage, AnyStruct, EntryFlag, Feature, Opcode
 from .findings import Finding
+from .tally import Tally
 from .trouble import TRANSPORT_ERRORS, describe
 
 if TYPE_CHECKING:
@@ -29,9 +30,12 @@ def status_known(status: int) -> bool:
     return status in {v.value for v in STATUS.values} or lo <= status <= hi
 
 
-def check_hello_ack(raw: bytes, transport: str) -> list[Finding]:
+def check_hello_ack(raw: bytes, transport: str, requested: int, tally: Tally) -> list[Finding]:
     """The HELLO_ACK's header ("Request ID, Block Handle, Generation, and Status are
-    zero", Status reporting an error) and what the text fixes of a granted body."""
+    zero", Status reporting an error) and what the text fixes of a granted body; what
+    only later answers can hold to it (Block Size, Max Inline, the quota, the handle
+    range, the Ticket Timeout, the descriptors) is counted as judged here and held by the
+    model and the table and ring reads."""
     if not raw:
         return []
     try:
@@ -41,32 +45,71 @@ def check_hello_ack(raw: bytes, transport: str) -> list[Finding]:
     ev = {"hello_ack": raw.hex()}
     if ack["opcode"] != Opcode.HELLO_ACK:
         return [Finding("hello-ack", f"HELLO was answered by {OPCODES.describe(ack['opcode'])}", evidence=ev)]
-    problems = [f"{name} {value}" for value, name in ((ack["request_id"], "Request ID"),
-                                                      (ack["handle"], "Block Handle"),
-                                                      (ack["generation"], "Generation")) if value]
+    tally.judge(*(f"hello_ack.{k}" for k in ("version", "opcode", "request_id", "handle", "generation", "status")))
+    tally.cannot("the text defines no HELLO_ACK flag", "hello_ack.flags")
+    problems = [f"{name} 0x{value:x}" for value, name in ((ack["request_id"], "Request ID"),
+                                                          (ack["handle"], "Block Handle"),
+                                                          (ack["generation"], "Generation")) if value]
     out = [Finding("hello-ack", "the HELLO_ACK header carries " + ", ".join(problems) + " (zero in HELLO_ACK)",
                    evidence=ev)] if problems else []
     if not status_known(ack["status"]):
         out.append(Finding("hello-ack", f"HELLO_ACK Status {ack['status']} is neither assigned nor Private Use",
                            evidence=ev))
     if ack["status"]:
+        tally.cannot("a refused HELLO_ACK: the text fixes no body", "hello_ack.body")
         return out
-    features, f = ack["hello_ack.features"], ack
-    wrong = []
-    if transport == "iwarp" and features & Feature.RECORD_COMPLETION:
-        wrong.append("RECORD_COMPLETION granted in the RDMAP binding")
-    if features & Feature.DIRECT_ALLOC:
-        n, part = f["hello_ack.ring.count"], f["hello_ack.partition.count"]
-        if f["hello_ack.head.offset"] % 8:
-            wrong.append(f"Head Tagged Offset 0x{f['hello_ack.head.offset']:x} is not a multiple of 8")
-        if n < 1 or n & (n - 1) or n < part:
-            wrong.append(f"ring of {n} slots for a partition of {part} blocks (N = 2^n, not smaller than F)")
-    if features & Feature.DIRECT_LOAD and f["hello_ack.allocation_quota"] > f["hello_ack.pool.count"]:
-        wrong.append(f"Allocation Quota {f['hello_ack.allocation_quota']} exceeds the pool's "
-                     f"{f['hello_ack.pool.count']} blocks")
+    wrong = _body(ack, transport, requested, tally)
     if wrong:
         out.append(Finding("hello-ack", "HELLO_ACK: " + "; ".join(wrong), evidence=ev))
     return out
+
+
+def _body(f: AnyMessage, transport: str, requested: int, tally: Tally) -> list[str]:
+    """What a granted HELLO_ACK's body breaks of the text, each field counted."""
+    features, wrong = f["hello_ack.features"], []
+    untimed = not features & Feature.DIRECT_ALLOC
+    tally.judge(*(k for k in f if k.startswith("hello_ack.") and not (untimed and k == "hello_ack.ticket_timeout")))
+    if untimed:
+        tally.cannot("no DIRECT_ALLOC: no ticket to time out", "hello_ack.ticket_timeout")
+    if transport == "iwarp" and features & Feature.RECORD_COMPLETION:
+        wrong.append("RECORD_COMPLETION granted in the RDMAP binding")
+    if features & ~requested & ~Feature.ADDR_LE:
+        wrong.append(f"Features 0x{features:04x} grant more than the requested 0x{requested:04x} (and ADDR_LE)")
+    if f["hello_ack.handle_base"] + f["hello_ack.handle_count"] > 1 << 64:
+        wrong.append(f"the handle range 0x{f['hello_ack.handle_base']:x}+{f['hello_ack.handle_count']} "
+                     "passes 2^64")
+    if features & Feature.DIRECT_LOAD:
+        if f["hello_ack.reserved"]:
+            wrong.append(f"the reserved octets after the Table Base Handle are 0x{f['hello_ack.reserved']:016x}")
+        if f["hello_ack.allocation_quota"] > f["hello_ack.pool.count"]:
+            wrong.append(f"Allocation Quota {f['hello_ack.allocation_quota']} exceeds the pool's "
+                         f"{f['hello_ack.pool.count']} blocks")
+    if features & Feature.DIRECT_ALLOC:
+        wrong += _alloc_descriptors(f, features)
+    return wrong
+
+
+def _alloc_descriptors(f: AnyMessage, features: int) -> list[str]:
+    """DIRECT_ALLOC: the Partition (Count = the quota, a part of the pool: its Block
+    Offsets are the pool's), the Ring (N = 2^n, not smaller than F) and Head (Count 1,
+    its offset a multiple of 8)."""
+    wrong = []
+    n, part, quota, size = (f["hello_ack.ring.count"], f["hello_ack.partition.count"],
+                            f["hello_ack.allocation_quota"], f["hello_ack.block_size"])
+    if part != quota:
+        wrong.append(f"the Partition's Count {part} is not the Allocation Quota {quota}")
+    if f["hello_ack.head.offset"] % 8:
+        wrong.append(f"Head Tagged Offset 0x{f['hello_ack.head.offset']:x} is not a multiple of 8")
+    if f["hello_ack.head.count"] != 1:
+        wrong.append(f"Head Count {f['hello_ack.head.count']}, not 1")
+    if n < 1 or n & (n - 1) or n < part:
+        wrong.append(f"ring of {n} slots for a partition of {part} blocks (N = 2^n, not smaller than F)")
+    if features & Feature.DIRECT_LOAD and size:
+        rel = f["hello_ack.partition.offset"] - f["hello_ack.pool.offset"]
+        if rel % size or rel < 0 or rel + part * size > f["hello_ack.pool.count"] * size:
+            wrong.append(f"the Partition 0x{f['hello_ack.partition.offset']:x}+{part} blocks is not a part of "
+                         f"the pool 0x{f['hello_ack.pool.offset']:x}+{f['hello_ack.pool.count']} blocks")
+    return wrong
 
 
 async def liveness(world: World) -> list[Finding]:

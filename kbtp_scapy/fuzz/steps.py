@@ -24,6 +24,7 @@ from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables import memory as M
 from ..vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
+from . import fences
 from .cases import Step
 from .exchange import Exchanger, Reply
 from .findings import Finding
@@ -49,8 +50,8 @@ class Steps(Exchanger):
     # -- well-formed requests ----------------------------------------------------------
 
     def _record(self, s: Session, values: dict[str, Any]) -> MemoryRegion:
-        region = s.ini.memory.register(bytearray(M.COMPLETION_RECORD.size), Access.REMOTE_WRITE)
-        values.update({"flags": values["flags"] | RequestFlag.RECORD, "cd.stag": region.stag, "cd.offset": 0,
+        region, offset = fences.fenced(s.ini.memory, M.COMPLETION_RECORD.size)
+        values.update({"flags": values["flags"] | RequestFlag.RECORD, "cd.stag": region.stag, "cd.offset": offset,
                        "cd.reserved": 0})
         return region
 
@@ -58,11 +59,11 @@ class Steps(Exchanger):
                     record: bool = False, generation: int = 0) -> tuple[dict[str, Any], list[MemoryRegion]]:
         """A LOAD into a fresh buffer (Block Size octets unless told), with INVALIDATE
         unless it completes by a record, as the reference initiator sends it."""
-        buf = s.ini.memory.register(bytearray(s.info.block_size if length is None else length),
-                                    Access.REMOTE_WRITE)
+        n = s.info.block_size if length is None else length
+        buf, offset = fences.fenced(s.ini.memory, n)
         flags = (RequestFlag.ALLOW_UNSEALED if allow_unsealed else 0) | (0 if record else RequestFlag.INVALIDATE)
         values = {"opcode": Opcode.LOAD, "handle": h, "generation": generation, "flags": flags,
-                  "dd.stag": buf.stag, "dd.offset": 0, "dd.length": len(buf.buffer)}
+                  "dd.stag": buf.stag, "dd.offset": offset, "dd.length": n}
         return values, [buf] + ([self._record(s, values)] if record else [])
 
     def store_values(self, s: Session, op: str, h: int, data: bytes, *, seal: bool = False,
@@ -139,9 +140,9 @@ class Steps(Exchanger):
                                   "generation": 0, "flags": 0}
         data = rng.randbytes(rng.choice([1, 8, 64, 512]))
         if op == Opcode.LOAD:
-            r = ini.memory.register(bytearray(info.block_size), Access.REMOTE_WRITE)
+            r, offset = fences.fenced(ini.memory, info.block_size)
             regions.append(r)
-            values.update({"flags": RequestFlag.ALLOW_UNSEALED, "dd.stag": r.stag, "dd.offset": 0,
+            values.update({"flags": RequestFlag.ALLOW_UNSEALED, "dd.stag": r.stag, "dd.offset": offset,
                            "dd.length": info.block_size})
         elif op in (Opcode.STORE, Opcode.ALLOC_STORE):
             flags = RequestFlag.SEAL if rng.random() < 0.5 else 0
@@ -382,16 +383,18 @@ class Steps(Exchanger):
         ini, loop = s.ini, asyncio.get_running_loop()
         h = next(iter(s.guards))
         count = ini.target.request_credits + step["extra"]
-        region = ini.memory.register(bytearray(ini.target.block_size), Access.REMOTE_WRITE)
+        region, offset = fences.fenced(ini.memory, ini.target.block_size)
         out = self.stray(s)
         sent = {}
+        before: fences.Snapshot = {}
         try:
             for _ in range(count):
                 rid = self.rid()
                 payload = codec.encode({"opcode": Opcode.LOAD, "request_id": rid, "handle": h, "flags": 0,
-                                        "dd.stag": region.stag, "dd.offset": 0,
+                                        "dd.stag": region.stag, "dd.offset": offset,
                                         "dd.length": ini.target.block_size}, ini.addr_le)
                 sent[rid] = (payload, *self.expectation(s, payload)[:2])
+                before = before or fences.snapshot(ini.memory, sent[rid][1])
                 ini.qp.send(payload)
             deadline = loop.time() + self.timeout + 1
             seen: set[int] = set()
@@ -410,7 +413,7 @@ class Steps(Exchanger):
                     continue
                 seen.add(answered)
                 payload, req, x = sent[answered]
-                out += self.judged(s, x, req, payload, msg, loop.time())[1]
+                out += self.judged(s, x, req, payload, msg, loop.time(), before=before)[1]
             if len(seen) < count and not ini.qp.closed:
                 out.append(Finding("no-answer", f"{count - len(seen)} of {count} requests of a burst "
                                    f"beyond the credits unanswered, connection up"))
