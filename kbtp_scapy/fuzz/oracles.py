@@ -162,6 +162,7 @@ async def table_invariants(world: World) -> list[Finding]:
                 out += _as_known(world, handle, e)       # a handle of ours that nothing bound
     for handle in sorted(known):
         if 0 <= handle - first < f["table.count"]:
+            world.tally.judge("table.entry")
             out += _as_known(world, handle, entry(handle))
     for off, n in where.items():
         if n > 1:
@@ -197,20 +198,43 @@ def _as_known(world: World, handle: int, e: AnyStruct) -> list[Finding]:
 
 
 async def _ring(world: World, bound: Counter[int]) -> list[Finding]:
+    """The session's own ring against Head and the partition: Head's Slot Offset is 16
+    times its Ticket modulo N with bits 31 to n+4 zero (with unmasked FetchAdd, as on
+    InfiniBand, the low half is zero: docs/NOTES.md); slot s only ever holds Sequences
+    congruent to s modulo N (initialisation, and Tail's ticket u writing the slot at its
+    offset); its reserved octets are zero; a free block lies in the Partition (the only
+    part of the pool the initiator can write), is free once, and is bound nowhere."""
     ini, f = world.own.ini, world.own.ini.target.fields
     head = await ini.qp.fetch_add(f["head.stag"], f["head.offset"], 0, 0 if ini.qp.masked_atomics else None)
-    ticket = head >> 32
-    raw = await ini.qp.read(f["ring.stag"], f["ring.offset"], f["ring.count"] * M.SLOT_SIZE)
+    ticket, n = head >> 32, f["ring.count"]
+    raw = await ini.qp.read(f["ring.stag"], f["ring.offset"], n * M.SLOT_SIZE)
+    out = []
+    low = M.SLOT_SIZE * (ticket % n) if ini.qp.masked_atomics else 0    # unmasked (InfiniBand): low half zero
+    if head & 0xFFFFFFFF != low:
+        out.append(Finding("invariant", f"Head reads 0x{head:016x}: Ticket {ticket}, low half "
+                           f"0x{head & 0xFFFFFFFF:x}, not 0x{low:x}"))
+    part, size = f.get("partition.offset"), ini.target.block_size
     free: Counter[int] = Counter()
-    for i in range(f["ring.count"]):
+    odd: list[str] = []
+    for i in range(n):
         slot = codec.decode_struct(M.RING_SLOT, raw[i * M.SLOT_SIZE:(i + 1) * M.SLOT_SIZE], ini.addr_le)
         seq, off = slot["slot.sequence"], slot["slot.block_offset"]
-        if off != M.SLOT_CONSUMED and (seq - ticket) & 0xFFFFFFFF < f["ring.count"]:
+        if seq % n != i:
+            odd.append(f"slot {i} holds Sequence {seq}")
+        if slot["slot.reserved"]:
+            odd.append(f"slot {i}'s reserved octets are 0x{slot['slot.reserved']:08x}")
+        if off != M.SLOT_CONSUMED and (seq - ticket) & 0xFFFFFFFF < n:
             free[off] += 1
-    out = []
-    for off, n in free.items():
-        if n > 1:
-            out.append(Finding("invariant", f"block 0x{off:x} free in {n} ring slots"))
+            if part is not None and ((off - part) % size or not 0 <= off - part < f["partition.count"] * size):
+                odd.append(f"slot {i} offers block 0x{off:x}, outside the Partition 0x{part:x}+"
+                           f"{f['partition.count']} blocks")
+    world.tally.judge(*["ring.head"] + ["ring.slot"] * n)
+    if odd:
+        out.append(Finding("invariant", "the ring: " + "; ".join(odd[:4]) + (f" (and {len(odd) - 4} more)"
+                                                                              if len(odd) > 4 else "")))
+    for off, k in free.items():
+        if k > 1:
+            out.append(Finding("invariant", f"block 0x{off:x} free in {k} ring slots"))
         if bound[off]:
             out.append(Finding("invariant", f"block 0x{off:x} is free in the ring and bound"))
     return out

@@ -201,6 +201,12 @@ class Steps(Exchanger):
                                   f"{self.timeout:g} s, though the session was within its quota")
                           ] if within_quota else []
         s.known.tickets[ticket] = Ticket(block, t0, t1)
+        f, size = ini.target.fields, ini.target.block_size
+        rel = block - f["partition.offset"]
+        if rel % size or not 0 <= rel < f["partition.count"] * size:
+            return (ticket, block), [Finding("block-offset", f"the slot of ticket {ticket} holds block 0x{block:x}, "
+                                             f"outside the Partition 0x{f['partition.offset']:x}+"
+                                             f"{f['partition.count']} blocks through which it is to be written")]
         return (ticket, block), []
 
     async def bind_taken(self, ticket: int, block: int) -> list[Finding]:
