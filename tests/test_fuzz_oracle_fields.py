@@ -4,12 +4,15 @@ Every bug breaks one sentence (or one field layout) of the specification in the 
 target running in its thread: the Block Handle echoed at 32 bits, a COMPLETION's reserved
 octets set, a LOAD that writes past Data Length or answers a refusal after writing, a
 completion record longer than 24 octets, HELLO_ACK promises broken (reserved octets,
-Partition Count, features never asked for), a ring slot with its reserved octets set. The
+Partition Count, features never asked for, Request Credits beyond the receive buffers
+posted), a ring slot with its reserved octets set. The
 fuzzer must find each on the bindings where it shows, naming the oracle's kind; the clean
 target passes 300 cases on both bindings, and the report counts every field of every
 answer as judged or not predicted.
 """
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -114,6 +117,17 @@ def grants_unasked(t, mp):
                                  | Feature.RECORD_COMPLETION})
 
 
+def credits_overstated(t, mp):
+    """The HELLO_ACK announces four more Request Credits than the receive buffers posted;
+    a LOAD takes 5 ms (a busy target, no bug), so a full window of credits meets the shortage."""
+    _hello_ack(mp, lambda body: {**body, "hello_ack.request_credits": body["hello_ack.request_credits"] + 4})
+
+    async def slow(original, self, conn, req, fetch):
+        await asyncio.sleep(0.005)
+        return await original(self, conn, req, fetch)
+    t.run(lambda: handler(t.target.executor, LOAD, slow))
+
+
 def slot_reserved(t, mp):
     """A freed block's ring slot is written with its reserved octets set."""
     def write_slot(self, offset, sequence, block):
@@ -143,6 +157,8 @@ BUGS = [
     (partition_beyond_quota, ("iwarp", "roce"), {"hello-ack"}, 0, 2),
     (grants_unasked, ("roce",), {"hello-ack"}, 0, 2),
     (slot_reserved, ("iwarp", "roce"), {"invariant"}, 0, 40),
+    # iWARP only: RoCEv2's requester meets the shortage with RNR NAKs and retries until served
+    (credits_overstated, ("iwarp",), {"credits"}, first_case("burst"), 3),
 ]
 RUNS = [(b, tr, kinds, start, cases) for b, trs, kinds, start, cases in BUGS for tr in trs]
 

@@ -2,8 +2,8 @@
 
 ``mutate``: one request through a mutator; ``valid``: a well-formed request, or a
 direct-mode load or allocation, on a scratch handle; ``rdma``: an RDMA access to an STag
-never granted, or a FetchAdd on Head with wrong operands; ``burst``: more requests than
-credits; ``reconnect``: GOODBYE, then the session resumed; ``quota``: requests that fail
+never granted, or a FetchAdd on Head with wrong operands; ``burst``: as many requests
+as credits at once, then more; ``reconnect``: GOODBYE, then the session resumed; ``quota``: requests that fail
 (which must use no quota), then ALLOC_STOREs up to the quota and one past it;
 ``abandon``: a ticket left unbound past its Ticket Timeout. Every request goes through
 ``Exchanger.request``, so the model judges them all.
@@ -385,47 +385,63 @@ class Steps(Exchanger):
     # -- more requests than credits ------------------------------------------------------
 
     async def burst(self, step: Step) -> list[Finding]:
+        """As many LOADs at once as the HELLO_ACK's Request Credits (the receive buffers
+        the target posted): all answered, the connection up; then more than the credits."""
         s = self.world.own
-        ini, loop = s.ini, asyncio.get_running_loop()
-        h = next(iter(s.guards))
-        count = ini.target.request_credits + step["extra"]
+        ini = s.ini
+        credits = ini.target.request_credits
         region, offset = fences.fenced(ini.memory, ini.target.block_size)
-        out = self.stray(s)
-        sent = {}
-        before: fences.Snapshot = {}
         try:
-            for _ in range(count):
-                rid = self.rid()
-                payload = codec.encode({"opcode": Opcode.LOAD, "request_id": rid, "handle": h, "flags": 0,
-                                        "dd.stag": region.stag, "dd.offset": offset,
-                                        "dd.length": ini.target.block_size}, ini.addr_le)
-                sent[rid] = (payload, *self.expectation(s, payload)[:2])
-                before = before or fences.snapshot(ini.memory, sent[rid][1])
-                ini.qp.send(payload)
-            deadline = loop.time() + self.timeout + 1
-            seen: set[int] = set()
-            while len(seen) < count and not ini.qp.closed and loop.time() < deadline:
-                try:
-                    msg = await asyncio.wait_for(ini.unmatched.get(), 0.05)
-                except TimeoutError:
-                    continue
-                try:
-                    answered = codec.decode(msg.payload, ini.addr_le)["request_id"]
-                except codec.Malformed:
-                    answered = None
-                if answered not in sent or answered in seen:
-                    out.append(Finding("request-id", f"answer with Request ID {answered} in a burst",
-                                       evidence={"answer": msg.payload.hex()}))
-                    continue
-                seen.add(answered)
-                payload, req, x = sent[answered]
-                out += self.judged(s, x, req, payload, msg, loop.time(), before=before)[1]
-            if len(seen) < count and not ini.qp.closed:
-                out.append(Finding("no-answer", f"{count - len(seen)} of {count} requests of a burst "
+            answered, out = await self._flood(s, credits, region, offset)
+            if answered < credits:
+                return out + [Finding("credits", f"{credits} LOADs at once, within the {credits} Request "
+                                      f"Credits of the HELLO_ACK: {answered} answered, then "
+                                      + ("the connection ended" if ini.qp.closed else "no more, connection up"))]
+            count = credits + step["extra"]
+            answered, found = await self._flood(s, count, region, offset)
+            out += found
+            if answered < count and not ini.qp.closed:
+                out.append(Finding("no-answer", f"{count - answered} of {count} requests of a burst "
                                    f"beyond the credits unanswered, connection up"))
         finally:
             ini.memory.deregister(region.stag)
         return out
+
+    async def _flood(self, s: Session, count: int, region: MemoryRegion, offset: int) -> tuple[int, list[Finding]]:
+        """``count`` LOADs of a guard into ``region`` sent back to back, each answer judged:
+        how many were answered before the connection ended or the time ran out."""
+        ini, loop = s.ini, asyncio.get_running_loop()
+        h = next(iter(s.guards))
+        out = self.stray(s)
+        sent = {}
+        before: fences.Snapshot = {}
+        for _ in range(count):
+            rid = self.rid()
+            payload = codec.encode({"opcode": Opcode.LOAD, "request_id": rid, "handle": h, "flags": 0,
+                                    "dd.stag": region.stag, "dd.offset": offset,
+                                    "dd.length": ini.target.block_size}, ini.addr_le)
+            sent[rid] = (payload, *self.expectation(s, payload)[:2])
+            before = before or fences.snapshot(ini.memory, sent[rid][1])
+            ini.qp.send(payload)
+        deadline = loop.time() + self.timeout + 1
+        seen: set[int] = set()
+        while len(seen) < count and not ini.qp.closed and loop.time() < deadline:
+            try:
+                msg = await asyncio.wait_for(ini.unmatched.get(), 0.05)
+            except TimeoutError:
+                continue
+            try:
+                answered = codec.decode(msg.payload, ini.addr_le)["request_id"]
+            except codec.Malformed:
+                answered = None
+            if answered not in sent or answered in seen:
+                out.append(Finding("request-id", f"answer with Request ID {answered} in a burst",
+                                   evidence={"answer": msg.payload.hex()}))
+                continue
+            seen.add(answered)
+            payload, req, x = sent[answered]
+            out += self.judged(s, x, req, payload, msg, loop.time(), before=before)[1]
+        return len(seen), out
 
     # -- the quota -----------------------------------------------------------------------
 
