@@ -15,7 +15,11 @@ to it where the text leaves the target no choice:
   and the block as stored, an allocation a block of the pool bound to no other handle;
 - a refusal carries the entry's current Generation;
 - the form: a completion record for RECORD when RECORD_COMPLETION was granted, else a
-  COMPLETION Send, with Invalidate of the Data Descriptor's STag for INVALIDATE.
+  COMPLETION Send, with Invalidate of the Data Descriptor's STag for INVALIDATE;
+- the header: the Request ID and (in a Send) the Block Handle echoed in full width, the
+  reserved octets zero.
+
+Every field of the answer is counted in a ``Tally``: judged, or not predicted and why.
 
 Where the text leaves a choice (the order of the checks, the status of a BIND the ring
 does not back, refusing odd but parseable requests as MALFORMED) every choice passes.

@@ -21,7 +21,7 @@ NO_FLAGS = "the text defines no COMPLETION flag"
 UNPARSED = "the request could not be parsed: nothing to echo"
 CHOSEN = "the target chooses it (a free block of the pool)"
 UNKNOWN_DATA = "the block's content is unknown to the model"
-NOT_OURS = "the request names an STag that is not one of the fuzzer's buffers"
+NOT_OURS = "the request names an STag that is not a writable buffer of the fuzzer's"
 
 
 class Tally:
