@@ -31,6 +31,7 @@ from .findings import Finding
 from .model import ABANDONED_AFTER, GRACE, Ticket
 from .mutators import MUTATORS, Context
 from .state import NoAnswer, Session
+from .tally import UNKNOWN_DATA
 
 U64 = (1 << 64) - 1
 MAX_FILL = 512            # a quota step sends at most this many ALLOC_STOREs
@@ -256,6 +257,11 @@ class Steps(Exchanger):
             if e.bound and e.sealed and exc.name in ("NOT_VALID", "NOT_SEALED"):
                 return [Finding("invariant", f"DIRECT_LOAD of 0x{h:x}: {exc}, but {e.seen} showed it bound and sealed")]
             return []
+        self.tally.judge("direct_load.entry")
+        if e.bound and e.data is not None:
+            self.tally.judge("direct_load.block")
+        else:
+            self.tally.cannot(UNKNOWN_DATA, "direct_load.block")
         seen = []
         if not e.bound:
             seen.append("VALID and SEALED")
@@ -338,6 +344,7 @@ class Steps(Exchanger):
     async def carried_out(self, verb: str, stag: int, offset: int, length: int, rng: random.Random) -> Any:
         """The result of an RDMA access the target must refuse, or None when it did."""
         ini = self.world.own.ini
+        self.tally.judge(f"rdma.{verb}.refused")
         try:
             if verb == "read":
                 fut = ini.qp.read(stag, offset, length)
