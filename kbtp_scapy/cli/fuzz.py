@@ -117,7 +117,9 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
     credits, makes RDMA accesses to STags never granted and FetchAdds with wrong Add
     Data or Mask, fills the quota, or leaves a ticket unbound past its Ticket Timeout.
     A model of what the target must do judges every answer: status, Generation, Data
-    Length, Block Offset, loaded data, completion record or Send, Invalidate, HELLO_ACK.
+    Length, Block Offset, loaded data, the echoed Request ID and Block Handle, reserved
+    octets, canaries around every buffer the target writes, completion record or Send,
+    Invalidate, HELLO_ACK; what it cannot predict is counted in the summary, with why.
     After each case: a fresh HELLO, the guard blocks loaded back, and with DIRECT_LOAD
     the table and ring read back. Findings are minimized and saved as pcap + JSON.
     Ctrl-C stops the run and prints the summary (exit status 130).

@@ -126,6 +126,7 @@ async def _guarded(run: Run, control: Control, summary: report.Summary, runner: 
     finally:
         summary.interrupted = control.interrupted
         summary.reconnects, summary.steps, summary.answers = runner.reconnects, +runner.families, +runner.answers
+        summary.oracle = runner.tally
         summary.seconds = time.monotonic() - t0
         try:
             await asyncio.wait_for(runner.stop(), 2 * run.timeout)

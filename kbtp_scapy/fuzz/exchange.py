@@ -19,10 +19,12 @@ from ..rnic.qp import Received
 from ..tables import memory as M
 from ..tables.enums import OPCODES
 from ..vocab import AnyMessage, Opcode, RequestFlag, Status
+from . import fences
 from .findings import Finding
 from .model import Expect, expect, expect_unparsed, judge, learn
 from .oracles import status_known
 from .state import Rebuild, Session, World
+from .tally import Tally
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Exchanger:
     def __init__(self) -> None:
         self._rids = itertools.count(0x4B46_0000_0000_0001)
         self.answers: Counter[str] = Counter()
+        self.tally = Tally()
 
     def rid(self) -> int:
         return next(self._rids)
@@ -96,8 +99,11 @@ class Exchanger:
         try:
             req = codec.decode(payload, ini.addr_le)
         except codec.Malformed as bad:
-            return None, expect_unparsed(payload, bad.fields.get("handle", 0)), None
+            x = expect_unparsed(payload, bad.fields.get("handle", 0))
+            x.request_id = codec.request_id_of(payload, ini.addr_le)
+            return None, x, None
         x = expect(req, s.info, s.known, self.world.lookup, self.world.bound_blocks(), self._ours(s), loop.time())
+        x.request_id, x.foreign = req["request_id"], self.world.owner(x.handle) is None
         stored = None
         if req["opcode"] in (Opcode.STORE, Opcode.ALLOC_STORE):
             stored = req.get("inline_data") if req["flags"] & RequestFlag.INLINE else \
@@ -117,6 +123,7 @@ class Exchanger:
         req, x, seen = self.expectation(s, payload)
         stored = stored if stored is not None else seen
         owner = w.owner(x.handle)
+        before = fences.snapshot(ini.memory, req)
         goodbye = len(payload) > 1 and payload[1] == Opcode.GOODBYE
         release = goodbye and len(payload) >= 4 and bool(payload[3] & 1)
         try:
@@ -129,7 +136,7 @@ class Exchanger:
         done, _ = await asyncio.wait({getter, closed}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
         closed.cancel()
         if getter in done:
-            c, found = self.judged(s, x, req, payload, getter.result(), loop.time(), stored)
+            c, found = self.judged(s, x, req, payload, getter.result(), loop.time(), stored, before)
             if release and req is not None:              # a GOODBYE, answered: the session is gone all the same
                 raise Rebuild("a mutated GOODBYE with RELEASE ended the session")
             return Reply(c, out + found)
@@ -146,9 +153,11 @@ class Exchanger:
         return Reply(closed=True, findings=out)
 
     def judged(self, s: Session, x: Expect, req: AnyMessage | None, payload: bytes, msg: Received, at: float,
-               stored: bytes | None = None) -> tuple[AnyMessage | None, list[Finding]]:
+               stored: bytes | None = None, before: fences.Snapshot | None = None,
+               ) -> tuple[AnyMessage | None, list[Finding]]:
         """The answer ``msg`` to ``payload`` (``req`` decoded, ``x`` its expectation) judged
-        and learnt from: the completion's values and the findings."""
+        and learnt from: the completion's values and the findings. ``before`` holds the
+        buffers the request names as they were before it was sent."""
         owner = self.world.owner(x.handle)
         c, how = self._answer(s, req, msg)
         if c is None:
@@ -159,18 +168,14 @@ class Exchanger:
                                   evidence={"sent": payload.hex(), "answer": msg.payload.hex()})]
         self.answers[how] += 1
         ev = _evidence(payload, c, how)
-        out = []
-        sent_id = codec.request_id_of(payload, s.ini.addr_le)
-        if sent_id is not None and c["request_id"] != sent_id:
-            out.append(Finding("request-id", f"{x.what}: the answer carries Request ID {c['request_id']}, the "
-                               f"request {sent_id}"))
+        out = fences.check(s.ini.memory, req, c, msg.write_imm, before or {}, x.what, self.tally)
         if not status_known(c["status"]):
             out.append(Finding("status-undefined", f"status {c['status']} is neither assigned nor Private Use"))
         loaded = None
         if req is not None and req["opcode"] == Opcode.LOAD and c["status"] == Status.OK and not (
                 msg.write_imm and _overlap(req, c["completion.data_length"])):
             loaded = self._buffer(s, req["dd.stag"], req["dd.offset"], c["completion.data_length"])
-        out += judge(x, c, record=msg.write_imm, invalidated=msg.invalidated, at=at, data=loaded)
+        out += judge(x, c, record=msg.write_imm, invalidated=msg.invalidated, at=at, data=loaded, tally=self.tally)
         for f in out:
             f.evidence = ev
         learn(owner, x, req, c, allowed=x.allows(c["status"]), stored=stored, loaded=loaded)

@@ -15,7 +15,11 @@ to it where the text leaves the target no choice:
   and the block as stored, an allocation a block of the pool bound to no other handle;
 - a refusal carries the entry's current Generation;
 - the form: a completion record for RECORD when RECORD_COMPLETION was granted, else a
-  COMPLETION Send, with Invalidate of the Data Descriptor's STag for INVALIDATE.
+  COMPLETION Send, with Invalidate of the Data Descriptor's STag for INVALIDATE;
+- the header: the Request ID and (in a Send) the Block Handle echoed in full width, the
+  reserved octets zero.
+
+Every field of the answer is counted in a ``Tally``: judged, or not predicted and why.
 
 Where the text leaves a choice (the order of the checks, the status of a BIND the ring
 does not back, refusing odd but parseable requests as MALFORMED) every choice passes.
@@ -32,6 +36,18 @@ from ..initiator.results import TargetInfo
 from ..tables.enums import OPCODES, STATUS
 from ..vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from .findings import Finding
+from .tally import (
+    FOREIGN,
+    NEVER_SHOWN,
+    NO_ENTRY_LOOKED,
+    NO_FLAGS,
+    NOT_FIXED_OK,
+    NOT_FIXED_REFUSAL,
+    UNKNOWN_DATA,
+    UNKNOWN_ENTRY,
+    UNPARSED,
+    Tally,
+)
 
 REQUESTS = (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND)
 FLAGGED = (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE)  # the request flags apply to these
@@ -140,6 +156,11 @@ class Expect:
     block: int | None = None             # of an OK LOAD
     data: bytes | None = None            # of an OK LOAD
     buffer: int | None = None            # a LOAD's Data Descriptor Length
+    block_size: int | None = None        # the session's, for an OK LOAD's Data Length
+    request_id: int | None = None        # what the answer must echo (None: unparsed)
+    parsed: bool = True                  # the request decoded, so its Block Handle is known
+    foreign: bool = False                # the handle is in neither of the fuzzer's ranges
+    lost: bool = False                   # whether the entry is bound is not known either
     new_block: bool = False              # an OK allocation: a pool block bound nowhere else
     bound_blocks: dict[int, int] = field(default_factory=dict)
     pool: tuple[int, int, int] | None = None  # (Block Size, F, Pool Tagged Offset) with DIRECT_LOAD
@@ -149,6 +170,11 @@ class Expect:
     record: bool | None = False          # a completion record expected (None: either)
     invalidate: int | None = 0           # STag a Send must invalidate (0: none, None: either)
     young_until: float | None = None     # TICKET_ABANDONED before this is too early
+
+    @property
+    def unknown(self) -> str:
+        """Why the entry is not known to the model, for the tally."""
+        return FOREIGN if self.foreign else UNKNOWN_ENTRY if self.lost else NEVER_SHOWN
 
     @property
     def failing(self) -> list[Check]:
@@ -244,10 +270,10 @@ def expect(req: AnyMessage, info: TargetInfo, own: Knowledge, lookup: Callable[[
     elif base is not None:
         x.generation, x.next_generation = next_generation(base), True
     if op == Opcode.LOAD:
-        x.buffer = req["dd.length"]
+        x.buffer, x.block_size = req["dd.length"], info.block_size
         if e.bound:
             x.length, x.block, x.data = e.length, e.block, e.data
-    x.entry_generation, x.seen = e.generation, e.seen
+    x.entry_generation, x.seen, x.lost = e.generation, e.seen, e.bound is None
     if op in (Opcode.ALLOC_STORE, Opcode.BIND):
         x.bound_blocks = {b: other for b, other in bound_blocks.items() if other != h}
     x.asked_record = op in FLAGGED and bool(flags & RequestFlag.RECORD)
@@ -329,7 +355,7 @@ def expect_unparsed(sent: bytes, handle: int) -> Expect:
     why = (f"{len(sent)} octets" if len(sent) < 24 else f"Version {sent[0]}" if sent[0] != 1
            else f"opcode {OPCODES.describe(op)} is not a request")
     x = Expect(op, handle, f"an unparseable request ({why if not lenient else 'length off'})",
-               record=None, invalidate=None)
+               record=None, invalidate=None, parsed=False)
     x.checks.append(Check(None, None if lenient else True, why, "ok-unparseable"))
     return x
 
@@ -337,14 +363,17 @@ def expect_unparsed(sent: bytes, handle: int) -> Expect:
 # -- judging an answer ---------------------------------------------------------------------
 
 def judge(x: Expect, c: AnyMessage, *, record: bool, invalidated: int | None, at: float,
-          data: bytes | None) -> list[Finding]:
+          data: bytes | None, tally: Tally) -> list[Finding]:
     """What the completion ``c`` (or completion record) breaks of ``x``; ``data`` is what
-    an OK LOAD put into the fuzzer's buffer, when the fuzzer can tell."""
-    out: list[Finding] = []
+    an OK LOAD put into the fuzzer's buffer, when the fuzzer can tell. Every field of
+    the answer is counted in ``tally``: judged, or not predicted and why."""
+    a = "record" if record else "completion"
+    out: list[Finding] = _echo(x, c, a, tally)
     status, name = c["status"], STATUS.describe(c["status"])
+    tally.judge(f"{a}.status")
     if status == Status.OK:
         if x.ok:
-            out += _ok_values(x, c, data)
+            out += _ok_values(x, c, data, a, tally)
         else:
             out.append(Finding(x.failing[0].kind, f"OK for {x.what}, expected {x.expected()}: "
                                + "; ".join(ch.why for ch in x.failing)))
@@ -357,19 +386,59 @@ def judge(x: Expect, c: AnyMessage, *, record: bool, invalidated: int | None, at
     elif status == Status.TICKET_ABANDONED and x.young_until is not None and at < x.young_until:
         out.append(Finding("ticket", f"{x.what} completed TICKET_ABANDONED {x.young_until - at:.2f} s "
                            "before the ticket's Ticket Timeout could have passed"))
-    if (status not in (Status.OK, Status.MALFORMED, Status.INVALID_HANDLE) and x.entry_generation is not None
-            and c["generation"] != x.entry_generation):
-        shown = f" ({x.seen})" if x.seen else ""
-        out.append(Finding("generation", f"{x.what} completed {name} with Generation {c['generation']}, "
-                           f"the entry's is {x.entry_generation}{shown}"))
+    if status != Status.OK:
+        tally.cannot(NOT_FIXED_REFUSAL, f"{a}.data_length", f"{a}.block_offset")
+        if status in (Status.MALFORMED, Status.INVALID_HANDLE):
+            tally.cannot(NO_ENTRY_LOOKED, f"{a}.generation")
+        elif x.entry_generation is None:
+            tally.cannot(x.unknown, f"{a}.generation")
+        else:
+            tally.judge(f"{a}.generation")
+            if c["generation"] != x.entry_generation:
+                shown = f" ({x.seen})" if x.seen else ""
+                out.append(Finding("generation", f"{x.what} completed {name} with Generation {c['generation']}, "
+                                   f"the entry's is {x.entry_generation}{shown}"))
     if status != Status.MALFORMED:
         out += _form(x, record, invalidated)
     return out
 
 
-def _ok_values(x: Expect, c: AnyMessage, data: bytes | None) -> list[Finding]:
+def _echo(x: Expect, c: AnyMessage, a: str, tally: Tally) -> list[Finding]:
+    """The header of the answer: the Request ID and (in a COMPLETION Send) the Block
+    Handle echoed in full width, the reserved octets zero (the decoder already held
+    Version to 1 and the Opcode to COMPLETION)."""
+    out = []
+    if x.request_id is None:
+        tally.cannot(UNPARSED, f"{a}.request_id")
+    else:
+        tally.judge(f"{a}.request_id")
+        if c["request_id"] != x.request_id:
+            out.append(Finding("request-id", f"{x.what}: the answer carries Request ID 0x{c['request_id']:x}, "
+                               f"the request 0x{x.request_id:x}"))
+    if a == "record":
+        return out
+    tally.judge(f"{a}.version", f"{a}.opcode", f"{a}.reserved")
+    tally.cannot(NO_FLAGS, f"{a}.flags")
+    if not x.parsed:
+        tally.cannot(UNPARSED, f"{a}.handle")
+    else:
+        tally.judge(f"{a}.handle")
+        if c["handle"] != x.handle:
+            out.append(Finding("echo", f"{x.what}: the COMPLETION carries Block Handle 0x{c['handle']:x}, "
+                               f"not the request's 0x{x.handle:x}"))
+    if c["completion.reserved"]:
+        out.append(Finding("reserved", f"{x.what}: the COMPLETION's Reserved field is "
+                           f"0x{c['completion.reserved']:08x}, not zero"))
+    return out
+
+
+def _ok_values(x: Expect, c: AnyMessage, data: bytes | None, a: str, tally: Tally) -> list[Finding]:
     out = []
     gen, length, block = c["generation"], c["completion.data_length"], c["completion.block_offset"]
+    if x.generation is None:
+        tally.cannot(x.unknown, f"{a}.generation")
+    else:
+        tally.judge(f"{a}.generation")
     if gen == 0:
         out.append(Finding("generation", f"OK for {x.what} with Generation 0, a value an entry never takes"))
     elif x.generation is not None and gen != x.generation:
@@ -378,20 +447,13 @@ def _ok_values(x: Expect, c: AnyMessage, data: bytes | None) -> list[Finding]:
         out.append(Finding("generation", f"OK for {x.what} with Generation {gen}, expected {x.generation} "
                            f"({how}{shown})"))
     if x.op == Opcode.LOAD:
-        if x.buffer is not None and length > x.buffer:
-            out.append(Finding("ok-too-large", f"LOAD of 0x{x.handle:x} reports {length} octets for a "
-                               f"{x.buffer}-octet buffer"))
-        elif x.length is not None and length != x.length:
-            out.append(Finding("data-changed", f"LOAD of 0x{x.handle:x}: Data Length {length}, the block "
-                               f"holds {x.length}"))
-        elif x.data is not None and data is not None and data != x.data:
-            at = next((i for i, (a, b) in enumerate(zip(data, x.data)) if a != b), min(len(data), len(x.data)))
-            out.append(Finding("data-changed", f"LOAD of 0x{x.handle:x}: the block differs from what was "
-                               f"stored from octet {at} on"))
-        if x.block is not None and block != x.block:
-            out.append(Finding("block-offset", f"LOAD of 0x{x.handle:x} shows Block Offset 0x{block:x}; "
-                               f"{x.seen or 'an earlier answer'} showed 0x{x.block:x}"))
+        out += _load_values(x, length, block, data, a, tally)
+    else:
+        tally.cannot(NOT_FIXED_OK, f"{a}.data_length")
+        if not x.new_block:
+            tally.cannot(NOT_FIXED_OK, f"{a}.block_offset")
     if x.new_block:
+        tally.judge(f"{a}.block_offset")
         other = x.bound_blocks.get(block)
         # Block Offsets are Tagged Offsets of the Pool STag: from its descriptor's offset
         if x.pool and ((block - x.pool[2]) % x.pool[0] or not 0 <= block - x.pool[2] < x.pool[0] * x.pool[1]):
@@ -400,6 +462,38 @@ def _ok_values(x: Expect, c: AnyMessage, data: bytes | None) -> list[Finding]:
         elif other is not None:
             out.append(Finding("block-offset", f"OK for {x.what} with Block Offset 0x{block:x}, which "
                                f"0x{other:x} is bound to"))
+    return out
+
+
+def _load_values(x: Expect, length: int, block: int, data: bytes | None, a: str, tally: Tally) -> list[Finding]:
+    """An OK LOAD: the entry's Data Length (never beyond the buffer or the Block Size),
+    its Block Offset, and the block as stored."""
+    out = []
+    tally.judge(f"{a}.data_length")          # at least against the buffer and the Block Size
+    if x.buffer is not None and length > x.buffer:
+        out.append(Finding("ok-too-large", f"LOAD of 0x{x.handle:x} reports {length} octets for a "
+                           f"{x.buffer}-octet buffer"))
+    elif x.block_size is not None and length > x.block_size:
+        out.append(Finding("data-changed", f"LOAD of 0x{x.handle:x} reports {length} octets, more than "
+                           f"the Block Size {x.block_size}"))
+    elif x.length is not None and length != x.length:
+        out.append(Finding("data-changed", f"LOAD of 0x{x.handle:x}: Data Length {length}, the block "
+                           f"holds {x.length}"))
+    elif x.data is not None and data is not None and data != x.data:
+        at = next((i for i, (p, q) in enumerate(zip(data, x.data)) if p != q), min(len(data), len(x.data)))
+        out.append(Finding("data-changed", f"LOAD of 0x{x.handle:x}: the block differs from what was "
+                           f"stored from octet {at} on"))
+    if x.data is None or data is None:
+        tally.cannot(UNKNOWN_DATA, "load.data")
+    else:
+        tally.judge("load.data")
+    if x.block is None:
+        tally.cannot(x.unknown, f"{a}.block_offset")
+    else:
+        tally.judge(f"{a}.block_offset")
+        if block != x.block:
+            out.append(Finding("block-offset", f"LOAD of 0x{x.handle:x} shows Block Offset 0x{block:x}; "
+                               f"{x.seen or 'an earlier answer'} showed 0x{x.block:x}"))
     return out
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from .cases import Case, Step
 from .findings import Finding
+from .tally import Tally
 
 EXIT_OK, EXIT_FINDING, EXIT_HARNESS, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -34,6 +35,7 @@ class Summary:
     reconnects: int = 0
     steps: Counter = field(default_factory=Counter)
     answers: Counter = field(default_factory=Counter)
+    oracle: Tally = field(default_factory=Tally)
     saved: list[Saved] = field(default_factory=list)
     error: str | None = None
     stopped: str = ""
@@ -76,7 +78,7 @@ def as_json(summary: Summary) -> str:
         "target": summary.url, "seed": summary.seed, "cases": summary.cases,
         "seconds": round(summary.seconds, 2), "reconnects": summary.reconnects,
         "steps": dict(sorted(summary.steps.items())), "answers": dict(sorted(summary.answers.items())),
-        "finding_kinds": dict(kinds),
+        "finding_kinds": dict(kinds), "oracle": summary.oracle.as_dict(),
         "findings": [finding_document(summary, s) for s in summary.saved],
         "error": summary.error, "stopped": summary.stopped, "interrupted": summary.interrupted,
         "exit_code": summary.exit_code,
@@ -94,6 +96,8 @@ def table(summary: Summary) -> str:
     lines += [f"{k:28} {v:>8}" for k, v in sorted(summary.steps.items())]
     if summary.answers:
         lines += ["", "answers: " + ", ".join(f"{v} {k}" for k, v in sorted(summary.answers.items()))]
+    if summary.oracle.judged or summary.oracle.unpredicted:
+        lines += ["", *summary.oracle.lines()]
     lines += ["", f"{'case':24} {'kind':18} {'steps':>5} {'min':>4}  detail",
               f"{'-' * 24} {'-' * 18} {'-' * 5} {'-' * 4}  {'-' * 30}"]
     for s in summary.saved:

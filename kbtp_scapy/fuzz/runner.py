@@ -56,7 +56,7 @@ class Runner(Steps):
         return self._world
 
     async def start(self) -> None:
-        self._world = World(self.url, self.options, self.timeout, self.frame_listeners)
+        self._world = World(self.url, self.options, self.timeout, self.frame_listeners, self.tally)
         await self._world.open()
 
     async def restart(self) -> None:

@@ -20,6 +20,7 @@ from .cases import SCRATCH
 from .findings import Finding
 from .model import UNKNOWN, Entry, Knowledge
 from .oracles import check_hello_ack
+from .tally import Tally
 from .trouble import TRANSPORT_ERRORS, describe
 
 GUARDS = 2
@@ -75,8 +76,10 @@ class Session:
 class World:
     """The two sessions; ``findings`` collects what HELLO_ACKs showed until a case takes them."""
 
-    def __init__(self, url: str, options: dict, timeout: float, frame_listeners: list | None = None) -> None:
+    def __init__(self, url: str, options: dict, timeout: float, frame_listeners: list | None = None,
+                 tally: Tally | None = None) -> None:
         self.url, self.options, self.timeout = url, options, timeout
+        self.tally = tally or Tally()
         self.frame_listeners = frame_listeners or []
         self._sessions: tuple[Session, Session] | None = None    # (own, peer) once open
         self.scratch: list[int] = []
@@ -110,9 +113,9 @@ class World:
                 self.url, initiator_id=initiator_id or secrets.token_bytes(16), features=features,
                 frame_listeners=self.frame_listeners, **self.options), self.timeout)
         except KbtpError as exc:
-            self.findings += check_hello_ack(exc.hello_ack, self.transport)
+            self.findings += check_hello_ack(exc.hello_ack, self.transport, features, self.tally)
             raise
-        self.findings += check_hello_ack(ini.hello_ack, self.transport)
+        self.findings += check_hello_ack(ini.hello_ack, self.transport, features, self.tally)
         return ini
 
     def session(self, ini: Initiator) -> Session:

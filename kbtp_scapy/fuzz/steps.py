@@ -2,8 +2,8 @@
 
 ``mutate``: one request through a mutator; ``valid``: a well-formed request, or a
 direct-mode load or allocation, on a scratch handle; ``rdma``: an RDMA access to an STag
-never granted, or a FetchAdd on Head with wrong operands; ``burst``: more requests than
-credits; ``reconnect``: GOODBYE, then the session resumed; ``quota``: requests that fail
+never granted, or a FetchAdd on Head with wrong operands; ``burst``: as many requests
+as credits at once, then more; ``reconnect``: GOODBYE, then the session resumed; ``quota``: requests that fail
 (which must use no quota), then ALLOC_STOREs up to the quota and one past it;
 ``abandon``: a ticket left unbound past its Ticket Timeout. Every request goes through
 ``Exchanger.request``, so the model judges them all.
@@ -24,12 +24,14 @@ from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..tables import memory as M
 from ..vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
+from . import fences
 from .cases import Step
 from .exchange import Exchanger, Reply
 from .findings import Finding
 from .model import ABANDONED_AFTER, GRACE, Ticket
 from .mutators import MUTATORS, Context
 from .state import NoAnswer, Session
+from .tally import UNKNOWN_DATA
 
 U64 = (1 << 64) - 1
 MAX_FILL = 512            # a quota step sends at most this many ALLOC_STOREs
@@ -49,8 +51,8 @@ class Steps(Exchanger):
     # -- well-formed requests ----------------------------------------------------------
 
     def _record(self, s: Session, values: dict[str, Any]) -> MemoryRegion:
-        region = s.ini.memory.register(bytearray(M.COMPLETION_RECORD.size), Access.REMOTE_WRITE)
-        values.update({"flags": values["flags"] | RequestFlag.RECORD, "cd.stag": region.stag, "cd.offset": 0,
+        region, offset = fences.fenced(s.ini.memory, M.COMPLETION_RECORD.size)
+        values.update({"flags": values["flags"] | RequestFlag.RECORD, "cd.stag": region.stag, "cd.offset": offset,
                        "cd.reserved": 0})
         return region
 
@@ -58,11 +60,11 @@ class Steps(Exchanger):
                     record: bool = False, generation: int = 0) -> tuple[dict[str, Any], list[MemoryRegion]]:
         """A LOAD into a fresh buffer (Block Size octets unless told), with INVALIDATE
         unless it completes by a record, as the reference initiator sends it."""
-        buf = s.ini.memory.register(bytearray(s.info.block_size if length is None else length),
-                                    Access.REMOTE_WRITE)
+        n = s.info.block_size if length is None else length
+        buf, offset = fences.fenced(s.ini.memory, n)
         flags = (RequestFlag.ALLOW_UNSEALED if allow_unsealed else 0) | (0 if record else RequestFlag.INVALIDATE)
         values = {"opcode": Opcode.LOAD, "handle": h, "generation": generation, "flags": flags,
-                  "dd.stag": buf.stag, "dd.offset": 0, "dd.length": len(buf.buffer)}
+                  "dd.stag": buf.stag, "dd.offset": offset, "dd.length": n}
         return values, [buf] + ([self._record(s, values)] if record else [])
 
     def store_values(self, s: Session, op: str, h: int, data: bytes, *, seal: bool = False,
@@ -139,9 +141,9 @@ class Steps(Exchanger):
                                   "generation": 0, "flags": 0}
         data = rng.randbytes(rng.choice([1, 8, 64, 512]))
         if op == Opcode.LOAD:
-            r = ini.memory.register(bytearray(info.block_size), Access.REMOTE_WRITE)
+            r, offset = fences.fenced(ini.memory, info.block_size)
             regions.append(r)
-            values.update({"flags": RequestFlag.ALLOW_UNSEALED, "dd.stag": r.stag, "dd.offset": 0,
+            values.update({"flags": RequestFlag.ALLOW_UNSEALED, "dd.stag": r.stag, "dd.offset": offset,
                            "dd.length": info.block_size})
         elif op in (Opcode.STORE, Opcode.ALLOC_STORE):
             flags = RequestFlag.SEAL if rng.random() < 0.5 else 0
@@ -200,6 +202,12 @@ class Steps(Exchanger):
                                   f"{self.timeout:g} s, though the session was within its quota")
                           ] if within_quota else []
         s.known.tickets[ticket] = Ticket(block, t0, t1)
+        f, size = ini.target.fields, ini.target.block_size
+        rel = block - f["partition.offset"]
+        if rel % size or not 0 <= rel < f["partition.count"] * size:
+            return (ticket, block), [Finding("block-offset", f"the slot of ticket {ticket} holds block 0x{block:x}, "
+                                             f"outside the Partition 0x{f['partition.offset']:x}+"
+                                             f"{f['partition.count']} blocks through which it is to be written")]
         return (ticket, block), []
 
     async def bind_taken(self, ticket: int, block: int) -> list[Finding]:
@@ -249,6 +257,11 @@ class Steps(Exchanger):
             if e.bound and e.sealed and exc.name in ("NOT_VALID", "NOT_SEALED"):
                 return [Finding("invariant", f"DIRECT_LOAD of 0x{h:x}: {exc}, but {e.seen} showed it bound and sealed")]
             return []
+        self.tally.judge("direct_load.entry")
+        if e.bound and e.data is not None:
+            self.tally.judge("direct_load.block")
+        else:
+            self.tally.cannot(UNKNOWN_DATA, "direct_load.block")
         seen = []
         if not e.bound:
             seen.append("VALID and SEALED")
@@ -331,6 +344,7 @@ class Steps(Exchanger):
     async def carried_out(self, verb: str, stag: int, offset: int, length: int, rng: random.Random) -> Any:
         """The result of an RDMA access the target must refuse, or None when it did."""
         ini = self.world.own.ini
+        self.tally.judge(f"rdma.{verb}.refused")
         try:
             if verb == "read":
                 fut = ini.qp.read(stag, offset, length)
@@ -378,45 +392,63 @@ class Steps(Exchanger):
     # -- more requests than credits ------------------------------------------------------
 
     async def burst(self, step: Step) -> list[Finding]:
+        """As many LOADs at once as the HELLO_ACK's Request Credits (the receive buffers
+        the target posted): all answered, the connection up; then more than the credits."""
         s = self.world.own
-        ini, loop = s.ini, asyncio.get_running_loop()
-        h = next(iter(s.guards))
-        count = ini.target.request_credits + step["extra"]
-        region = ini.memory.register(bytearray(ini.target.block_size), Access.REMOTE_WRITE)
-        out = self.stray(s)
-        sent = {}
+        ini = s.ini
+        credits = ini.target.request_credits
+        region, offset = fences.fenced(ini.memory, ini.target.block_size)
         try:
-            for _ in range(count):
-                rid = self.rid()
-                payload = codec.encode({"opcode": Opcode.LOAD, "request_id": rid, "handle": h, "flags": 0,
-                                        "dd.stag": region.stag, "dd.offset": 0,
-                                        "dd.length": ini.target.block_size}, ini.addr_le)
-                sent[rid] = (payload, *self.expectation(s, payload)[:2])
-                ini.qp.send(payload)
-            deadline = loop.time() + self.timeout + 1
-            seen: set[int] = set()
-            while len(seen) < count and not ini.qp.closed and loop.time() < deadline:
-                try:
-                    msg = await asyncio.wait_for(ini.unmatched.get(), 0.05)
-                except TimeoutError:
-                    continue
-                try:
-                    answered = codec.decode(msg.payload, ini.addr_le)["request_id"]
-                except codec.Malformed:
-                    answered = None
-                if answered not in sent or answered in seen:
-                    out.append(Finding("request-id", f"answer with Request ID {answered} in a burst",
-                                       evidence={"answer": msg.payload.hex()}))
-                    continue
-                seen.add(answered)
-                payload, req, x = sent[answered]
-                out += self.judged(s, x, req, payload, msg, loop.time())[1]
-            if len(seen) < count and not ini.qp.closed:
-                out.append(Finding("no-answer", f"{count - len(seen)} of {count} requests of a burst "
+            answered, out = await self._flood(s, credits, region, offset)
+            if answered < credits:
+                return out + [Finding("credits", f"{credits} LOADs at once, within the {credits} Request "
+                                      f"Credits of the HELLO_ACK: {answered} answered, then "
+                                      + ("the connection ended" if ini.qp.closed else "no more, connection up"))]
+            count = credits + step["extra"]
+            answered, found = await self._flood(s, count, region, offset)
+            out += found
+            if answered < count and not ini.qp.closed:
+                out.append(Finding("no-answer", f"{count - answered} of {count} requests of a burst "
                                    f"beyond the credits unanswered, connection up"))
         finally:
             ini.memory.deregister(region.stag)
         return out
+
+    async def _flood(self, s: Session, count: int, region: MemoryRegion, offset: int) -> tuple[int, list[Finding]]:
+        """``count`` LOADs of a guard into ``region`` sent back to back, each answer judged:
+        how many were answered before the connection ended or the time ran out."""
+        ini, loop = s.ini, asyncio.get_running_loop()
+        h = next(iter(s.guards))
+        out = self.stray(s)
+        sent = {}
+        before: fences.Snapshot = {}
+        for _ in range(count):
+            rid = self.rid()
+            payload = codec.encode({"opcode": Opcode.LOAD, "request_id": rid, "handle": h, "flags": 0,
+                                    "dd.stag": region.stag, "dd.offset": offset,
+                                    "dd.length": ini.target.block_size}, ini.addr_le)
+            sent[rid] = (payload, *self.expectation(s, payload)[:2])
+            before = before or fences.snapshot(ini.memory, sent[rid][1])
+            ini.qp.send(payload)
+        deadline = loop.time() + self.timeout + 1
+        seen: set[int] = set()
+        while len(seen) < count and not ini.qp.closed and loop.time() < deadline:
+            try:
+                msg = await asyncio.wait_for(ini.unmatched.get(), 0.05)
+            except TimeoutError:
+                continue
+            try:
+                answered = codec.decode(msg.payload, ini.addr_le)["request_id"]
+            except codec.Malformed:
+                answered = None
+            if answered not in sent or answered in seen:
+                out.append(Finding("request-id", f"answer with Request ID {answered} in a burst",
+                                   evidence={"answer": msg.payload.hex()}))
+                continue
+            seen.add(answered)
+            payload, req, x = sent[answered]
+            out += self.judged(s, x, req, payload, msg, loop.time(), before=before)[1]
+        return len(seen), out
 
     # -- the quota -----------------------------------------------------------------------
 
