@@ -101,6 +101,10 @@ class TicketWatch:
         return ticket in self._pending
 
     def abandoned(self, ticket: int) -> bool:
+        """Whether ``ticket`` was abandoned, its Ticket Timeout looked at now: a BIND that
+        arrives as the timeout passes is TICKET_ABANDONED, not MALFORMED (the ticket would
+        be gone from the outstanding ones by the next look)."""
+        self.poll()
         return ticket in self._abandoned
 
     def bound(self, ticket: int) -> None:
