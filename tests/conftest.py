@@ -40,17 +40,37 @@ def lab():
     yield from session_guest()
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist reads the groups it adds
-def pytest_collection_modifyitems(session, config, items) -> None:
-    """Which tests share a worker, and in what order they start.
+LAB_MODULES = "test_lab_"
 
-    Under pytest-xdist (``-n``, pyproject's addopts) each module runs whole on one worker, as
-    its addresses come from module counters and its costly fixtures are the module's, and the
-    lab's modules share one worker, as they share one guest. The lab goes first there, so
-    its guest's minutes overlap the other workers' tests; in one process it goes last, as
-    its emulated guest keeps a core busy from the first lab test to the end of the session."""
+
+def _scope(nodeid: str) -> str:
+    """The work unit of a test under pytest-xdist: its module, or "lab" for the lab's modules."""
+    module = nodeid.split("::", 1)[0]
+    return "lab" if Path(module).name.startswith(LAB_MODULES) else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Each module runs whole on one worker (its addresses come from module counters, its
+    costly fixtures are the module's) and the lab's modules together on one (they share one
+    guest), in collection order. xdist's loadgroup would say so with marks, but with pytest
+    9.2 its group no longer reaches the node ids; a scheduler sees node ids only, hence the
+    lab's modules are known by name (checked against their mark below)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByModule(config, log)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The lab's tests first under pytest-xdist (``-n``, pyproject's addopts), so its guest's
+    minutes overlap the other workers' tests; last in one process, as its emulated guest
+    keeps a core busy from the first lab test to the end of the session."""
     for item in items:
         lab = item.get_closest_marker("lab") is not None
-        item.add_marker(pytest.mark.xdist_group("lab" if lab else item.module.__name__))
+        assert lab == (_scope(item.nodeid) == "lab"), f"{item.nodeid}: a lab test's module is named {LAB_MODULES}*"
     parallel = bool(getattr(config.option, "numprocesses", None)) or hasattr(config, "workerinput")
     items.sort(key=lambda item: (item.get_closest_marker("lab") is not None) != parallel)
