@@ -815,6 +815,15 @@ def plant_partition_kept_when_not_granted(t, mp) -> None:
     mp.setattr(conn_mod, "grant_partition", refused)
 
 
+def plant_shared_ring_counted_larger(t, mp) -> None:
+    """Admission counts one quota more in the shared ring than the ring holds, so it admits
+    one session without direct modes more than its free blocks cover (mutation sample 5's
+    ``shared_sessions * quota`` for ``(shared_sessions + 1) * quota``)."""
+    real = TargetConfig.shared_blocks.fget
+    assert real is not None
+    mp.setattr(TargetConfig, "shared_blocks", property(lambda c: real(c) + c.quota))
+
+
 CORPUS: list[Bug] = [
     # Session Establishment
     Bug("hello_ack_request_id", "HELLO_ACK ... in which Request ID, Block Handle, Generation, and "
@@ -1069,6 +1078,9 @@ CORPUS: list[Bug] = [
     Bug("partition_kept_not_granted", "Target-executed allocations take blocks from a ring shared by "
         "all initiators that the target serves this way", "session.features.shared_ring",
         plant_partition_kept_when_not_granted),
+    Bug("shared_ring_overcommitted", "The target assigns each initiator an Allocation Quota at session "
+        "setup and keeps the sum of quotas not larger than F", "session.quota.sum",
+        plant_shared_ring_counted_larger),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 assert len(BY_NAME) == len(CORPUS)
