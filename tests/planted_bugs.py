@@ -255,6 +255,14 @@ def plant_partition_released_with_bindings(t, mp):
     wrap_method(mp, Sessions, "detach", wrapper)
 
 
+def plant_unparseable_echoes_no_request_id(t, mp):
+    """The answer to a request that cannot be parsed carries Request ID 0 (mutation sample 5's
+    ``len(payload) == 12`` for ``>= 12``: only a request cut right after its Request ID got
+    it echoed)."""
+    wrap_method(mp, Connection, "_malformed", lambda malformed: lambda self, payload, fields: {
+        **malformed(self, payload, fields), "request_id": 0})
+
+
 def plant_unparseable_too_large(t, mp):
     """Every request that cannot be parsed is refused TOO_LARGE, whatever its lengths."""
     def wrapper(original):
@@ -860,6 +868,8 @@ CORPUS: list[Bug] = [
     Bug("unknown_opcode_executed", "Opcodes are listed in ... MALFORMED", "ops.header.opcode",
         lambda t, mp: shim_decode(mp, lambda b, le: codec.decode(
             b[:1] + b"\x12" + b[2:] if b[1:2] == b"\x7e" else b, le))),
+    Bug("unparseable_request_id_zero", "Request ID is chosen by the initiator and echoed in the completion",
+        "ops.header.version", plant_unparseable_echoes_no_request_id),
     Bug("unparseable_too_large", "A failed check completes the request with the corresponding status; "
         "TOO_LARGE: Length exceeds block or buffer", "ops.header.opcode", plant_unparseable_too_large),
     Bug("short_inline_padded", "MALFORMED: Request cannot be parsed", "ops.header.length",
