@@ -823,6 +823,13 @@ def plant_partition_kept_when_not_granted(t, mp) -> None:
     mp.setattr(conn_mod, "grant_partition", refused)
 
 
+def plant_bound_ticket_counted_twice(t, mp) -> None:
+    """BIND turns a ticket into a bound handle but leaves it counted as a ticket too, so each
+    BIND costs two units of quota (the ticket watch's ``tickets -= 1`` made ``-= 0``, which
+    mutation sample 3 saw killed by fuzz alone)."""
+    mp.setattr(direct_mod.TicketWatch, "bound", lambda self, ticket: self._pending.pop(ticket))
+
+
 def plant_shared_ring_counted_larger(t, mp) -> None:
     """Admission counts one quota more in the shared ring than the ring holds, so it admits
     one session without direct modes more than its free blocks cover (mutation sample 5's
@@ -1088,6 +1095,9 @@ CORPUS: list[Bug] = [
     Bug("partition_kept_not_granted", "Target-executed allocations take blocks from a ring shared by "
         "all initiators that the target serves this way", "session.features.shared_ring",
         plant_partition_kept_when_not_granted),
+    Bug("bound_ticket_counted_twice", "An initiator's usage is the number of handles it has bound plus "
+        "the number of tickets it has taken and not yet bound", "direct.quota.bound_ticket",
+        plant_bound_ticket_counted_twice),
     Bug("shared_ring_overcommitted", "The target assigns each initiator an Allocation Quota at session "
         "setup and keeps the sum of quotas not larger than F", "session.quota.sum",
         plant_shared_ring_counted_larger),
