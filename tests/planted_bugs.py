@@ -255,6 +255,14 @@ def plant_partition_released_with_bindings(t, mp):
     wrap_method(mp, Sessions, "detach", wrapper)
 
 
+def plant_unparseable_echoes_no_request_id(t, mp):
+    """The answer to a request that cannot be parsed carries Request ID 0 (mutation sample 5's
+    ``len(payload) == 12`` for ``>= 12``: only a request cut right after its Request ID got
+    it echoed)."""
+    wrap_method(mp, Connection, "_malformed", lambda malformed: lambda self, payload, fields: {
+        **malformed(self, payload, fields), "request_id": 0})
+
+
 def plant_unparseable_too_large(t, mp):
     """Every request that cannot be parsed is refused TOO_LARGE, whatever its lengths."""
     def wrapper(original):
@@ -815,6 +823,22 @@ def plant_partition_kept_when_not_granted(t, mp) -> None:
     mp.setattr(conn_mod, "grant_partition", refused)
 
 
+def plant_bound_ticket_counted_twice(t, mp) -> None:
+    """BIND turns a ticket into a bound handle but leaves it counted as a ticket too, so each
+    BIND costs two units of quota (the ticket watch's ``tickets -= 1`` made ``-= 0``, which
+    mutation sample 3 saw killed by fuzz alone)."""
+    mp.setattr(direct_mod.TicketWatch, "bound", lambda self, ticket: self._pending.pop(ticket))
+
+
+def plant_shared_ring_counted_larger(t, mp) -> None:
+    """Admission counts one quota more in the shared ring than the ring holds, so it admits
+    one session without direct modes more than its free blocks cover (mutation sample 5's
+    ``shared_sessions * quota`` for ``(shared_sessions + 1) * quota``)."""
+    real = TargetConfig.shared_blocks.fget
+    assert real is not None
+    mp.setattr(TargetConfig, "shared_blocks", property(lambda c: real(c) + c.quota))
+
+
 CORPUS: list[Bug] = [
     # Session Establishment
     Bug("hello_ack_request_id", "HELLO_ACK ... in which Request ID, Block Handle, Generation, and "
@@ -851,6 +875,8 @@ CORPUS: list[Bug] = [
     Bug("unknown_opcode_executed", "Opcodes are listed in ... MALFORMED", "ops.header.opcode",
         lambda t, mp: shim_decode(mp, lambda b, le: codec.decode(
             b[:1] + b"\x12" + b[2:] if b[1:2] == b"\x7e" else b, le))),
+    Bug("unparseable_request_id_zero", "Request ID is chosen by the initiator and echoed in the completion",
+        "ops.header.version", plant_unparseable_echoes_no_request_id),
     Bug("unparseable_too_large", "A failed check completes the request with the corresponding status; "
         "TOO_LARGE: Length exceeds block or buffer", "ops.header.opcode", plant_unparseable_too_large),
     Bug("short_inline_padded", "MALFORMED: Request cannot be parsed", "ops.header.length",
@@ -1069,6 +1095,12 @@ CORPUS: list[Bug] = [
     Bug("partition_kept_not_granted", "Target-executed allocations take blocks from a ring shared by "
         "all initiators that the target serves this way", "session.features.shared_ring",
         plant_partition_kept_when_not_granted),
+    Bug("bound_ticket_counted_twice", "An initiator's usage is the number of handles it has bound plus "
+        "the number of tickets it has taken and not yet bound", "direct.quota.bound_ticket",
+        plant_bound_ticket_counted_twice),
+    Bug("shared_ring_overcommitted", "The target assigns each initiator an Allocation Quota at session "
+        "setup and keeps the sum of quotas not larger than F", "session.quota.sum",
+        plant_shared_ring_counted_larger),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 assert len(BY_NAME) == len(CORPUS)

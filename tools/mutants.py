@@ -387,6 +387,14 @@ async def judge_initiator_fuzz(url: str, local: str | None, timeout: float, case
     return 1 if summary.findings or summary.error else 0
 
 
+def judged_names(path: str) -> set[str]:
+    """The mutants named in a --json report, or in a text file one a line (# starts a comment)."""
+    text = Path(path).read_text()
+    if text.lstrip().startswith("{"):
+        return {v["mutant"] for v in json.loads(text)["mutants"]}
+    return {ln.split("#")[0].strip() for ln in text.splitlines()} - {""}
+
+
 def _gist(output: str) -> str:
     """The lines of a tool's output that say what failed."""
     lines = [ln.strip() for ln in output.splitlines()
@@ -471,10 +479,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1, help="seed of the sample and of the fuzz runs")
     ap.add_argument("--only", action="append", default=[], metavar="MUTANT", help="judge only this mutant")
     ap.add_argument("--tool", choices=("conform", "fuzz"), action="append", help="only this checker")
+    ap.add_argument("--exclude", action="append", default=[], metavar="FILE",
+                    help="draw the sample from the mutants not named in FILE (a --json report, or one "
+                         "name a line): a new sample then adds only mutants not judged before")
     ap.add_argument("--role", choices=sorted(ROLES), default="target",
                     help="mutate the target's protocol core or the reference initiator's (default target)")
     ap.add_argument("--fuzz-cases", type=int, help="kbtp fuzz --cases (default 1000; 40 for --role initiator)")
     ap.add_argument("--timeout", type=float, help="the checkers' --timeout (default 3 s; 10 s for --role initiator)")
+    ap.add_argument("--net", type=int, default=0, metavar="N",
+                    help="the third octet of the loopback addresses the targets listen on starts at N "
+                         "(default 0): two runs at once need ranges that do not meet")
     ap.add_argument("--json", metavar="FILE", help="write every verdict as JSON to FILE")
     ap.add_argument("--markdown", metavar="FILE", help="write the report as Markdown to FILE")
     ap.add_argument("--no-control", action="store_true", help="skip the run against the unmutated target")
@@ -521,7 +535,9 @@ def main() -> int:
             ap.error(f"unknown mutant {unknown[0]} (see --list for the modules and operators)")
         sample = [by_name[n] for n in args.only]
     else:
-        sample = random.Random(args.seed).sample(population, min(args.sample or len(population), len(population)))
+        judged = set().union(*map(judged_names, args.exclude))
+        fresh = [m for m in population if m.name not in judged]
+        sample = random.Random(args.seed).sample(fresh, min(args.sample or len(fresh), len(fresh)))
     tools = args.tool or ["conform", "fuzz"]
     started = time.monotonic()
     verdicts: list[Verdict] = []
@@ -529,7 +545,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kbtp-mutants-") as work:
         if not args.no_control:
             with package_copy(None) as copy:
-                by, at_start, detail = judge_role(copy, tools, args.fuzz_cases, args.seed, args.timeout, 0,
+                by, at_start, detail = judge_role(copy, tools, args.fuzz_cases, args.seed, args.timeout, args.net,
                                              Path(work))
             control = "passes" if not by else f"DOES NOT PASS ({detail})"
             print(f"control: {control}", file=sys.stderr)
@@ -541,8 +557,8 @@ def main() -> int:
             workdir = Path(work) / f"m{i}"
             workdir.mkdir()
             with package_copy(m) as copy:
-                by, at_start, detail = judge_role(copy, tools, args.fuzz_cases, args.seed, args.timeout, i,
-                                                  workdir, args.first_kill)
+                by, at_start, detail = judge_role(copy, tools, args.fuzz_cases, args.seed, args.timeout,
+                                                  args.net + i, workdir, args.first_kill)
             v = Verdict(m.name, m.line, diff_of(original, mutated, m.module), bool(by), by, at_start,
                         round(time.monotonic() - t0, 1), detail)
             verdicts.append(v)

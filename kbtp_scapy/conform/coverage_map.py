@@ -56,6 +56,8 @@ CHECKED_BY: dict[str, tuple[str, ...]] = {
     "HELLO_ACK: Any initiator MAY load any handle the target authorizes": ("ops.limits.range_edges",),
     "Common Header: Generation in a request is the generation the initiator expects":
         ("ops.generation.stale", "ops.unmapped_store.completion", "ops.status.precedence"),
+    "Common Header: Request ID is chosen by the initiator": ("ops.header.version", "ops.header.opcode",
+                                                             "ops.header.length"),
     "Common Header: Status is zero in requests.": ("session.hello_ack.header",),
     "Common Header: 0x0001 INLINE": ("ops.store.data", "ops.limits.lengths"),
     "Common Header: 0x0002 SEAL": ("ops.store.seal_flag", "ops.unmapped_store.already_bound"),
@@ -184,9 +186,12 @@ EFFECTS: dict[str, str] = {
     "direct.partition.bounds": "Partition Count, and RDMA Writes just outside the partition refused",
     "direct.partition.connection": "a Write through another connection's Partition STag refused",
     "generation.next": "the Generations of bind, free and bind completions",
-    "ops.header.version": "the answer to a request with Version 2, and the handle left unbound",
-    "ops.header.opcode": "the answer to unassigned and non-request opcodes, and the handle left unbound",
-    "ops.header.length": "the answer to requests shorter than their fields say, and the handle left unbound",
+    "ops.header.version": "the answer to a request with Version 2 (its Status and Request ID), and the "
+                          "handle left unbound",
+    "ops.header.opcode": "the answer to unassigned and non-request opcodes (its Status and Request ID), and "
+                         "the handle left unbound",
+    "ops.header.length": "the answer to requests shorter than their fields say (its Status, and its Request "
+                         "ID when the octets hold one), and the handle left unbound",
     "ops.handle.outside_table": "INVALID_HANDLE for LOAD, ALLOC_STORE and FREE far outside every range",
     "ops.generation.stale": "STALE_GENERATION for LOAD, STORE and FREE; the data unchanged",
     "ops.load.not_valid": "NOT_VALID, and the initiator's buffer untouched",

@@ -157,3 +157,20 @@ async def quota_tickets(ctx: Ctx) -> None:
         ctx.check(status == "NO_SPACE", f"ALLOC_STORE with {taken} tickets taken by FetchAdd and not "
                   f"bound (usage {where}, the quota {q}): NO_SPACE", status)
     await unbound(ctx, a, h, "after the ALLOC_STOREs refused for the quota")
+
+
+@case("direct.quota.bound_ticket", "Allocation Quotas", RULE, """An initiator's usage is the number of
+      handles it has bound plus the number of tickets it has taken and not yet bound.""",
+      features=Feature.DIRECT_ALLOC)
+async def quota_bound_ticket(ctx: Ctx) -> None:
+    """A ticket counts once: BIND turns it into a bound handle, no longer a ticket. After
+    one DIRECT_ALLOC and BIND, ALLOC_STOREs fill the rest of the quota, each OK, and one
+    more is NO_SPACE."""
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
+    q = quota_of(ctx, a, 1)
+    hs = await ctx.handles(a, q + 1)
+    await ctx.ok(a.direct_alloc(hs[0], b"ticket"), "DIRECT_ALLOC and BIND")
+    await fill_quota(ctx, a, hs[1:q], "after one handle bound by BIND")
+    status, _ = await ctx.outcome(a.alloc_store(hs[q], b"over"))
+    ctx.check(status == "NO_SPACE", f"the ALLOC_STORE past the quota of {q} (one handle bound by BIND, "
+              f"{q - 1} by ALLOC_STORE): NO_SPACE", status)

@@ -15,6 +15,7 @@ from ..context import Ctx
 from ..registry import MUST, RULE, case
 from .common import data, holds, unbound
 from .direct import granted, slot_block
+from .ops import fill_quota, quota_of
 
 BOUNDS = """the handle MUST be within a range the initiator is authorized for (its own range for
     stores and frees), lengths MUST NOT exceed Block Size or the initiator's buffer (Block Load:
@@ -139,3 +140,27 @@ async def when_full(ctx: Ctx) -> None:
     status, again = await ctx.hello_status(ctx.new_id())
     ctx.check(again is not None, f"a HELLO granted once one of the {len(opened)} sessions ended with RELEASE",
               f"HELLO_ACK Status {status}")
+
+
+@case("session.quota.sum", "Allocation Quotas", RULE, """The target assigns each initiator an
+      Allocation Quota at session setup and keeps the sum of quotas not larger than F. (Operational
+      Considerations: targets reserve free blocks for the sum of quotas)""")
+async def quota_sum(ctx: Ctx) -> None:
+    """Sessions without direct modes (their allocations all come from one ring) opened until
+    the target refuses one, then every quota of them allocated at once: each ALLOC_STORE
+    completes OK. A target that admits one session more than its free blocks cover answers
+    some of them NO_SPACE, or never."""
+    opened: list[Initiator] = []
+    for _ in range(FULL_AT_MOST):
+        _, ini = await ctx.hello_status(ctx.new_id())
+        if ini is None:
+            break
+        opened.append(ini)
+    if not opened:
+        ctx.skip("the target admitted no new session")
+    if sum(ini.target.quota for ini in opened) > 4096:
+        ctx.skip(f"the quotas of the {len(opened)} sessions admitted would take too long to fill")
+    wanted = [(ini, await ctx.handles(ini, quota_of(ctx, ini, 0))) for ini in opened]
+    await asyncio.gather(*(fill_quota(ctx, ini, hs, f"in session {i + 1} of the {len(opened)} admitted, all "
+                                                    "filling their quotas at once")
+                           for i, (ini, hs) in enumerate(wanted)))

@@ -4,7 +4,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from ... import codec
 from ...initiator import Initiator
+from ...tables.messages import HEADER
 from ...vocab import EntryFlag, Feature, Opcode, RequestFlag, Status
 from ..context import Ctx, close_all, status_name
 from ..registry import MUST, MUST_NOT, RULE, case
@@ -27,6 +29,8 @@ VALIDATE = """It validates every request before touching memory: the handle MUST
     the entry's. A failed check completes the request with the corresponding status and has no
     other effect."""
 UNPARSEABLE = """Version is 1. Opcodes are listed in (); MALFORMED: Request cannot be parsed"""
+#: Octets a request needs for its Request ID to be there to echo.
+RID_END = HEADER.offset("request_id") + HEADER.item("request_id").size
 
 
 async def _not_executed(ctx: Ctx, raw: Callable[[Initiator, int], bytes], what: str,
@@ -36,13 +40,20 @@ async def _not_executed(ctx: Ctx, raw: Callable[[Initiator, int], bytes], what: 
     Which refusal is the project's choice (NOTES decision 4), but not every one is free: a
     failed check completes "with the corresponding status", and when every Length the
     request declares is within Block Size, Max Inline and the octets it carries (``sized``),
-    TOO_LARGE ("Length exceeds block or buffer") names a check it passed."""
+    TOO_LARGE ("Length exceeds block or buffer") names a check it passed. A COMPLETION
+    echoes the Request ID when the octets hold one ("Request ID is chosen by the initiator
+    and echoed in the completion"): without it the initiator cannot tell which request
+    failed."""
     a = await ctx.connect(features=0)
     h = await ctx.handle(a)
-    got = await ctx.raw(a, raw(a, h))
+    octets = raw(a, h)
+    got = await ctx.raw(a, octets)
     if got and got[0][0] is not None:
         c = got[0][0]
         ctx.check(c["status"] != Status.OK, f"{what}: not executed (a non-OK status)", "status OK")
+        if len(octets) >= RID_END:
+            rid = codec.decode_header(octets.ljust(codec.HEADER_SIZE, b"\0"), a.addr_le)["request_id"]
+            ctx.check(c["request_id"] == rid, f"{what}: its Request ID {rid:#x} echoed", hex(c["request_id"]))
         if sized:
             ctx.check(c["status"] != Status.TOO_LARGE, f"{what}, whose every Length is within the "
                       "limits: not TOO_LARGE (the status of a check it passed)", "TOO_LARGE")
