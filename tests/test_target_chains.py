@@ -221,12 +221,13 @@ def test_failed_checks_go_to_software(chains):
 
 # -- findings: where a chain's LOAD cannot make the software target's checks ------------------
 
-@pytest.fixture(params=[(execution, transport) for execution in ("software", "chains")
-                        for transport in ("iwarp", "roce")], ids="-".join)
+@pytest.fixture(params=[(execution, transport, order) for execution in ("software", "chains")
+                        for transport in ("iwarp", "roce") for order in ("", "addr_le")],
+                ids=lambda p: "-".join(filter(None, p)))
 def either(request):
-    execution, transport = request.param
+    execution, transport, order = request.param
     config = TargetConfig(blocks=16, block_size=4096, max_initiators=2, request_credits=4,
-                          execution=execution)
+                          execution=execution, addr_le=bool(order))
     t = TargetThread(transport, config)
     yield execution, t
     t.stop()
@@ -266,7 +267,7 @@ def test_finding_a_load_with_trailing_octets(either):
         buf = ini.memory.register(bytearray(4096), Access.REMOTE_WRITE)
         request = codec.encode({"opcode": Opcode.LOAD, "request_id": 99, "handle": h,
                                 "flags": RequestFlag.INVALIDATE, "dd.stag": buf.stag,
-                                "dd.offset": buf.base, "dd.length": 4096})
+                                "dd.offset": buf.base, "dd.length": 4096}, ini.addr_le)
         (answer,) = await ini.raw(request + bytes(8))
         data = (await ini.load(h)).data
         await ini.close()
@@ -296,7 +297,7 @@ def test_finding_requests_whose_length_differs_from_their_header_are_malformed(e
                                          (RequestFlag.INVALIDATE, 100, 8)):
                 request = codec.encode({"opcode": opcode, "request_id": len(bad), "handle": handle,
                                         "flags": flags, "dd.stag": buf.stag, "dd.offset": buf.base,
-                                        "dd.length": length})
+                                        "dd.length": length}, ini.addr_le)
                 (answer,) = await ini.raw(request + os.urandom(extra))
                 bad.append(codec.decode(answer.payload)["status"])
         data = (await ini.load(h, allow_unsealed=True)).data
@@ -329,7 +330,7 @@ def test_stores_longer_than_a_block_are_refused_as_in_software(either):
         await ini.alloc_store(h + 1, neighbour, seal=True, inline=False)
         request = codec.encode({"opcode": Opcode.STORE, "request_id": 77, "handle": h,
                                 "flags": RequestFlag.INLINE, "dd.stag": 0,
-                                "dd.offset": 0, "dd.length": 5000})
+                                "dd.offset": 0, "dd.length": 5000}, ini.addr_le)
         (answer,) = await ini.raw(request + b"ten octets")
         statuses = [codec.decode(answer.payload)["status"]]
         for coro in (ini.store(h, os.urandom(4097), inline=False),
