@@ -13,6 +13,7 @@ from kbtp_scapy import codec
 from kbtp_scapy.ring import add_mask
 from kbtp_scapy.rnic.chains import Cond, Engine, Flag, Op, Sge, Wqe
 from kbtp_scapy.rnic.chains.alias import handle_offset, register_handle_alias
+from kbtp_scapy.rnic.chains.cqe import CQE
 from kbtp_scapy.rnic.chains.driver import QueuePairPort
 from kbtp_scapy.rnic.chains.wqe import ALL, offset_of
 from kbtp_scapy.rnic.memory import Access, AccessError, Fault, MemoryTable
@@ -69,6 +70,31 @@ def test_a_receive_scatters_into_a_later_wqe_and_wait_enable_start_it() -> None:
     (wr, done), = port.sent
     assert (wr.verb, wr.stag, wr.offset, wr.payload) == (Verb.WRITE, 0xAA, 0x1000, b"block data")
     assert done is None and rcq.count == 1
+
+
+@pytest.mark.parametrize("little", [False, True])
+def test_a_receive_cqe_in_memory_gives_its_byte_count_to_a_loopback_read(little: bool) -> None:
+    """A CQ with a CQE ring in registered memory (mlx5's CQ buffer is host memory): each
+    receive's byte count lands in its CQE, where a loopback Read places it into a WQE."""
+    e, _, memory = engine(little)
+    rcq, scq = e.create_cq(cqes=2), e.create_cq()
+    assert rcq.ring is not None
+    rq = e.create_queue(3, rcq, receive=True)
+    sq = e.create_queue(4, scq)
+    sink = memory.register(bytearray(64), RW)
+    for _ in range(3):
+        e.post(rq, Wqe(Op.RECV, wr_id=7, sges=[Sge(sink.stag, 0, 64)]))
+    for size in (40, 52, 9):              # the third wraps the two-entry ring onto the first
+        e.deliver(rq, bytes(size))
+    order = "little" if little else "big"
+    at = CQE.offset("byte_count")
+    counts = [int.from_bytes(rcq.ring.local(rcq.cqe(i) + at, 4), order) for i in (0, 1)]
+    assert counts == [9, 52]
+    e.post(sq, Wqe(Op.READ, Flag.LOOPBACK, remote_stag=rcq.ring.stag,
+                   remote_offset=rcq.cqe(1) + at, length=4, sges=[Sge(sink.stag, 8, 4)]))
+    e.run()
+    assert int.from_bytes(sink.local(8, 4), order) == 52
+    assert int.from_bytes(rcq.ring.local(rcq.cqe(1) + CQE.offset("wr_id"), 8), order) == 7
 
 
 def test_cas_on_a_control_word_turns_a_wqe_on_or_leaves_it_off() -> None:

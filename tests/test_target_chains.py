@@ -221,12 +221,15 @@ def test_failed_checks_go_to_software(chains):
 
 # -- findings: where a chain's LOAD cannot make the software target's checks ------------------
 
-@pytest.fixture(params=["software", "chains"])
+@pytest.fixture(params=[(execution, transport, order) for execution in ("software", "chains")
+                        for transport in ("iwarp", "roce") for order in ("", "addr_le")],
+                ids=lambda p: "-".join(filter(None, p)))
 def either(request):
+    execution, transport, order = request.param
     config = TargetConfig(blocks=16, block_size=4096, max_initiators=2, request_credits=4,
-                          execution=request.param)
-    t = TargetThread("iwarp", config)
-    yield request.param, t
+                          execution=execution, addr_le=bool(order))
+    t = TargetThread(transport, config)
+    yield execution, t
     t.stop()
 
 
@@ -251,21 +254,64 @@ def test_finding_a_load_longer_than_the_buffer(either):
 
 
 def test_finding_a_load_with_trailing_octets(either):
-    """docs/NOTES.md decision 4 (a length that does not match the flags is MALFORMED): a
-    receive's scatter list takes whatever length comes, and no WQE sees it."""
+    """Finding 2, fixed: docs/NOTES.md decision 4 (a length that does not match the flags
+    is MALFORMED). The chain compares the receive's byte count, read from its CQE, with
+    the header's 40 octets, so the LOAD with 8 octets more goes to software; the LOAD
+    without them, which follows, runs in the chain."""
     mode, t = either
 
-    async def main() -> int:
+    async def main() -> tuple[int, bytes]:
         ini = await connect(t, 0, credits=4)
         h = ini.target.handle_base
         await ini.alloc_store(h, b"sealed block", seal=True)
         buf = ini.memory.register(bytearray(4096), Access.REMOTE_WRITE)
         request = codec.encode({"opcode": Opcode.LOAD, "request_id": 99, "handle": h,
                                 "flags": RequestFlag.INVALIDATE, "dd.stag": buf.stag,
-                                "dd.offset": buf.base, "dd.length": 4096})
+                                "dd.offset": buf.base, "dd.length": 4096}, ini.addr_le)
         (answer,) = await ini.raw(request + bytes(8))
-        return codec.decode(answer.payload)["status"]
-    assert run(main()) == (Status.MALFORMED if mode == "software" else 0)
+        data = (await ini.load(h)).data
+        await ini.close()
+        return codec.decode(answer.payload)["status"], data
+    assert run(main()) == (Status.MALFORMED, b"sealed block")
+    ended(t)
+    m = t.target.metrics
+    assert (m.python[Opcode.LOAD], m.chain[Opcode.LOAD]) == ((1, 1) if mode == "chains" else (2, 0))
+
+
+def test_finding_requests_whose_length_differs_from_their_header_are_malformed(either):
+    """Finding 13, fixed: an inline STORE or ALLOC_STORE with fewer or more octets than its
+    Length, and a STORE or ALLOC_STORE without INLINE with octets after its descriptor, are
+    MALFORMED (docs/NOTES.md decision 4) and change nothing: the chains' byte-count check
+    (the receive's CQE against 40 + Length, or 40) sends them to software. The well-formed
+    requests around them still run in chains."""
+    mode, t = either
+
+    async def main() -> tuple[list[int], bytes, tuple[int, int]]:
+        ini = await connect(t, 0, credits=4)
+        h = ini.target.handle_base
+        await ini.alloc_store(h, b"kept")
+        buf = ini.memory.register(bytearray(100), Access.REMOTE_READ)
+        bad = []
+        for opcode, handle in ((Opcode.STORE, h), (Opcode.ALLOC_STORE, h + 1)):
+            for flags, length, extra in ((RequestFlag.INLINE, 30, 20), (RequestFlag.INLINE, 10, 20),
+                                         (RequestFlag.INVALIDATE, 100, 8)):
+                request = codec.encode({"opcode": opcode, "request_id": len(bad), "handle": handle,
+                                        "flags": flags, "dd.stag": buf.stag, "dd.offset": buf.base,
+                                        "dd.length": length}, ini.addr_le)
+                (answer,) = await ini.raw(request + os.urandom(extra))
+                bad.append(codec.decode(answer.payload)["status"])
+        data = (await ini.load(h, allow_unsealed=True)).data
+        stored = await ini.store(h, b"replaced", inline=True)
+        bound = await ini.alloc_store(h + 1, b"bound now", inline=True)
+        await ini.close()
+        return bad, data, (stored.data_length, bound.data_length)
+    statuses, data, lengths = run(main())
+    assert statuses == [Status.MALFORMED] * 6 and data == b"kept" and lengths == (8, 9)
+    ended(t)
+    m = t.target.metrics
+    if mode == "chains":
+        assert m.python[Opcode.STORE] == 3 and m.chain[Opcode.STORE] == 1
+        assert m.python[Opcode.ALLOC_STORE] == 3 and m.chain[Opcode.ALLOC_STORE] == 2
 
 
 
@@ -284,7 +330,7 @@ def test_stores_longer_than_a_block_are_refused_as_in_software(either):
         await ini.alloc_store(h + 1, neighbour, seal=True, inline=False)
         request = codec.encode({"opcode": Opcode.STORE, "request_id": 77, "handle": h,
                                 "flags": RequestFlag.INLINE, "dd.stag": 0,
-                                "dd.offset": 0, "dd.length": 5000})
+                                "dd.offset": 0, "dd.length": 5000}, ini.addr_le)
         (answer,) = await ini.raw(request + b"ten octets")
         statuses = [codec.decode(answer.payload)["status"]]
         for coro in (ini.store(h, os.urandom(4097), inline=False),

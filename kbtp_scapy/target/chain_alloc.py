@@ -183,7 +183,7 @@ class AllocStage:
         isend = bind[-1] + 1
         places = [(out, iwe1), *((out, i) for i in bind)]
         ir1 = n_front + 1 + len(places)
-        ic2 = ir1 + (7 if inline else 10)
+        ic2 = ir1 + (7 if inline else 10) + r.COUNT_WRS[inline]
         ib2 = ic2 + 2
         self.steps[j, inline] = Steps(out, o, wd1, cw, iwe1, bind[0] if not little else bind[-1], isend)
         block_at = offset_of("remote_offset") if inline else sge_offset(0, "addr")
@@ -215,7 +215,7 @@ class AllocStage:
                    doorbell=False)
             e.post(front, r._copy(dkey, daddr, 4, [r._sge(out, isend, offset_of("invalidate"), 4)]),
                    doorbell=False)
-        r._length_check(front, c.o, iww, inline, r._sge(front, ib2, guard, 1))
+        r._length_check(front, k, c.o, iww, inline, r._sge(front, ib2, guard, 1))
         rkey, raddr = r._field(c.f, load_b2, guard + 2)                    # the request's Generation
         e.post(front, r._copy(rkey, raddr, 2, [r._sge(front, ib2, guard + 2, 2)]), doorbell=False)
         r._entry_guard(c, front, ib2, 0, quota, checked=True)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from ..rnic.chains import Engine, Flag, Op, Sge, Wqe
 from ..rnic.chains.alias import handle_offset, register_alias
+from ..rnic.chains.cqe import offset_of as cqe_offset
 from ..rnic.chains.driver import QueuePairPort, attach
 from ..rnic.chains.engine import LOOPBACK_ACCESS
 from ..rnic.chains.queues import CompletionQueue, WorkQueue
@@ -49,8 +50,11 @@ _HEADER_SIZE = HEADER.size
 _DD_SIZE = DATA_DESCRIPTOR.size
 _COMPLETION_SIZE = HEADER.size + COMPLETION.size
 _C_LENGTH, _C_OFFSET = (HEADER.size + COMPLETION.offset(f) for f in ("data_length", "block_offset"))
-# a slot's buffer: the completion and a STORE's new entry octets, scratch, the rest of a request
-_SCRATCH_AT, _REST_AT = 64, 80
+# a slot's buffer: the completion and a STORE's new entry octets, scratch, the byte-count
+# word, the rest of a request
+_SCRATCH_AT, _COUNT_AT, _REST_AT = 64, 80, 88
+_REQUEST = _HEADER_SIZE + _DD_SIZE      # a request without inline data: its byte count
+_ABOVE = 1 << 40           # the byte-count word's preset: a mismatch leaves its top half non-zero
 _TAG = 56                  # wr_id of a chain's completion: opcode << 56 | request number
 # guard 1's accepted (opcode, flags) words and the stage each enables
 _GUARD1 = ((Opcode.LOAD, RequestFlag.INVALIDATE, "load"),
@@ -77,13 +81,13 @@ class Chain:
         self.p = engine.create_queue(16, spare, managed=True)
         self.f = engine.create_queue(8, spare, managed=True)
         self.o = engine.create_queue(4, done_cq, managed=True)
-        self.fs = engine.create_queue(16, spare, managed=True)
+        self.fs = engine.create_queue(24, spare, managed=True)
         self.os = engine.create_queue(4, done_cq, managed=True)
-        self.fr = engine.create_queue(20, spare, managed=True)
+        self.fr = engine.create_queue(24, spare, managed=True)
         self.or_ = engine.create_queue(4, done_cq, managed=True)
         self.s = engine.create_queue(2, sw_cq, managed=True)
         # ALLOC_STORE, inline and read: entry guard, quota guard, output (chain_alloc.py)
-        self.alloc = {inline: (engine.create_queue(20, spare, managed=True),
+        self.alloc = {inline: (engine.create_queue(28, spare, managed=True),
                                engine.create_queue(4, spare, managed=True),
                                engine.create_queue(24, done_cq, managed=True))
                       for inline in (True, False)}
@@ -93,6 +97,8 @@ class Chain:
 
 class ChainRunner:
     """Serves one connection's requests with chains; ``serve`` returns GOODBYE's RELEASE."""
+
+    COUNT_WRS = {True: 5, False: 4}     # the byte-count check's WRs before the length check's
 
     def __init__(self, conn: Connection) -> None:
         self.conn, self.qp = conn, conn.qp
@@ -113,7 +119,10 @@ class ChainRunner:
         self.port.engine = self.engine
         e = self.engine
         self.spare = e.create_cq()
-        self.recv_cq = e.create_cq(polled=True, moderation=1 << 62)   # entries, no events
+        # entries, no events; CQEs in memory: the chains compare each receive's byte count
+        self.recv_cq = e.create_cq(polled=True, moderation=1 << 62, cqes=self.slots)
+        assert self.recv_cq.ring is not None
+        self.cqes = self.recv_cq.ring
         self.done_cq = e.create_cq(polled=True, moderation=max(1, conn.credits))
         self.sw_cq = e.create_cq(polled=True)
         self.rq = e.create_queue(self.slots, self.recv_cq, receive=True)
@@ -144,6 +153,10 @@ class ChainRunner:
             register_alias(memory, bytearray([_PASS]) * (limit + 1), 0, 1, limit + 1, unit=1 << 32,
                            connection=loopback)
             for limit in (size, min(t.config.max_inline, size)))
+        # LOAD's byte-count key: PASS at Tagged Offset 40 (a request without octets after
+        # its Data Descriptor) only, zeros below and the null key beyond
+        self.exact = register_alias(memory, bytearray(_REQUEST) + bytes((_PASS,)), 0, 1, _REQUEST + 1,
+                                    unit=1 << 32, connection=loopback)
         self.alloc = chain_alloc.AllocStage(self)
         self.watch = own.watch
         if self.watch is not None:
@@ -249,20 +262,46 @@ class ChainRunner:
             self.engine.post(q, self._guard(q, index, fail, want, passed), doorbell=False)
         self.engine.post(q, fail, doorbell=False)
 
-    def _length_check(self, q: WorkQueue, load_out: WorkQueue, iww: int, inline: bool, branch: Sge) -> None:
-        """Two WQEs on ``q``: the request's Length (the Data Descriptor's, in LOAD's Write)
-        into the Tagged Offset of a one-octet Read through a limit key, which reads PASS at
-        offsets 0 to the limit (Block Size, or Max Inline for inline data) and zero beyond
-        (the null key), then that Read into ``branch``: an ordered compare with a constant,
-        from an indirect key (docs/CHAINS.md, "Validation")."""
+    def _byte_count(self, k: int) -> Wqe:
+        """A loopback Read of request ``k``'s byte count from its receive's CQE (in
+        registered memory, ``rnic/chains/cqe.py``); its scatter list is the caller's."""
+        return Wqe(Op.READ, Flag.LOOPBACK, remote_stag=self.cqes.stag,
+                   remote_offset=self.recv_cq.cqe(k) + cqe_offset("byte_count"), length=4)
+
+    def _length_check(self, q: WorkQueue, k: int, load_out: WorkQueue, iww: int, inline: bool,
+                      branch: Sge) -> None:
+        """``COUNT_WRS[inline]`` + 2 WQEs on ``q``. The byte-count check: the receive's
+        byte count into a word W preset to 2^40, a FetchAdd of -40, a CAS of W with 2^40 +
+        Length (inline data) or 2^40 (none) that swaps in 0, and W's top half into the top
+        half of the length check's Tagged Offset, zero only when the request is exactly as
+        long as its header says (docs/NOTES.md decision 4). The length check: the request's
+        Length (the Data Descriptor's, in LOAD's Write) into the low half of that Tagged
+        Offset, of a one-octet Read through a limit key, which reads PASS at offsets 0 to the
+        limit (Block Size, or Max Inline for inline data) and zero beyond (the null key),
+        then that Read into ``branch``: ordered and equal compares made of data movement, an
+        atomic and a CAS (docs/CHAINS.md, "Validation")."""
+        e, b = self.engine, self.buffers.stag
         lkey, laddr = self._field(load_out, iww, offset_of("length"))
-        icheck = q.written + 1
-        self.engine.post(q, self._copy(lkey, laddr, 4, [self._sge(q, icheck, offset_of("remote_offset")
-                                                                  + (0 if self.little else 4), 4)]),
-                         doorbell=False)
+        word = self._buf(k % self.slots, _COUNT_AT)
+        low, high = (0, 4) if self.little else (4, 0)       # the halves of an 8-octet field
+        icas, icheck = q.written + self.COUNT_WRS[inline] - 2, q.written + self.COUNT_WRS[inline] + 1
+        count = self._byte_count(k)
+        count.sges = [Sge(b, word + low, 4)]
+        e.post(q, count, doorbell=False)
+        e.post(q, Wqe(Op.FETCH_ADD, Flag.LOOPBACK | Flag.FENCE, remote_stag=b, remote_offset=word,
+                      operand=-_REQUEST % (1 << 64)), doorbell=False)
+        if inline:
+            e.post(q, self._copy(lkey, laddr, 4, [self._sge(q, icas, offset_of("operand") + low, 4)]),
+                   doorbell=False)
+        e.post(q, Wqe(Op.CAS, Flag.LOOPBACK | Flag.FENCE, remote_stag=b, remote_offset=word,
+                      operand=_ABOVE, operand2=0), doorbell=False)
+        e.post(q, self._copy(b, word + high, 4, [self._sge(q, icheck, offset_of("remote_offset") + high, 4)],
+                             fence=True), doorbell=False)
+        e.post(q, self._copy(lkey, laddr, 4, [self._sge(q, icheck, offset_of("remote_offset") + low, 4)]),
+               doorbell=False)
         limit = self.inline_limit if inline else self.block_limit
-        self.engine.post(q, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=limit.stag, length=1,
-                                sges=[branch]), doorbell=False)
+        e.post(q, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=limit.stag, length=1,
+                      sges=[branch]), doorbell=False)
 
     def build(self) -> None:
         """Post chain ``built`` into its slot: the receive, the control WQEs, the request
@@ -275,12 +314,13 @@ class ChainRunner:
         done = bytearray(_SCRATCH_AT)     # the completion's constant part, entry buffer, slot word
         done[:2] = bytes((1, Opcode.COMPLETION))
         self.buffers.local(self._completion(j), len(done))[:] = done
+        self.buffers.local(self._buf(j, _COUNT_AT), 8)[:] = _ABOVE.to_bytes(8, self.order)
         scratch = Sge(b, self._scratch(j), 1)
         ib1 = c.p.written + 3 + len(_GUARD1)      # A, A2, X, the guard-1 CASes, then B1
         iww, isend = c.o.written, c.o.written + 1                 # LOAD: WRITE, SEND
         guard = offset_of("guard")
         # P: the handle for both entry Reads of LOAD, the STag to invalidate, guard 1
-        ir1, ir2, ic2, ib2 = c.f.written, c.f.written + 1, c.f.written + 2, c.f.written + 4
+        ir1, ir2, ic2, ib2 = c.f.written, c.f.written + 1, c.f.written + 4, c.f.written + 6
         e.post(c.p, self._handle(j, c.f, ir1, self._sge(c.p, ib1, 1, 1)), doorbell=False)
         e.post(c.p, self._handle(j, c.f, ir2, scratch), doorbell=False)
         skey, saddr = self._field(c.o, iww, offset_of("remote_stag"))
@@ -309,7 +349,14 @@ class ChainRunner:
                               Sge(b, self._completion(j) + _H["generation"], 2),
                               Sge(b, self._completion(j) + _C_LENGTH, 4),
                               Sge(b, self._completion(j) + _C_OFFSET, 8)]), doorbell=False)
-        self._entry_guard(c, c.f, ib2, EntryFlag.VALID | EntryFlag.SEALED, c.o)
+        # the byte count, exactly a request without inline data: PASS into guard 2 (where
+        # the entry Flags' high octet, always 0, went) through the byte-count key
+        count = self._byte_count(k)
+        count.sges = [self._sge(c.f, ic2 - 1, offset_of("remote_offset") + (0 if self.little else 4), 4)]
+        e.post(c.f, count, doorbell=False)
+        e.post(c.f, Wqe(Op.READ, Flag.LOOPBACK | Flag.FENCE, remote_stag=self.exact.stag, length=1,
+                        sges=[self._sge(c.f, ib2, guard, 1)]), doorbell=False)
+        self._entry_guard(c, c.f, ib2, EntryFlag.VALID | EntryFlag.SEALED, c.o, checked=True)
         # O (LOAD): the block to the initiator, then the completion with Invalidate
         e.post(c.o, Wqe(Op.WRITE, 0, sges=[Sge(self.blocks.stag, 0, 0)]), doorbell=False)
         e.post(c.o, Wqe(Op.SEND, Flag.SIGNALED | Flag.INVALIDATE, wr_id=Opcode.LOAD << _TAG | k,
@@ -349,7 +396,7 @@ class ChainRunner:
         entry = self._completion(j) + _COMPLETION_SIZE      # the entry's new octets 0 to 8
         fs = front.written
         ir1, ir2 = fs + 3, fs + 4
-        ic2 = fs + (13 if inline else 16)
+        ic2 = fs + (13 if inline else 16) + self.COUNT_WRS[inline]
         ib2 = ic2 + 2
         idata, iwe, isend = out.written, out.written + 1, out.written + 2
         # inline: the block is the Write's remote side; read: the Read's local side
@@ -397,7 +444,7 @@ class ChainRunner:
                    doorbell=False)
             e.post(front, self._copy(dkey, daddr, 4, [self._sge(out, isend, offset_of("invalidate"), 4)]),
                    doorbell=False)
-        self._length_check(front, c.o, iww, inline, self._sge(front, ib2, guard, 1))
+        self._length_check(front, k, c.o, iww, inline, self._sge(front, ib2, guard, 1))
         rkey, raddr = self._field(c.f, load_b2, guard + 2)    # the request's Generation
         e.post(front, self._copy(rkey, raddr, 2, [self._sge(front, ib2, guard + 2, 2)]), doorbell=False)
         self._entry_guard(c, front, ib2, EntryFlag.VALID, out, checked=True)
@@ -587,7 +634,7 @@ class ChainRunner:
         if self.watchdog is not None:
             self.watchdog.stop()
         for region in (self.alias, self.own, self.blocks, self.staging, self.buffers, self.block_limit,
-                       self.inline_limit):
+                       self.inline_limit, self.exact, self.cqes):
             self.memory.deregister(region.stag)
         for q in self.engine.queues:
             self.memory.deregister(q.region.stag)

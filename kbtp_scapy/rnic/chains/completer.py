@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from . import cqe
+from .cqe import CQE_SIZE
 from .queues import Completion, CompletionQueue, WorkQueue
 
 
 class Completer:
-    def __init__(self, wake: Callable[[WorkQueue], None]) -> None:
+    def __init__(self, wake: Callable[[WorkQueue], None], little: bool = False) -> None:
+        self.little = little
         self.cqs: list[CompletionQueue] = []
         self._waiting: dict[int, list[WorkQueue]] = {}
         self._wake = wake
@@ -26,6 +29,9 @@ class Completer:
         self._waiting.setdefault(cq, []).append(queue)
 
     def complete(self, cq: CompletionQueue, entry: Completion) -> None:
+        if cq.ring is not None:         # the CQE, where loopback work requests can read it
+            cq.ring.local(cq.cqe(cq.count), CQE_SIZE)[:] = cqe.encode(
+                self.little, entry.wr_id, entry.byte_len, entry.opcode, entry.status == "ok", entry.queue)
         cq.count += 1
         if cq.polled:
             cq.entries.append(entry)

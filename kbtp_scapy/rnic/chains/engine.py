@@ -13,6 +13,7 @@ from collections import deque
 
 from ..memory import Access, MemoryTable
 from .completer import Completer
+from .cqe import CQE_SIZE
 from .queues import Completion, CompletionQueue, WorkQueue
 from .requester import Port, Requester
 from .responder import Responder
@@ -32,7 +33,7 @@ class Engine:
         self.queues: list[WorkQueue] = []
         self._ready: deque[WorkQueue] = deque()
         self._queued: set[int] = set()
-        self.completer = Completer(self.wake)
+        self.completer = Completer(self.wake, little)
         # the engine's own regions are bound to its loopback QP: no peer can reach them
         self.loopback = Loopback()
         self.requester = Requester(memory, port, self.completer, little, self.queues, self.wake,
@@ -43,10 +44,17 @@ class Engine:
 
     # -- set-up by the host -------------------------------------------------------------------
 
-    def create_cq(self, polled: bool = False, moderation: int = 1) -> CompletionQueue:
+    def create_cq(self, polled: bool = False, moderation: int = 1, cqes: int = 0) -> CompletionQueue:
         """A CQ; a polled one keeps its entries and tells ``completer.on_polled`` of every
-        ``moderation``-th (mlx5's CQ moderation: one event per batch)."""
-        return self.completer.create(polled, moderation)
+        ``moderation``-th (mlx5's CQ moderation: one event per batch). With ``cqes``, its
+        completions are also written, as CQEs, into a ring of that many in registered
+        memory that loopback work requests may read (mlx5's CQ buffer is host memory)."""
+        cq = self.completer.create(polled, moderation)
+        if cqes:
+            cq.ring = self.memory.register(bytearray(cqes * CQE_SIZE), LOOPBACK_ACCESS,
+                                           connection=self.loopback)
+            cq.cqes = cqes
+        return cq
 
     def signal(self, cq: CompletionQueue, wr_id: int = 0) -> None:
         """A completion the host adds itself (its software finished what the chain gave it)."""

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..memory import MemoryRegion
+from .cqe import CQE_SIZE
 from .wqe import STRIDE
 
 
@@ -31,6 +32,13 @@ class CompletionQueue:
     moderation: int = 1           # the host hears of every n-th completion (CQ moderation)
     count: int = 0
     entries: deque[Completion] = field(default_factory=deque)
+    ring: MemoryRegion | None = None   # the CQE buffer in registered memory (cqe.py), if any
+    cqes: int = 0                 # its entries
+
+    def cqe(self, index: int) -> int:
+        """Tagged Offset of completion ``index``'s CQE in ``ring``."""
+        assert self.ring is not None
+        return self.ring.base + (index % self.cqes) * CQE_SIZE
 
 
 @dataclass(eq=False)

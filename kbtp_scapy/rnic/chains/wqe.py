@@ -64,14 +64,14 @@ SGE = Struct(
     ),
 )
 
-def _packer(table: Struct, little: bool) -> struct.Struct:
+def packer(table: Struct, little: bool) -> struct.Struct:
     """The table's fields as one precompiled struct (a WQE is decoded per work request)."""
     codes = {1: "B", 2: "H", 4: "I", 8: "Q"}
     return struct.Struct(("<" if little else ">") + "".join(codes[f.size] for f in table.items))
 
 
-_HEAD = {little: _packer(WQE_HEADER, little) for little in (False, True)}
-_SGE = {little: _packer(SGE, little) for little in (False, True)}
+_HEAD = {little: packer(WQE_HEADER, little) for little in (False, True)}
+_SGE = {little: packer(SGE, little) for little in (False, True)}
 
 HEADER_SIZE = WQE_HEADER.size
 SGE_SIZE = SGE.size
