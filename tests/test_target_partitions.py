@@ -106,3 +106,25 @@ def test_the_command_line_says_why_direct_alloc_is_missing(one_partition, tmp_pa
 def json_of(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_a_bind_that_arrives_as_its_ticket_expires_is_ticket_abandoned(one_partition):
+    """BIND looks at the Ticket Timeout itself before it asks whether its ticket was
+    abandoned. With the target's periodic look held back, a ticket the watch has seen and
+    whose timeout has passed meets its BIND as TICKET_ABANDONED; when BIND asked first and
+    looked after, it was MALFORMED (the ticket gone from the outstanding ones by then)."""
+    t = one_partition
+    t.run(lambda: t.target._watcher.cancel())          # only the looks this test makes
+
+    async def main():
+        ini = await connect(t, 0)
+        ticket, offset = await ini.take_ticket()
+        block = await ini.wait_slot(ticket, offset, 1.0)
+        state = t.run(lambda: t.target.sessions.by_id[ini.initiator_id])
+        t.run(state.watch.poll)                          # the watch sees the ticket taken
+        await asyncio.sleep(ini.target.ticket_timeout_ms / 1000 * 1.5)
+        with pytest.raises(KbtpError) as refused:
+            await ini.bind(ini.target.handle_base, ticket, 0, block)
+        assert refused.value.name == "TICKET_ABANDONED", refused.value
+    asyncio.run(asyncio.wait_for(main(), 60))
