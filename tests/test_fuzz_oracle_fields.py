@@ -25,8 +25,8 @@ from kbtp_scapy.target.operations import Failed
 from kbtp_scapy.target.ring import FreeRing
 from kbtp_scapy.vocab import Feature, Opcode
 
-from .kbtp_harness import TargetThread
-from .test_fuzz_oracles import LOAD, config, first_case, fuzz, handler, hosts
+from .kbtp_harness import TargetThread, fresh_hosts
+from .test_fuzz_oracles import LOAD, config, first_case, fuzz, handler
 
 pytestmark = pytest.mark.slow
 
@@ -166,7 +166,7 @@ RUNS = [(b, tr, kinds, start, cases) for b, trs, kinds, start, cases in BUGS for
 @pytest.mark.parametrize("bug,transport,kinds,start,cases", RUNS,
                          ids=[f"{r[0].__name__}-{r[1]}" for r in RUNS])
 def test_planted_field_bug_is_found(bug, transport, kinds, start, cases, tmp_path, monkeypatch):
-    t = TargetThread(transport, config(), hosts=hosts())
+    t = TargetThread(transport, config(), hosts=fresh_hosts())
     try:
         bug(t, monkeypatch)
         code, doc = fuzz(t, tmp_path, "--start", str(start), "--cases", str(cases), "--max-findings", "1",
@@ -181,7 +181,7 @@ def test_planted_field_bug_is_found(bug, transport, kinds, start, cases, tmp_pat
 def test_clean_target_passes_300_cases_with_every_field_counted(transport, tmp_path):
     """No finding in 300 cases; every COMPLETION read has each of its fields counted,
     judged or not predicted, and so has every completion record and HELLO_ACK."""
-    t = TargetThread(transport, config(), hosts=hosts())
+    t = TargetThread(transport, config(), hosts=fresh_hosts())
     try:
         code, doc = fuzz(t, tmp_path, "--cases", "300")
     finally:
