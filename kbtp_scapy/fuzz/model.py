@@ -59,6 +59,13 @@ DEFINED_FLAGS = sum(RequestFlag)
 GRACE = 0.5     # seconds a target may take, beyond the Ticket Timeout, to notice a ticket
 
 
+def is_block(offset: int, base: int, count: int, size: int) -> bool:
+    """Whether ``offset`` is the first octet of one of ``count`` blocks of ``size`` octets
+    from ``base``: Block Offsets are Tagged Offsets of the Pool STag, and the Partition and
+    the ring offer blocks of the pool."""
+    return (offset - base) % size == 0 and 0 <= offset - base < count * size
+
+
 def next_generation(generation: int) -> int:
     """One more, skipping zero."""
     return generation % 0xFFFF + 1
@@ -456,7 +463,7 @@ def _ok_values(x: Expect, c: AnyMessage, data: bytes | None, a: str, tally: Tall
         tally.judge(f"{a}.block_offset")
         other = x.bound_blocks.get(block)
         # Block Offsets are Tagged Offsets of the Pool STag: from its descriptor's offset
-        if x.pool and ((block - x.pool[2]) % x.pool[0] or not 0 <= block - x.pool[2] < x.pool[0] * x.pool[1]):
+        if x.pool and not is_block(block, x.pool[2], x.pool[1], x.pool[0]):
             out.append(Finding("block-offset", f"OK for {x.what} with Block Offset 0x{block:x}, not a block "
                                f"of the pool ({x.pool[1]} blocks of {x.pool[0]} octets)"))
         elif other is not None:

@@ -18,7 +18,8 @@ from ..tables import memory as M
 from ..tables.enums import OPCODES, STATUS
 from ..vocab import AnyMessage, AnyStruct, EntryFlag, Feature, Opcode
 from .findings import Finding
-from .tally import Tally
+from .model import is_block
+from .tally import NO_HELLO_FLAGS, NO_TICKETS, REFUSED_HELLO, Tally
 from .trouble import TRANSPORT_ERRORS, describe
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def check_hello_ack(raw: bytes, transport: str, requested: int, tally: Tally) ->
     if ack["opcode"] != Opcode.HELLO_ACK:
         return [Finding("hello-ack", f"HELLO was answered by {OPCODES.describe(ack['opcode'])}", evidence=ev)]
     tally.judge(*(f"hello_ack.{k}" for k in ("version", "opcode", "request_id", "handle", "generation", "status")))
-    tally.cannot("the text defines no HELLO_ACK flag", "hello_ack.flags")
+    tally.cannot(NO_HELLO_FLAGS, "hello_ack.flags")
     problems = [f"{name} 0x{value:x}" for value, name in ((ack["request_id"], "Request ID"),
                                                           (ack["handle"], "Block Handle"),
                                                           (ack["generation"], "Generation")) if value]
@@ -56,7 +57,7 @@ def check_hello_ack(raw: bytes, transport: str, requested: int, tally: Tally) ->
         out.append(Finding("hello-ack", f"HELLO_ACK Status {ack['status']} is neither assigned nor Private Use",
                            evidence=ev))
     if ack["status"]:
-        tally.cannot("a refused HELLO_ACK: the text fixes no body", "hello_ack.body")
+        tally.cannot(REFUSED_HELLO, "hello_ack.body")
         return out
     wrong = _body(ack, transport, requested, tally)
     if wrong:
@@ -70,7 +71,7 @@ def _body(f: AnyMessage, transport: str, requested: int, tally: Tally) -> list[s
     untimed = not features & Feature.DIRECT_ALLOC
     tally.judge(*(k for k in f if k.startswith("hello_ack.") and not (untimed and k == "hello_ack.ticket_timeout")))
     if untimed:
-        tally.cannot("no DIRECT_ALLOC: no ticket to time out", "hello_ack.ticket_timeout")
+        tally.cannot(NO_TICKETS, "hello_ack.ticket_timeout")
     if transport == "iwarp" and features & Feature.RECORD_COMPLETION:
         wrong.append("RECORD_COMPLETION granted in the RDMAP binding")
     if features & ~requested & ~Feature.ADDR_LE:
@@ -155,8 +156,7 @@ async def table_invariants(world: World) -> list[Finding]:
             e = entry(handle)
             off = e["entry.block_offset"]
             where[off] += 1
-            rel = off - f["pool.offset"]        # Block Offsets are Tagged Offsets of the Pool STag
-            if rel % size or not 0 <= rel < blocks * size:
+            if not is_block(off, f["pool.offset"], blocks, size):
                 out.append(Finding("invariant", f"handle 0x{handle:x} bound to 0x{off:x}, not a block of the pool"))
             if handle not in known and world.owner(handle) is not None:
                 out += _as_known(world, handle, e)       # a handle of ours that nothing bound
@@ -225,7 +225,7 @@ async def _ring(world: World, bound: Counter[int]) -> list[Finding]:
             odd.append(f"slot {i}'s reserved octets are 0x{slot['slot.reserved']:08x}")
         if off != M.SLOT_CONSUMED and (seq - ticket) & 0xFFFFFFFF < n:
             free[off] += 1
-            if part is not None and ((off - part) % size or not 0 <= off - part < f["partition.count"] * size):
+            if part is not None and not is_block(off, part, f["partition.count"], size):
                 odd.append(f"slot {i} offers block 0x{off:x}, outside the Partition 0x{part:x}+"
                            f"{f['partition.count']} blocks")
     world.tally.judge(*["ring.head"] + ["ring.slot"] * n)

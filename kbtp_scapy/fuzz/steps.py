@@ -28,7 +28,7 @@ from . import fences
 from .cases import Step
 from .exchange import Exchanger, Reply
 from .findings import Finding
-from .model import ABANDONED_AFTER, GRACE, Ticket
+from .model import ABANDONED_AFTER, GRACE, Ticket, is_block
 from .mutators import MUTATORS, Context
 from .state import NoAnswer, Session
 from .tally import UNKNOWN_DATA
@@ -203,8 +203,7 @@ class Steps(Exchanger):
                           ] if within_quota else []
         s.known.tickets[ticket] = Ticket(block, t0, t1)
         f, size = ini.target.fields, ini.target.block_size
-        rel = block - f["partition.offset"]
-        if rel % size or not 0 <= rel < f["partition.count"] * size:
+        if not is_block(block, f["partition.offset"], f["partition.count"], size):
             return (ticket, block), [Finding("block-offset", f"the slot of ticket {ticket} holds block 0x{block:x}, "
                                              f"outside the Partition 0x{f['partition.offset']:x}+"
                                              f"{f['partition.count']} blocks through which it is to be written")]

@@ -22,6 +22,9 @@ UNPARSED = "the request could not be parsed: nothing to echo"
 CHOSEN = "the target chooses it (a free block of the pool)"
 UNKNOWN_DATA = "the block's content is unknown to the model"
 NOT_OURS = "the request names an STag that is not a writable buffer of the fuzzer's"
+NO_HELLO_FLAGS = "the text defines no HELLO_ACK flag"
+REFUSED_HELLO = "a refused HELLO_ACK: the text fixes no body"
+NO_TICKETS = "no DIRECT_ALLOC: no ticket to time out"
 
 
 class Tally:
