@@ -13,7 +13,8 @@ from .errors import OutputClosed
 #: so ``kbtp target`` does not pay for Scapy's layers in start-up time and memory.
 COMMANDS = {"decode": "decode", "craft": "craft", "demo": "demo", "dissector": "dissector",
             "target": "target", "initiator": "initiator",
-            "replay": "replay", "conform": "conform", "fuzz": "fuzz", "bench": "bench"}
+            "replay": "replay", "conform": "conform", "fuzz": "fuzz", "bench": "bench",
+            "analyze": "analyze"}
 #: subcommands kept in modules of their own, which build on their group's module: imported
 #: with it, so that the group's module imports none of them back.
 SUBCOMMANDS = {"initiator": ("initiator_script", "send")}

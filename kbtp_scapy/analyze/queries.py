@@ -1,0 +1,234 @@
+"""The statistics and the hazard checkers, as SQL on DuckDB over a Parquet dataset.
+
+Every checker is one query that returns its findings with the frames that prove them.
+Messages of several captures are put in one order by their capture times, so a store in
+one host's capture and a load in another's are compared: the hosts' clocks must agree to
+better than the gaps between the operations judged (PTP or NTP on the capturing hosts).
+
+Bounds are derived from the dataset itself, never fixed: an answer is slow when its
+latency is above both ``Q3 + 3 IQR`` and ten times the median of the latencies of its
+opcode at its target (with at least ``MIN_SAMPLES`` of them); a request is unanswered when its capture went on
+for longer than that bound after it (one second where too few answers give no bound).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MIN_SAMPLES = 20            # answers of an opcode below which no slow bound is derived
+NO_BOUND_S = 1.0            # how long an unanswered request must wait without a bound
+LISTED = 20                 # findings listed per checker; the rest are counted
+
+QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99, "p999": 0.999}
+
+
+@dataclass
+class Finding:
+    """One hazard, with the frames that prove it (``(capture, frame)``)."""
+
+    kind: str
+    severity: str           # "target": the target broke a rule; "initiator": the client did
+    message: str
+    evidence: list[tuple[str, int]] = field(default_factory=list)
+    times: int = 1          # the same finding again later: counted, the first one's frames kept
+
+
+@dataclass
+class Analysis:
+    messages: int
+    captures: int
+    sessions: int
+    targets: int
+    stats: list[dict[str, Any]]
+    bounds: dict[tuple[str, str], float]
+    findings: list[Finding]
+    counts: dict[str, int]          # findings per kind, listed or not
+
+
+_EVENTS = """
+CREATE TEMP TABLE ev AS
+SELECT target, handle, answer_time AS t, opcode_name AS op, answer_generation AS gen,
+       capture, answer_frame AS frame
+FROM m WHERE opcode_name IN ('ALLOC_STORE', 'STORE', 'BIND', 'FREE') AND answer_status = 0
+"""
+
+_LOADS = """
+CREATE TEMP TABLE loads AS
+SELECT l.capture, l.frame, l.answer_frame, l.time, l.answer_time, l.target, l.handle,
+       l.generation AS asked, l.answer_generation AS served, l.session, l.initiator,
+       e.op AS last_op, e.gen AS last_gen, e.capture AS e_capture, e.frame AS e_frame,
+       EXISTS (SELECT 1 FROM ev c WHERE c.target = l.target AND c.handle = l.handle
+               AND c.t > l.time AND c.t < l.answer_time) AS concurrent,
+       (SELECT count(*) FROM ev r WHERE r.target = l.target AND r.handle = l.handle
+        AND r.t <= l.time AND r.op IN ('ALLOC_STORE', 'BIND')) AS bindings,
+       (SELECT arg_max(struct_pack(capture := r.capture, frame := r.frame, op := r.op), r.t)
+        FROM ev r WHERE r.target = l.target AND r.handle = l.handle AND r.t <= l.time
+        AND r.op IN ('FREE', 'ALLOC_STORE', 'BIND')) AS last_change
+FROM (SELECT * FROM m WHERE opcode_name = 'LOAD' AND answer_status = 0) l
+ASOF LEFT JOIN ev e ON l.target = e.target AND l.handle = e.handle AND l.time >= e.t
+"""
+
+
+def _hex(value: int | None) -> str:
+    return "?" if value is None else f"0x{value:x}"
+
+
+def connect(dataset: Path) -> Any:
+    """A DuckDB connection with the dataset as view ``m``."""
+    import duckdb
+    con = duckdb.connect()
+    pattern = str(dataset / "*" / "*.parquet").replace("'", "''")
+    con.execute(f"CREATE VIEW m AS SELECT * FROM read_parquet('{pattern}', union_by_name = true)")
+    return con
+
+
+def _all(con: Any, sql: str, *params: Any) -> list[dict[str, Any]]:
+    cur = con.execute(sql, list(params))
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def statistics(con: Any) -> list[dict[str, Any]]:
+    """Count and latency percentiles per opcode and answer status."""
+    cols = ", ".join(f"quantile_cont(latency_s, {q}) AS {name}" for name, q in QUANTILES.items())
+    return _all(con, f"""
+        SELECT opcode_name AS opcode,
+               coalesce(answer_status_name, CASE WHEN recorded THEN 'RECORD' ELSE 'UNANSWERED' END) AS status,
+               count(*) AS count, {cols}, max(latency_s) AS max
+        FROM m WHERE opcode_name IN ('LOAD', 'STORE', 'ALLOC_STORE', 'FREE', 'BIND')
+        GROUP BY ALL ORDER BY opcode, status""")
+
+
+def bounds(con: Any) -> dict[tuple[str, str], float]:
+    """The slow bound of each target's opcode with enough answers (module docstring)."""
+    rows = _all(con, """
+        SELECT target, opcode_name AS opcode, count(*) AS n,
+               quantile_cont(latency_s, 0.25) AS q1, quantile_cont(latency_s, 0.5) AS q2,
+               quantile_cont(latency_s, 0.75) AS q3
+        FROM m WHERE latency_s IS NOT NULL AND opcode_name != 'COMPLETION' GROUP BY ALL""")
+    return {(r["target"], r["opcode"]): max(r["q3"] + 3 * (r["q3"] - r["q1"]), 10 * r["q2"])
+            for r in rows if r["n"] >= MIN_SAMPLES}
+
+
+def _stale(con: Any) -> list[Finding]:
+    con.execute(_EVENTS)
+    con.execute(_LOADS)
+    out = []
+    for r in _all(con, "SELECT * FROM loads WHERE NOT concurrent ORDER BY answer_time"):
+        where = f"LOAD of handle {_hex(r['handle'])} on {r['target']} by {r['initiator']}"
+        proof = [(r["capture"], r["frame"]), (r["capture"], r["answer_frame"])]
+        if r["asked"] and r["served"] != r["asked"]:
+            out.append(Finding("wrong-generation", "target",
+                               f"{where} asked for Generation {r['asked']} and was answered OK with "
+                               f"{r['served']} (the text requires STALE_GENERATION)", proof))
+        elif r["last_op"] == "FREE":
+            out.append(Finding("freed-block-served", "target",
+                               f"{where} was answered OK (Generation {r['served']}) after the handle "
+                               "was freed and before it was bound again",
+                               proof + [(r["e_capture"], r["e_frame"])]))
+        elif r["last_op"] is not None and r["served"] != r["last_gen"]:
+            out.append(Finding("stale-generation", "target",
+                               f"{where} returned Generation {r['served']} where the last store under "
+                               f"that handle completed with {r['last_gen']}",
+                               proof + [(r["e_capture"], r["e_frame"])]))
+        elif not r["asked"] and r["last_change"] is not None and (
+                r["bindings"] > 1 or r["last_change"]["op"] == "FREE"):
+            change = r["last_change"]
+            out.append(Finding("unpinned-reused-load", "initiator",
+                               f"{where} asked for any Generation (0) of a handle freed or bound again "
+                               f"earlier (Generation {r['served']} served): the loader cannot tell whose "
+                               "data it got; pass the Generation it expects",
+                               proof + [(change["capture"], change["frame"])]))
+    return out
+
+
+def _unanswered(con: Any, limits: dict[tuple[str, str], float]) -> list[Finding]:
+    out = []
+    for r in _all(con, """
+            SELECT capture, frame, target, opcode_name, request_id, session, time, capture_end
+            FROM m WHERE answer_frame IS NULL AND capture_end IS NOT NULL AND NOT recorded
+            ORDER BY time"""):
+        bound = limits.get((r["target"], r["opcode_name"]), NO_BOUND_S)
+        if r["capture_end"] - r["time"] > bound:
+            out.append(Finding("unanswered", "target",
+                               f"{r['opcode_name']} rid={r['request_id']} of session {r['session'][:16]} "
+                               f"never answered, though the capture went on {r['capture_end'] - r['time']:.3g} s "
+                               f"(bound {bound:.3g} s)", [(r["capture"], r["frame"])]))
+    return out
+
+
+def _slow(con: Any, limits: dict[tuple[str, str], float]) -> list[Finding]:
+    out = []
+    for (target, opcode), bound in limits.items():
+        for r in _all(con, """
+                SELECT capture, frame, answer_frame, request_id, latency_s FROM m
+                WHERE target = ? AND opcode_name = ? AND latency_s > ? ORDER BY latency_s DESC""",
+                      target, opcode, bound):
+            out.append(Finding("slow", "target",
+                               f"{opcode} rid={r['request_id']} to {target} answered after "
+                               f"{r['latency_s'] * 1e6:.0f} µs (bound {bound * 1e6:.0f} µs from this "
+                               "target's answers in the dataset)",
+                               [(r["capture"], r["frame"]), (r["capture"], r["answer_frame"])]))
+    return out
+
+
+def _credits(con: Any) -> list[Finding]:
+    return [Finding("over-credits", "initiator",
+                    f"{r['opcode_name']} rid={r['request_id']} sent with {r['in_flight']} requests in "
+                    f"flight where the session was granted {r['credits']} Request Credits",
+                    [(r["capture"], r["frame"])])
+            for r in _all(con, """SELECT capture, frame, opcode_name, request_id, in_flight, credits
+                                  FROM m WHERE in_flight > credits ORDER BY time""")]
+
+
+def _tickets(con: Any) -> list[Finding]:
+    return [Finding("ticket-timeout", "initiator",
+                    f"BIND of ticket {r['bind_ticket']} to handle {_hex(r['handle'])} came after the "
+                    f"ticket was abandoned (Ticket Timeout {r['ticket_timeout_s']:g} s)",
+                    [(r["capture"], r["frame"]), (r["capture"], r["answer_frame"])])
+            for r in _all(con, """SELECT capture, frame, answer_frame, bind_ticket, handle,
+                                         coalesce(ticket_timeout_s, 0) AS ticket_timeout_s
+                                  FROM m WHERE opcode_name = 'BIND'
+                                  AND answer_status_name = 'TICKET_ABANDONED' ORDER BY time""")]
+
+
+def _quota(con: Any) -> list[Finding]:
+    return [Finding("at-quota", "initiator",
+                    f"session {r['session'][:16]} of {r['initiator']} was refused NO_SPACE {r['n']} times "
+                    "(at its Allocation Quota, or the ring was empty)",
+                    [(r["capture"], r["frame"])])
+            for r in _all(con, """SELECT session, any_value(initiator) AS initiator, count(*) AS n,
+                                         arg_min(capture, time) AS capture, arg_min(frame, time) AS frame
+                                  FROM m WHERE opcode_name IN ('ALLOC_STORE', 'BIND')
+                                  AND answer_status_name = 'NO_SPACE' GROUP BY session ORDER BY frame""")]
+
+
+def _unsolicited(con: Any) -> list[Finding]:
+    return [Finding("unsolicited-completion", "target",
+                    f"COMPLETION rid={r['request_id']} answers no request of its session",
+                    [(r["capture"], r["frame"])])
+            for r in _all(con, """SELECT capture, frame, request_id FROM m
+                                  WHERE unsolicited ORDER BY time""")]
+
+
+def analyze(dataset: Path) -> Analysis:
+    con = connect(dataset)
+    totals = _all(con, """SELECT count(*) AS messages, count(DISTINCT capture) AS captures,
+                                 count(DISTINCT session) AS sessions,
+                                 count(DISTINCT target) AS targets FROM m""")[0]
+    limits = bounds(con)
+    found = (_stale(con) + _unanswered(con, limits) + _slow(con, limits) + _credits(con)
+             + _tickets(con) + _quota(con) + _unsolicited(con))
+    counts: dict[str, int] = {}
+    same: dict[tuple[str, str], Finding] = {}
+    listed: list[Finding] = []
+    for f in found:
+        counts[f.kind] = counts.get(f.kind, 0) + 1
+        first = same.setdefault((f.kind, f.message), f)
+        if first is not f:
+            first.times += 1
+        elif sum(g.kind == f.kind for g in listed) < LISTED:
+            listed.append(f)
+    return Analysis(totals["messages"], totals["captures"], totals["sessions"], totals["targets"],
+                    statistics(con), limits, listed, counts)

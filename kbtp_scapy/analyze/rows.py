@@ -1,0 +1,152 @@
+"""One row per KBTP message of a capture, with what the capture tells about it.
+
+A request's row waits (in bounded memory) for the COMPLETION that answers it, then both
+rows come out: the request with its answer's frame, time, status, Generation and the
+latency, the COMPLETION with the request's frame and opcode. Each row also says which
+session it belongs to (the Initiator ID where the HELLO is in the capture), who is the
+initiator and who the target, and, for a request, how many requests of its session were
+in flight when it was sent and how many Request Credits the session was granted.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import tables as T
+from ..capture import Found, endpoints, kbtp_messages
+from ..decode import CaptureError, Reader, Stats, rdma_messages
+from ..vocab import Opcode, RequestFlag
+
+__all__ = ["CaptureError", "MAX_PENDING", "Row", "capture_rows", "column"]
+
+Row = dict[str, Any]
+
+#: requests of one connection kept waiting for their answer; past this the oldest is
+#: given up as unanswered, so a capture of a peer that never answers stays in bounded memory
+MAX_PENDING = 1 << 16
+
+REQUESTS = frozenset({Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND})
+_OPCODE_NAMES = {v.value: v.name for v in T.OPCODES.values}
+_STATUS_NAMES = {v.value: v.name for v in T.STATUS.values}
+
+
+def column(key: str) -> str:
+    """The column of a table field: its display-filter key with '_' for '.'
+    (``dd.stag`` is ``dd_stag``), a name SQL takes unquoted."""
+    return key.replace(".", "_")
+
+
+@dataclass
+class _Session:
+    """What one connection of the capture has said so far."""
+
+    number: int
+    initiator: str | None = None
+    target: str | None = None
+    session: str | None = None
+    credits: int | None = None
+    ticket_timeout_s: float | None = None
+    pending: dict[int, Row] = field(default_factory=dict)
+
+
+def _row(name: str, found: Found) -> Row:
+    ends = endpoints(found)
+    row: Row = {"capture": name, "frame": found.frame, "time": found.time,
+                "transport": found.transport, "conn": found.connection,
+                "src": ends.get("src"), "dst": ends.get("dst")}
+    for key, value in found.fields.items():
+        row[column(key)] = value.hex() if key == "hello.initiator_id" and isinstance(value, bytes) else value
+    opcode = found.fields.get("opcode")
+    row["opcode_name"] = _OPCODE_NAMES.get(opcode, f"0x{opcode:02x}") if opcode is not None else None
+    if opcode == Opcode.COMPLETION or opcode == Opcode.HELLO_ACK:
+        status = found.fields.get("status", 0)
+        row["status_name"] = _STATUS_NAMES.get(status, str(status))
+    row["malformed"] = found.error
+    return row
+
+
+def capture_rows(path: str | Path, name: str | None = None,
+                 progress: Callable[[int], None] | None = None) -> Iterator[Row]:
+    """The rows of one capture file, a request's row once it is answered (or at the end)."""
+    name = name or Path(path).stem
+    sessions: dict[int, _Session] = {}
+    stats = Stats()
+    try:
+        stream = open(path, "rb")
+    except OSError as exc:
+        raise CaptureError(f"{path}: {exc.strerror or exc}") from None
+    with stream:
+        reader = Reader(stream, str(path))
+        last_time = None
+        for count, found in enumerate(kbtp_messages(rdma_messages(reader, stats))):
+            if found.connection is None:
+                continue
+            state = sessions.setdefault(found.connection, _Session(found.connection))
+            row = _row(name, found)
+            last_time = found.time if found.time is not None else last_time
+            yield from _place(state, row, found)
+            if progress is not None and not count % 1024:
+                progress(reader.position)
+    for state in sessions.values():         # never answered: the capture ended first
+        for pending in state.pending.values():
+            pending["capture_end"] = last_time
+            yield pending
+        state.pending.clear()
+
+
+def _ends(found: Found) -> tuple[str, str]:
+    """(initiator, target) of a message the initiator sent: the initiator by its address,
+    the target as ``iwarp:ADDR:PORT`` or ``roce:ADDR``, the endpoint a fleet's captures share."""
+    ends = endpoints(found)
+    where = f"{found.transport}:{ends.get('dst')}"
+    if ends.get("dst_port") is not None:
+        where += f":{ends['dst_port']}"
+    return str(ends.get("src")), where
+
+
+def _place(state: _Session, row: Row, found: Found) -> Iterator[Row]:
+    """Fill ``row``'s derived columns from its session; yield what is complete."""
+    fields = found.fields
+    opcode = fields.get("opcode")
+    if opcode == Opcode.HELLO:
+        state.initiator, state.target = _ends(found)
+        state.session = row.get("hello_initiator_id")
+    elif opcode == Opcode.HELLO_ACK and not fields.get("status"):
+        state.credits = fields.get("hello_ack.request_credits")
+        timeout_ms = fields.get("hello_ack.ticket_timeout")
+        state.ticket_timeout_s = None if timeout_ms is None else timeout_ms / 1000
+    elif state.initiator is None and opcode in REQUESTS:
+        state.initiator, state.target = _ends(found)
+    row["initiator"], row["target"] = state.initiator, state.target
+    row["session"] = state.session or f"{row['capture']}#{state.number}"
+    row["credits"] = state.credits
+    row["ticket_timeout_s"] = state.ticket_timeout_s
+    if opcode in REQUESTS and "request_id" in fields:      # a malformed one is answered too
+        rid = fields["request_id"]
+        row["recorded"] = bool(fields.get("flags", 0) & RequestFlag.RECORD) and opcode != Opcode.BIND
+        row["in_flight"] = len(state.pending) + 1
+        old = state.pending.pop(rid, None)
+        if old is not None:                   # a Request ID reused before its answer
+            yield old
+        state.pending[rid] = row
+        if len(state.pending) > MAX_PENDING:
+            yield state.pending.pop(next(iter(state.pending)))
+        return
+    if opcode == Opcode.COMPLETION:
+        request = state.pending.pop(fields.get("request_id", 0), None)
+        if request is not None:
+            request.update(answer_frame=row["frame"], answer_time=row["time"],
+                           answer_status=fields.get("status"), answer_status_name=row["status_name"],
+                           answer_generation=fields.get("generation"),
+                           answer_data_length=fields.get("completion.data_length"))
+            if request["time"] is not None and row["time"] is not None:
+                request["latency_s"] = row["time"] - request["time"]
+            row.update(request_frame=request["frame"], request_opcode_name=request["opcode_name"],
+                       latency_s=request.get("latency_s"))
+            yield request
+        else:                                 # answers nothing in the capture
+            row["unsolicited"] = True
+    yield row
+

@@ -1,0 +1,151 @@
+"""``kbtp analyze``: statistics and hazards of one capture or a fleet's, on DuckDB."""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..analyze.rows import CaptureError
+from .errors import Exit
+
+
+def _captures(inputs: tuple[str, ...]) -> tuple[list[Path], list[Path]]:
+    """(capture files, Parquet datasets) among the inputs: a folder holding ``*/*.parquet``
+    is a dataset ``--parquet`` wrote; any other folder stands for its captures."""
+    files, datasets = [], []
+    for text in inputs:
+        path = Path(text)
+        if path.is_dir():
+            if any(path.glob("*/*.parquet")):
+                datasets.append(path)
+                continue
+            found = sorted(p for p in path.rglob("*") if p.suffix in (".pcap", ".pcapng") and p.is_file())
+            if not found:
+                raise click.BadParameter(f"{text}: no .pcap or .pcapng file and no dataset in it",
+                                         param_hint="CAPTURE")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise click.BadParameter(f"{text}: no such file or folder", param_hint="CAPTURE")
+    return files, datasets
+
+
+class _Progress:
+    """``decoding 3/120: NAME 41%`` on a terminal's stderr, rewritten in place."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.last = total, enabled, 0.0
+
+    def __call__(self, done: int, path: Path, position: int) -> None:
+        now = time.monotonic()
+        if self.enabled and now - self.last > 0.2:
+            self.last = now
+            size = path.stat().st_size or 1
+            click.echo(f"\rdecoding {done + 1}/{self.total}: {path.name[:50]} {100 * position // size}%",
+                       err=True, nl=False)
+
+    def clear(self) -> None:
+        if self.enabled:
+            click.echo("\r" + " " * 80 + "\r", err=True, nl=False)
+
+
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.0f}"
+
+
+def _text(result: Any) -> str:
+    lines = [f"{result.messages} KBTP messages in {result.captures} capture(s), "
+             f"{result.sessions} session(s), {result.targets} target(s)", ""]
+    head = ("opcode", "status", "count", "p50 µs", "p95 µs", "p99 µs", "p99.9 µs", "max µs")
+    rows = [(s["opcode"], s["status"], str(s["count"]), _us(s["p50"]), _us(s["p95"]), _us(s["p99"]),
+             _us(s["p999"]), _us(s["max"])) for s in result.stats]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+    lines.append("")
+    total = sum(result.counts.values())
+    if not total:
+        lines.append("no hazard found")
+    else:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(result.counts.items()))
+        lines.append(f"{total} hazard(s): {kinds}")
+        for f in result.findings:
+            proof = ", ".join(f"{c} frame {n}" for c, n in f.evidence)
+            where = f"{f.times} times; the first: {proof}" if f.times > 1 else proof
+            lines.append(f"  [{f.kind}] ({f.severity}) {f.message} [{where}]")
+        shown = sum(f.times for f in result.findings)
+        if shown < total:
+            lines.append(f"  ... and {total - shown} more not listed")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("captures", nargs=-1, required=True, metavar="CAPTURE...")
+@click.option("--parquet", "parquet", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep the decoded messages as a Parquet dataset in this folder (one folder per "
+                   "capture); give the folder back to analyze it again without decoding.")
+@click.option("--json", "as_json", is_flag=True, help="The statistics and hazards as one JSON object.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress display.")
+def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, quiet: bool) -> None:
+    """Statistics and hazards of one capture or many (files, folders of captures, or a
+    dataset written by --parquet), read together as one fleet's traffic.
+
+    Latency percentiles per opcode and status, and the hazards KV-cache systems suffer,
+    each with the frames that prove it: a LOAD answered with another Generation than the
+    one last stored or with a freed block (stale reads); a LOAD of a freed or re-bound
+    handle that did not pin its Generation; requests never answered; answers slower than a
+    bound derived from the dataset; more requests in flight than the credits granted;
+    BINDs after the Ticket Timeout; initiators at their quota; COMPLETIONs that answer
+    nothing. A store in one host's capture and a load in another's are compared by their
+    capture times. Queries run on DuckDB, embedded.
+
+    Exit status: 0 no hazard, 1 hazards found, 2 usage error or a capture that cannot be read.
+
+    \b
+    Examples:
+      kbtp analyze pcaps/roce_session.pcap
+      kbtp analyze pcaps/fleet/                      # every capture of the folder, as one fleet
+      kbtp analyze --json pcaps/fleet/ | python3 -m json.tool
+      kbtp analyze --parquet fleet.parquet pcaps/fleet/ && kbtp analyze fleet.parquet
+    """
+    try:
+        import duckdb  # noqa: F401
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise Exit(2, "kbtp analyze needs DuckDB and pyarrow: pip install 'kbtp_scapy[analyze]'") from None
+    from ..analyze import dataset, queries
+    files, datasets = _captures(captures)
+    if datasets and (files or len(datasets) > 1):
+        raise click.UsageError("give one Parquet dataset alone, or capture files and folders")
+    with tempfile.TemporaryDirectory(prefix="kbtp-analyze-") as scratch:
+        out = datasets[0] if datasets else (parquet or Path(scratch))
+        if files:
+            progress = _Progress(len(files), not quiet and sys.stderr.isatty())
+            try:
+                dataset.write(files, out, progress)
+            except CaptureError as exc:
+                progress.clear()
+                raise Exit(2, f"{exc}; give a pcap or pcapng capture") from None
+            except OSError as exc:
+                progress.clear()
+                raise Exit(2, f"cannot write the dataset in {out}: {exc.strerror or exc}") from None
+            progress.clear()
+        result = queries.analyze(out)
+    if as_json:
+        body = asdict(result)
+        body["bounds"] = [{"target": t, "opcode": o, "slow_s": b} for (t, o), b in result.bounds.items()]
+        body["findings"] = [{**asdict(f), "evidence": [{"capture": c, "frame": n} for c, n in f.evidence]}
+                            for f in result.findings]
+        click.echo(json.dumps(body, default=str))
+    else:
+        click.echo(_text(result))
+    if result.counts:
+        raise Exit(1, f"{sum(result.counts.values())} hazard(s) found")

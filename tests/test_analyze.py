@@ -1,0 +1,195 @@
+"""``kbtp analyze``: hazards found in real captures of a fleet (a reference target and four
+initiators on loopback, each host its own capture) and in sessions crafted with one
+target bug each, nothing in clean ones; the Parquet dataset's columns come from the tables."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kbtp_scapy import codec, tables as T
+from kbtp_scapy.builders.recorder import recorder
+from kbtp_scapy.vocab import Opcode, RequestFlag, Status
+
+from .kbtp_harness import fresh_hosts
+
+ROOT = Path(__file__).resolve().parent.parent
+H = 0x4000
+
+
+def kbtp(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kbtp_scapy", "analyze", *args], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+
+
+def analysis(*args: str) -> tuple[int, dict[str, Any]]:
+    proc = kbtp("--json", *args)
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def hello(credits: int = 16) -> list[tuple[bool, dict]]:
+    return [(True, {"opcode": Opcode.HELLO, "hello.completion_credits": 16,
+                    "hello.initiator_id": bytes(range(16))}),
+            (False, {"opcode": Opcode.HELLO_ACK, "hello_ack.request_credits": credits,
+                     "hello_ack.block_size": 4096, "hello_ack.allocation_quota": 8,
+                     "hello_ack.handle_base": H, "hello_ack.handle_count": 64,
+                     "hello_ack.ticket_timeout": 1000})]
+
+
+def request(rid: int, opcode: Opcode, handle: int = H, generation: int = 0, flags: int = 0) -> tuple[bool, dict]:
+    msg: dict[str, Any] = {"opcode": opcode, "request_id": rid, "handle": handle, "generation": generation,
+                           "flags": flags, "dd.length": 8 if opcode != Opcode.FREE else 0}
+    if opcode in (Opcode.ALLOC_STORE, Opcode.STORE):
+        msg["flags"] |= RequestFlag.INLINE
+        msg["inline_data"] = b"KVBLOCK!"
+    if opcode == Opcode.FREE:
+        del msg["dd.length"]
+    return True, msg
+
+
+def answer(rid: int, status: Status = Status.OK, generation: int = 0, handle: int = H) -> tuple[bool, dict]:
+    return False, {"opcode": Opcode.COMPLETION, "request_id": rid, "handle": handle, "status": status,
+                   "generation": generation, "completion.data_length": 8, "completion.block_offset": 0x8000}
+
+
+def capture(path: Path, steps: list[tuple[bool, dict]], credits: int = 16) -> Path:
+    rec = recorder("roce")
+    for by_initiator, msg in hello(credits) + steps:
+        rec.send(by_initiator, codec.encode(msg))      # type: ignore[arg-type]
+    rec.write_pcap(path)
+    return path
+
+
+def kinds(result: dict[str, Any]) -> dict[str, int]:
+    return result["counts"]
+
+
+# --- crafted sessions: one target (or initiator) bug each, and its clean twin ---------------
+
+def stored(generation: int = 5) -> list[tuple[bool, dict]]:
+    return [request(1, Opcode.ALLOC_STORE), answer(1, generation=generation)]
+
+
+CASES = {
+    # a LOAD served with another Generation than the last store completed with
+    "stale-generation": (stored() + [request(2, Opcode.LOAD), answer(2, generation=4)],
+                         stored() + [request(2, Opcode.LOAD), answer(2, generation=5)]),
+    # a LOAD served OK from a freed handle
+    "freed-block-served": (stored() + [request(2, Opcode.FREE), answer(2, generation=6),
+                                       request(3, Opcode.LOAD), answer(3, generation=6)],
+                           stored() + [request(2, Opcode.FREE), answer(2, generation=6),
+                                       request(3, Opcode.LOAD), answer(3, Status.NOT_VALID, 6)]),
+    # a pinned LOAD answered OK with another Generation (STALE_GENERATION is required)
+    "wrong-generation": (stored() + [request(2, Opcode.LOAD, generation=7), answer(2, generation=5)],
+                         stored() + [request(2, Opcode.LOAD, generation=7),
+                                     answer(2, Status.STALE_GENERATION, 5)]),
+    # a LOAD of "any" Generation after the handle was freed and bound again
+    "unpinned-reused-load": (stored() + [request(2, Opcode.FREE), answer(2, generation=6),
+                                         request(3, Opcode.ALLOC_STORE), answer(3, generation=7),
+                                         request(4, Opcode.LOAD), answer(4, generation=7)],
+                             stored() + [request(2, Opcode.FREE), answer(2, generation=6),
+                                         request(3, Opcode.ALLOC_STORE), answer(3, generation=7),
+                                         request(4, Opcode.LOAD, generation=7), answer(4, generation=7)]),
+    # three requests in flight where two credits were granted
+    "over-credits": ([request(1, Opcode.LOAD), request(2, Opcode.LOAD), request(3, Opcode.LOAD),
+                      answer(1, Status.NOT_VALID), answer(2, Status.NOT_VALID), answer(3, Status.NOT_VALID)],
+                     [request(1, Opcode.LOAD), request(2, Opcode.LOAD), answer(1, Status.NOT_VALID),
+                      request(3, Opcode.LOAD), answer(2, Status.NOT_VALID), answer(3, Status.NOT_VALID)]),
+    # a COMPLETION that answers nothing
+    "unsolicited-completion": ([request(1, Opcode.LOAD), answer(1, Status.NOT_VALID), answer(9, Status.OK)],
+                               [request(1, Opcode.LOAD), answer(1, Status.NOT_VALID)]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_a_planted_hazard_is_found_and_its_clean_twin_is_clean(kind, tmp_path):
+    bad, clean = CASES[kind]
+    credits = 2 if kind == "over-credits" else 16
+    code, result = analysis(str(capture(tmp_path / "bad.pcap", bad, credits)))
+    assert code == 1 and kinds(result) == {kind: 1}, result
+    finding = result["findings"][0]
+    assert all(e["capture"] == "bad" and e["frame"] > 0 for e in finding["evidence"])
+    code, result = analysis(str(capture(tmp_path / "clean.pcap", clean, credits)))
+    assert code == 0 and kinds(result) == {}, result
+
+
+def test_an_unanswered_request_against_a_bound_of_the_capture_itself(tmp_path):
+    """25 LOADs answered in one step each give the bound; one never answered while 25
+    more exchanges follow is found, one in flight at the capture's very end is not."""
+    answered = [step for rid in range(10, 35) for step in (request(rid, Opcode.LOAD), answer(rid, Status.NOT_VALID))]
+    steps = stored() + [request(2, Opcode.LOAD)] + answered + [request(3, Opcode.LOAD)]
+    code, result = analysis(str(capture(tmp_path / "hang.pcap", steps)))
+    assert code == 1 and kinds(result) == {"unanswered": 1}, result
+    assert "rid=2 " in result["findings"][0]["message"]
+
+
+# --- a real fleet: the reference target, two producers and two consumers -------------------
+
+def fleet(out: Path, clean: bool) -> Path:
+    hosts = fresh_hosts(5)
+    proc = subprocess.run([sys.executable, "tools/make_fleet_pcaps.py", "--out", str(out),
+                           "--addresses", ",".join(hosts), *(["--clean"] if clean else [])],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["consumer1.pcap", "consumer2.pcap",
+                                                     "producer1.pcap", "producer2.pcap"]
+    return out
+
+
+@pytest.mark.slow
+def test_the_buggy_consumers_stale_reads_are_found_across_the_hosts_captures(tmp_path):
+    out = fleet(tmp_path / "fleet", clean=False)
+    code, result = analysis(str(out))
+    assert code == 1
+    stale = [f for f in result["findings"] if f["kind"] == "unpinned-reused-load"]
+    # each producer reuses 4 handles, and the buggy consumer loads each 3 times afterwards
+    assert result["counts"]["unpinned-reused-load"] == 24 and len(stale) == 8
+    for f in stale:
+        captures = [e["capture"] for e in f["evidence"]]
+        assert captures[:2] == ["consumer2", "consumer2"] and captures[2] in ("producer1", "producer2")
+    # the careful consumer's loads of an old Generation were refused: no finding of it but
+    # slow answers (this machine's own load makes real ones)
+    assert not any("consumer1" in e["capture"] for f in result["findings"] if f["kind"] != "slow"
+                   for e in f["evidence"])
+    # each capture alone holds one side only: the consumer's capture shows no reuse
+    code, alone = analysis(str(out / "consumer2.pcap"))
+    assert "unpinned-reused-load" not in alone["counts"]
+    # a careful fleet: none of the checkers of correctness fires (slow answers may: this
+    # machine's own load makes real ones)
+    code, result = analysis(str(fleet(tmp_path / "clean", clean=True)))
+    assert set(result["counts"]) <= {"slow"}, result
+
+
+@pytest.mark.slow
+def test_the_parquet_dataset_has_the_tables_columns_and_answers_the_same(tmp_path):
+    import pyarrow.parquet as pq
+    out = fleet(tmp_path / "fleet", clean=False)
+    code, direct = analysis("--parquet", str(tmp_path / "ds"), str(out))
+    files = sorted((tmp_path / "ds").glob("*/*.parquet"))
+    assert [f.parent.name for f in files] == ["consumer1", "consumer2", "producer1", "producer2"]
+    schema = pq.read_schema(files[0])
+    widths = {1: 8, 2: 16, 4: 32, 8: 64}
+    for key, (f, _) in T.wire_fields().items():
+        if f.size in widths:
+            assert str(schema.field(key.replace(".", "_")).type) == f"uint{widths[f.size]}", key
+    code2, again = analysis(str(tmp_path / "ds"))
+    assert (code2, again) == (code, direct)
+    # the dataset is plain Parquet: DuckDB reads it without kbtp
+    import duckdb
+    loads = duckdb.connect().execute(f"SELECT count(*) FROM read_parquet('{tmp_path}/ds/*/*.parquet') "
+                                     "WHERE opcode_name = 'LOAD'").fetchone()
+    assert loads is not None and loads[0] == sum(s["count"] for s in direct["stats"] if s["opcode"] == "LOAD")
+
+
+def test_what_cannot_be_read_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.pcap"
+    bad.write_bytes(b"not a capture at all")
+    for args in ([str(bad)], [str(tmp_path / "missing.pcap")], [str(tmp_path)]):
+        proc = kbtp(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
