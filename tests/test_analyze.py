@@ -32,9 +32,9 @@ def analysis(*args: str) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(proc.stdout)
 
 
-def hello(credits: int = 16) -> list[tuple[bool, dict]]:
+def hello(credits: int = 16, initiator: int = 0) -> list[tuple[bool, dict]]:
     return [(True, {"opcode": Opcode.HELLO, "hello.completion_credits": 16,
-                    "hello.initiator_id": bytes(range(16))}),
+                    "hello.initiator_id": initiator.to_bytes(16, "big")}),
             (False, {"opcode": Opcode.HELLO_ACK, "hello_ack.request_credits": credits,
                      "hello_ack.block_size": 4096, "hello_ack.allocation_quota": 8,
                      "hello_ack.handle_base": H, "hello_ack.handle_count": 64,
@@ -57,9 +57,12 @@ def answer(rid: int, status: Status = Status.OK, generation: int = 0, handle: in
                    "generation": generation, "completion.data_length": 8, "completion.block_offset": 0x8000}
 
 
-def capture(path: Path, steps: list[tuple[bool, dict]], credits: int = 16) -> Path:
+def capture(path: Path, steps: list[tuple[bool, dict]], credits: int = 16, initiator: int = 0) -> Path:
+    """A RoCEv2 capture of a session; initiator N's handles are N * 64 above the others'."""
     rec = recorder("roce")
-    for by_initiator, msg in hello(credits) + steps:
+    for by_initiator, msg in hello(credits, initiator) + steps:
+        if "handle" in msg and msg["opcode"] not in (Opcode.HELLO, Opcode.HELLO_ACK):
+            msg = {**msg, "handle": msg["handle"] + 64 * initiator}
         rec.send(by_initiator, codec.encode(msg))      # type: ignore[arg-type]
     rec.write_pcap(path)
     return path
@@ -193,3 +196,23 @@ def test_what_cannot_be_read_is_one_line_and_exit_2(tmp_path):
         proc = kbtp(*args)
         assert proc.returncode == 2, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_hundred_captures_on_a_dask_cluster_as_on_duckdb(tmp_path):
+    """100 sessions' captures, two of each planted kind among them, decoded and judged on a
+    real local Dask cluster (a scheduler and two worker processes): the same analysis as
+    DuckDB's in this process, and only the planted hazards."""
+    kinds_ = sorted(CASES)
+    folder = tmp_path / "captures"
+    folder.mkdir()
+    for i in range(100):
+        kind = kinds_[i % len(kinds_)]
+        bad, clean = CASES[kind]
+        credits = 2 if kind == "over-credits" else 16
+        capture(folder / f"host{i:03d}.pcap", bad if i < 2 * len(kinds_) else clean, credits, initiator=i)
+    code, on_dask = analysis("--dask", "local", "--workers", "2", "--parquet", str(tmp_path / "ds"), str(folder))
+    assert code == 1 and on_dask["counts"] == {kind: 2 for kind in kinds_}, on_dask["counts"]
+    assert on_dask["captures"] == 100 and on_dask["sessions"] == 100
+    code, here = analysis(str(folder))
+    assert here == on_dask

@@ -74,12 +74,18 @@ def _hex(value: int | None) -> str:
     return "?" if value is None else f"0x{value:x}"
 
 
-def connect(dataset: Path) -> Any:
-    """A DuckDB connection with the dataset as view ``m``."""
+def connect(dataset: Path, column: str | None = None, value: str | None = None) -> Any:
+    """A DuckDB connection with the dataset as view ``m``: all of it, or the rows whose
+    ``column`` holds ``value`` (one slice of a distributed run)."""
     import duckdb
     con = duckdb.connect()
     pattern = str(dataset / "*" / "*.parquet").replace("'", "''")
-    con.execute(f"CREATE VIEW m AS SELECT * FROM read_parquet('{pattern}', union_by_name = true)")
+    where = ""
+    if column is not None:
+        assert column in ("target", "opcode_name"), column
+        where = (f" WHERE {column} IS NULL" if value is None else
+                 f" WHERE {column} = '{value.replace(chr(39), chr(39) * 2)}'")
+    con.execute(f"CREATE VIEW m AS SELECT * FROM read_parquet('{pattern}', union_by_name = true){where}")
     return con
 
 
@@ -212,14 +218,28 @@ def _unsolicited(con: Any) -> list[Finding]:
                                   WHERE unsolicited ORDER BY time""")]
 
 
-def analyze(dataset: Path) -> Analysis:
-    con = connect(dataset)
-    totals = _all(con, """SELECT count(*) AS messages, count(DISTINCT capture) AS captures,
-                                 count(DISTINCT session) AS sessions,
-                                 count(DISTINCT target) AS targets FROM m""")[0]
+KINDS = ("wrong-generation", "freed-block-served", "stale-generation", "unpinned-reused-load",
+         "unanswered", "slow", "over-credits", "ticket-timeout", "at-quota", "unsolicited-completion")
+
+
+def totals(con: Any) -> dict[str, int]:
+    return _all(con, """SELECT count(*) AS messages, count(DISTINCT capture) AS captures,
+                               count(DISTINCT session) AS sessions,
+                               count(DISTINCT target) AS targets FROM m""")[0]
+
+
+def findings(con: Any) -> tuple[list[Finding], dict[tuple[str, str], float]]:
+    """Every checker's findings, and the slow bounds they used. Each checker looks only at
+    the rows of one target at a time, so a dataset cut by target gives the same findings."""
     limits = bounds(con)
-    found = (_stale(con) + _unanswered(con, limits) + _slow(con, limits) + _credits(con)
-             + _tickets(con) + _quota(con) + _unsolicited(con))
+    return (_stale(con) + _unanswered(con, limits) + _slow(con, limits) + _credits(con)
+            + _tickets(con) + _quota(con) + _unsolicited(con)), limits
+
+
+def summarize(found: list[Finding]) -> tuple[list[Finding], dict[str, int]]:
+    """The findings in one order (by kind, then by their first frame), the same one
+    repeated counted on its first, at most ``LISTED`` of a kind; and the count per kind."""
+    found = sorted(found, key=lambda f: (KINDS.index(f.kind), f.evidence))
     counts: dict[str, int] = {}
     same: dict[tuple[str, str], Finding] = {}
     listed: list[Finding] = []
@@ -230,5 +250,14 @@ def analyze(dataset: Path) -> Analysis:
             first.times += 1
         elif sum(g.kind == f.kind for g in listed) < LISTED:
             listed.append(f)
-    return Analysis(totals["messages"], totals["captures"], totals["sessions"], totals["targets"],
-                    statistics(con), limits, listed, counts)
+    return listed, counts
+
+
+def analyze(dataset: Path) -> Analysis:
+    """The whole analysis on DuckDB, in this process."""
+    con = connect(dataset)
+    found, limits = findings(con)
+    listed, counts = summarize(found)
+    t = totals(con)
+    return Analysis(t["messages"], t["captures"], t["sessions"], t["targets"], statistics(con), limits,
+                    listed, counts)

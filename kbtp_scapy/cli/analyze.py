@@ -93,8 +93,15 @@ def _text(result: Any) -> str:
               help="Keep the decoded messages as a Parquet dataset in this folder (one folder per "
                    "capture); give the folder back to analyze it again without decoding.")
 @click.option("--json", "as_json", is_flag=True, help="The statistics and hazards as one JSON object.")
+@click.option("--dask", "scheduler", metavar="HOST:PORT|local",
+              help="Decode and judge on a Dask cluster (its scheduler's address), or on a local one of "
+                   "--workers processes: for captures that do not fit one machine. Workers must see "
+                   "the captures and the --parquet folder at the same paths.")
+@click.option("--workers", type=click.IntRange(1, 256), default=2, show_default=True,
+              help="Worker processes of --dask local.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress display.")
-def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, quiet: bool) -> None:
+def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, scheduler: str | None,
+            workers: int, quiet: bool) -> None:
     """Statistics and hazards of one capture or many (files, folders of captures, or a
     dataset written by --parquet), read together as one fleet's traffic.
 
@@ -115,33 +122,23 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, quie
       kbtp analyze pcaps/fleet/                      # every capture of the folder, as one fleet
       kbtp analyze --json pcaps/fleet/ | python3 -m json.tool
       kbtp analyze --parquet fleet.parquet pcaps/fleet/ && kbtp analyze fleet.parquet
+      kbtp analyze --dask local --workers 2 pcaps/fleet/   # the same on a Dask cluster
     """
     try:
         import duckdb  # noqa: F401
         import pyarrow  # noqa: F401
     except ImportError:
         raise Exit(2, "kbtp analyze needs DuckDB and pyarrow: pip install 'kbtp_scapy[analyze]'") from None
-    from ..analyze import dataset, queries
     files, datasets = _captures(captures)
     if datasets and (files or len(datasets) > 1):
         raise click.UsageError("give one Parquet dataset alone, or capture files and folders")
-    with tempfile.TemporaryDirectory(prefix="kbtp-analyze-") as scratch:
-        out = datasets[0] if datasets else (parquet or Path(scratch))
-        if files:
-            progress = _Progress(len(files), not quiet and sys.stderr.isatty())
-            try:
-                dataset.write(files, out, progress)
-            except CaptureError as exc:
-                progress.clear()
-                raise Exit(2, f"{exc}; give a pcap or pcapng capture") from None
-            except OSError as exc:
-                progress.clear()
-                raise Exit(2, f"cannot write the dataset in {out}: {exc.strerror or exc}") from None
-            progress.clear()
-        result = queries.analyze(out)
+    if scheduler is not None:
+        result = _on_dask(files, datasets[0] if datasets else parquet, scheduler, workers, quiet)
+    else:
+        result = _here(files, datasets[0] if datasets else parquet, quiet)
     if as_json:
         body = asdict(result)
-        body["bounds"] = [{"target": t, "opcode": o, "slow_s": b} for (t, o), b in result.bounds.items()]
+        body["bounds"] = [{"target": t, "opcode": o, "slow_s": b} for (t, o), b in sorted(result.bounds.items())]
         body["findings"] = [{**asdict(f), "evidence": [{"capture": c, "frame": n} for c, n in f.evidence]}
                             for f in result.findings]
         click.echo(json.dumps(body, default=str))
@@ -149,3 +146,51 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, quie
         click.echo(_text(result))
     if result.counts:
         raise Exit(1, f"{sum(result.counts.values())} hazard(s) found")
+
+
+def _here(files: list[Path], out: Path | None, quiet: bool) -> Any:
+    """Decode and judge in this process, on DuckDB."""
+    from ..analyze import dataset, queries
+    with tempfile.TemporaryDirectory(prefix="kbtp-analyze-") as scratch:
+        out = out or Path(scratch)
+        if files:
+            progress = _Progress(len(files), not quiet and sys.stderr.isatty())
+            try:
+                dataset.write(files, out, progress)
+            except CaptureError as exc:
+                raise Exit(2, f"{exc}; give a pcap or pcapng capture") from None
+            except OSError as exc:
+                raise Exit(2, f"cannot write the dataset in {out}: {exc.strerror or exc}") from None
+            finally:
+                progress.clear()
+        return queries.analyze(out)
+
+
+def _on_dask(files: list[Path], out: Path | None, scheduler: str, workers: int, quiet: bool) -> Any:
+    """Decode and judge on a Dask cluster (``analyze/distributed.py``)."""
+    try:
+        import distributed as _  # noqa: F401
+    except ImportError:
+        raise Exit(2, "--dask needs Dask distributed: pip install 'kbtp_scapy[analyze]'") from None
+    from ..analyze import distributed
+    if files and out is None:
+        raise click.UsageError("--dask needs --parquet DIR, a folder every worker sees, for the decoded captures")
+    assert out is not None
+    try:
+        client = distributed.client(None if scheduler == "local" else scheduler, workers)
+    except OSError as exc:
+        raise Exit(2, f"--dask {scheduler}: no Dask scheduler answered ({exc}); give its HOST:PORT "
+                      "or 'local'") from None
+    show = not quiet and sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:
+        if show:
+            click.echo(f"\rdecoded {done}/{total} captures on the cluster", err=True, nl=False)
+    with client:
+        try:
+            return distributed.analyze(files, out, client, progress)
+        except CaptureError as exc:
+            raise Exit(2, f"{exc}; give a pcap or pcapng capture") from None
+        finally:
+            if show:
+                click.echo("\r" + " " * 60 + "\r", err=True, nl=False)

@@ -1,0 +1,75 @@
+"""The same analysis on a Dask cluster, for a fleet whose captures do not fit one machine.
+
+Dask distributed rather than Spark: it is Python all the way (no JVM to install on every
+worker, nothing to translate), it schedules plain functions, and its ``LocalCluster`` is a
+real scheduler with worker processes, which the suite runs. The work splits where it is
+independent: each capture is decoded into the dataset by a worker, then each target's
+rows are judged by the checkers' own DuckDB queries on a worker (every checker looks at
+one target's rows at a time: a handle's history, a session, a bound), and each opcode's
+statistics likewise. Workers must see the dataset's folder at the same path (a shared or
+network file system, as Dask's Parquet readers expect).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import dataset as D, queries as Q
+
+
+def _decode(path: str, out: str, name: str) -> int:
+    from .rows import capture_rows
+    return D.write_capture(capture_rows(path, name), Path(out), name)
+
+
+def _judge(out: str, target: str | None) -> tuple[list[Q.Finding], dict, dict[str, int]]:
+    con = Q.connect(Path(out), "target", target)
+    found, limits = Q.findings(con)
+    return found, limits, Q.totals(con)
+
+
+def _statistics(out: str, opcode: str) -> list[dict[str, Any]]:
+    return Q.statistics(Q.connect(Path(out), "opcode_name", opcode))
+
+
+def client(scheduler: str | None, workers: int) -> Any:
+    """A client of the cluster at ``scheduler`` (host:port), or of a local one."""
+    from distributed import Client, LocalCluster
+    if scheduler:
+        return Client(scheduler, timeout=30)
+    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                           dashboard_address=None, host="127.0.0.1")
+    return Client(cluster)
+
+
+def analyze(files: list[Path], out: Path, dask: Any,
+            progress: Callable[[int, int], None] | None = None) -> Q.Analysis:
+    """Decode ``files`` into ``out`` on the cluster (none: ``out`` is already a dataset),
+    then judge it there."""
+    from distributed import as_completed
+    if files:
+        futures = [dask.submit(_decode, str(p), str(out), n, pure=False)
+                   for p, n in zip(files, D.names(files), strict=True)]
+        for done, future in enumerate(as_completed(futures), 1):
+            future.result()
+            if progress is not None:
+                progress(done, len(futures))
+    con = Q.connect(out)
+    targets = [r[0] for r in con.execute("SELECT DISTINCT target FROM m").fetchall()]
+    opcodes = [r[0] for r in con.execute(
+        "SELECT DISTINCT opcode_name FROM m WHERE opcode_name IN "
+        "('LOAD', 'STORE', 'ALLOC_STORE', 'FREE', 'BIND')").fetchall()]
+    captures = con.execute("SELECT count(DISTINCT capture) FROM m").fetchone()[0]
+    con.close()
+    judged = dask.gather([dask.submit(_judge, str(out), t, pure=False) for t in targets])
+    stats = dask.gather([dask.submit(_statistics, str(out), o, pure=False) for o in opcodes])
+    found, limits, messages, sessions = [], {}, 0, 0
+    for part, part_limits, part_totals in judged:
+        found += part
+        limits.update(part_limits)
+        messages += part_totals["messages"]
+        sessions += part_totals["sessions"]
+    listed, counts = Q.summarize(found)
+    rows = sorted((r for part in stats for r in part), key=lambda r: (r["opcode"], r["status"]))
+    return Q.Analysis(messages, captures, sessions, len(targets), rows, limits, listed, counts)
