@@ -27,7 +27,7 @@ def kbtp(*args: str) -> subprocess.CompletedProcess:
 
 
 def analysis(*args: str) -> tuple[int, dict[str, Any]]:
-    proc = kbtp("--json", *args)
+    proc = kbtp("--json", "--fail-on-hazard", *args)
     assert proc.returncode in (0, 1), proc.stderr
     return proc.returncode, json.loads(proc.stdout)
 
@@ -189,6 +189,13 @@ def test_the_parquet_dataset_has_the_tables_columns_and_answers_the_same(tmp_pat
     assert loads is not None and loads[0] == sum(s["count"] for s in direct["stats"] if s["opcode"] == "LOAD")
 
 
+def test_hazards_fail_only_when_asked(tmp_path):
+    pcap = str(capture(tmp_path / "bad.pcap", CASES["stale-generation"][0]))
+    assert kbtp(pcap).returncode == 0
+    proc = kbtp("--fail-on-hazard", pcap)
+    assert proc.returncode == 1 and proc.stderr.strip() == "kbtp: 1 hazard(s) found"
+
+
 def test_what_cannot_be_read_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "bad.pcap"
     bad.write_bytes(b"not a capture at all")
@@ -216,3 +223,19 @@ def test_a_hundred_captures_on_a_dask_cluster_as_on_duckdb(tmp_path):
     assert on_dask["captures"] == 100 and on_dask["sessions"] == 100
     code, here = analysis(str(folder))
     assert here == on_dask
+
+
+def test_decode_parquet_and_the_html_report(tmp_path):
+    """``kbtp decode --parquet`` writes the dataset ``analyze`` reads; ``--report`` writes a
+    page naming the hazard and the frames, with the two plots as real PNGs."""
+    pcap = capture(tmp_path / "bad.pcap", CASES["stale-generation"][0])
+    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--parquet", str(tmp_path / "ds"),
+                           str(pcap)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and "6 KBTP messages" in proc.stderr, proc.stderr
+    code, result = analysis("--report", str(tmp_path / "report"), str(tmp_path / "ds"))
+    assert code == 1 and result["counts"] == {"stale-generation": 1}
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "stale-generation" in page and "bad frame" in page
+    for name in ("latency.png", "throughput.png"):
+        assert f'src="{name}"' in page
+        assert (tmp_path / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -23,14 +23,15 @@ def _decode(path: str, out: str, name: str) -> int:
     return D.write_capture(capture_rows(path, name), Path(out), name)
 
 
-def _judge(out: str, target: str | None) -> tuple[list[Q.Finding], dict, dict[str, int]]:
+def _judge(out: str, target: str | None) -> tuple[list[Q.Finding], dict, dict[str, int], list]:
     con = Q.connect(Path(out), "target", target)
     found, limits = Q.findings(con)
-    return found, limits, Q.totals(con)
+    return found, limits, Q.totals(con), Q.sessions(con)
 
 
-def _statistics(out: str, opcode: str) -> list[dict[str, Any]]:
-    return Q.statistics(Q.connect(Path(out), "opcode_name", opcode))
+def _statistics(out: str, opcode: str, first: float, interval: float) -> tuple[list, list]:
+    con = Q.connect(Path(out), "opcode_name", opcode)
+    return Q.statistics(con), Q.timeline(con, first, interval)
 
 
 def client(scheduler: str | None, workers: int) -> Any:
@@ -61,15 +62,22 @@ def analyze(files: list[Path], out: Path, dask: Any,
         "SELECT DISTINCT opcode_name FROM m WHERE opcode_name IN "
         "('LOAD', 'STORE', 'ALLOC_STORE', 'FREE', 'BIND')").fetchall()]
     captures = con.execute("SELECT count(DISTINCT capture) FROM m").fetchone()[0]
+    first, interval = Q.span(con)
     con.close()
     judged = dask.gather([dask.submit(_judge, str(out), t, pure=False) for t in targets])
-    stats = dask.gather([dask.submit(_statistics, str(out), o, pure=False) for o in opcodes])
-    found, limits, messages, sessions = [], {}, 0, 0
-    for part, part_limits, part_totals in judged:
+    stats = dask.gather([dask.submit(_statistics, str(out), o, first, interval, pure=False) for o in opcodes])
+    found: list[Q.Finding] = []
+    limits: dict = {}
+    table: list[dict[str, Any]] = []
+    messages = sessions = 0
+    for part, part_limits, part_totals, part_sessions in judged:
         found += part
         limits.update(part_limits)
         messages += part_totals["messages"]
         sessions += part_totals["sessions"]
+        table += part_sessions
     listed, counts = Q.summarize(found)
-    rows = sorted((r for part in stats for r in part), key=lambda r: (r["opcode"], r["status"]))
-    return Q.Analysis(messages, captures, sessions, len(targets), rows, limits, listed, counts)
+    rows = sorted((r for part, _ in stats for r in part), key=lambda r: (r["opcode"], r["status"]))
+    times = sorted((r for _, part in stats for r in part), key=lambda r: (r["bin"], r["opcode"], r["status"]))
+    return Q.Analysis(messages, captures, sessions, len(targets), rows, limits, listed, counts,
+                      sorted(table, key=lambda r: r["session"]), interval, times)

@@ -12,6 +12,7 @@ for longer than that bound after it (one second where too few answers give no bo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ class Analysis:
     bounds: dict[tuple[str, str], float]
     findings: list[Finding]
     counts: dict[str, int]          # findings per kind, listed or not
+    sessions_table: list[dict[str, Any]] = field(default_factory=list)
+    interval_s: float = 0.0
+    timeline: list[dict[str, Any]] = field(default_factory=list)
 
 
 _EVENTS = """
@@ -104,6 +108,41 @@ def statistics(con: Any) -> list[dict[str, Any]]:
                count(*) AS count, {cols}, max(latency_s) AS max
         FROM m WHERE opcode_name IN ('LOAD', 'STORE', 'ALLOC_STORE', 'FREE', 'BIND')
         GROUP BY ALL ORDER BY opcode, status""")
+
+
+def span(con: Any) -> tuple[float, float]:
+    """(first time, the timeline's interval): about 100 intervals over the dataset, each a
+    round 1, 2 or 5 times a power of ten seconds."""
+    first, last = con.execute("SELECT min(time), max(time) FROM m").fetchone()
+    if first is None:
+        return 0.0, 1.0
+    step = max((last - first) / 100, 1e-6)
+    scale = 10 ** math.floor(math.log10(step))
+    return first, next(m * scale for m in (1, 2, 5, 10) if m * scale >= step)
+
+
+def timeline(con: Any, first: float, interval: float) -> list[dict[str, Any]]:
+    """Requests per interval, opcode and answer status, and the octets they moved."""
+    return _all(con, f"""
+        SELECT CAST(floor((time - {first!r}) / {interval!r}) AS BIGINT) AS bin, opcode_name AS opcode,
+               coalesce(answer_status_name, CASE WHEN recorded THEN 'RECORD' ELSE 'UNANSWERED' END) AS status,
+               count(*) AS requests,
+               sum(CASE WHEN opcode_name = 'LOAD' THEN coalesce(answer_data_length, 0)
+                        ELSE coalesce(dd_length, bind_data_length, 0) END) AS octets
+        FROM m WHERE opcode_name IN ('LOAD', 'STORE', 'ALLOC_STORE', 'FREE', 'BIND')
+        GROUP BY ALL ORDER BY bin, opcode, status""")
+
+
+def sessions(con: Any) -> list[dict[str, Any]]:
+    """Per session: who, to which target, its requests, failures and latency."""
+    return _all(con, """
+        SELECT session, any_value(initiator) AS initiator, any_value(target) AS target,
+               count(*) AS requests, count(*) FILTER (WHERE answer_status = 0) AS ok,
+               count(*) FILTER (WHERE answer_status != 0) AS refused,
+               count(*) FILTER (WHERE answer_frame IS NULL) AS unanswered,
+               quantile_cont(latency_s, 0.5) AS p50, quantile_cont(latency_s, 0.99) AS p99
+        FROM m WHERE opcode_name IN ('LOAD', 'STORE', 'ALLOC_STORE', 'FREE', 'BIND')
+        GROUP BY session ORDER BY session""")
 
 
 def bounds(con: Any) -> dict[tuple[str, str], float]:
@@ -259,5 +298,6 @@ def analyze(dataset: Path) -> Analysis:
     found, limits = findings(con)
     listed, counts = summarize(found)
     t = totals(con)
+    first, interval = span(con)
     return Analysis(t["messages"], t["captures"], t["sessions"], t["targets"], statistics(con), limits,
-                    listed, counts)
+                    listed, counts, sessions(con), interval, timeline(con, first, interval))

@@ -92,16 +92,21 @@ def _text(result: Any) -> str:
 @click.option("--parquet", "parquet", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the decoded messages as a Parquet dataset in this folder (one folder per "
                    "capture); give the folder back to analyze it again without decoding.")
-@click.option("--json", "as_json", is_flag=True, help="The statistics and hazards as one JSON object.")
+@click.option("--json", "as_json", is_flag=True, help="The statistics, sessions, timeline and hazards as one "
+              "JSON object.")
+@click.option("--report", type=click.Path(file_okay=False, path_type=Path),
+              help="Also write report.html, latency.png and throughput.png into this folder.")
 @click.option("--dask", "scheduler", metavar="HOST:PORT|local",
               help="Decode and judge on a Dask cluster (its scheduler's address), or on a local one of "
                    "--workers processes: for captures that do not fit one machine. Workers must see "
-                   "the captures and the --parquet folder at the same paths.")
+                   "the captures and the --parquet folder at the same paths (--dask local: a "
+                   "temporary folder without --parquet).")
 @click.option("--workers", type=click.IntRange(1, 256), default=2, show_default=True,
               help="Worker processes of --dask local.")
+@click.option("--fail-on-hazard", is_flag=True, help="Exit 1 when a hazard is found (for CI).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress display.")
-def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, scheduler: str | None,
-            workers: int, quiet: bool) -> None:
+def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, report: Path | None,
+            scheduler: str | None, workers: int, fail_on_hazard: bool, quiet: bool) -> None:
     """Statistics and hazards of one capture or many (files, folders of captures, or a
     dataset written by --parquet), read together as one fleet's traffic.
 
@@ -114,7 +119,8 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, sche
     nothing. A store in one host's capture and a load in another's are compared by their
     capture times. Queries run on DuckDB, embedded.
 
-    Exit status: 0 no hazard, 1 hazards found, 2 usage error or a capture that cannot be read.
+    Exit status: 0 analysed (1 with --fail-on-hazard when a hazard is found), 2 usage error
+    or a capture that cannot be read.
 
     \b
     Examples:
@@ -122,6 +128,7 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, sche
       kbtp analyze pcaps/fleet/                      # every capture of the folder, as one fleet
       kbtp analyze --json pcaps/fleet/ | python3 -m json.tool
       kbtp analyze --parquet fleet.parquet pcaps/fleet/ && kbtp analyze fleet.parquet
+      kbtp analyze --report fleet-report pcaps/fleet/      # HTML and PNG plots
       kbtp analyze --dask local --workers 2 pcaps/fleet/   # the same on a Dask cluster
     """
     try:
@@ -136,6 +143,15 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, sche
         result = _on_dask(files, datasets[0] if datasets else parquet, scheduler, workers, quiet)
     else:
         result = _here(files, datasets[0] if datasets else parquet, quiet)
+    if report is not None:
+        from ..analyze import report as html_report
+        try:
+            page = html_report.write(result, report)
+        except ImportError as exc:
+            raise Exit(2, str(exc)) from None
+        except OSError as exc:
+            raise Exit(2, f"--report {report}: {exc.strerror or exc}") from None
+        click.echo(f"report: {page}", err=True)
     if as_json:
         body = asdict(result)
         body["bounds"] = [{"target": t, "opcode": o, "slow_s": b} for (t, o), b in sorted(result.bounds.items())]
@@ -144,7 +160,7 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, sche
         click.echo(json.dumps(body, default=str))
     else:
         click.echo(_text(result))
-    if result.counts:
+    if result.counts and fail_on_hazard:
         raise Exit(1, f"{sum(result.counts.values())} hazard(s) found")
 
 
@@ -172,10 +188,15 @@ def _on_dask(files: list[Path], out: Path | None, scheduler: str, workers: int, 
         import distributed as _  # noqa: F401
     except ImportError:
         raise Exit(2, "--dask needs Dask distributed: pip install 'kbtp_scapy[analyze]'") from None
+    if files and out is None and scheduler != "local":
+        raise click.UsageError("--dask HOST:PORT needs --parquet DIR, a folder every worker sees, for the "
+                               "decoded captures")
+    with tempfile.TemporaryDirectory(prefix="kbtp-analyze-") as scratch:
+        return _cluster(files, out or Path(scratch), scheduler, workers, quiet)
+
+
+def _cluster(files: list[Path], out: Path, scheduler: str, workers: int, quiet: bool) -> Any:
     from ..analyze import distributed
-    if files and out is None:
-        raise click.UsageError("--dask needs --parquet DIR, a folder every worker sees, for the decoded captures")
-    assert out is not None
     try:
         client = distributed.client(None if scheduler == "local" else scheduler, workers)
     except OSError as exc:

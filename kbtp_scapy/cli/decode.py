@@ -8,6 +8,7 @@ import stat
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 import click
@@ -181,10 +182,15 @@ def _matches(fields: Mapping[str, Any], opcodes, statuses, handles) -> bool:
               help="Only messages naming this handle (decimal or 0x hex).")
 @click.option("--layers", is_flag=True, help="Also show each message as the Scapy layers "
               "dissect it (slow: a Scapy packet per message).")
+@click.option("--parquet", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="Write the messages as Parquet instead, one row each with typed columns from the "
+                   "tables and derived ones (session, answer, latency): DIR/NAME/part-0.parquet, so "
+                   "many captures form one dataset (kbtp analyze DIR reads it).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress display; results and the summary only.")
 def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO | None,
            addr_le: bool | None, count: int | None, opcodes: tuple[str, ...],
-           statuses: tuple[str, ...], handles: tuple[str, ...], layers: bool, quiet: bool) -> None:
+           statuses: tuple[str, ...], handles: tuple[str, ...], layers: bool, parquet: Path | None,
+           quiet: bool) -> None:
     """Decode the KBTP messages in FILE (pcap or pcapng; '-' reads standard input).
 
     iWARP connections (TCP/MPA/DDP/RDMAP, found by their MPA Request and Reply; markers
@@ -205,6 +211,7 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
       kbtp decode --no-addr-le pcaps/roce_addr_le_ipv6_session.pcap
       cat pcaps/iwarp_session.pcap | kbtp decode --json - | head -1
       kbtp decode --hex 0x011200010000000000000007000000000000400100000000000000000000000000000000000000084b56424c4f434b21
+      kbtp decode --parquet dataset pcaps/iwarp_session.pcap
     """
     if (file is None) == (hex_ is None):
         raise click.UsageError("give a capture FILE (- for standard input) or --hex HEX, "
@@ -215,6 +222,9 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
         raise click.UsageError("--layers shows text; it does not go with --json")
     filters = (_names(T.OPCODES, "opcode", opcodes), _names(T.STATUS, "status", statuses),
                frozenset(_handle(h) for h in handles))
+    if parquet is not None:
+        _parquet(file, parquet)
+        return
     try:
         if hex_ is not None:
             _decode_hex(_hex(hex_), addr_le, as_json, json_file, layers)
@@ -222,6 +232,25 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
             _decode_capture(file, addr_le, as_json, json_file, layers, quiet, count, filters)
     except BrokenPipeError:
         _stdout_closed()
+
+
+def _parquet(file: str | None, out: Path) -> None:
+    """``--parquet``: the capture's rows as one folder of the dataset under ``out``."""
+    if file is None or file == "-":
+        raise click.UsageError("--parquet reads a capture file, not --hex or standard input")
+    try:
+        from ..analyze import dataset
+    except ImportError:
+        raise click.ClickException("--parquet needs pyarrow: pip install 'kbtp_scapy[analyze]'") from None
+    try:
+        rows = dataset.write([Path(file)], out)
+    except CaptureError as exc:
+        raise click.ClickException(f"{exc}; give a pcap or pcapng capture") from None
+    except ImportError:
+        raise click.ClickException("--parquet needs pyarrow: pip install 'kbtp_scapy[analyze]'") from None
+    except OSError as exc:
+        raise click.ClickException(f"--parquet {out}: {exc.strerror or exc}") from None
+    click.echo(f"{rows} KBTP messages written to {out / dataset.names([Path(file)])[0]}", err=True)
 
 
 def _handle(text: str) -> int:
