@@ -239,3 +239,14 @@ def test_decode_parquet_and_the_html_report(tmp_path):
     for name in ("latency.png", "throughput.png"):
         assert f'src="{name}"' in page
         assert (tmp_path / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_damaged_capture_says_where_it_ends_and_keeps_what_came_before(tmp_path):
+    whole = capture(tmp_path / "whole.pcap", CASES["stale-generation"][0])
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.pcap"
+    cut.write_bytes(data[:len(data) - 20])          # inside the last frame: the last COMPLETION
+    proc = kbtp("--json", str(cut))
+    assert proc.returncode == 0, proc.stderr
+    assert "ends in the middle of frame" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert json.loads(proc.stdout)["messages"] == 5      # HELLO to the LOAD, its answer lost

@@ -51,13 +51,19 @@ def names(paths: list[Path]) -> list[str]:
     return out
 
 
-def write(paths: list[Path], out: Path, progress: Callable[[int, Path, int], None] | None = None) -> int:
+def write(paths: list[Path], out: Path, progress: Callable[[int, Path, int], None] | None = None,
+          damaged: Callable[[Path, str], None] | None = None) -> int:
     """Every capture's rows as a dataset under ``out``; the number of rows. ``progress``
-    hears (captures done, the capture being read, octets of it read)."""
+    hears (captures done, the capture being read, octets of it read), ``damaged`` (a
+    capture, why it ended early)."""
     total = 0
     for i, (path, name) in enumerate(zip(paths, names(paths), strict=True)):
         def report(position: int, i: int = i, path: Path = path) -> None:
             if progress is not None:
                 progress(i, path, position)
-        total += write_capture(capture_rows(path, name, progress=report), out, name)
+
+        def hurt(why: str, path: Path = path) -> None:
+            if damaged is not None:
+                damaged(path, why)
+        total += write_capture(capture_rows(path, name, progress=report, damaged=hurt), out, name)
     return total

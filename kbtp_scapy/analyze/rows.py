@@ -68,8 +68,11 @@ def _row(name: str, found: Found) -> Row:
 
 
 def capture_rows(path: str | Path, name: str | None = None,
-                 progress: Callable[[int], None] | None = None) -> Iterator[Row]:
-    """The rows of one capture file, a request's row once it is answered (or at the end)."""
+                 progress: Callable[[int], None] | None = None,
+                 damaged: Callable[[str], None] | None = None) -> Iterator[Row]:
+    """The rows of one capture file, a request's row once it is answered (or at the end).
+    A capture that ends inside a frame or stops making sense gives every message before
+    that, and ``damaged`` hears why it ended early."""
     name = name or Path(path).stem
     sessions: dict[int, _Session] = {}
     stats = Stats()
@@ -89,6 +92,8 @@ def capture_rows(path: str | Path, name: str | None = None,
             yield from _place(state, row, found)
             if progress is not None and not count % 1024:
                 progress(reader.position)
+    if damaged is not None and (reader.cut_short or reader.problem):
+        damaged(reader.problem or f"the capture ends in the middle of frame {reader.cut_short}")
     for state in sessions.values():         # never answered: the capture ended first
         for pending in state.pending.values():
             pending["capture_end"] = last_time

@@ -171,8 +171,11 @@ def _here(files: list[Path], out: Path | None, quiet: bool) -> Any:
         out = out or Path(scratch)
         if files:
             progress = _Progress(len(files), not quiet and sys.stderr.isatty())
+            def damaged(path: Path, why: str) -> None:
+                progress.clear()
+                click.echo(f"kbtp analyze: {path}: {why}; its messages before that are analysed", err=True)
             try:
-                dataset.write(files, out, progress)
+                dataset.write(files, out, progress, damaged)
             except CaptureError as exc:
                 raise Exit(2, f"{exc}; give a pcap or pcapng capture") from None
             except OSError as exc:
