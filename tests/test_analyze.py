@@ -245,8 +245,10 @@ def test_a_damaged_capture_says_where_it_ends_and_keeps_what_came_before(tmp_pat
     whole = capture(tmp_path / "whole.pcap", CASES["stale-generation"][0])
     data = whole.read_bytes()
     cut = tmp_path / "cut.pcap"
-    cut.write_bytes(data[:len(data) - 20])          # inside the last frame: the last COMPLETION
+    # 12 frames, a Send and its ACK each: cut inside frame 11, the LOAD's COMPLETION
+    cut.write_bytes(data[:len(data) - 62 - 16 - 20])
     proc = kbtp("--json", str(cut))
     assert proc.returncode == 0, proc.stderr
-    assert "ends in the middle of frame" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    assert json.loads(proc.stdout)["messages"] == 5      # HELLO to the LOAD, its answer lost
+    assert "ends in the middle of frame 11" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    result = json.loads(proc.stdout)
+    assert result["messages"] == 5 and result["counts"] == {}       # the LOAD in flight at the end
