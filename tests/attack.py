@@ -813,3 +813,41 @@ async def roce_store_answered(s: LyingRcSession, request_id: int, handle: int, l
     if out["completion"] is None:
         out["ended"] = await s.wait_closed(max(0.0, end - time.monotonic()))
     return out
+
+
+# -- busy sessions that hold their slots (issue 32, T6) ---------------------------------
+
+async def busy_session(url: str, local: str | None, period: float, until: float,
+                       counts: dict[str, int]) -> None:
+    """One session at a time from ``local`` that sends a FREE every ``period`` seconds (so
+    it is never silent), opened again with a new Initiator ID whenever the target ends or
+    refuses it, until ``until`` (``time.monotonic()``). It counts into ``counts`` (so a
+    caller that cancels it keeps them): "admitted", sessions it got; "ended", ended by the
+    target; "refused", set-ups or HELLOs refused."""
+    for key in ("admitted", "ended", "refused"):
+        counts.setdefault(key, 0)
+    sent = 0
+    while time.monotonic() < until:
+        try:
+            conn = await connect(url, local)
+        except (OSError, TimeoutError, AssertionError, asyncio.IncompleteReadError):
+            counts["refused"] += 1
+            await asyncio.sleep(0.2)
+            continue
+        try:
+            ack = await conn.session()
+        except (OSError, TimeoutError, AssertionError, asyncio.IncompleteReadError):
+            ack = {}
+        if ack.get("status") != "OK":
+            counts["refused"] += 1
+            await conn.end()
+            await asyncio.sleep(0.2)
+            continue
+        counts["admitted"] += 1
+        while time.monotonic() < until:
+            sent += 1
+            conn.say(free(sent, ack["handle_base"]))
+            if await conn.wait_closed(min(period, max(0.0, until - time.monotonic()))):
+                counts["ended"] += 1
+                break
+        await conn.end()
