@@ -54,7 +54,8 @@ def test_iwarp_read_response_not_of_the_requested_length_fails_the_store(executi
     try:
         got, (status, data) = asyncio.run(asyncio.wait_for(attack(), 60))
     finally:
-        t.stop()
+        log = t.stop()
+    assert "Traceback" not in log, log[-3000:]
     assert got["read"], got
     assert got["completion"] is None or got["completion"]["status"] != "OK", got
     assert got["terminate"] and got["ended"], got
@@ -82,7 +83,8 @@ def test_roce_read_response_not_of_the_requested_length_fails_the_store(executio
     try:
         got, (status, data) = asyncio.run(asyncio.wait_for(attack(), 60))
     finally:
-        t.stop()
+        log = t.stop()
+    assert "Traceback" not in log, log[-3000:]
     assert got["read"], got
     assert got["completion"] is None or got["completion"]["status"] != "OK", got
     assert got["ended"], got

@@ -118,9 +118,10 @@ class RemoteError(Exception):
     """The peer refused one of our operations (a NAK, or a Terminate naming it)."""
 
 
-class BadResponse(Exception):
+class BadResponse(RemoteError):
     """A response that does not answer its request as the binding requires: the peer's
-    protocol error, which fails the request and ends the connection."""
+    protocol error, which fails the request and ends the connection (a ``RemoteError``,
+    so whoever handles a refused operation handles it)."""
 
 
 class ReadSink:
