@@ -714,3 +714,140 @@ if __name__ == "__main__":
     import sys
     asyncio.run(_peer(sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3] == "bind",
                       sys.argv[4] if sys.argv[4:] else None))
+
+
+# -- a dishonest responder to the target's RDMA Reads (issue 32, T5) -------------------
+
+RC_READ_RESPONSE_FIRST, RC_READ_RESPONSE_MIDDLE, RC_READ_RESPONSE_LAST = 0x0D, 0x0E, 0x0F
+ROCE_MTU = 1024                     # what cm_req asks for
+
+
+def alloc_store_from(request_id: int, handle: int, stag: int, length: int, seal: bool = True) -> bytes:
+    """ALLOC_STORE whose data the target must RDMA Read: ``length`` octets at (``stag``, 0)."""
+    return (header(ALLOC_STORE, SEAL if seal else 0, request_id, handle)
+            + _DESC.pack(stag, 0, length))
+
+
+def read_response_packets(dest_qp: int, psn: int, data: bytes, mtu: int = ROCE_MTU) -> list[bytes]:
+    """RDMA READ RESPONSE packets carrying ``data`` from ``psn`` on (IB 9.7.5.2.5): FIRST,
+    MIDDLE..., LAST at the path MTU, or ONLY; FIRST, LAST and ONLY with an AETH."""
+    pieces = [data[i:i + mtu] for i in range(0, len(data), mtu)] or [b""]
+    out = []
+    for i, piece in enumerate(pieces):
+        if len(pieces) == 1:
+            opcode = RC_READ_RESPONSE_ONLY
+        else:
+            opcode = (RC_READ_RESPONSE_FIRST if i == 0 else RC_READ_RESPONSE_LAST
+                      if i == len(pieces) - 1 else RC_READ_RESPONSE_MIDDLE)
+        pad = -len(piece) % 4
+        bth = bytearray(_bth(opcode, dest_qp, psn + i))
+        bth[1] |= pad << 4
+        aeth = b"" if opcode == RC_READ_RESPONSE_MIDDLE else struct.pack(">I", 0x1F << 24)
+        out.append(bytes(bth) + aeth + piece + bytes(pad))
+    return out
+
+
+class LyingRcSession(RcSession):
+    """An ``RcSession`` that answers each RDMA Read Request with ``answer(size)`` octets
+    (0xA5) instead of the ``size`` asked for: short, long or right, as it is told."""
+
+    answer = staticmethod(lambda size: size)
+    reads_answered = 0
+
+    def _packet(self, packet: bytes) -> None:
+        psn = struct.unpack_from(">I", packet, 8)[0] & 0xFFFFFF if len(packet) >= 12 else -1
+        if self.frozen or packet[0] != RC_READ_REQUEST or len(packet) < 28 or psn != self.epsn:
+            super()._packet(packet)
+            return
+        size = struct.unpack_from(">I", packet, 24)[0]
+        self.epsn = (psn + max(1, -(-size // ROCE_MTU))) & 0xFFFFFF
+        self.reads_answered += 1
+        for response in read_response_packets(self.remote_qpn, psn, b"\xa5" * self.answer(size)):
+            self.port.send(response)
+
+
+async def iwarp_store_answered(s: MpaStream, request_id: int, handle: int, length: int,
+                               answer: int, timeout: float = 5) -> dict:
+    """A non-inline ALLOC_STORE of ``length`` octets whose RDMA Read Request the attacker
+    answers with ``answer`` octets of 0xA5 (one Read Response, Last set): what came of it,
+    {"read": a Read Request came, "completion": the COMPLETION's fields or None,
+    "terminate": a Terminate came, "ended": the target ended the stream}."""
+    s.say(alloc_store_from(request_id, handle, 0x5A5A00, length))
+    out: dict = {"read": False, "completion": None, "terminate": False, "ended": False}
+    end = time.monotonic() + timeout
+    try:
+        while time.monotonic() < end and out["completion"] is None:
+            f = await s.next(end - time.monotonic())
+            if f.opcode == READ_REQUEST and not f.tagged:
+                sink, sink_to = struct.unpack_from(">IQ", f.payload)
+                out["read"] = True
+                s.writer.write(tagged(READ_RESPONSE, sink, sink_to, b"\xa5" * answer))
+            elif f.opcode == TERMINATE:
+                out["terminate"] = True
+            elif f.opcode in SENDS:
+                message = parse(f.payload)
+                if message.get("opcode") == COMPLETION:
+                    out["completion"] = message
+    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+        pass
+    if out["completion"] is None:
+        out["ended"] = await s.wait_closed(timeout)
+    return out
+
+
+async def roce_store_answered(s: LyingRcSession, request_id: int, handle: int, length: int,
+                              timeout: float = 8) -> dict:
+    """The same on RoCEv2, ``s.answer`` giving the Read Response's length: {"read",
+    "completion", "ended": the target sent a DREQ}."""
+    s.say(alloc_store_from(request_id, handle, 0x5A5A00, length))
+    out: dict = {"read": False, "completion": None, "ended": False}
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and out["completion"] is None and not s.closed:
+        try:
+            message = await s.message(min(0.2, max(0.01, end - time.monotonic())))
+        except TimeoutError:
+            continue
+        if message.get("opcode") == COMPLETION:
+            out["completion"] = message
+    out["read"] = s.reads_answered > 0
+    if out["completion"] is None:
+        out["ended"] = await s.wait_closed(max(0.0, end - time.monotonic()))
+    return out
+
+
+# -- busy sessions that hold their slots (issue 32, T6) ---------------------------------
+
+async def busy_session(url: str, local: str | None, period: float, until: float,
+                       counts: dict[str, int]) -> None:
+    """One session at a time from ``local`` that sends a FREE every ``period`` seconds (so
+    it is never silent), opened again with a new Initiator ID whenever the target ends or
+    refuses it, until ``until`` (``time.monotonic()``). It counts into ``counts`` (so a
+    caller that cancels it keeps them): "admitted", sessions it got; "ended", ended by the
+    target; "refused", set-ups or HELLOs refused."""
+    for key in ("admitted", "ended", "refused"):
+        counts.setdefault(key, 0)
+    sent = 0
+    while time.monotonic() < until:
+        try:
+            conn = await connect(url, local)
+        except (OSError, TimeoutError, AssertionError, asyncio.IncompleteReadError):
+            counts["refused"] += 1
+            await asyncio.sleep(0.2)
+            continue
+        try:
+            ack = await conn.session()
+        except (OSError, TimeoutError, AssertionError, asyncio.IncompleteReadError):
+            ack = {}
+        if ack.get("status") != "OK":
+            counts["refused"] += 1
+            await conn.end()
+            await asyncio.sleep(0.2)
+            continue
+        counts["admitted"] += 1
+        while time.monotonic() < until:
+            sent += 1
+            conn.say(free(sent, ack["handle_base"]))
+            if await conn.wait_closed(min(period, max(0.0, until - time.monotonic()))):
+                counts["ended"] += 1
+                break
+        await conn.end()

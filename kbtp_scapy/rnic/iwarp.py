@@ -45,7 +45,16 @@ from ..wire import iwarp as w
 from ..wire.address import Address
 from .admission import HalfOpen
 from .memory import AccessError, Fault, MemoryTable
-from .qp import ConnectionLost, QueuePair, ReceiveError, RemoteError, Verb, WorkRequest
+from .qp import (
+    BadResponse,
+    ConnectionLost,
+    QueuePair,
+    ReadSink,
+    ReceiveError,
+    RemoteError,
+    Verb,
+    WorkRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +116,7 @@ class _Read:
     wr: WorkRequest
     sink_stag: int
     msn: int
-    data: bytearray
+    sink: ReadSink
 
 
 @dataclass
@@ -580,12 +589,15 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         read = self._reads[0]
         if stag != read.sink_stag:
             raise _Fatal(w.LAYER_DDP, w.DDP_TAGGED, 0x00, f"Read Response to STag 0x{stag:08x}")
-        if to + len(data) > len(read.data):
-            raise _Fatal(w.LAYER_DDP, w.DDP_TAGGED, 0x01, "Read Response out of bounds")
-        read.data[to:to + len(data)] = data
-        if last:
+        try:
+            # the sink's Tagged Offset is 0 (_start): the TO is the offset into the Read
+            done = read.sink.place(to, data, last)
+        except BadResponse as exc:     # as siw: a DDP base-or-bounds error (RFC 5041 s7)
+            self.complete(read.wr, error=exc)
+            raise _Fatal(w.LAYER_DDP, w.DDP_TAGGED, 0x01, str(exc)) from None
+        if done:
             self._reads.popleft()
-            self.complete(read.wr, read.data)     # its own buffer: no copy
+            self.complete(read.wr, read.sink.data)     # its own buffer: no copy
             self._pump()
 
     def _rx_read_request(self, body: memoryview) -> None:
@@ -715,8 +727,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
             self._send_tagged(Op.WRITE, wr.stag, wr.offset, wr.payload)
         elif verb is Verb.READ:
             self._sink_stag = (self._sink_stag + 0x100) & 0xFFFFFFFF or 0x100
-            self._reads.append(_Read(wr, self._sink_stag, self._msn_tx[1],
-                                     bytearray(wr.length)))
+            self._reads.append(_Read(wr, self._sink_stag, self._msn_tx[1], ReadSink(wr.length)))
             self._send_untagged(Op.READ_REQUEST, w.READ_REQUEST.pack(
                 self._sink_stag, 0, wr.length, wr.stag, wr.offset))
         else:

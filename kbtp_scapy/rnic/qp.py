@@ -118,6 +118,45 @@ class RemoteError(Exception):
     """The peer refused one of our operations (a NAK, or a Terminate naming it)."""
 
 
+class BadResponse(RemoteError):
+    """A response that does not answer its request as the binding requires: the peer's
+    protocol error, which fails the request and ends the connection (a ``RemoteError``,
+    so whoever handles a refused operation handles it)."""
+
+
+class ReadSink:
+    """Where one RDMA Read's response lands, and the one rule both bindings keep for it:
+    the Read Response carries, in order, exactly the octets the Read Request asked for
+    (RFC 5040 s4.4: the Read Response's length is the Read Message Size; IB 9.9.2.3: a
+    response of another length is a bad response, an error completion and the error
+    state). Linux siw Terminates a Read Response that runs past the sink or ends short
+    (a DDP base-or-bounds error, ``siw_rresp_check_ntoh``); taken as whole, a short one
+    would hand the caller zeros it never read."""
+
+    __slots__ = ("data", "placed")
+
+    def __init__(self, length: int) -> None:
+        self.data = bytearray(length)
+        self.placed = 0
+
+    def place(self, offset: int, payload: bytes | memoryview, last: bool) -> bool:
+        """Place the segment at ``offset`` octets into the Read; True once the Read is
+        complete (``last``). ``BadResponse`` when the segment is out of order, runs past
+        the requested length, or is the last one and leaves octets unread."""
+        end = offset + len(payload)
+        size = len(self.data)
+        if offset != self.placed:
+            raise BadResponse(f"Read Response segment at offset {offset}, expected {self.placed}")
+        if end > size:
+            raise BadResponse(f"Read Response longer than its Read Request ({end} octets "
+                              f"and more for {size})")
+        if last and end != size:
+            raise BadResponse(f"Read Response of {end} octets for a Read Request of {size}")
+        self.data[offset:end] = payload
+        self.placed = end
+        return last
+
+
 FrameListener = Callable[[str, bytes, int], None]
 """Called with "tx" or "rx", the whole link-layer (Ethernet) frame and its time
 (``perf_counter_ns``): the RNIC's one stamp, so a capture and the RNIC's own timings agree."""

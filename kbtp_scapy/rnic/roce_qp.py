@@ -28,7 +28,16 @@ from typing import TYPE_CHECKING
 from ..wire import roce as w
 from ..wire.roce import MASK24, psn_diff
 from .memory import AccessError, Fault, MemoryTable
-from .qp import ConnectionLost, QueuePair, ReceiveError, RemoteError, Verb, WorkRequest
+from .qp import (
+    BadResponse,
+    ConnectionLost,
+    QueuePair,
+    ReadSink,
+    ReceiveError,
+    RemoteError,
+    Verb,
+    WorkRequest,
+)
 
 if TYPE_CHECKING:
     from .roce import Device
@@ -61,14 +70,14 @@ _NAK_NAMES = {w.NAK_INVALID_REQUEST: "invalid request", w.NAK_REMOTE_ACCESS:
 class _Op:
     """A posted work request with its PSN range in the send queue."""
 
-    __slots__ = ("buf", "codes", "count", "data", "first", "got", "kind", "tail", "wr")
+    __slots__ = ("codes", "count", "data", "first", "got", "kind", "sink", "tail", "wr")
 
     def __init__(self, wr: WorkRequest, kind: int, first: int, count: int) -> None:
         self.wr, self.kind, self.first, self.count = wr, kind, first, count
         self.data = memoryview(wr.payload)
         self.codes: tuple = ()
         self.tail: int | None = None     # ImmDt or IETH of the last packet
-        self.buf: bytearray | None = None
+        self.sink: ReadSink | None = None
         self.got = 0                     # Read Response packets received in order
 
 
@@ -189,7 +198,7 @@ class RoceQP(QueuePair):
             kind, count = _ATOMIC, 1
         op = _Op(wr, kind, self._npsn, count)
         if kind == _READ:
-            op.buf = bytearray(wr.length)
+            op.sink = ReadSink(wr.length)
         elif kind != _ATOMIC:
             extra = "inv" if wr.invalidate is not None and kind == _SEND else (
                 "imm" if wr.imm is not None else None)
@@ -416,17 +425,25 @@ class RoceQP(QueuePair):
         if op is not self._sq[0] and not self._ack_upto((op.first - 1) & MASK24):
             self._go_back(self._una)
             return
-        assert op.buf is not None           # made when the Read was posted
-        start = op.got * self.mtu
+        assert op.sink is not None          # made when the Read was posted
         last = opcode == w.READ_RESP_LAST or opcode == w.READ_RESP_ONLY
-        if len(payload) != (len(op.buf) - start if last else self.mtu):
+        try:
+            if last != (op.got == op.count - 1) or (not last and len(payload) != self.mtu):
+                raise BadResponse(f"Read Response packet {op.got} of {op.count} is "
+                                  f"{'last' if last else 'not last'}, {len(payload)} octets "
+                                  f"at a path MTU of {self.mtu}")
+            op.sink.place(op.got * self.mtu, payload, last)
+        except BadResponse as exc:
+            # IB 9.9.2.3: a bad response completes the Read in error, the QP goes to the
+            # error state (our DREQ tells the peer)
             self.stats["bad_responses"] += 1
+            self.complete(op.wr, error=exc)
+            self.lost(ConnectionLost(f"queue pair in error state: {exc}", how="qp_error"))
             return
-        op.buf[start:start + len(payload)] = payload
         op.got += 1
         self._gap = None
         if last:
-            self._retire(op, op.buf)          # its own buffer: no copy
+            self._retire(op, op.sink.data)    # its own buffer: no copy
         else:
             self._advance((psn + 1) & MASK24)
 

@@ -550,8 +550,16 @@ class ChainRunner:
             self._account()
 
     async def _serve(self) -> bool:
-        for _ in range(self.slots):
-            self.build()
+        # A chain takes milliseconds to build, a connection's tens of them a few tenths of
+        # a second. One connection builds at a time, a chain per turn of the loop, so
+        # other connections' set-ups and requests run in between: built all at once, a
+        # host's parallel connects timed out behind each other's chains (issue 32, T7).
+        async with self.target.chain_builds:
+            for _ in range(self.slots):
+                if self.qp.error is not None:
+                    raise self.qp.error
+                self.build()
+                await asyncio.sleep(0)
         attach(self.engine, self.qp, self.rq, self._lost)
         self.engine.run()
         self._poll_data()

@@ -41,6 +41,7 @@ class TargetConfig:
     retention_s: float = 300.0
     min_retention_s: float = 10.0    # under pressure, a retained session holding blocks gives way after this
     idle_timeout_s: float = 30.0     # under pressure, an active session silent this long gives way
+    min_tenure_s: float = 30.0       # when full, a busy session held this long may be displaced
     clear_freed: bool = True         # clear blocks on free: initiators are separate trust domains
     trust: tuple[str, ...] = LOOPBACK    # peers (CIDR) offered DIRECT_LOAD and DIRECT_ALLOC
     memory_order: ByteOrder = "little"     # the target's memory byte order (ring counters)
@@ -119,7 +120,7 @@ class TargetConfig:
         names = ("probe_interval_s", "probe_timeout_s", "max_backlog", "backlog_timeout_s",
                  "max_half_open", "max_half_open_per_source", "cm_timeout_s", "cm_retries",
                  "mpa_timeout_s", "hello_timeout_s", "retention_s", "min_retention_s",
-                 "idle_timeout_s", "max_sessions_per_source")
+                 "idle_timeout_s", "min_tenure_s", "max_sessions_per_source")
         return {name.removesuffix("_s"): getattr(self, name) for name in names}
 
     @property

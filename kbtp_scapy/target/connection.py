@@ -151,9 +151,14 @@ class Connection:
             try:
                 self._state, restored = t.sessions.admit(ident, partition, self.qp.remote[0])
             except Refused as refusal:
-                if refusal.status != "ALREADY_BOUND" or not await self._gone(ident):
+                claim = None
+                if refusal.status == "NO_SPACE":
+                    claim = await self._displaced(partition)
+                    if claim is None:
+                        raise
+                elif not await self._gone(ident):
                     raise
-                self._state, restored = t.sessions.admit(ident, partition, self.qp.remote[0])
+                self._state, restored = t.sessions.admit(ident, partition, self.qp.remote[0], claim)
         except Refused as refusal:
             t.metrics.hello(refusal.status)
             log.info("HELLO refused: %s", refusal)
@@ -210,6 +215,19 @@ class Connection:
             "hello_ack.ticket_timeout": c.ticket_timeout_ms, **fields})
         return True
 
+    async def _displaced(self, partition: bool) -> InitiatorState | None:
+        """After a HELLO refused NO_SPACE: the session displaced for this newcomer
+        (``Sessions.displace``, the fair share), once its connection's task has retained
+        it, for ``admit`` to claim; None if no session may be displaced."""
+        sessions = self.target.sessions
+        state = sessions.displace(self.qp.remote[0], partition)
+        if state is None:
+            return None
+        if await _detached(state):
+            return state
+        sessions.unclaim(state)
+        return None
+
     async def _gone(self, ident: bytes) -> bool:
         """Is the connection of the session that holds ``ident`` dead? RoCEv2 has no
         keepalive: a peer that vanished without DREQ looks active until something is
@@ -225,11 +243,7 @@ class Connection:
             pass
         except TimeoutError:
             return False
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 1.0
-        while state.active and loop.time() < deadline:   # its connection task detaches it
-            await asyncio.sleep(0.01)
-        return not state.active
+        return await _detached(state)
 
     async def _hello_ack(self, status: int, body: HelloAck) -> None:
         await self.qp.send(codec.encode({"opcode": Opcode.HELLO_ACK, "status": status, "hello_ack.features": 0,
@@ -361,3 +375,12 @@ class Connection:
     def _data_octets(req: AnyMessage, outcome: Outcome) -> int:
         """The LOAD data written in front of an answer."""
         return outcome.data_length if req["opcode"] == Opcode.LOAD and not outcome.status else 0
+
+
+async def _detached(state: InitiatorState) -> bool:
+    """Wait (a second at most) for the task of ``state``'s ended connection to detach it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 1.0
+    while state.active and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    return not state.active

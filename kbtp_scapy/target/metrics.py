@@ -101,9 +101,11 @@ class Metrics:
                                   "connections", value=self.probes)
         sessions = CounterMetricFamily("kbtp_sessions", "Sessions moved to retention, dropped "
                                        "from it for a new initiator, expired, ended idle for one, "
-                                       "refused for their source's cap", labels=["event"])
+                                       "displaced for one (fair share), refused for their "
+                                       "source's cap", labels=["event"])
         for event, n in (("retained", s.retained), ("evicted", s.evicted), ("expired", s.expired),
-                         ("ended_idle", s.ended_idle), ("refused_per_source", s.refused_per_source)):
+                         ("ended_idle", s.ended_idle), ("displaced", s.displaced),
+                         ("refused_per_source", s.refused_per_source)):
             sessions.add_metric([event], n)
         yield sessions
         yield GaugeMetricFamily("kbtp_connections_half_open", "Connections in set-up or without "
@@ -183,6 +185,7 @@ class Metrics:
         s = self.target.sessions
         lines.append(f"liveness probes: {self.probes}; sessions retained {s.retained}, "
                      f"evicted {s.evicted}, expired {s.expired}, ended idle {s.ended_idle}, "
+                     f"displaced {s.displaced}, "
                      f"refused per source {s.refused_per_source}")
         for name, ring in self.target.rings():
             lines.append(f"ring {name}: {ring.occupancy()} free blocks, {ring.deferred} deferred frees")

@@ -42,6 +42,7 @@ class Target:
         self.unavailable = 0          # features the RDMA device cannot support
         self._tasks: set[asyncio.Task] = set()
         self._watcher: asyncio.Task | None = None
+        self.chain_builds = asyncio.Lock()   # --execution chains: one connection builds at a time
 
     def _build(self) -> None:
         """Memory, operations and sessions for ``config``."""

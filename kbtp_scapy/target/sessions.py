@@ -16,11 +16,17 @@ departed one is (a live but idle or frozen peer, whose RNIC still answers the li
 probes, holds a slot for that long only while others wait). A source address outside
 ``trust`` holds at most ``max_sessions_per_source`` sessions, active or retained: beyond,
 its own retained sessions give way, oldest first, and when all of them are active the HELLO
-is refused, so one host cannot take every slot with throw-away IDs.
+is refused, so one host cannot take every slot with throw-away IDs. Busy sessions, which
+none of the rules above ends, hold their slots for ``min_tenure_s`` only while others wait:
+when a newcomer still finds no room, and its source holds fewer sessions than the source
+holding the most, that source's longest-held session is displaced (``displace``: its
+connection is ended, and it gives way whatever it holds), so sessions rotate among the
+sources that want them (docs/DECISIONS.md, "Busy sessions and the fair share").
 """
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -53,6 +59,8 @@ class InitiatorState:
     qp: QueuePair | None = None        # the connection of the active session
     expiry: asyncio.TimerHandle | None = None
     retained_at: float = 0.0       # loop time it was last retained
+    admitted_at: float = 0.0       # loop time its current session began (its tenure)
+    displaced: bool = False        # ended for a newcomer, whose room it is until it claims it
     heard_at: float = 0.0          # loop time of its last request (active sessions)
     # --execution chains: the connection's count of received requests, read by the idle
     # rule, since requests a chain runs reach no Python to set heard_at (docs/CHAINS.md)
@@ -95,21 +103,30 @@ class Sessions:
         self._partitions = partitions
         self._release = release
         self.retained = self.evicted = self.expired = 0   # counters, for the metrics
-        self.ended_idle = 0
+        self.ended_idle = self.displaced = 0
         self.refused_per_source = 0
 
-    def admit(self, initiator_id: bytes, want_partition: bool,
-              source: str = "") -> tuple[InitiatorState, bool]:
+    def admit(self, initiator_id: bytes, want_partition: bool, source: str = "",
+              claim: InitiatorState | None = None) -> tuple[InitiatorState, bool]:
         """The initiator's state and whether it was restored from retention; ``source``
-        is the peer's address, for the per-source cap (none when empty)."""
+        is the peer's address, for the per-source cap (none when empty); ``claim``, a
+        session ``displace`` ended for this newcomer, which gives way now."""
+        if claim is not None:
+            claim.displaced = False
+            if not claim.active:
+                self.evicted += 1
+                self.forget(claim)
         known = self.by_id.get(initiator_id)
         if known is not None:
             if known.active:
                 raise Refused("ALREADY_BOUND", "this Initiator ID has an active session")
+            if known.displaced:
+                raise Refused("NO_SPACE", "this Initiator ID's session was ended for a newcomer")
             if known.expiry is not None:
                 known.expiry.cancel()
                 known.expiry = None
-            known.active = True
+            known.active, known.displaced = True, False
+            known.admitted_at = asyncio.get_running_loop().time()
             if want_partition and known.partition is None:   # given back while it was away
                 known.partition = self._take_partition(initiator_id)
             return known, True
@@ -137,6 +154,7 @@ class Sessions:
         c = self.config
         state = InitiatorState(initiator_id, index, c.base_handle + index * c.handles_per_initiator,
                                c.handles_per_initiator, c.quota, partition, active=True, source=source)
+        state.admitted_at = asyncio.get_running_loop().time()
         if partition is not None:
             partition.owner = initiator_id
         self.by_id[initiator_id] = state
@@ -165,7 +183,7 @@ class Sessions:
             return
         mine = [s for s in self.by_id.values() if s.source == source]
         while len(mine) >= cap:
-            retained = [s for s in mine if not s.active]
+            retained = [s for s in mine if not s.active and not s.displaced]
             if not retained:
                 self.refused_per_source += 1
                 raise Refused("NO_SPACE", f"{source} already has {cap} active sessions "
@@ -179,7 +197,7 @@ class Sessions:
         """The retained session that holds nothing and was retained first (one with a
         partition when ``with_partition``), if any."""
         idle = [s for s in self.by_id.values() if not s.active and s.usage == 0
-                and (s.partition is not None or not with_partition)]
+                and not s.displaced and (s.partition is not None or not with_partition)]
         return min(idle, key=lambda s: s.retained_at, default=None)
 
     def _stale(self, with_partition: bool) -> InitiatorState | None:
@@ -187,7 +205,7 @@ class Sessions:
         ``min_retention_s`` (one with a partition when ``with_partition``), if any."""
         cutoff = asyncio.get_running_loop().time() - self.config.min_retention_s
         stale = [s for s in self.by_id.values() if not s.active and s.retained_at <= cutoff
-                 and (s.partition is not None or not with_partition)]
+                 and not s.displaced and (s.partition is not None or not with_partition)]
         return min(stale, key=lambda s: s.retained_at, default=None)
 
     def _quiet(self, with_partition: bool) -> InitiatorState | None:
@@ -206,6 +224,44 @@ class Sessions:
         state.qp.abort(f"no request for {self.config.idle_timeout_s:g} s while another "
                        "initiator waits for room")
         return state if state.usage == 0 else None
+
+    def displace(self, source: str, want_partition: bool) -> InitiatorState | None:
+        """Fair share for a newcomer from ``source`` that ``admit`` refused NO_SPACE: the
+        active session held longest, at least ``min_tenure_s``, of the source holding the
+        most sessions, when that is more than ``source`` holds (and, when the newcomer
+        needs room on the shared ring, one without a partition). Its connection is ended
+        (an RDMAP Terminate, or the RoCEv2 error state and DREQ). Once its connection's
+        task has retained it, it gives way to the newcomer's ``admit(claim=...)``,
+        whatever it holds, and to no one else (not even its own reconnect), so the room
+        goes to the newcomer it was made for; ``unclaim`` if the newcomer does not take it.
+        None when no session may be displaced, or ``source`` is at its own cap."""
+        c = self.config
+        counts = Counter(s.source for s in self.by_id.values())
+        mine = counts[source]
+        if source and not c.trusts(source) and mine >= c.max_sessions_per_source:
+            return None
+        shared = sum(1 for s in self.by_id.values() if s.partition is None)
+        need_shared = (bool(self._free_ranges) and (shared + 1) * c.quota > c.shared_blocks
+                       and not (want_partition and self.free_partition() is not None))
+        cutoff = asyncio.get_running_loop().time() - c.min_tenure_s
+        held = [s for s in self.by_id.values() if s.active and s.qp is not None
+                and not s.displaced and s.admitted_at <= cutoff and counts[s.source] > mine
+                and (s.partition is None or not need_shared)]
+        state = min(held, key=lambda s: (-counts[s.source], s.admitted_at), default=None)
+        if state is None:
+            return None
+        assert state.qp is not None       # chosen among those that have one
+        self.displaced += 1
+        state.displaced = True
+        state.qp.abort(f"displaced for a newcomer after {c.min_tenure_s:g} s: "
+                       f"{state.source or 'its source'} holds {counts[state.source]} "
+                       f"sessions, {source or 'the newcomer'} {mine}")
+        return state
+
+    def unclaim(self, state: InitiatorState) -> None:
+        """The newcomer ``state`` was displaced for will not take its room: it is an
+        ordinary retained session again."""
+        state.displaced = False
 
     def detach(self, state: InitiatorState, release: bool) -> None:
         """The session ended: release now (GOODBYE RELEASE), else keep for the retention time."""

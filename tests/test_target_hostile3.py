@@ -1,0 +1,172 @@
+"""The reference target against the third round of hostile peers (issue 32): each test an
+attack on real sockets against a ``kbtp target`` process, in software and ``--execution
+chains``, asserting numbers. The attackers are ``tests/attack.py``'s.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import pytest
+
+from kbtp_scapy.initiator import Initiator, KbtpError
+
+from . import attack as a
+from .hostile import TargetProc
+from .kbtp_harness import fresh_hosts
+
+POOL = ["-F", "64", "-S", "4096"]
+BLOCK = 4096
+
+
+async def _load_after(url: str, ident: bytes, handle: int) -> tuple[str, bytes]:
+    """The same initiator back, LOADing the handle of the refused store: (status, data)."""
+    ini = await Initiator.connect(url, initiator_id=ident, features=0)
+    try:
+        result = await asyncio.wait_for(ini.load(handle, allow_unsealed=True), 10)
+        return "OK", result.data
+    except KbtpError as exc:
+        return exc.name, b""
+    finally:
+        await ini.goodbye(release=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("execution", ["software", "chains"])
+@pytest.mark.parametrize("answer", [BLOCK // 2, BLOCK + 1024], ids=["short", "long"])
+def test_iwarp_read_response_not_of_the_requested_length_fails_the_store(execution, answer):
+    """T5: the RDMA Read of a non-inline ALLOC_STORE answered with 2,048 (or 5,120) of 4,096
+    octets, Last set: a protocol error (RFC 5040 s4.4; siw: DDP base-or-bounds Terminate).
+    The store never completes OK, the target Terminates the stream, and the handle holds
+    nothing afterwards."""
+    host, = fresh_hosts(1)
+    t = TargetProc("iwarp", host, *POOL, "--execution", execution)
+    port = int(t.url.rsplit(":", 1)[1])
+    ident = secrets.token_bytes(16)
+
+    async def attack():
+        s = await a.MpaStream.open(host, port)
+        ack = await s.session(ident)
+        got = await a.iwarp_store_answered(s, 1, ack["handle_base"], BLOCK, answer)
+        await s.end()
+        return got, await _load_after(t.url, ident, ack["handle_base"])
+    try:
+        got, (status, data) = asyncio.run(asyncio.wait_for(attack(), 60))
+    finally:
+        log = t.stop()
+    assert "Traceback" not in log, log[-3000:]
+    assert got["read"], got
+    assert got["completion"] is None or got["completion"]["status"] != "OK", got
+    assert got["terminate"] and got["ended"], got
+    assert status == "NOT_VALID" and data == b"", (status, len(data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("execution", ["software", "chains"])
+@pytest.mark.parametrize("answer", [BLOCK // 2, BLOCK + 1024], ids=["short", "long"])
+def test_roce_read_response_not_of_the_requested_length_fails_the_store(execution, answer):
+    """T5 on RoCEv2: a Read Response of the wrong length (IB 9.9.2.3 table: a bad
+    response, the requester's QP to the error state): the store never completes OK, the
+    target ends the connection (DREQ), and the handle holds nothing afterwards."""
+    host, local = fresh_hosts(2)
+    t = TargetProc("roce", host, *POOL, "--execution", execution)
+    ident = secrets.token_bytes(16)
+
+    async def attack():
+        s = await a.LyingRcSession.open(local, host)
+        s.answer = lambda size: answer if size == BLOCK else size
+        ack = await s.session(ident)
+        got = await a.roce_store_answered(s, 1, ack["handle_base"], BLOCK)
+        await s.end()
+        return got, await _load_after(t.url, ident, ack["handle_base"])
+    try:
+        got, (status, data) = asyncio.run(asyncio.wait_for(attack(), 60))
+    finally:
+        log = t.stop()
+    assert "Traceback" not in log, log[-3000:]
+    assert got["read"], got
+    assert got["completion"] is None or got["completion"]["status"] != "OK", got
+    assert got["ended"], got
+    assert status == "NOT_VALID" and data == b"", (status, len(data))
+
+
+# -- T6: busy sessions and the fair share -------------------------------------------------
+
+PROBES = 25
+#: shortened timers: the attackers send a FREE every BUSY_PERIOD s, well inside --idle-timeout
+BUSY_PERIOD = 1.0
+BUSY = ["--idle-timeout", "6", "--min-tenure", "1"]
+
+
+async def probes(url: str, count: int, every: float, **options) -> int:
+    """A newcomer's HELLO ``count`` times, ``every`` seconds apart, each admitted one saying
+    GOODBYE with RELEASE at once: how many were admitted."""
+    admitted = 0
+    for _ in range(count):
+        try:
+            ini = await asyncio.wait_for(Initiator.connect(url, features=0, **options), 15)
+        except KbtpError as exc:
+            assert exc.name == "NO_SPACE", exc
+        else:
+            admitted += 1
+            await ini.goodbye(release=True)
+        await asyncio.sleep(every)
+    return admitted
+
+
+async def busy_lockout(url: str, holders: list[str], prober: str | None) -> tuple[int, dict]:
+    """Busy attacker sessions from ``holders`` (one each; an address may repeat), then
+    PROBES newcomers: (admitted, the attackers' counts summed)."""
+    until = time.monotonic() + 90            # they end by themselves; cancelled sooner
+    counts: dict[str, int] = {}
+    tasks = [asyncio.create_task(a.busy_session(url, local, BUSY_PERIOD, until, counts))
+             for local in holders]
+    await asyncio.sleep(3)                   # every slot taken, and held for --min-tenure
+    try:
+        admitted = await probes(url, PROBES, 0.3, **({"local": prober} if prober else {}))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return admitted, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport,execution", [("iwarp", "software"), ("roce", "software"),
+                                                 ("iwarp", "chains")])
+def test_busy_sessions_from_eight_sources_give_way_to_newcomers(transport, execution):
+    """T6: eight sessions from eight addresses, each sending a FREE every second (never
+    idle), hold every slot. A newcomer from a ninth source holds fewer sessions than they
+    do, so the longest-held one (past --min-tenure) is ended for it: admitted in at least
+    24 of 25 probes (0 before), and the displaced sessions' connections ended by the target."""
+    host, *others = fresh_hosts(10)
+    holders, prober = others[:8], others[8] if transport == "roce" else None
+    t = TargetProc(transport, host, "-F", "64", "--features", "none", "--execution", execution, *BUSY)
+    try:
+        admitted, attackers = asyncio.run(asyncio.wait_for(busy_lockout(t.url, holders, prober), 120))
+        metrics = t.metrics()
+    finally:
+        log = t.stop()
+    assert admitted >= PROBES - 1, (admitted, attackers, log[-3000:])
+    assert attackers["admitted"] >= 8 + admitted - 1 and attackers["ended"] >= admitted - 1, attackers
+    assert metrics['kbtp_sessions_total{event="displaced"}'] >= admitted - 1, metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_one_untrusted_source_with_busy_sessions_gives_way_to_newcomers(transport):
+    """T6, nobody trusted: one address's four busy sessions take every slot open to
+    untrusted peers (8 less the 4 kept for DIRECT_ALLOC partitions). A newcomer from
+    another untrusted address holds fewer: admitted in at least 24 of 25 probes (0 before);
+    the attacker, holding the most, cannot displace the newcomer back."""
+    host, attacker, prober = fresh_hosts(3)
+    t = TargetProc(transport, host, "-F", "64", "--trust", f"{host}/32", *BUSY)
+    try:
+        admitted, attackers = asyncio.run(asyncio.wait_for(
+            busy_lockout(t.url, [attacker] * 4, prober if transport == "roce" else None), 120))
+        metrics = t.metrics()
+    finally:
+        log = t.stop()
+    assert admitted >= PROBES - 1, (admitted, attackers, log[-3000:])
+    assert metrics['kbtp_sessions_total{event="displaced"}'] >= admitted - 1, metrics
