@@ -16,6 +16,7 @@ import asyncio
 import secrets
 import socket
 import struct
+import threading
 import time
 import zlib
 
@@ -694,6 +695,129 @@ async def connect(url: str, local: str | None = None, rtr_after: float = 0.0) ->
         assert local, "a RoCEv2 attacker needs a local address (its port 4791 is where answers come)"
         return await RcSession.open(local, host)
     raise ValueError(f"{url}: not iwarp:// or roce://")
+
+
+# -- a hostile target for the client tools (issue 32) ----------------------------------
+
+_COMPLETION_BODY = struct.Struct(">IIQ")       # Data Length, Reserved, Block Offset
+REQUESTS = (LOAD, STORE, ALLOC_STORE, FREE, 0x14)          # 0x14: BIND
+#: a sane HELLO_ACK's figures; a hostile plan overrides some
+SANE_ACK = {"features": 0, "credits": 16, "block_size": 4096, "max_inline": 1024, "quota": 16,
+            "handle_base": 0x4000, "handle_count": 64, "ticket_timeout": 1000}
+
+
+def hello_ack(request_id: int = 0, descriptors: bytes = b"", **figures: int) -> bytes:
+    """A HELLO_ACK with Status OK: ``SANE_ACK`` with ``figures`` instead where given, then
+    ``descriptors`` (the direct modes' descriptors, in the order NOTES.md section 2 gives)."""
+    f = {**SANE_ACK, **figures}
+    return (_HEAD.pack(1, HELLO_ACK, 0, request_id, 0, 0, 0)
+            + _ACK.pack(f["features"], f["credits"], f["block_size"], f["max_inline"], f["quota"],
+                        f["handle_base"], f["handle_count"], f["ticket_timeout"]) + descriptors)
+
+
+def direct_load_descriptors(table: tuple[int, int, int], base_handle: int,
+                            pool: tuple[int, int, int]) -> bytes:
+    """DIRECT_LOAD's: the Table descriptor, Table Base Handle, 8 reserved octets, the Pool."""
+    return _DESC.pack(*table) + struct.pack(">Q8x", base_handle) + _DESC.pack(*pool)
+
+
+def completion(request_id: int, handle: int = 0, status: int = 0, length: int = 0,
+               block_offset: int = 0) -> bytes:
+    return (_HEAD.pack(1, COMPLETION, 0, request_id, handle, 0, status)
+            + _COMPLETION_BODY.pack(length, 0, block_offset))
+
+
+class HostileTarget:
+    """A KBTP target over iWARP that misbehaves on purpose, to be pointed at a client tool.
+
+    It accepts TCP and MPA (v2, CRCs, peer-to-peer with the initiator's zero-length Write as
+    RTR) and then follows its plan: ``hello`` False never answers the HELLO; ``ack`` holds the
+    HELLO_ACK's figures that differ from ``SANE_ACK`` (a Block Size of 0xFFFFFFF8...) and
+    ``descriptors`` its direct-mode descriptors; ``flood`` unsolicited COMPLETIONs (Request
+    IDs nobody used) follow the HELLO_ACK; ``answer`` False leaves every request unanswered,
+    else each gets a COMPLETION with Status OK and Data Length 0; ``reads`` False leaves
+    every RDMA Read Request unanswered, else it is answered with zeros. A GOODBYE ends the
+    connection. What came is counted in ``seen`` (HELLO, requests, reads)."""
+
+    def __init__(self, host: str, *, hello: bool = True, ack: dict | None = None,
+                 descriptors: bytes = b"", flood: int = 0, answer: bool = True,
+                 reads: bool = True) -> None:
+        self.host, self.port = host, 0
+        self.hello, self.ack, self.descriptors = hello, ack or {}, descriptors
+        self.flood, self.answer, self.reads = flood, answer, reads
+        self.seen = {"hello": 0, "requests": 0, "reads": 0}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"iwarp://{self.host}:{self.port}"
+
+    def __enter__(self) -> HostileTarget:
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, self.host, 0), self._loop).result(10)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        server = self._server
+        assert server is not None
+        server.close()
+        for task in asyncio.all_tasks(self._loop):
+            self._loop.call_soon_threadsafe(task.cancel)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readexactly(20), 10)
+            await reader.readexactly(struct.unpack(">H", request[18:20])[0])
+            private = struct.pack(">HH", _P2P | 16, _WRITE_RTR | 16)
+            writer.write(b"MPA ID Rep Frame" + bytes([_MPA_CRC | _MPA_ENHANCED, 2])
+                         + struct.pack(">H", len(private)) + private)
+            await self._session(MpaStream(reader, writer))
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    async def _flood(self, stream: MpaStream) -> None:
+        """``flood`` COMPLETIONs answering nothing, a few at a time (within the initiator's
+        credits, which it gives back as it takes each), until the initiator ends the connection."""
+        await asyncio.sleep(0.2)                 # the HELLO_ACK taken first
+        for n in range(self.flood):
+            if stream.closed:
+                return
+            stream.say(completion(0xF0000000 + n))
+            if n % 8 == 7:
+                await stream.writer.drain()
+                await asyncio.sleep(0.001)
+
+    async def _session(self, stream: MpaStream) -> None:
+        while True:
+            f = await stream.next(3600)
+            if f.opcode == READ_REQUEST:
+                self.seen["reads"] += 1
+                if self.reads:
+                    sink, sink_offset, size = struct.unpack_from(">IQI", f.payload)
+                    stream.writer.write(tagged(READ_RESPONSE, sink, sink_offset, bytes(min(size, 8192))))
+                continue
+            if f.opcode not in SENDS or len(f.payload) < _HEAD.size:
+                continue                  # the RTR, Writes
+            message = parse(f.payload)
+            if message["opcode"] == HELLO:
+                self.seen["hello"] += 1
+                if self.hello:
+                    stream.say(hello_ack(message["request_id"], self.descriptors, **self.ack))
+                    await self._flood(stream)
+            elif message["opcode"] == GOODBYE:
+                return
+            elif message["opcode"] in REQUESTS:
+                self.seen["requests"] += 1
+                if self.answer:
+                    stream.say(completion(message["request_id"], message["handle"]))
 
 
 async def _peer(url: str, initiator_id: bytes, bind: bool, local: str | None) -> None:
