@@ -10,9 +10,9 @@ import click
 
 from ..bench import runner
 from ..bench.stats import histogram
-from ..initiator import KbtpError
+from ..initiator import KbtpError, PeerLimit
 from .errors import CONNECTION_ERRORS, file_trouble, hint, line, local_trouble, reason
-from .options import address, limit_options, limits, raw_io, raw_io_options
+from .options import RAISE_LIMITS, address, limit_options, limits, raw_io, raw_io_options
 
 #: perftest-like columns: header, row key, width
 COLUMNS = (("op", "op", 12), ("#bytes", "bytes", 8), ("#iterations", "iterations", 12),
@@ -121,6 +121,8 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
                                       click.echo(f"kbtp bench: {text} ...", err=True)))
     except runner.BenchError as exc:
         raise click.ClickException(line(f"bench {target}", str(exc), "see 'kbtp bench --help'")) from None
+    except PeerLimit as exc:
+        raise click.ClickException(line(f"bench {target}: HELLO_ACK not usable", exc.detail, RAISE_LIMITS)) from None
     except KbtpError as exc:
         raise click.ClickException(line(f"bench {target}", str(exc), "the target's log may say why")) from None
     except CONNECTION_ERRORS as exc:

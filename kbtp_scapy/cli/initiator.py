@@ -32,6 +32,7 @@ from .errors import (
     say,
 )
 from .options import (
+    RAISE_LIMITS,
     address,
     feature_names,
     features,
@@ -212,7 +213,7 @@ async def _session(o: dict, name: str, func, kwargs: dict) -> None:
                 limits=o["limits"], **o["options"]), timeout)
         except PeerLimit as exc:
             raise _failure(f"{url}: HELLO_ACK not usable", exc, why=exc.detail,
-                           todo="a target that means it: raise the limit") from None
+                           todo=RAISE_LIMITS) from None
         except KbtpError as exc:
             raise _failure(f"{url}: HELLO refused", exc, **_hello_hint(exc, o)) from None
         except CONNECTION_ERRORS as exc:

@@ -83,6 +83,10 @@ def limit_options(func):
                              "that size are allocated (a larger one is refused).")(func)
 
 
+#: what to do about a ``PeerLimit``, in the tools that have ``limit_options``
+RAISE_LIMITS = "if the target means it, raise --max-block-size or --max-blocks"
+
+
 def limits(max_block_size: int, max_blocks: int, timeout: float) -> Limits:
     """The ``Limits`` of ``limit_options`` and a tool's ``--timeout``, its wait for each answer."""
     return Limits(max_block_size=max_block_size, max_blocks=max_blocks, wait=timeout)

@@ -25,10 +25,12 @@ MAX_UNMATCHED = 1024            # answers to no request kept for ``Initiator.raw
 
 class PeerLimit(KbtpError):
     """The target's HELLO_ACK asks the initiator to spend more than its limits allow: the
-    target's fault, said as MALFORMED as any HELLO_ACK the initiator cannot use is."""
+    target's fault, said as MALFORMED as any HELLO_ACK the initiator cannot use is;
+    ``target`` is what it granted."""
 
-    def __init__(self, detail: str) -> None:
+    def __init__(self, detail: str, target: TargetInfo) -> None:
         super().__init__(Status.MALFORMED, detail=detail)
+        self.target = target
 
 
 class NoAnswer(TimeoutError):
@@ -47,16 +49,15 @@ class Limits:
 
     def check(self, target: TargetInfo) -> None:
         """``PeerLimit`` naming the first figure of ``target`` past its limit."""
-        octets = {"Block Size": (target.block_size, "--max-block-size"),
-                  "Max Inline": (target.max_inline, "--max-block-size")}
+        octets = {"Block Size": target.block_size, "Max Inline": target.max_inline}
         blocks = {"Allocation Quota": target.quota,
                   "Partition Count": target.fields.get("partition.count", 0),
                   "Ring Count": target.fields.get("ring.count", 0)}
-        for name, (value, option) in octets.items():
+        for name, value in octets.items():
             if value > self.max_block_size:
                 raise PeerLimit(f"the HELLO_ACK's {name} of {value} octets is past this initiator's "
-                                f"limit of {self.max_block_size} ({option})")
+                                f"limit of {self.max_block_size}", target)
         for name, value in blocks.items():
             if value > self.max_blocks:
                 raise PeerLimit(f"the HELLO_ACK's {name} of {value} is past this initiator's limit "
-                                f"of {self.max_blocks} blocks (--max-blocks)")
+                                f"of {self.max_blocks} blocks", target)
