@@ -16,6 +16,7 @@ import asyncio
 import secrets
 import socket
 import struct
+import threading
 import time
 import zlib
 
@@ -476,23 +477,25 @@ class _SharedPort(RocePort):
 
     def _dispatch(self) -> None:
         for datagram in self.received():
-            if len(datagram) < 12:
-                continue
-            qpn = int.from_bytes(datagram[5:8], "big")
-            kind = datagram[0] if qpn != _GSI_QPN else 0x1000 + (cm_attribute(datagram) or 0)
-            self.seen[kind] = self.seen.get(kind, 0) + 1
-            if qpn != _GSI_QPN:
-                session = self.by_qpn.get(qpn)
-                if session is not None:
-                    session._packet(datagram)
-            elif cm_attribute(datagram) in (CM_REP, CM_REJ, CM_DREQ) and len(datagram) >= 52:
-                session = self.by_comm.get(struct.unpack_from(">I", datagram, 48)[0])
-                if session is None:
-                    continue
-                if cm_attribute(datagram) == CM_DREQ:
-                    session.closed = True     # unanswered: an attacker owes the target nothing
-                elif not session.answered.done():
-                    session.answered.set_result(datagram)
+            if len(datagram) >= 12:
+                self._datagram(datagram)
+
+    def _datagram(self, datagram: bytes) -> None:
+        qpn = int.from_bytes(datagram[5:8], "big")
+        kind = datagram[0] if qpn != _GSI_QPN else 0x1000 + (cm_attribute(datagram) or 0)
+        self.seen[kind] = self.seen.get(kind, 0) + 1
+        if qpn != _GSI_QPN:
+            session = self.by_qpn.get(qpn)
+            if session is not None:
+                session._packet(datagram)
+        elif cm_attribute(datagram) in (CM_REP, CM_REJ, CM_DREQ) and len(datagram) >= 52:
+            session = self.by_comm.get(struct.unpack_from(">I", datagram, 48)[0])
+            if session is None:
+                return
+            if cm_attribute(datagram) == CM_DREQ:
+                session.closed = True     # unanswered: an attacker owes the target nothing
+            elif not session.answered.done():
+                session.answered.set_result(datagram)
 
     def drop(self, session: RcSession) -> None:
         self.by_qpn.pop(session.qpn, None)
@@ -521,9 +524,11 @@ class RcSession:
         self.arrived = asyncio.Event()
         self.answered: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.frozen = self.closed = False    # closed: the target sent a DREQ
+        self.rep = b""                       # a hostile target's session: the REP it answered with
         self.epsn = self.psn                 # what we receive with: our REQ's Starting PSN
         self.receive_buffers = 1 << 30       # Sends the target may still place
         self.rnr_naks = 0
+        self.reads, self.answers_reads = 0, True       # Read Requests that came; answered or not
         self.unacked: dict[int, bytes] = {}  # our requests by PSN, until acknowledged
         self._resending = False
         port.by_qpn[self.qpn] = port.by_comm[self.comm_id] = self
@@ -604,6 +609,11 @@ class RcSession:
         if not (opcode <= RC_READ_REQUEST or opcode in (0x16, RC_SEND_ONLY_INV)):
             return                                   # a response to one of ours
         behind = (self.epsn - psn) & 0xFFFFFF
+        if opcode == RC_READ_REQUEST and not self.answers_reads:
+            if psn == self.epsn:                     # taken, and never answered (nor its retries)
+                self.reads += 1
+                self.epsn = (psn + 1) & 0xFFFFFF
+            return
         if behind and behind < 1 << 23:              # a duplicate: acknowledge it again
             self.port.send(_bth(RC_ACK, self.remote_qpn, psn) + struct.pack(">I", 0x1F << 24))
             return
@@ -621,6 +631,7 @@ class RcSession:
             self.messages.append(parse(body[:len(body) - ((flags >> 4) & 3)]))
             self.arrived.set()
         if opcode == RC_READ_REQUEST and len(packet) >= 28:
+            self.reads += 1
             size = min(struct.unpack_from(">I", packet, 24)[0], 1024)     # one packet's worth
             self.port.send(_bth(RC_READ_RESPONSE_ONLY, self.remote_qpn, psn)
                            + struct.pack(">I", 0x1F << 24) + bytes(size))
@@ -694,6 +705,204 @@ async def connect(url: str, local: str | None = None, rtr_after: float = 0.0) ->
         assert local, "a RoCEv2 attacker needs a local address (its port 4791 is where answers come)"
         return await RcSession.open(local, host)
     raise ValueError(f"{url}: not iwarp:// or roce://")
+
+
+# -- a hostile target for the client tools (issue 32) ----------------------------------
+
+_COMPLETION_BODY = struct.Struct(">IIQ")       # Data Length, Reserved, Block Offset
+REQUESTS = (LOAD, STORE, ALLOC_STORE, FREE, 0x14)          # 0x14: BIND
+#: a sane HELLO_ACK's figures; a hostile plan overrides some
+SANE_ACK = {"features": 0, "credits": 16, "block_size": 4096, "max_inline": 1024, "quota": 16,
+            "handle_base": 0x4000, "handle_count": 64, "ticket_timeout": 1000}
+
+
+def hello_ack(request_id: int = 0, descriptors: bytes = b"", **figures: int) -> bytes:
+    """A HELLO_ACK with Status OK: ``SANE_ACK`` with ``figures`` instead where given, then
+    ``descriptors`` (the direct modes' descriptors, in the order NOTES.md section 2 gives)."""
+    f = {**SANE_ACK, **figures}
+    return (_HEAD.pack(1, HELLO_ACK, 0, request_id, 0, 0, 0)
+            + _ACK.pack(f["features"], f["credits"], f["block_size"], f["max_inline"], f["quota"],
+                        f["handle_base"], f["handle_count"], f["ticket_timeout"]) + descriptors)
+
+
+def direct_load_descriptors(table: tuple[int, int, int], base_handle: int,
+                            pool: tuple[int, int, int]) -> bytes:
+    """DIRECT_LOAD's: the Table descriptor, Table Base Handle, 8 reserved octets, the Pool."""
+    return _DESC.pack(*table) + struct.pack(">Q8x", base_handle) + _DESC.pack(*pool)
+
+
+def completion(request_id: int, handle: int = 0, status: int = 0, length: int = 0,
+               block_offset: int = 0) -> bytes:
+    return (_HEAD.pack(1, COMPLETION, 0, request_id, handle, 0, status)
+            + _COMPLETION_BODY.pack(length, 0, block_offset))
+
+
+class HostileTarget:
+    """A KBTP target that misbehaves on purpose, to be pointed at a client tool.
+
+    Over iWARP it accepts TCP and MPA (v2, CRCs, peer-to-peer with the initiator's
+    zero-length Write as RTR); over RoCEv2 (``roce_peer``: the one address the tool sends
+    from, where it answers) it takes CM REQs on UDP 4791 and answers each with a REP. Then
+    it follows its plan: ``hello`` False never answers the HELLO; ``ack`` holds the
+    HELLO_ACK's figures that differ from ``SANE_ACK`` (a Block Size of 0xFFFFFFF8...) and
+    ``descriptors`` its direct-mode descriptors; ``flood`` unsolicited COMPLETIONs (Request
+    IDs nobody used) follow the HELLO_ACK; ``answer`` False leaves every request unanswered,
+    else each gets a COMPLETION with Status OK and Data Length 0; ``reads`` False leaves
+    every RDMA Read Request unanswered, else it is answered with zeros. A GOODBYE ends the
+    session. What came is counted in ``seen`` (HELLO, requests, reads)."""
+
+    def __init__(self, host: str, *, roce_peer: str | None = None, hello: bool = True,
+                 ack: dict | None = None, descriptors: bytes = b"", flood: int = 0,
+                 answer: bool = True, reads: bool = True) -> None:
+        self.host, self.port, self.roce_peer = host, 0, roce_peer
+        self.hello, self.ack, self.descriptors = hello, ack or {}, descriptors
+        self.flood, self.answer, self.reads = flood, answer, reads
+        self._seen = {"hello": 0, "requests": 0}
+        self._sessions: list[RcSession] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+        self._roce: _ListeningPort | None = None
+        self._iwarp_reads = 0
+
+    @property
+    def url(self) -> str:
+        return f"roce://{self.host}" if self.roce_peer else f"iwarp://{self.host}:{self.port}"
+
+    @property
+    def seen(self) -> dict[str, int]:
+        return {**self._seen, "reads": self._iwarp_reads + sum(s.reads for s in self._sessions)}
+
+    def __enter__(self) -> HostileTarget:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    async def _start(self) -> None:
+        if self.roce_peer:
+            self._roce = _ListeningPort(self.host, self.roce_peer, self._accept)
+            asyncio.get_running_loop().add_reader(self._roce.sock, self._roce._dispatch)
+            return
+        self._server = await asyncio.start_server(self._serve, self.host, 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def __exit__(self, *_: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _stop(self) -> None:
+        """The listener closed, every connection ended."""
+        if self._server is not None:
+            self._server.close()
+        if self._roce is not None:
+            asyncio.get_running_loop().remove_reader(self._roce.sock)
+            self._roce.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- what it says, either binding -------------------------------------------------
+
+    async def _on(self, conn: MpaStream | RcSession, message: dict) -> bool:
+        """Answer one KBTP message as the plan says; False once the session is over."""
+        if message.get("opcode") == HELLO:
+            self._seen["hello"] += 1
+            if self.hello:
+                conn.say(hello_ack(message["request_id"], self.descriptors, **self.ack))
+                await self._flood(conn)
+        elif message.get("opcode") == GOODBYE:
+            return False
+        elif message.get("opcode") in REQUESTS:
+            self._seen["requests"] += 1
+            if self.answer:
+                conn.say(completion(message["request_id"], message["handle"]))
+        return True
+
+    async def _flood(self, conn: MpaStream | RcSession) -> None:
+        """``flood`` COMPLETIONs answering nothing, a few at a time (within the initiator's
+        credits, which it gives back as it takes each), until the initiator ends the connection."""
+        await asyncio.sleep(0.2)                 # the HELLO_ACK taken first
+        for n in range(self.flood):
+            if conn.closed:
+                return
+            conn.say(completion(0xF0000000 + n))
+            if n % 8 == 7:
+                if isinstance(conn, MpaStream):
+                    await conn.writer.drain()
+                await asyncio.sleep(0.001)
+
+    # -- iWARP ------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readexactly(20), 10)
+            await reader.readexactly(struct.unpack(">H", request[18:20])[0])
+            private = struct.pack(">HH", _P2P | 16, _WRITE_RTR | 16)
+            writer.write(b"MPA ID Rep Frame" + bytes([_MPA_CRC | _MPA_ENHANCED, 2])
+                         + struct.pack(">H", len(private)) + private)
+            await self._mpa_session(MpaStream(reader, writer))
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    async def _mpa_session(self, stream: MpaStream) -> None:
+        while True:
+            f = await stream.next(3600)
+            if f.opcode == READ_REQUEST:
+                self._iwarp_reads += 1
+                if self.reads:
+                    sink, sink_offset, size = struct.unpack_from(">IQI", f.payload)
+                    stream.writer.write(tagged(READ_RESPONSE, sink, sink_offset, bytes(min(size, 8192))))
+            elif f.opcode in SENDS and len(f.payload) >= _HEAD.size:    # not the RTR, Writes
+                if not await self._on(stream, parse(f.payload)):
+                    return
+
+    # -- RoCEv2 -----------------------------------------------------------------------
+
+    def _accept(self, port: _ListeningPort, req: bytes) -> None:
+        """A CM REQ: a session, answered with a REP (again, for a REQ sent again)."""
+        comm, qpn, psn = (struct.unpack_from(">I", req, 44 + at)[0] for at in (0, 32, 44))
+        ses = next((s for s in self._sessions if s.remote_comm == comm), None)
+        if ses is None:
+            ses = RcSession(port)
+            ses.remote_comm, ses.remote_qpn = comm, qpn >> 8
+            ses.answers_reads = self.reads
+            rep_psn, ses.psn = ses.epsn, psn >> 8    # each side sends from the PSN the other named
+            ses.rep = ud_mad(CM_REP, struct.pack(">IIIIIIBBBBQ", ses.comm_id, comm, 0, ses.qpn << 8, 0,
+                                                 rep_psn << 8, 16, 16, 0, 7 << 5, 0),
+                             struct.unpack_from(">Q", req, 28)[0])
+            self._sessions.append(ses)
+            asyncio.get_running_loop().create_task(self._rc_session(ses))
+        port.send(ses.rep)
+
+    async def _rc_session(self, ses: RcSession) -> None:
+        while not ses.closed:
+            try:
+                message = await ses.message(1)
+            except TimeoutError:
+                continue
+            if not await self._on(ses, message):
+                ses.port.send(cm_dreq(ses.comm_id, ses.remote_comm, ses.remote_qpn))
+                return
+
+
+class _ListeningPort(_SharedPort):
+    """The hostile target's RoCEv2 port: CM REQs go to ``on_req``, the rest as to any port."""
+
+    def __init__(self, local: str, peer: str, on_req) -> None:
+        super().__init__(local, peer)
+        self.on_req = on_req
+
+    def _datagram(self, datagram: bytes) -> None:
+        if int.from_bytes(datagram[5:8], "big") == _GSI_QPN and cm_attribute(datagram) == CM_REQ \
+                and len(datagram) >= 92:
+            self.on_req(self, datagram)
+        else:
+            super()._datagram(datagram)
 
 
 async def _peer(url: str, initiator_id: bytes, bind: bool, local: str | None) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..initiator import Initiator, KbtpError, Result, TargetInfo
+from ..initiator import Initiator, KbtpError, Limits, Result, TargetInfo
 from ..rnic.qp import FrameListener
 from ..vocab import Feature
 from .stats import Samples
@@ -41,6 +41,7 @@ class Plan:
     iterations: int | None = None
     inline: bool | None = None                         # stores: None as the initiator decides
     options: dict[str, Any] = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)     # the HELLO_ACK's figures, each answer's wait
     frame_listeners: list[FrameListener] = field(default_factory=list)
 
 
@@ -66,7 +67,8 @@ class Measured:
 async def run(plan: Plan, progress: Callable[[str], None] = lambda _: None) -> list[Measured]:
     """Connect, run every size, say GOODBYE with RELEASE."""
     ini = await Initiator.connect(plan.url, initiator_id=os.urandom(16),
-                                  frame_listeners=plan.frame_listeners, **plan.options)
+                                  frame_listeners=plan.frame_listeners, limits=plan.limits,
+                                  **plan.options)
     try:
         _check(ini, plan)
         out = []

@@ -10,9 +10,9 @@ import click
 
 from ..bench import runner
 from ..bench.stats import histogram
-from ..initiator import KbtpError
+from ..initiator import KbtpError, PeerLimit
 from .errors import CONNECTION_ERRORS, file_trouble, hint, line, local_trouble, reason
-from .options import address, raw_io, raw_io_options
+from .options import RAISE_LIMITS, address, limit_options, limits, raw_io, raw_io_options
 
 #: perftest-like columns: header, row key, width
 COLUMNS = (("op", "op", 12), ("#bytes", "bytes", 8), ("#iterations", "iterations", 12),
@@ -65,7 +65,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 @click.option("--local", default=None, metavar="ADDR", help="RoCEv2: local address to send from.")
 @raw_io_options("bench")
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True, metavar="SECONDS",
-              help="How long to wait for the connection.")
+              help="How long to wait for the connection and for each answer.")
+@limit_options
 @click.option("--pcap", type=click.Path(dir_okay=False), default=None,
               help="Write every frame to this pcap (to check the times with tshark: kbtp.time).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout instead of text.")
@@ -76,8 +77,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                    "(needs the extra: pip install 'kbtp_scapy[plot]').")
 def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float | None,
           iterations: int | None, inline: bool | None, local: str | None, io: str, iface: str | None,
-          raw_addr: str | None, device: str | None, timeout: float, pcap: str | None, as_json: bool,
-          show_histogram: bool, plot: str | None) -> None:
+          raw_addr: str | None, device: str | None, timeout: float, max_block_size: int, max_blocks: int,
+          pcap: str | None, as_json: bool, show_histogram: bool, plot: str | None) -> None:
     """Benchmark the KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT) in
     perftest's manner: one session, --in-flight requests at a time, each timed from posting
     to completion; ops/s, MB/s, latency min/p50/p90/p99/p99.9/max in microseconds, and the
@@ -106,7 +107,7 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
     if local:
         options["local"] = local
     plan = runner.Plan(str(target), op, sizes, in_flight, None if iterations else duration or 5.0,
-                       iterations, inline, options)
+                       iterations, inline, options, limits(max_block_size, max_blocks, timeout))
     sink = None
     if pcap:
         from ..rnic.pcap import PcapSink
@@ -120,6 +121,8 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
                                       click.echo(f"kbtp bench: {text} ...", err=True)))
     except runner.BenchError as exc:
         raise click.ClickException(line(f"bench {target}", str(exc), "see 'kbtp bench --help'")) from None
+    except PeerLimit as exc:
+        raise click.ClickException(line(f"bench {target}: HELLO_ACK not usable", exc.detail, RAISE_LIMITS)) from None
     except KbtpError as exc:
         raise click.ClickException(line(f"bench {target}", str(exc), "the target's log may say why")) from None
     except CONNECTION_ERRORS as exc:

@@ -11,6 +11,7 @@ import os
 
 import click
 
+from ..initiator.limits import NoAnswer
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..rnic.roce_raw import NEEDS_NET_RAW
 from ..wire.address import ROCE_PORT, Address
@@ -51,6 +52,8 @@ def reason(exc: BaseException, timeout: float | None = None) -> str:
 
 def hint(exc: BaseException) -> str:
     """What to try next after ``exc`` (empty when nothing useful can be said)."""
+    if isinstance(exc, NoAnswer):          # a session that was up: someone is listening
+        return "the target's log may say why it stopped answering (a longer wait: --timeout SECONDS)"
     if isinstance(exc, TimeoutError):
         return "is a KBTP target listening there? (a longer wait: --timeout SECONDS)"
     if isinstance(exc, ConnectionRefusedError):

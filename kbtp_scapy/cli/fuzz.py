@@ -14,9 +14,10 @@ from .. import words
 from ..fuzz import report
 from ..fuzz.campaign import Control, Run, campaign, load_case, replay_case
 from ..fuzz.cases import parse_name
+from ..initiator.limits import MAX_BLOCK_SIZE, MAX_BLOCKS
 from ..wire.address import parse_url
 from .errors import Exit
-from .options import raw_io, raw_io_options
+from .options import limit_options, limits, raw_io, raw_io_options
 
 
 class _Progress:
@@ -91,6 +92,7 @@ def _run(coro_factory, control: Control):
               help="Stop starting new cases after S seconds (the run still counts as complete).")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="How long to wait for one answer of the target (and for a connection).")
+@limit_options
 @click.option("--out", type=click.Path(file_okay=False), default="fuzz-findings", show_default=True,
               help="Directory for findings: CASE.json and CASE.pcap.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout, and nothing else there.")
@@ -105,7 +107,8 @@ def _run(coro_factory, control: Control):
 @click.argument("program", nargs=-1, type=click.UNPROCESSED)
 def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | None, local: str | None,
          io: str, iface: str | None, raw_addr: str | None, count: int, seed: int,
-         start: int, time_limit: float | None, timeout: float, out: str, as_json: bool, json_file: str | None,
+         start: int, time_limit: float | None, timeout: float, max_block_size: int, max_blocks: int, out: str,
+         as_json: bool, json_file: str | None,
          replay: str | None, minimize_budget: int, max_findings: int, quiet: bool) -> None:
     """Fuzz a KBTP target statefully, judging only what it sends back.
 
@@ -159,6 +162,10 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
         replay_args += ["--local", local]
     if timeout != 10.0:
         replay_args += ["--timeout", f"{timeout:g}"]
+    options["limits"] = limits(max_block_size, max_blocks, timeout)
+    replay_args += [f"--{name}={value}" for name, value, default in (
+        ("max-block-size", max_block_size, MAX_BLOCK_SIZE), ("max-blocks", max_blocks, MAX_BLOCKS))
+        if value != default]
     if json_file == "-":
         as_json, json_file = True, None
     case = None

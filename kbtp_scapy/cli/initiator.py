@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from .. import tables as T
-from ..initiator import Initiator, KbtpError, Result
+from ..initiator import Initiator, KbtpError, PeerLimit, Result
 from ..vocab import Feature
 from ..words import count
 from .errors import (
@@ -32,10 +32,13 @@ from .errors import (
     say,
 )
 from .options import (
+    RAISE_LIMITS,
     address,
     feature_names,
     features,
     integer,
+    limit_options,
+    limits,
     raw_io,
     raw_io_options,
 )
@@ -120,13 +123,14 @@ class _UrlFirst(click.Group):
                    "[default: the largest the route's link MTU allows].")
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
               metavar="SECONDS", help="How long to wait for the connection and for each answer.")
+@limit_options
 @click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write every frame sent and received to this pcap file.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per result on stdout, also when the request fails.")
 @click.pass_context
 def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, local, io, iface,
-              raw_addr, device, mtu, timeout, pcap, as_json) -> None:
+              raw_addr, device, mtu, timeout, max_block_size, max_blocks, pcap, as_json) -> None:
     """Talk to a KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT): one
     session per run, with the Initiator ID of --id-file so bindings carry over.
 
@@ -159,7 +163,8 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
     ctx.obj = dict(url=address(transport, url), initiator_id=_initiator_id(id_hex, id_file),
                    id_source=f"--id {id_hex}" if id_hex else id_file,
                    features=features(feature_list), credits=credits, timeout=timeout,
-                   invalidate=not no_invalidate, pcap=pcap, as_json=as_json, options=options)
+                   invalidate=not no_invalidate, pcap=pcap, as_json=as_json, options=options,
+                   limits=limits(max_block_size, max_blocks, timeout))
 
 
 class _Failed(click.ClickException):
@@ -205,7 +210,10 @@ async def _session(o: dict, name: str, func, kwargs: dict) -> None:
             ini = await asyncio.wait_for(Initiator.connect(
                 url, initiator_id=o["initiator_id"], features=o["features"], credits=o["credits"],
                 invalidate=o["invalidate"], frame_listeners=[sink] if sink else None,
-                **o["options"]), timeout)
+                limits=o["limits"], **o["options"]), timeout)
+        except PeerLimit as exc:
+            raise _failure(f"{url}: HELLO_ACK not usable", exc, why=exc.detail,
+                           todo=RAISE_LIMITS) from None
         except KbtpError as exc:
             raise _failure(f"{url}: HELLO refused", exc, **_hello_hint(exc, o)) from None
         except CONNECTION_ERRORS as exc:

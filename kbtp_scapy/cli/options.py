@@ -1,8 +1,9 @@
-"""Option parsing shared by ``kbtp target`` and ``kbtp initiator``."""
+"""Option parsing shared by ``kbtp target``, ``kbtp initiator`` and the other client tools."""
 from __future__ import annotations
 
 import click
 
+from ..initiator.limits import MAX_BLOCK_SIZE, MAX_BLOCKS, Limits
 from ..vocab import Feature
 from ..wire.address import Address, parse_url
 
@@ -68,6 +69,27 @@ def raw_io_options(owner: str, verbs: bool = True):
                                  "--addr (raw)" + (", or an RDMA device (verbs, with --device)."
                                                    if verbs else "."))(func)
     return decorate
+
+
+def limit_options(func):
+    """``--max-block-size`` and ``--max-blocks``: the tool's own limits on a target's figures
+    (``initiator.limits``); a HELLO_ACK past them is the target's fault."""
+    func = click.option("--max-blocks", type=click.IntRange(1), default=MAX_BLOCKS, show_default=True,
+                        metavar="COUNT", help="The largest Allocation Quota, Partition Count or Ring "
+                                              "Count a HELLO_ACK may grant (a larger one is refused).")(func)
+    return click.option("--max-block-size", type=click.IntRange(1), default=MAX_BLOCK_SIZE,
+                        show_default=True, metavar="OCTETS",
+                        help="The largest Block Size or Max Inline a HELLO_ACK may grant: buffers of "
+                             "that size are allocated (a larger one is refused).")(func)
+
+
+#: what to do about a ``PeerLimit``, in the tools that have ``limit_options``
+RAISE_LIMITS = "if the target means it, raise --max-block-size or --max-blocks"
+
+
+def limits(max_block_size: int, max_blocks: int, timeout: float) -> Limits:
+    """The ``Limits`` of ``limit_options`` and a tool's ``--timeout``, its wait for each answer."""
+    return Limits(max_block_size=max_block_size, max_blocks=max_blocks, wait=timeout)
 
 
 def raw_io(transport: str, io: str, iface: str | None, raw_addr: str | None,

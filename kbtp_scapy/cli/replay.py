@@ -14,6 +14,7 @@ from ..harness import HarnessError
 from ..wire.address import parse_url
 from ..words import count
 from .errors import CONNECTION_ERRORS, describe, hint, local_trouble, reason
+from .options import limit_options, limits
 
 
 class _Failed(click.ClickException):
@@ -82,11 +83,12 @@ def _harness(exc: Exception, url: str, local: str | None, timeout: float) -> _Ha
               help="Replay the capture N times in a row, each time with new sessions.")
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
               metavar="SECONDS", help="How long to wait for each answer and connection.")
+@limit_options
 @click.option("--local", default=None, metavar="ADDR",
               help="RoCEv2: local address to send from (ignored over iWARP).")
 @click.option("-v", "--verbose", is_flag=True, help="List matching steps too.")
-def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops, timeout, local,
-           verbose) -> None:
+def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops, timeout, max_block_size,
+           max_blocks, local, verbose) -> None:
     """Replay the KBTP sessions of CAPTURE (pcap or pcapng, iWARP or RoCEv2, from any
     implementation) against the target at URL and compare every completion, loaded
     block and direct-mode read with the capture.
@@ -142,7 +144,8 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     try:
         runs = asyncio.run(player.play(cap, url, loops=loops, pace=pace, timeout=timeout,
                                        local=local if transport == "roce" else None,
-                                       progress=progress))
+                                       progress=progress,
+                                       limits=limits(max_block_size, max_blocks, timeout)))
     except HarnessError as exc:
         raise _harness(exc, url, local, timeout) from None
     except CONNECTION_ERRORS as exc:

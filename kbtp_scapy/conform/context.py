@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import codec
-from ..initiator import Initiator, KbtpError, Result, SessionEnded
+from ..initiator import Initiator, KbtpError, PeerLimit, Result, SessionEnded
 from ..initiator.client import ALL_FEATURES, COMPLETION_BUFFER
 from ..initiator.results import TargetInfo
 from ..rnic import MemoryTable, QueuePair, connect as rdma_connect
@@ -152,9 +152,12 @@ class Ctx:
 
     async def _open(self, ident: bytes, features: int, credits: int = 32,
                     invalidate: bool = True) -> Initiator:
-        ini = await self.wait(Initiator.connect(
-            self.url, initiator_id=ident, features=features, credits=credits,
-            invalidate=invalidate, frame_listeners=[self.frames], **self._options), "HELLO_ACK")
+        try:
+            ini = await self.wait(Initiator.connect(
+                self.url, initiator_id=ident, features=features, credits=credits,
+                invalidate=invalidate, frame_listeners=[self.frames], **self._options), "HELLO_ACK")
+        except PeerLimit as exc:      # the target asks the checker for more than it spends
+            raise Fail("a HELLO_ACK within the checker's limits", exc.detail) from None
         self.sessions.append(ini)
         self._ids[ident] = False
         return ini

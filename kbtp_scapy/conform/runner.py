@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..harness import HarnessError
-from ..initiator import Initiator, KbtpError
+from ..initiator import Initiator, KbtpError, PeerLimit
 from ..initiator.client import ALL_FEATURES
 from ..initiator.results import TargetInfo
 from ..rnic.qp import ConnectionLost, RemoteError
@@ -72,6 +72,8 @@ async def probe(url: str, local: str | None, timeout: float,
     options: dict[str, Any] = {"local": local} if local else {}
     try:
         ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, **options), timeout)
+    except PeerLimit as exc:          # every case's HELLO fails on it: FAIL (Ctx.connect)
+        return exc.target
     except KbtpError as exc:
         raise HarnessError(f"{url}: the target refused the probe HELLO ({exc.name}); if it admits "
                            "few initiators, end other sessions first") from None

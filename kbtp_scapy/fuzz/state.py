@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from ..harness import HarnessError
-from ..initiator import Initiator, KbtpError
+from ..initiator import Initiator, KbtpError, PeerLimit
 from ..initiator.client import ALL_FEATURES
 from ..initiator.results import TargetInfo
 from .cases import SCRATCH
@@ -112,6 +112,8 @@ class World:
             ini = await asyncio.wait_for(Initiator.connect(
                 self.url, initiator_id=initiator_id or secrets.token_bytes(16), features=features,
                 frame_listeners=self.frame_listeners, **self.options), self.timeout)
+        except PeerLimit as exc:      # it asks the fuzzer for more than it spends
+            raise SetupFault(Finding("hello-ack", exc.detail, evidence={"hello_ack": exc.hello_ack.hex()})) from None
         except KbtpError as exc:
             self.findings += check_hello_ack(exc.hello_ack, self.transport, features, self.tally)
             raise

@@ -12,8 +12,8 @@ import asyncio
 import itertools
 import secrets
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import codec
 from ..rnic import Access, MemoryTable, QueuePair, connect, memory_table
@@ -22,11 +22,13 @@ from ..tables import memory as M
 from ..tables.enums import OPCODES
 from ..vocab import AnyMessage, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 from .direct import DirectModes
+from .limits import Limits, NoAnswer
 from .results import KbtpError, Result, SessionEnded, TargetInfo, Waiting, match_completion
 
 if TYPE_CHECKING:
     from scapy.packet import Packet  # raw() takes one; Scapy stays off the data path
 
+T = TypeVar("T")
 ALL_FEATURES = sum(f for f in Feature if f is not Feature.ADDR_LE)
 COMPLETION_BUFFER = 256          # HELLO_ACK with every descriptor is 152 octets
 
@@ -45,8 +47,9 @@ class Initiator(DirectModes):
     """Use ``await Initiator.connect(url)``; every operation is a coroutine."""
 
     def __init__(self, qp: QueuePair, memory: MemoryTable, initiator_id: bytes, credits: int,
-                 invalidate: bool) -> None:
+                 invalidate: bool, limits: Limits | None = None) -> None:
         self.qp, self.memory, self.initiator_id = qp, memory, initiator_id
+        self.limits = limits or Limits()
         self.completion_credits = credits
         self.invalidate = invalidate
         self._target: TargetInfo | None = None
@@ -54,20 +57,26 @@ class Initiator(DirectModes):
         self.hello_ack = b""                 # the HELLO_ACK as it came (its header is judged too)
         self._ids = itertools.count(1)
         self._pending: Waiting = {}
-        self.unmatched: asyncio.Queue[Received] = asyncio.Queue()   # raw mode sees these
+        #: answers to no request, the newest ``limits.max_unmatched`` of them (raw mode sees
+        #: these); ``dropped`` counts the older ones let go, so a flood costs no memory
+        self.unmatched: asyncio.Queue[Received] = asyncio.Queue(self.limits.max_unmatched)
+        self.dropped = 0
         self._credits: asyncio.Semaphore | None = None
         self.usage = 0      # handles this session bound and has not freed (spec "Allocation Quotas")
 
     @classmethod
     async def connect(cls, url: str, *, initiator_id: bytes | None = None,
                       features: int = ALL_FEATURES, credits: int = 32, invalidate: bool = True,
-                      frame_listeners: list[FrameListener] | None = None, **options) -> Initiator:
-        """Connect, send HELLO and wait for HELLO_ACK; ``KbtpError`` if the target refuses."""
+                      frame_listeners: list[FrameListener] | None = None, limits: Limits | None = None,
+                      **options) -> Initiator:
+        """Connect, send HELLO and wait for HELLO_ACK (within ``limits.wait``: ``NoAnswer``
+        after it); ``KbtpError`` if the target refuses, ``PeerLimit`` (one) if the HELLO_ACK's
+        figures are past ``limits``."""
         memory = memory_table(options.get("io"))
         qp = await connect(url, memory, recv_size=COMPLETION_BUFFER,
                            frame_listeners=list(frame_listeners or ()), **options)
         self = cls(qp, memory, initiator_id or secrets.token_bytes(16), credits,
-                   invalidate and qp.remote_invalidate)
+                   invalidate and qp.remote_invalidate, limits)
         if not qp.atomics:           # an RDMA device without FetchAdd cannot take tickets
             features &= ~Feature.DIRECT_ALLOC
         qp.post_recv(credits)
@@ -81,11 +90,11 @@ class Initiator(DirectModes):
         return self
 
     async def _hello(self, features: int) -> None:
-        await self.qp.send(codec.encode({
+        await self.within(self.qp.send(codec.encode({
             "opcode": Opcode.HELLO, "hello.requested_features": features,
             "hello.completion_credits": self.completion_credits,
-            "hello.initiator_id": self.initiator_id}))
-        msg = await self.qp.recv()
+            "hello.initiator_id": self.initiator_id})), "acknowledgement of the HELLO's Send")
+        msg = await self.within(self.qp.recv(), "HELLO_ACK")
         self.qp.post_recv(1)
         self.hello_ack = msg.payload
         try:
@@ -103,6 +112,7 @@ class Initiator(DirectModes):
                                   body.pop("block_size"), body.pop("max_inline"),
                                   body.pop("allocation_quota"), body.pop("handle_base"),
                                   body.pop("handle_count"), body.pop("ticket_timeout"), body)
+        self.limits.check(self._target)
         self.addr_le = self._target.feature(Feature.ADDR_LE)
         self._credits = asyncio.Semaphore(min(self._target.request_credits, self.completion_credits))
         self.qp.on_receive(self._receive)
@@ -131,6 +141,9 @@ class Initiator(DirectModes):
     def _dispatch(self, msg: Received, arrived: int = 0) -> None:
         matched = match_completion(msg, self._pending, self.addr_le)
         if matched is None:
+            if self.unmatched.full():
+                self.unmatched.get_nowait()
+                self.dropped += 1
             self.unmatched.put_nowait(msg)
         elif not matched[0].done():         # a caller that gave up is cancelled already
             matched[1].answered_ns = arrived
@@ -160,7 +173,8 @@ class Initiator(DirectModes):
                 wr = WorkRequest(Verb.SEND, codec.encode(values, self.addr_le))
                 sent = time.perf_counter_ns()
                 self.qp.post(wr, signaled=False)
-                result = await future
+                result = await self.within(future, f"COMPLETION of {OPCODES.describe(values['opcode'])} "
+                                                   f"(Request ID {rid})")
                 result.sent_ns = wr.sent_ns or sent      # its frame's departure, where known
             finally:
                 self._pending.pop(rid, None)
@@ -244,6 +258,18 @@ class Initiator(DirectModes):
                                  "bind.ticket": ticket, "bind.data_length": data_length,
                                  "bind.block_offset": block_offset}, [], False)
 
+    async def within(self, answer: Awaitable[T], what: str, *, fatal: bool = False) -> T:
+        """``answer`` awaited for at most ``limits.wait`` seconds, else ``NoAnswer``. ``fatal``:
+        the connection is ended then, for a one-sided operation whose answer never came holds
+        back every later completion (they complete in posting order)."""
+        try:
+            return await asyncio.wait_for(answer, self.limits.wait)
+        except TimeoutError:
+            why = f"no {what} within {self.limits.wait:g} s"
+            if fatal:
+                self.qp.abort(why)
+            raise NoAnswer(why) from None
+
     async def goodbye(self, release: bool = False) -> None:
         """End the session; the target closes the connection once it has acted on it.
 
@@ -255,8 +281,9 @@ class Initiator(DirectModes):
             raise SessionEnded("GOODBYE with RELEASE not sent, the bindings stay for the target's "
                                "retention time", self.qp.error)
         try:
-            await self.qp.send(codec.encode({"opcode": Opcode.GOODBYE,
-                                             "flags": GoodbyeFlag.RELEASE if release else 0}, self.addr_le))
+            await self.within(self.qp.send(codec.encode({"opcode": Opcode.GOODBYE,
+                                                         "flags": GoodbyeFlag.RELEASE if release else 0},
+                                                        self.addr_le)), "acknowledgement of the GOODBYE's Send")
             await asyncio.wait_for(self.qp.wait_closed(), 5)
         except (TimeoutError, ConnectionLost):
             pass
@@ -273,7 +300,9 @@ class Initiator(DirectModes):
         QP's error state...), with the answers that came before it."""
         got: list[Received] = []
         try:
-            await self.qp.send(bytes(message))
+            await asyncio.wait_for(self.qp.send(bytes(message)), timeout)
+        except TimeoutError:             # not even sent in time (held back by the peer): silence
+            return got
         except ConnectionLost as exc:
             raise SessionEnded("the request was not sent", exc) from None
         except RemoteError as exc:           # a NAK of the Send: the QP is in error now

@@ -7,16 +7,19 @@ not guaranteed to be atomic), and the initiator never writes ring slots.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TypeVar
 
 from .. import codec, ring as counters
 from ..tables import RING_COUNTER, memory as M
 from ..vocab import AnyStruct, EntryFlag, Status
+from .limits import Limits
 from .results import KbtpError, Result, TargetInfo
 
 if TYPE_CHECKING:
     from ..rnic import QueuePair
 
+T = TypeVar("T")
 CONSUMED = M.SLOT_CONSUMED
 #: Ticket Timeouts after which a checker counts an unbound ticket abandoned. The text
 #: abandons it at one; a target notices a FetchAdd its RNIC executed only by looking at
@@ -26,10 +29,12 @@ ABANDONED_AFTER = 1.5
 
 
 class DirectModes:
-    """Mixed into ``Initiator``: needs ``qp``, ``target``, ``addr_le``, ``usage`` and ``bind``."""
+    """Mixed into ``Initiator``: needs ``qp``, ``target``, ``addr_le``, ``limits``, ``usage``,
+    ``bind`` and ``within`` (every one-sided operation's deadline)."""
 
     qp: QueuePair
     addr_le: bool
+    limits: Limits
     usage: int
     tickets = 0          # taken on our Head and not bound yet
     if TYPE_CHECKING:
@@ -38,6 +43,13 @@ class DirectModes:
 
         async def bind(self, handle: int, ticket: int, data_length: int, block_offset: int, *,
                        generation: int = 0) -> Result: ...
+
+        async def within(self, answer: Awaitable[T], what: str, *, fatal: bool = False) -> T: ...
+
+    async def _read(self, stag: int, offset: int, length: int, what: str) -> bytes:
+        """An RDMA Read within the deadline; past it the connection ends (``within``)."""
+        return await self.within(self.qp.read(stag, offset, length),
+                                 f"RDMA Read Response for {what}", fatal=True)
 
     def _direct(self, key: str) -> tuple[int, int, int]:
         f = self.target.fields
@@ -51,7 +63,7 @@ class DirectModes:
         return f[f"{key}.stag"], f[f"{key}.offset"], f[f"{key}.count"]
 
     async def _entry(self, stag: int, offset: int) -> AnyStruct:
-        raw = await self.qp.read(stag, offset, M.ENTRY_SIZE)
+        raw = await self._read(stag, offset, M.ENTRY_SIZE, "a table entry")
         return codec.decode_struct(M.TABLE_ENTRY, raw, self.addr_le)
 
     async def direct_load(self, handle: int, *, attempts: int = 8) -> Result:
@@ -73,7 +85,8 @@ class DirectModes:
             length = first["entry.data_length"]
             if not self._in_pool(first["entry.block_offset"], length):
                 continue        # not an entry the target can have written: read it again
-            data = await self.qp.read(pool_stag, first["entry.block_offset"], length) if length else b""
+            data = (await self._read(pool_stag, first["entry.block_offset"], length, "a block")
+                    if length else b"")
             second = await self._entry(stag, at)
             if second == first:
                 return Result(0, 0, first["entry.generation"], length,
@@ -102,11 +115,13 @@ class DirectModes:
     async def take_ticket(self) -> tuple[int, int]:
         """FetchAdd on our Head: (ticket, slot offset), masked on iWARP, unmasked on RoCEv2."""
         head_stag, head_offset, n = self._ring()
-        if self.qp.masked_atomics:
-            value = await self.qp.fetch_add(head_stag, head_offset, RING_COUNTER.masked_add_data,
-                                            counters.add_mask(n))
+        masked = self.qp.masked_atomics
+        add = self.qp.fetch_add(head_stag, head_offset, *(
+            (RING_COUNTER.masked_add_data, counters.add_mask(n)) if masked else
+            (RING_COUNTER.unmasked_add_data,)))
+        value = await self.within(add, "FetchAdd answer", fatal=True)
+        if masked:
             return counters.split(value, n)
-        value = await self.qp.fetch_add(head_stag, head_offset, RING_COUNTER.unmasked_add_data)
         ticket = value >> RING_COUNTER.ticket_shift
         return ticket, M.SLOT_SIZE * (ticket % (1 << n))
 
@@ -117,7 +132,7 @@ class DirectModes:
         deadline = loop.time() + timeout
         confirmed: int | None = None
         while loop.time() < deadline:
-            raw = await self.qp.read(ring_stag, ring_base + offset, M.SLOT_SIZE)
+            raw = await self._read(ring_stag, ring_base + offset, M.SLOT_SIZE, "a ring slot")
             slot = codec.decode_struct(M.RING_SLOT, raw, self.addr_le)
             ready = slot["slot.sequence"] == ticket & 0xFFFFFFFF and slot["slot.block_offset"] != CONSUMED
             if ready and confirmed is not None and confirmed == slot["slot.block_offset"]:
@@ -137,9 +152,12 @@ class DirectModes:
         self.tickets += 1
         try:
             ticket, offset = await self.take_ticket()
-            block = await self.wait_slot(ticket, offset, self.target.ticket_timeout_ms / 2000)
+            # half the Ticket Timeout, as the target's figure says, but never past our deadline
+            block = await self.wait_slot(ticket, offset, min(self.target.ticket_timeout_ms / 2000,
+                                                             self.limits.wait))
             if data:
-                await self.qp.write(partition_stag, block, data)
+                await self.within(self.qp.write(partition_stag, block, data),
+                                  "acknowledgement of the RDMA Write", fatal=True)
             return await self.bind(handle, ticket, len(data), block)
         finally:
             self.tickets -= 1

@@ -7,6 +7,11 @@ concurrently, and a step is issued only once every step whose answer the capture
 before that step was issued has been answered in the replay: what the capture proves
 happened before stays before, across sessions too; requests that were pipelined stay
 pipelined (up to the new credits). Requests keep their Request IDs and Generations.
+
+Every answer is waited for ``timeout`` seconds at most, the Send of a request included
+(the RNIC completes work in posting order, so a Read the target never answers holds back
+every later Send): a one-sided operation left unanswered ends its session's connection,
+as an RNIC's exhausted retries do, and the steps after it fail at once.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from typing import Any
 
 from .. import codec
 from ..harness import HarnessError
-from ..initiator import Initiator, KbtpError
+from ..initiator import Initiator, KbtpError, Limits
 from ..initiator.results import Waiting, match_completion
 from ..rnic import Access
 from ..rnic.qp import ConnectionLost, RemoteError
@@ -86,8 +91,10 @@ class Player:
     """One run of a capture against the target at ``url``."""
 
     def __init__(self, capture: Capture, url: str, *, pace: bool = False, timeout: float = 5.0,
-                 local: str | None = None, progress: Callable[[int, int], None] | None = None) -> None:
+                 local: str | None = None, progress: Callable[[int, int], None] | None = None,
+                 limits: Limits | None = None) -> None:
         self.capture, self.url, self.pace, self.timeout = capture, url, pace, timeout
+        self.limits = limits or Limits(wait=timeout)
         self.local, self.progress = local, progress
         self.mapping = Mapping(capture)
         self.live: dict[int, _Live] = {}
@@ -170,7 +177,8 @@ class Player:
             ini = await asyncio.wait_for(Initiator.connect(
                 self.url, initiator_id=new_id,
                 features=hello.get("hello.requested_features", 0),
-                credits=max(1, hello.get("hello.completion_credits", 32)), **options), self.timeout)
+                credits=max(1, hello.get("hello.completion_credits", 32)), limits=self.limits,
+                **options), self.timeout)
         except KbtpError as exc:
             played.replayed = Outcome(status=exc.status, form="hello_ack")
         except (TimeoutError, OSError, ConnectionLost) as exc:
@@ -186,7 +194,10 @@ class Player:
 
     async def _goodbye(self, live: _Live, step: Step, event: _Event) -> None:
         values: AnyMessage = {**step.fields, "request_id": step.fields.get("request_id", 0)}
-        await live.ini.qp.send(codec.encode(values, live.ini.addr_le))
+        try:
+            await asyncio.wait_for(live.ini.qp.send(codec.encode(values, live.ini.addr_le)), self.timeout)
+        except TimeoutError:
+            pass                     # held back behind an unanswered operation: closed below
 
         async def closed() -> None:
             try:
@@ -246,8 +257,9 @@ class Player:
         async def answer() -> None:
             played = Played(step, live.ses)
             try:
-                await sent
-                played.replayed = await asyncio.wait_for(future, self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    await sent
+                    played.replayed = await future
             except TimeoutError:
                 played.error = f"no completion within {self.timeout:g} s"
             except (ConnectionLost, RemoteError) as exc:
@@ -293,6 +305,7 @@ class Player:
                 value = await asyncio.wait_for(op, self.timeout)
             except TimeoutError:
                 played.error = f"no answer within {self.timeout:g} s"
+                qp.abort(f"no answer to {step.name} within {self.timeout:g} s")
             except (ConnectionLost, RemoteError, KbtpError) as exc:
                 played.error = f"{step.name} refused: {exc}"
             else:
