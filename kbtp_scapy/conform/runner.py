@@ -79,9 +79,8 @@ class Listener:
 async def probe(url: str, local: str | None, timeout: float,
                 state: RunState | None = None) -> TargetInfo:
     """HELLO with every feature requested: what the target offers, for SKIP decisions."""
-    options: dict[str, Any] = {"local": local} if local else {}
     try:
-        ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, **options), timeout)
+        return await _session(url, local, timeout, ALL_FEATURES, state)
     except KbtpError as exc:
         raise HarnessError(f"{url}: the target refused the probe HELLO ({exc.name}); if it admits "
                            "few initiators, end other sessions first") from None
@@ -94,14 +93,21 @@ async def probe(url: str, local: str | None, timeout: float,
                                "--local") from None
         raise HarnessError(f"{url}: cannot reach a KBTP target ({describe(exc, timeout)}); check "
                            "the address and that the target runs") from None
-    info = ini.target
+
+
+async def _session(url: str, local: str | None, timeout: float, features: int,
+                   state: RunState | None) -> TargetInfo:
+    """HELLO on a new connection, then GOODBYE with RELEASE; what the HELLO_ACK granted.
+    Its Initiator ID joins those a later case may reconnect with."""
+    options: dict[str, Any] = {"local": local} if local else {}
+    ini = await asyncio.wait_for(Initiator.connect(url, features=features, **options), timeout)
     try:
         await asyncio.wait_for(ini.goodbye(release=True), timeout)
     except (TimeoutError, ConnectionLost):
         await ini.close()
     if state is not None:
         state.retired.append(ini.initiator_id)
-    return info
+    return ini.target
 
 
 def _unmet(case: Case, transport: str, info: TargetInfo, quick: bool) -> str | None:
@@ -183,7 +189,7 @@ async def run(url: str, cases: list[Case], *, timeout: float = 10.0, local: str 
         listener.started(i, len(cases), case)
         out = await run_case(case, url, transport, info, timeout=timeout, local=local,
                              pcap_dir=pcap_dir, quick=quick, state=state)
-        why = await gone(url, local, timeout) if out.verdict in (FAIL, ERROR) else None
+        why = await gone(url, local, timeout, state) if out.verdict in (FAIL, ERROR) else None
         if why:
             out = went_away(out, why)
         outcomes.append(out)
@@ -196,26 +202,20 @@ async def run(url: str, cases: list[Case], *, timeout: float = 10.0, local: str 
     return info, outcomes
 
 
-async def gone(url: str, local: str | None, timeout: float) -> str | None:
+async def gone(url: str, local: str | None, timeout: float, state: RunState) -> str | None:
     """Why the target no longer answers a HELLO on a new connection (asked twice, a moment
     apart, before it is blamed), or None while it answers, whatever the HELLO_ACK says."""
-    options: dict[str, Any] = {"local": local} if local else {}
     why = None
     for attempt in range(2):
         if attempt:
             await asyncio.sleep(GONE_PAUSE)
         try:
-            ini = await asyncio.wait_for(Initiator.connect(url, features=0, **options), timeout)
+            await _session(url, local, timeout, 0, state)
+            return None
         except KbtpError:
             return None
         except (TimeoutError, ConnectionLost, RemoteError, OSError) as exc:
             why = describe(exc, timeout)
-            continue
-        try:
-            await asyncio.wait_for(ini.goodbye(release=True), timeout)
-        except (TimeoutError, ConnectionLost):
-            await ini.close()
-        return None
     return why
 
 

@@ -23,6 +23,7 @@ class Saved:
     reproduced: bool
     json_path: str | None = None
     pcap_path: str | None = None
+    recent: list[str] = field(default_factory=list)   # the cases in the pcap (a target gone)
 
 
 @dataclass
@@ -60,6 +61,8 @@ def finding_document(summary: Summary, s: Saved) -> dict[str, Any]:
            "findings": [f.as_dict() for f in s.findings], "steps": s.case.steps,
            "minimized_steps": s.minimized, "reproduced_in_isolation": s.reproduced,
            "pcap": s.pcap_path}
+    if s.recent:
+        doc["cases_in_pcap"] = s.recent
     if s.json_path:
         doc["replay_minimized"] = summary.replay(s.json_path)
     return doc
