@@ -185,6 +185,7 @@ async def campaign(run: Run, control: Control, seed: int, count: int, start: int
         if out:
             report.save(out, summary, saved)
         summary.saved.append(saved)
+        summary.gone_at = case.name
         summary.stopped = f"the target went away at case {case.name}"
 
     async def resumed(case: Case) -> bool:

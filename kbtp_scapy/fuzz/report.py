@@ -41,6 +41,7 @@ class Summary:
     error: str | None = None
     stopped: str = ""
     interrupted: bool = False
+    gone_at: str = ""             # the case during which the target went away
 
     @property
     def exit_code(self) -> int:
@@ -84,6 +85,7 @@ def as_json(summary: Summary) -> str:
         "finding_kinds": dict(kinds), "oracle": summary.oracle.as_dict(),
         "findings": [finding_document(summary, s) for s in summary.saved],
         "error": summary.error, "stopped": summary.stopped, "interrupted": summary.interrupted,
+        "gone_at": summary.gone_at or None,
         "exit_code": summary.exit_code,
     }, indent=2, default=str) + "\n"
 
