@@ -1117,6 +1117,9 @@ CORPUS: list[Bug] = [
     Bug("shared_ring_overcommitted", "The target assigns each initiator an Allocation Quota at session "
         "setup and keeps the sum of quotas not larger than F", "session.quota.sum",
         plant_shared_ring_counted_larger),
+    # issue 31: a target bug that used to be reported as "could not judge"
+    Bug("failure_buffer_not_reposted", "A target pre-posts, for each request credit, a receive buffer",
+        "session.credits.request", plant_failure_buffer_not_reposted),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 assert len(BY_NAME) == len(CORPUS)
