@@ -22,7 +22,7 @@ import pytest
 from kbtp_scapy.cli import main
 
 from .hostile import TargetProc
-from .planted_bugs import BY_NAME, Bug, start
+from .planted_bugs import Bug, plant_failure_buffer_not_reposted, start
 
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
 #: the broken rule each binding shows: iWARP Terminates the request that finds no buffer;
@@ -41,12 +41,12 @@ def fresh_hosts(count: int) -> list[str]:
 def test_a_missing_receive_buffer_in_a_set_up_step_fails_naming_the_rule(transport, monkeypatch, tmp_path):
     """Two credits: the TOO_LARGE answers of ops.store.too_large use both buffers up, and
     the ALLOC_STORE that prepares the case's next check finds none."""
-    bug = BY_NAME["failure_buffer_not_reposted"]
-    t = start(transport, fresh_hosts(2), Bug(bug.name, bug.sentence, bug.case, bug.plant,
+    t = start(transport, fresh_hosts(2), Bug("failure_buffer_not_reposted", "", "",
+                                             plant_failure_buffer_not_reposted,
                                              config={"request_credits": 2}))
     out = tmp_path / "r.json"
     try:
-        bug.plant(t, monkeypatch)
+        plant_failure_buffer_not_reposted(t, monkeypatch)
         code = main(["conform", "--target", t.url, "--timeout", "2", "-q", "--json-file", str(out),
                      "--only", "ops.store.too_large", "--only", "ops.free.",
                      *(["--local", t.initiator_hosts[0]] if transport == "roce" else [])])
