@@ -30,6 +30,9 @@ from ..vocab import AnyMessage, Feature, Opcode
 from .hold import ReadHold
 from .registry import Broke, Fail, Rule, SetupFailed, Skip
 
+#: what a FREE that makes room answers: the handle was bound (OK) or was not (NOT_VALID)
+UNBOUND = ("OK", "NOT_VALID")
+
 
 class FrameBuffer:
     """A frame listener that keeps the current case's frames in memory, for a pcap written
@@ -208,7 +211,7 @@ class Ctx:
                                       count))
         if len(fresh) < count:
             for h in range(base, base + size):
-                if h in fresh or not await self._freed(ini, h):
+                if h in fresh or await self._free(ini, h) not in UNBOUND:
                     continue
                 fresh.append(h)
                 if len(fresh) == count:
@@ -220,12 +223,13 @@ class Ctx:
         self._given.setdefault(ini.initiator_id, []).extend(fresh)
         return fresh
 
-    async def _freed(self, ini: Initiator, h: int) -> bool:
+    async def _free(self, ini: Initiator, h: int) -> str:
+        """The Status of a FREE that makes room for the case."""
         try:
             await self._prepare(ini.free(h), f"FREE of 0x{h:x} (making room for the case)", ini)
         except KbtpError as exc:
-            return exc.name == "NOT_VALID"
-        return True
+            return exc.name
+        return "OK"
 
     async def handle(self, ini: Initiator) -> int:
         return (await self.handles(ini))[0]
@@ -233,9 +237,10 @@ class Ctx:
     async def claim(self, ini: Initiator, h: int) -> int:
         """Handle ``h`` of ``ini``'s range for the case (the last of a range, say), freed
         first when an earlier case of the run was given it."""
-        if h in self.run.used and not await self._freed(ini, h):
+        status = await self._free(ini, h) if h in self.run.used else "OK"
+        if status not in UNBOUND:
             raise Broke(Rule.STATUS, f"FREE of 0x{h:x} (making room for the case)", "OK or NOT_VALID",
-                        "another status")
+                        status)
         self.run.used.add(h)
         self._given.setdefault(ini.initiator_id, []).append(h)
         return h
