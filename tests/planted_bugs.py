@@ -301,6 +301,24 @@ def plant_hello_buffer_not_reposted(t, mp):
     wrap_method(mp, Connection, "_hello", wrapper)
 
 
+def plant_failure_buffer_not_reposted(t, mp):
+    """The receive buffer of a request that failed (any Status but OK) is never posted
+    again: each failed request costs the initiator a credit, and the request that then
+    arrives within its credits finds no buffer (DDP Terminate on iWARP, RNR on RoCEv2).
+    Not in ``CORPUS``: no one case catches it alone on a fresh target, it takes failed
+    requests first (``tests/test_verdicts_peer_fault.py`` plants it)."""
+    def wrapper(original):
+        async def execute(self, req, fetch, why):
+            outcome, why = await original(self, req, fetch, why)
+            if outcome is not None and outcome.status:
+                def skip_once(count=1):
+                    del self.qp.post_recv
+                self.qp.post_recv = skip_once
+            return outcome, why
+        return execute
+    wrap_method(mp, Connection, "execute", wrapper)
+
+
 # -- Operations ------------------------------------------------------------------------------
 
 def plant_no_generation_check(t, mp):

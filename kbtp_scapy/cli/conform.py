@@ -48,6 +48,11 @@ class _Console(Listener):
             self.clear()
             click.echo("\n".join(lines))
 
+    def gone(self, case: Case, left: int) -> None:
+        if self.text and left:
+            self.clear()
+            click.echo(report.went_away(left, case.id))
+
     def clear(self) -> None:
         if self._shown:
             click.echo("\r\x1b[K", err=True, nl=False)
@@ -97,8 +102,11 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     """Check a KBTP target against the specification, judging only what it sends back.
 
     One case per testable requirement, each PASS, FAIL, WARN (a SHOULD not met), SKIP (a
-    feature the target did not offer, or a slow case under --quick) or ERROR (the checker
-    could not judge, for example because a set-up step failed). Points where the
+    feature the target did not offer, a slow case under --quick, or a case not run because
+    the target went away) or ERROR (the checker itself could not judge, for example no
+    session to be had). A target that breaks a rule in a step that only prepares a case
+    (ends the connection, leaves a request unanswered, refuses it) FAILs that case, naming
+    the rule; a target that stops answering FAILs the case where it did. Points where the
     specification is silent are reported as information, never as failures. Cases do not
     depend on one another: each uses fresh Initiator IDs and handles no earlier case used.
 
@@ -208,8 +216,9 @@ def _summary(outcomes: list[Outcome], strict: bool) -> str:
     parts = [f"{count(failed, 'case')} failed"] + ([f"{warned} WARN (--strict)"] if strict and warned else [])
     if errors:
         parts.append(f"{errors} could not be judged (ERROR)")
-    return (f"conform: {', '.join(parts)}; see each case's expected/seen above "
-            "(--pcap-dir keeps their captures)")
+    left = report.not_run(outcomes)
+    return (f"conform: {', '.join(parts)}{'; ' + left if left else ''}; see each case's expected/seen "
+            "above (--pcap-dir keeps their captures)")
 
 
 def _emit(as_json: bool, json_file: str | None, doc: str) -> None:

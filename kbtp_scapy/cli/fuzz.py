@@ -134,8 +134,13 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
     stalls and disconnects. The program must neither crash nor hang, never report as
     valid data the target did not serve as valid, and never write outside its grant.
 
-    Exit status: 0 no finding, 1 the target misbehaved, 2 usage or harness error
-    (including a target that refuses the fuzzer's sessions), 130 interrupted.
+    A target that stops answering or goes away during the run is a finding too (kind gone,
+    as a crash is to AFL): the last cases' frames are saved as its pcap, with the replay
+    line, and the summary is printed.
+
+    Exit status: 0 no finding, 1 the target misbehaved (or went away), 2 usage or harness
+    error (including a target that refuses the fuzzer's sessions from the start), 130
+    interrupted.
 
     \b
     Examples:
@@ -216,4 +221,5 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
         raise Exit(2, f"harness error: {summary.error}")
     if summary.exit_code == report.EXIT_FINDING:
         raise Exit(1, f"{words.count(len(summary.saved), 'case')} with findings"
-                    + (f" (saved in {out_dir})" if not replay else ""))
+                    + (f" (saved in {out_dir})" if not replay else "")
+                    + (f"; the target went away at case {summary.gone_at}" if summary.gone_at else ""))

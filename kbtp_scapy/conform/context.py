@@ -28,7 +28,10 @@ from ..rnic.qp import ConnectionLost, Received, RemoteError
 from ..tables.enums import STATUS
 from ..vocab import AnyMessage, Feature, Opcode
 from .hold import ReadHold
-from .registry import Fail, SetupFailed, Skip
+from .registry import Broke, Fail, Rule, SetupFailed, Skip
+
+#: what a FREE that makes room answers: the handle was bound (OK) or was not (NOT_VALID)
+UNBOUND = ("OK", "NOT_VALID")
 
 
 class FrameBuffer:
@@ -211,7 +214,7 @@ class Ctx:
                                       count))
         if len(fresh) < count:
             for h in range(base, base + size):
-                if h in fresh or not await self._freed(ini, h):
+                if h in fresh or await self._free(ini, h) not in UNBOUND:
                     continue
                 fresh.append(h)
                 if len(fresh) == count:
@@ -223,12 +226,13 @@ class Ctx:
         self._given.setdefault(ini.initiator_id, []).extend(fresh)
         return fresh
 
-    async def _freed(self, ini: Initiator, h: int) -> bool:
+    async def _free(self, ini: Initiator, h: int) -> str:
+        """The Status of a FREE that makes room for the case."""
         try:
-            return (await self.outcome(ini.free(h)))[0] in ("OK", "NOT_VALID")
-        except Fail as failed:
-            raise SetupFailed(f"FREE of 0x{h:x} (making room for the case)", failed.expected,
-                              failed.seen) from None
+            await self._prepare(ini.free(h), f"FREE of 0x{h:x} (making room for the case)", ini)
+        except KbtpError as exc:
+            return exc.name
+        return "OK"
 
     async def handle(self, ini: Initiator) -> int:
         return (await self.handles(ini))[0]
@@ -236,9 +240,10 @@ class Ctx:
     async def claim(self, ini: Initiator, h: int) -> int:
         """Handle ``h`` of ``ini``'s range for the case (the last of a range, say), freed
         first when an earlier case of the run was given it."""
-        if h in self.run.used and not await self._freed(ini, h):
-            raise SetupFailed(f"FREE of 0x{h:x} (making room for the case)", "OK or NOT_VALID",
-                              "another status")
+        status = await self._free(ini, h) if h in self.run.used else "OK"
+        if status not in UNBOUND:
+            raise Broke(Rule.STATUS, f"FREE of 0x{h:x} (making room for the case)", "OK or NOT_VALID",
+                        status)
         self.run.used.add(h)
         self._given.setdefault(ini.initiator_id, []).append(h)
         return h
@@ -288,14 +293,32 @@ class Ctx:
         except (ConnectionLost, RemoteError) as exc:
             raise Fail(what, f"the connection failed ({describe(exc, self.timeout)})") from None
 
-    async def setup(self, coro: Awaitable[Result], step: str) -> Result:
-        """A request that only prepares the case: it must complete OK, else ``SetupFailed``."""
+    async def setup(self, coro: Awaitable[Result], step: str, session: Initiator | None = None) -> Result:
+        """A request of ``session`` that only prepares the case: it must complete OK. When
+        it does not, the target broke a rule (``Broke``), unless the checker asked for more
+        than the session's quota (``SetupFailed``)."""
         try:
-            return await self.wait(coro, step)
+            return await self._prepare(coro, step, session)
         except KbtpError as exc:
-            raise SetupFailed(step, "OK", exc.name) from None
-        except Fail as failed:
-            raise SetupFailed(step, failed.expected, failed.seen) from None
+            if exc.name == "NO_SPACE" and session is not None and session.usage >= session.target.quota:
+                raise SetupFailed(step, "OK", f"NO_SPACE: the case needs more than the quota of "
+                                              f"{session.target.quota}") from None
+            raise Broke(Rule.STATUS, step, "OK", str(exc) or exc.name) from None
+
+    async def _prepare(self, coro: Awaitable[Result], step: str, session: Initiator | None) -> Result:
+        """Await a set-up request; no answer, or the connection ending under a request that
+        the initiator sent within its credits, is the target's breach (``Broke``)."""
+        closed = session is not None and session.qp.closed     # then the request is never sent
+        try:
+            return await asyncio.wait_for(coro, self.timeout)
+        except TimeoutError:
+            raise Broke(Rule.ANSWERED, step, "a COMPLETION", f"nothing within {self.timeout:g} s") from None
+        except (ConnectionLost, RemoteError) as exc:
+            seen = f"the connection failed ({describe(exc, self.timeout)})"
+            if closed:
+                raise SetupFailed(step, "an open session", seen) from None
+            raise Broke(Rule.CREDITS, step, "a COMPLETION (the request was within the Request Credits)",
+                        seen) from None
 
     async def outcome(self, coro: Awaitable[Result]) -> tuple[str, Result | None]:
         """The status name of a request and its result (None when not completed OK)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -35,12 +36,31 @@ class Skip(Exception):
 
 
 class SetupFailed(Exception):
-    """A step that only prepares the case failed, so the requirement could not be judged:
-    the case is an ERROR naming the step, and the case that checks that step fails."""
+    """A step that only prepares the case could not be taken for a reason of the checker's
+    (no session to be had, too few handles or too small a quota for the case), so the
+    requirement could not be judged: the case is an ERROR naming the step."""
 
     def __init__(self, step: str, expected: str, seen: str) -> None:
         super().__init__(f"set-up step {step}: expected {expected}; seen {seen}")
         self.step, self.expected, self.seen = step, expected, seen
+
+
+class Rule(Enum):
+    """What a target breaks when a step that only prepares a case fails on its account,
+    each named by the id of the case that checks it."""
+
+    CREDITS = "session.credits.request"   # the connection ended under a request within the credits
+    ANSWERED = "completion.request_id"    # a request that got no COMPLETION
+    STATUS = "ops.no_side_effect"         # refused with a status no check of the request gives
+
+
+class Broke(SetupFailed):
+    """A step that only prepares the case failed because the target broke ``rule``: the
+    case FAILs naming that rule (its own requirement could not be judged)."""
+
+    def __init__(self, rule: Rule, step: str, expected: str, seen: str) -> None:
+        super().__init__(step, expected, seen)
+        self.rule = rule
 
 
 CaseFn = Callable[["Ctx"], Awaitable[None]]
@@ -91,6 +111,11 @@ def case(id: str, section: str, level: str, requirement: str, *, features: int =
                           slow, budget))
         return fn
     return register
+
+
+def checked_by(rule: Rule) -> Case:
+    """The case that checks ``rule``: its requirement is the sentence the target broke."""
+    return next(c for c in CASES if c.id == rule.value)
 
 
 def untestable(section: str, level: str, requirement: str, reason: str) -> None:

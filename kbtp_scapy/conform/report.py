@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..initiator.results import TargetInfo
-from .registry import ERROR, FAIL, PASS, SKIP, UNTESTABLE, VERDICTS, WARN, Case
+from ..words import count
+from .registry import ERROR, FAIL, PASS, SKIP, UNTESTABLE, VERDICTS, WARN, Case, checked_by
 from .runner import Outcome
 
 EXIT_OK, EXIT_DIFFERS, EXIT_HARNESS = 0, 1, 2
@@ -75,16 +76,30 @@ def case_lines(o: Outcome, quiet: bool = False) -> list[str]:
         return []
     out = [f"{o.verdict:5}  {o.case.id}{'  (' + o.detail + ')' if o.detail and o.verdict == SKIP else ''}"]
     if o.verdict in (FAIL, WARN, ERROR):
-        out.append(f"       requirement ({o.case.level}, {o.case.section}): \u201c{o.case.requirement}\u201d")
+        if o.broke is None:
+            out.append(f"       requirement ({o.case.level}, {o.case.section}): \u201c{o.case.requirement}\u201d")
+        else:
+            rule = checked_by(o.broke)
+            out.append(f"       broke ({rule.level}, {rule.section}; {rule.id}): \u201c{rule.requirement}\u201d")
         if o.expected or o.seen:
             out.append(f"       expected: {o.expected}")
             out.append(f"       seen:     {o.seen}")
         if o.detail:
-            out.append(f"       error:    {o.detail}")
+            out.append(f"       {'during:' if o.broke else 'error: '}   {o.detail}")
         if o.pcap:
             out.append(f"       pcap:     {o.pcap}")
     out += [f"       info: {note}" for note in o.notes]
     return out
+
+
+def went_away(left: int, case_id: str) -> str:
+    return f"{count(left, 'case')} could not run: the target went away at case {case_id}"
+
+
+def not_run(outcomes: list[Outcome]) -> str:
+    """``N cases could not run: the target went away at case X``, or "" when all ran."""
+    left = [o for o in outcomes if o.gone_at and o.verdict == SKIP]
+    return went_away(len(left), left[0].gone_at) if left else ""
 
 
 def footer(outcomes: list[Outcome]) -> str:
@@ -119,9 +134,11 @@ def as_json(url: str, info: TargetInfo | None, outcomes: list[Outcome], error: s
             "handle_base": info.handle_base, "handle_count": info.handle_count,
             "ticket_timeout_ms": info.ticket_timeout_ms},
         "summary": {v: sum(o.verdict == v for o in outcomes) for v in VERDICTS},
+        "gone_at": next((o.gone_at for o in outcomes if o.gone_at), None),
         "cases": [{"id": o.case.id, "section": o.case.section, "level": o.case.level,
                    "requirement": o.case.requirement, "verdict": o.verdict, "expected": o.expected,
                    "seen": o.seen, "detail": o.detail, "notes": o.notes, "pcap": o.pcap,
+                   "broke": None if o.broke is None else o.broke.value,
                    "seconds": round(o.duration, 3)} for o in outcomes],
         "coverage": {**coverage(outcomes), "requirements": requirements(outcomes)},
     }
@@ -140,7 +157,9 @@ def junit(url: str, outcomes: list[Outcome], error: str | None = None) -> bytes:
         tc = ET.SubElement(suite, "testcase", classname=f"kbtp.{o.case.group}", name=o.case.id,
                            time=f"{o.duration:.3f}")
         message = f"expected {o.expected}; seen {o.seen}" if o.expected or o.seen else o.detail
-        body = f"{o.case.level}: {o.case.requirement}" + (f"\npcap: {o.pcap}" if o.pcap else "")
+        rule = o.case if o.broke is None else checked_by(o.broke)
+        body = (f"{'' if o.broke is None else 'broke ' + rule.id + ', '}{rule.level}: {rule.requirement}"
+                + (f"\npcap: {o.pcap}" if o.pcap else ""))
         if o.verdict == FAIL:
             ET.SubElement(tc, "failure", message=message, type=o.case.level).text = body
         elif o.verdict == WARN:

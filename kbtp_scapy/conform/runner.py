@@ -1,11 +1,13 @@
 """Running cases against a target: a probe HELLO, then each case with its own sessions.
 
 A case's verdict comes from what it raised: nothing is PASS, ``Fail`` is FAIL (WARN for a
-SHOULD), ``Skip`` is SKIP, ``SetupFailed`` is ERROR naming the step that only prepared
-the case (the case that checks that step is the one that fails), anything else is ERROR
-(the harness could not judge). A lost connection or a request failing where the case did
-not expect it is the target's doing (FAIL). The frames of each case are kept in memory
-and written to a pcap only when the case did not pass.
+SHOULD), ``Skip`` is SKIP, ``Broke`` is FAIL naming the rule the target broke in a step
+that only prepared the case, ``SetupFailed`` is ERROR naming a step the checker could not
+take, anything else is ERROR (the harness could not judge). A lost connection or a
+request failing where the case did not expect it is the target's doing (FAIL). After a
+case that did not pass, a target that no longer answers a HELLO, asked twice, went away:
+that case FAILs so and the cases left are not run (SKIP). The frames of each case are
+kept in memory and written to a pcap only when the case did not pass.
 """
 from __future__ import annotations
 
@@ -32,13 +34,16 @@ from .registry import (
     SHOULD,
     SKIP,
     WARN,
+    Broke,
     Case,
     Fail,
+    Rule,
     SetupFailed,
     Skip,
 )
 
 CASE_BUDGET = 8      # a whole case may take this many --timeout periods (unless it says)
+GONE_PAUSE = 1.0     # seconds between the two HELLOs that find a target gone
 
 
 @dataclass
@@ -51,6 +56,8 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     pcap: str | None = None
     duration: float = 0.0
+    broke: Rule | None = None     # FAIL in a set-up step: the rule the target broke there
+    gone_at: str = ""             # the target went away at this case (FAIL there, SKIP after)
 
 
 class Listener:
@@ -65,13 +72,15 @@ class Listener:
     def finished(self, index: int, total: int, outcome: Outcome) -> None:
         """Case ``index`` has its verdict."""
 
+    def gone(self, case: Case, left: int) -> None:
+        """The target went away at ``case``: the ``left`` cases after it are not run."""
+
 
 async def probe(url: str, local: str | None, timeout: float,
                 state: RunState | None = None) -> TargetInfo:
     """HELLO with every feature requested: what the target offers, for SKIP decisions."""
-    options: dict[str, Any] = {"local": local} if local else {}
     try:
-        ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, **options), timeout)
+        return await _session(url, local, timeout, ALL_FEATURES, state)
     except PeerLimit as exc:          # every case's HELLO fails on it: FAIL (Ctx.connect)
         return exc.target
     except KbtpError as exc:
@@ -86,14 +95,21 @@ async def probe(url: str, local: str | None, timeout: float,
                                "--local") from None
         raise HarnessError(f"{url}: cannot reach a KBTP target ({describe(exc, timeout)}); check "
                            "the address and that the target runs") from None
-    info = ini.target
+
+
+async def _session(url: str, local: str | None, timeout: float, features: int,
+                   state: RunState | None) -> TargetInfo:
+    """HELLO on a new connection, then GOODBYE with RELEASE; what the HELLO_ACK granted.
+    Its Initiator ID joins those a later case may reconnect with."""
+    options: dict[str, Any] = {"local": local} if local else {}
+    ini = await asyncio.wait_for(Initiator.connect(url, features=features, **options), timeout)
     try:
         await asyncio.wait_for(ini.goodbye(release=True), timeout)
     except (TimeoutError, ConnectionLost):
         await ini.close()
     if state is not None:
         state.retired.append(ini.initiator_id)
-    return info
+    return ini.target
 
 
 def _unmet(case: Case, transport: str, info: TargetInfo, quick: bool) -> str | None:
@@ -125,11 +141,14 @@ async def run_case(case: Case, url: str, transport: str, info: TargetInfo, *, ti
         out = Outcome(case, WARN if case.level == SHOULD else FAIL, failed.expected, failed.seen)
     except Skip as skipped:
         out = Outcome(case, SKIP, detail=str(skipped))
+    except Broke as broke:
+        out = Outcome(case, FAIL, broke.expected, broke.seen, broke=broke.rule,
+                      detail=f"set-up step {broke.step} (the case's own requirement was not reached)")
     except SetupFailed as setup:
         out = Outcome(case, ERROR, setup.expected, setup.seen,
                       detail=f"set-up step failed ({setup.step}), so the requirement could not be "
-                             "judged; the case that checks that step says more")
-    except (ConnectionLost, RemoteError) as exc:
+                             "judged")
+    except (ConnectionLost, RemoteError, ConnectionError) as exc:
         out = Outcome(case, FAIL, "the connection kept open", describe(exc, timeout))
     except KbtpError as exc:
         out = Outcome(case, FAIL, "the request completed OK", str(exc) or exc.name)
@@ -167,11 +186,45 @@ async def run(url: str, cases: list[Case], *, timeout: float = 10.0, local: str 
     state = RunState()
     info = await probe(url, local, timeout, state)
     listener.probed(info, len(cases))
-    outcomes = []
+    outcomes: list[Outcome] = []
     for i, case in enumerate(cases, 1):
         listener.started(i, len(cases), case)
         out = await run_case(case, url, transport, info, timeout=timeout, local=local,
                              pcap_dir=pcap_dir, quick=quick, state=state)
+        why = await gone(url, local, timeout, state) if out.verdict in (FAIL, ERROR) else None
+        if why:
+            out = went_away(out, why)
         outcomes.append(out)
         listener.finished(i, len(cases), out)
+        if why:
+            outcomes += [Outcome(c, SKIP, detail=f"not run: the target went away at {case.id}",
+                                 gone_at=case.id) for c in cases[i:]]
+            listener.gone(case, len(cases) - i)
+            break
     return info, outcomes
+
+
+async def gone(url: str, local: str | None, timeout: float, state: RunState) -> str | None:
+    """Why the target no longer answers a HELLO on a new connection (asked twice, a moment
+    apart, before it is blamed), or None while it answers, whatever the HELLO_ACK says."""
+    why = None
+    for attempt in range(2):
+        if attempt:
+            await asyncio.sleep(GONE_PAUSE)
+        try:
+            await _session(url, local, timeout, 0, state)
+            return None
+        except KbtpError:
+            return None
+        except (TimeoutError, ConnectionLost, RemoteError, OSError) as exc:
+            why = describe(exc, timeout)
+    return why
+
+
+def went_away(out: Outcome, why: str) -> Outcome:
+    """``out``'s case, FAILed by the target that went away while it ran."""
+    seen = f"{out.seen}; then " if out.seen else ""
+    return Outcome(out.case, FAIL, "a target that keeps answering",
+                   f"{seen}the target went away / stopped answering: a HELLO on a new connection, "
+                   f"tried twice, got {why}", notes=out.notes, pcap=out.pcap,
+                   duration=out.duration, gone_at=out.case.id)

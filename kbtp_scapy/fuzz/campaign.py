@@ -16,13 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from ..harness import HarnessError
+from ..initiator import Initiator, KbtpError
 from ..rnic.pcap import PcapSink
 from ..wire.address import parse_url
 from . import report
 from .cases import Case, make_case, parse_name
+from .findings import Finding
+from .recent import Recent
 from .runner import Runner, minimize
 from .state import SetupFault
-from .trouble import describe
+from .trouble import TRANSPORT_ERRORS, describe
 
 
 @dataclass
@@ -40,6 +43,31 @@ class Run:
 
 
 RESUME_TRIES = 3      # fresh sessions tried after a finding before the run stops
+GONE_PAUSE = 1.0      # seconds between the two HELLOs that find a target gone
+#: findings that may mean the target went away: look before minimizing against it
+SILENT = {"liveness", "no-answer", "setup"}
+
+
+async def gone(run: Run) -> str | None:
+    """Why the target no longer answers a HELLO on a new connection (asked twice, a moment
+    apart, before it is blamed), or None while it answers, whatever the HELLO_ACK says."""
+    why = None
+    for attempt in range(2):
+        if attempt:
+            await asyncio.sleep(GONE_PAUSE)
+        try:
+            ini = await asyncio.wait_for(Initiator.connect(run.url, features=0, **run.options), run.timeout)
+        except KbtpError:
+            return None
+        except TRANSPORT_ERRORS as exc:
+            why = describe(exc, run.timeout)
+            continue
+        try:
+            await asyncio.wait_for(ini.goodbye(release=True), run.timeout)
+        except (*TRANSPORT_ERRORS, KbtpError):
+            await ini.close()
+        return None
+    return why
 
 
 class Control:
@@ -139,8 +167,26 @@ async def campaign(run: Run, control: Control, seed: int, count: int, start: int
                    time_limit: float | None, out: Path | None, max_findings: int) -> report.Summary:
     transport = parse_url(run.url).transport
     summary = report.Summary(run.url, seed, run.replay_args)
-    runner = run.runner()
+    recent = Recent()
+    runner = run.runner([recent])
     t0 = time.monotonic()
+
+    def vanished(case: Case, findings: list[Finding], why: str) -> None:
+        """The target went away during ``case``: a finding with the last cases' frames."""
+        pcap = out / f"{case.name}.pcap" if out else None
+        if pcap:
+            recent.write(pcap)
+        gone_at = Finding("gone", f"the target went away / stopped answering: a HELLO on a new "
+                                  f"connection, tried twice, got {why}")
+        saved = report.Saved(case, [*findings, gone_at], case.steps, False,
+                             pcap_path=str(pcap) if pcap else None, recent=recent.names)
+        if summary.saved and summary.saved[-1].case is case:
+            summary.saved.pop()                    # saved before the target went: said again
+        if out:
+            report.save(out, summary, saved)
+        summary.saved.append(saved)
+        summary.gone_at = case.name
+        summary.stopped = f"the target went away at case {case.name}"
 
     async def resumed(case: Case) -> bool:
         """Fresh sessions after ``case``; a target that keeps failing their set-up after a
@@ -167,6 +213,17 @@ async def campaign(run: Run, control: Control, seed: int, count: int, start: int
                 report.save(out, summary, saved)
             summary.saved.append(saved)
             done = await resumed(first)
+        try:
+            await each_case(done)
+        except HarnessError:          # the target answered at the start: has it gone since?
+            why = await gone(run) if at else None
+            if why is None:
+                raise
+            vanished(at[0], [], why)
+
+    at: list[Case] = []               # the case running, once the sessions began
+
+    async def each_case(done: bool) -> None:
         for index in range(start, start + count):
             if not done:
                 return
@@ -174,10 +231,16 @@ async def campaign(run: Run, control: Control, seed: int, count: int, start: int
                 summary.stopped = f"--time-limit {time_limit:g} s reached"
                 return
             case = make_case(transport, seed, index)
+            at[:] = [case]
+            recent.begin(case.name)
             res, done = await control.run(runner.run_case(case))
             if not done:
                 return
             summary.cases += 1
+            kinds = {f.kind for f in res.findings}
+            if kinds & SILENT and (why := await gone(run)):
+                vanished(case, res.findings, why)
+                return
             if res.findings:
                 saved = await _finding(run, control, case, res.findings, out)
                 if out:

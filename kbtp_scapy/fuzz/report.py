@@ -23,6 +23,7 @@ class Saved:
     reproduced: bool
     json_path: str | None = None
     pcap_path: str | None = None
+    recent: list[str] = field(default_factory=list)   # the cases in the pcap (a target gone)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Summary:
     error: str | None = None
     stopped: str = ""
     interrupted: bool = False
+    gone_at: str = ""             # the case during which the target went away
 
     @property
     def exit_code(self) -> int:
@@ -60,6 +62,8 @@ def finding_document(summary: Summary, s: Saved) -> dict[str, Any]:
            "findings": [f.as_dict() for f in s.findings], "steps": s.case.steps,
            "minimized_steps": s.minimized, "reproduced_in_isolation": s.reproduced,
            "pcap": s.pcap_path}
+    if s.recent:
+        doc["cases_in_pcap"] = s.recent
     if s.json_path:
         doc["replay_minimized"] = summary.replay(s.json_path)
     return doc
@@ -81,6 +85,7 @@ def as_json(summary: Summary) -> str:
         "finding_kinds": dict(kinds), "oracle": summary.oracle.as_dict(),
         "findings": [finding_document(summary, s) for s in summary.saved],
         "error": summary.error, "stopped": summary.stopped, "interrupted": summary.interrupted,
+        "gone_at": summary.gone_at or None,
         "exit_code": summary.exit_code,
     }, indent=2, default=str) + "\n"
 

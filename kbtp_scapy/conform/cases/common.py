@@ -30,7 +30,7 @@ async def bind(ctx: Ctx, ini: Initiator, handle: int, payload: bytes, *, seal: b
                inline: bool | None = None) -> Result:
     """ALLOC_STORE that must succeed (it is set-up, not the requirement under test)."""
     return await ctx.setup(ini.alloc_store(handle, payload, seal=seal, inline=inline),
-                           f"ALLOC_STORE to 0x{handle:x}")
+                           f"ALLOC_STORE to 0x{handle:x}", ini)
 
 
 def buffer(ini: Initiator, length: int) -> MemoryRegion:
