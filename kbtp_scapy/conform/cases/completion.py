@@ -9,7 +9,7 @@ from ...vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from ..context import Ctx, status_name
 from ..hold import SETTLE
 from ..registry import MUST, MUST_NOT, RULE, case
-from .common import bind, buffer, data, load_request
+from .common import SENTINEL, bind, buffer, data, load_request
 
 SECTION = "Completion"
 
@@ -172,3 +172,55 @@ async def record_write_imm(ctx: Ctx) -> None:
     if got[0][1].imm != rid & 0xFFFFFFFF:
         ctx.note("the Immediate Data is not the low 32 bits of the Request ID, as the reference "
                  "target's is")
+
+
+@case("completion.invalidate.two_descriptors", "Common Header", RULE, """0x0008 INVALIDATE: the target
+      completes with Send with Invalidate , invalidating the STag of the initiator's Data
+      Descriptor. (Completion: If the target advertised RECORD_COMPLETION and the request has the
+      RECORD flag, the target instead writes a 24-octet completion record)""")
+async def invalidate_two_descriptors(ctx: Ctx) -> None:
+    """Requests that carry a Data and a Completion Descriptor (RECORD) with INVALIDATE: a
+    LOAD, a non-inline STORE and ALLOC_STORE. In a session not granted RECORD_COMPLETION
+    each completes by a Send with Invalidate of the Data Descriptor's STag, the Completion
+    Descriptor's STag still valid and its slot untouched; where RECORD_COMPLETION is granted,
+    the record is written to a slot whose STag stays valid."""
+    for features in (0, Feature.RECORD_COMPLETION) if ctx.info.features & Feature.RECORD_COMPLETION else (0,):
+        a = await ctx.connect(features=features)
+        records = bool(a.target.features & Feature.RECORD_COMPLETION)
+        if features and not records:
+            break
+        h, h2 = await ctx.handles(a, 2)
+        payload = data(100)
+        await bind(ctx, a, h, payload)
+        await bind(ctx, a, h2, b"first", seal=False)
+        steps: list[tuple[str, AnyMessage, MemoryRegion]] = []
+        region = buffer(a, 128)
+        steps.append(("a LOAD", {"opcode": Opcode.LOAD, "handle": h}, region))
+        for opcode, handle in ((Opcode.STORE, h2), (Opcode.ALLOC_STORE, (await ctx.handles(a, 1))[0])):
+            src = a.memory.register(bytearray(payload), Access.REMOTE_READ)
+            steps.append((f"a non-inline {opcode.name}", {"opcode": opcode, "handle": handle}, src))
+        for what, values, dd in steps:
+            slot = a.memory.register(bytearray([SENTINEL]) * M.COMPLETION_RECORD.size, Access.REMOTE_WRITE)
+            got = await ctx.raw(a, ctx.encode(a, {
+                **values, "flags": RequestFlag.RECORD | RequestFlag.INVALIDATE, "dd.stag": dd.stag,
+                "dd.offset": 0, "dd.length": dd.length, "cd.stag": slot.stag, "cd.offset": 0,
+                "cd.reserved": 0}))
+            what = f"{what} with RECORD and INVALIDATE ({'' if records else 'not '}granted RECORD_COMPLETION)"
+            ctx.check(bool(got), f"{what}: a completion", "none")
+            msg = got[0][1]
+            ctx.check(slot.valid, f"{what}: the Completion Descriptor's STag still valid",
+                      "revoked" + (" (by the Send with Invalidate)" if msg.invalidated == slot.stag else ""))
+            if records:
+                d = codec.decode_struct(M.COMPLETION_RECORD, bytes(slot.view), a.addr_le)
+                ctx.check(msg.write_imm and d["record.status"] == Status.OK, f"{what}: a completion "
+                          "record with Status OK", "a Send" if not msg.write_imm else status_name(d["record.status"]))
+                continue
+            ctx.check(got[0][0] is not None and not msg.write_imm and got[0][0]["status"] == Status.OK,
+                      f"{what}: a COMPLETION OK", "something else" if got[0][0] is None or msg.write_imm
+                      else status_name(got[0][0]["status"]))
+            ctx.check(msg.invalidated == dd.stag and not dd.valid,
+                      f"{what}: a Send with Invalidate of the Data Descriptor's STag {dd.stag:#010x}",
+                      "a plain Send" if msg.invalidated is None else f"STag {msg.invalidated:#x} revoked")
+            ctx.check(bytes(slot.view) == bytes([SENTINEL]) * len(slot.view),
+                      f"{what}: the Completion Descriptor's slot untouched", "octets written into it")
+        await ctx.goodbye(a, release=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..context import Ctx
 from ..registry import RULE, case
 from .common import bind, data, other_generation
+from .ops import fill_quota, quota_of
 
 VALIDATE_THEN_STEPS = """It validates every request before touching memory: the handle MUST be
     within a range the initiator is authorized for (its own range for stores and frees), lengths
@@ -64,3 +65,31 @@ async def precedence(ctx: Ctx) -> None:
         (a.load(empty, length=1), "NOT_VALID", "LOAD of an unbound handle into a one-octet buffer"),
     ]
     await ctx.expect_each(pairs)
+
+
+@case("ops.status.precedence.quota", "Block Unmapped Store", RULE, """1. The handle MUST be in the
+      initiator's range and its entry MUST NOT be VALID. 2. The target allocates a block from the
+      ring and marks the slot consumed (). (Operations: It validates every request before touching
+      memory)""")
+async def precedence_quota(ctx: Ctx) -> None:
+    """With the whole quota bound, ALLOC_STOREs that also fail a validation or step 1 answer
+    that check's status, not NO_SPACE (the quota is step 2's allocation): outside every
+    range INVALID_HANDLE, larger than Block Size TOO_LARGE, a wrong Generation
+    STALE_GENERATION, a bound handle ALREADY_BOUND; one that fails nothing else is
+    NO_SPACE."""
+    a = await ctx.connect(features=0)
+    q = quota_of(ctx, a, 2)
+    spare, *hs = await ctx.handles(a, q + 1)
+    await bind(ctx, a, spare, b"x")
+    gone = await ctx.ok(a.free(spare), "FREE (leaving an unbound entry with a Generation)")
+    await fill_quota(ctx, a, hs, "")
+    size = a.target.block_size
+    await ctx.expect_each([
+        (a.alloc_store(FAR, b"x"), "INVALID_HANDLE", "ALLOC_STORE outside every range, the quota full"),
+        (a.alloc_store(spare, bytes(size + 1), inline=False), "TOO_LARGE",
+         "ALLOC_STORE larger than Block Size, the quota full"),
+        (a.alloc_store(spare, b"x", generation=other_generation(gone.generation)), "STALE_GENERATION",
+         "ALLOC_STORE with a wrong Generation, the quota full"),
+        (a.alloc_store(hs[0], b"x"), "ALREADY_BOUND", "ALLOC_STORE to a bound handle, the quota full"),
+        (a.alloc_store(spare, b"x"), "NO_SPACE", "ALLOC_STORE past the full quota"),
+    ])
