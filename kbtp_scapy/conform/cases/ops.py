@@ -74,8 +74,10 @@ def _alloc_inline(ctx: Ctx, a: Initiator, h: int) -> bytes:
 
 @case("ops.header.version", "Common Header", RULE, UNPARSEABLE)
 async def version(ctx: Ctx) -> None:
-    await _not_executed(ctx, lambda a, h: bytes([2]) + _alloc_inline(ctx, a, h)[1:],
-                        "an ALLOC_STORE with Version 2")
+    """ALLOC_STOREs with Versions below and above 1: none executed."""
+    for v in (0, 2, 0xFF):
+        await _not_executed(ctx, lambda a, h, v=v: bytes([v]) + _alloc_inline(ctx, a, h)[1:],
+                            f"an ALLOC_STORE with Version {v}")
 
 
 @case("ops.header.opcode", "Common Header", RULE, UNPARSEABLE)
