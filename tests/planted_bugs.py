@@ -880,6 +880,20 @@ def plant_store_seal_from_inline(t, mp):
     set_handler(t, "STORE", with_request(change))
 
 
+def plant_load_honours_seal(t, mp):
+    """The flags shared by every opcode acted on for all: a LOAD with SEAL seals the block."""
+    def wrapper(original):
+        async def load(self, conn, req, fetch=None):
+            out = await original(self, conn, req, fetch)
+            if not out.status and req["flags"] & RequestFlag.SEAL:
+                e = self.table.read(req["handle"])
+                self.table.write(req["handle"], Entry(e.flags | EntryFlag.SEALED, e.generation, e.data_length,
+                                                      e.block_offset))
+            return out
+        return load
+    set_handler(t, "LOAD", wrapper)
+
+
 def plant_quota_checked_first(t, mp):
     """ALLOC_STORE checks the quota before anything else, so a request that also fails a
     validation or ALREADY_BOUND answers NO_SPACE while the quota is full."""
@@ -1221,6 +1235,8 @@ CORPUS: list[Bug] = [
         "session.features.requested_not_granted", plant_addr_le_when_requested),
     Bug("store_seal_from_inline", "0x0002 SEAL: seal the block after the store", "ops.flags.stores",
         plant_store_seal_from_inline),
+    Bug("load_honours_seal", "0x0002 SEAL: seal the block after the store", "ops.flags.load_free",
+        plant_load_honours_seal),
     Bug("quota_checked_first", "validates every request before touching memory ... 1. The handle MUST be "
         "in the initiator's range and its entry MUST NOT be VALID. 2. The target allocates a block",
         "ops.status.precedence.quota", plant_quota_checked_first),
