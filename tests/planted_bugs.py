@@ -944,6 +944,20 @@ def plant_credits_from_config(t, mp):
         {"hello_ack.request_credits": self.target.config.request_credits})))
 
 
+def plant_release_skips_clear(t, mp):
+    """Freed blocks are cleared by FREE only: GOODBYE with RELEASE returns them as they are."""
+    target = t.target
+    original = target.sessions._release
+
+    def release(state):
+        clear, target.executor.clear_freed = target.executor.clear_freed, False
+        try:
+            original(state)
+        finally:
+            target.executor.clear_freed = clear
+    set_attr(t, target.sessions, "_release", release)
+
+
 def plant_clear_data_length(t, mp):
     """A freed block is cleared over its entry's Data Length only, not its Block Size."""
     ex = t.target.executor
@@ -1249,6 +1263,8 @@ CORPUS: list[Bug] = [
         "posted for COMPLETION messages", "session.credits.completion", plant_credits_from_config),
     Bug("clear_data_length", "targets SHOULD clear blocks when they are freed", "security.clear_freed",
         plant_clear_data_length),
+    Bug("release_skips_clear", "targets SHOULD clear blocks when they are freed", "security.clear_freed",
+        plant_release_skips_clear),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 assert len(BY_NAME) == len(CORPUS)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
+from ... import codec
 from ...rnic import Access
 from ...tables import memory as M
 from ...vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from ..context import Ctx, status_name
 from ..registry import RULE, SetupFailed, case
-from .common import SENTINEL, bind, data, unbound
+from .common import SENTINEL, bind, data, entry_of, unbound
 from .ops import quota_of
 
 DESCRIPTORS = {Feature.DIRECT_LOAD: ("table.stag", "pool.stag"),
@@ -172,6 +173,23 @@ async def _byte_order(ctx: Ctx, a, h: int, when: str) -> None:
                                            "dd.length": len(payload) + 8}), f"a LOAD {when}")
     ctx.check(c["status"] == Status.OK, f"the LOAD {when}: OK", status_name(c["status"]))
     ctx.check(bytes(dest.view[:len(payload)]) == payload, f"the stored octets loaded {when}", "other octets")
+    offset = c["completion.block_offset"]
+    if "table.stag" in a.target.fields:        # the entry, read as the HELLO_ACK's byte order says
+        entry = await ctx.wait(entry_of(a, h), f"an RDMA Read of the entry {when}")
+        seen = (hex(entry["entry.block_offset"]), entry["entry.data_length"])
+        ctx.check(seen == (hex(offset), len(payload)), f"the table entry {when}: the COMPLETION's Block "
+                  f"Offset {offset:#x} and Data Length {len(payload)}", seen)
+    if a.target.features & Feature.RECORD_COMPLETION:
+        slot = a.memory.register(bytearray(M.COMPLETION_RECORD.size), Access.REMOTE_WRITE)
+        rid = ctx.rid()
+        got = await ctx.raw(a, codec.encode({
+            "opcode": Opcode.LOAD, "request_id": rid, "handle": h,
+            "flags": RequestFlag.RECORD | RequestFlag.ALLOW_UNSEALED, "dd.stag": dest.stag, "dd.offset": base,
+            "dd.length": dest.length, "cd.stag": slot.stag, "cd.offset": 0, "cd.reserved": 0}, a.addr_le))
+        d = codec.decode_struct(M.COMPLETION_RECORD, bytes(slot.view), a.addr_le)
+        seen = (bool(got), hex(d["record.request_id"]), d["record.status"], hex(d["record.block_offset"]))
+        ctx.check(seen == (True, hex(rid), Status.OK, hex(offset)), f"a completion record {when}: the Request "
+                  f"ID, Status OK, the Block Offset {offset:#x}", seen)
 
 
 async def _no_record(ctx: Ctx, a, h: int, when: str) -> None:

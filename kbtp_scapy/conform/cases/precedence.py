@@ -54,6 +54,8 @@ async def precedence(ctx: Ctx) -> None:
          "FREE of an unbound handle with a wrong Generation"),
         (a.store(empty, b"x", generation=other_generation(gone.generation)), "STALE_GENERATION",
          "STORE to an unbound handle with a wrong Generation"),
+        (a.load(empty, generation=other_generation(gone.generation), length=1), "STALE_GENERATION",
+         "LOAD of an unbound handle into a one-octet buffer with a wrong Generation"),
         # lengths (validation) before the operation's own steps
         (a.store(sealed, big, inline=False), "TOO_LARGE", "STORE larger than Block Size to a sealed block"),
         (a.store(empty, big, inline=False), "TOO_LARGE", "STORE larger than Block Size to an unbound handle"),
