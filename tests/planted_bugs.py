@@ -921,6 +921,22 @@ def plant_bind_quota_counts_its_ticket(t, mp):
     set_handler(t, "BIND", wrapper)
 
 
+def plant_bind_verifies_ticket_first(t, mp):
+    """BIND looks at the ring before anything else: a ticket whose slot does not hold the
+    Block Offset is MALFORMED whatever else is wrong with the request."""
+    def wrapper(original):
+        async def bind(self, conn, req, fetch=None):
+            watch = conn.state.watch
+            if watch is not None:
+                ring = watch.part.ring
+                ticket = req["bind.ticket"]
+                if ring.ready(ticket, ring.offset_of(ticket)) != req["bind.block_offset"]:
+                    raise Failed("MALFORMED")
+            return await original(self, conn, req, fetch)
+        return bind
+    set_handler(t, "BIND", wrapper)
+
+
 def plant_invalidate_last_descriptor(t, mp):
     """INVALIDATE revokes the STag of the request's last descriptor: the Completion
     Descriptor's when RECORD put one there, and the session answers with a COMPLETION."""
@@ -1256,6 +1272,9 @@ CORPUS: list[Bug] = [
         "ops.status.precedence.quota", plant_quota_checked_first),
     Bug("bind_quota_counts_its_ticket", "[BIND] verifies ... that the initiator is within its quota",
         "direct.quota.bind_edge", plant_bind_quota_counts_its_ticket),
+    Bug("bind_verifies_ticket_first", "[BIND] It validates every request before touching memory ... The "
+        "target verifies ... that the slot of the ticket holds that Block Offset", "direct.bind.precedence",
+        plant_bind_verifies_ticket_first),
     Bug("invalidate_last_descriptor", "0x0008 INVALIDATE: ... invalidating the STag of the initiator's Data "
         "Descriptor", "completion.invalidate.two_descriptors", plant_invalidate_last_descriptor),
     Bug("hello_version_ignored", "Version is 1", "session.hello.version", plant_hello_version_ignored),

@@ -24,6 +24,7 @@ from .test_conform import case
 
 #: Issue 31's classes: the bug written for each, whose case is the one that catches it.
 CLASSES = ("addr_le_when_requested", "store_seal_from_inline", "load_honours_seal", "quota_checked_first",
+           "bind_verifies_ticket_first",
            "bind_quota_counts_its_ticket", "invalidate_last_descriptor", "hello_version_ignored",
            "credits_from_config", "clear_data_length", "release_skips_clear")
 #: The cases written or sharpened for them.

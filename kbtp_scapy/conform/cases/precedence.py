@@ -11,9 +11,10 @@ request fails two checks").
 """
 from __future__ import annotations
 
+from ...vocab import Feature
 from ..context import Ctx
 from ..registry import RULE, case
-from .common import bind, data, other_generation
+from .common import bind, data, other_generation, unbound
 from .ops import fill_quota, quota_of
 
 VALIDATE_THEN_STEPS = """It validates every request before touching memory: the handle MUST be
@@ -95,3 +96,28 @@ async def precedence_quota(ctx: Ctx) -> None:
         (a.alloc_store(hs[0], b"x"), "ALREADY_BOUND", "ALLOC_STORE to a bound handle, the quota full"),
         (a.alloc_store(spare, b"x"), "NO_SPACE", "ALLOC_STORE past the full quota"),
     ])
+
+
+@case("direct.bind.precedence", "Direct Modes", RULE, """The target verifies that the ticket has not
+      been abandoned, that the slot of the ticket holds that Block Offset, and that the initiator is
+      within its quota; it then marks the slot consumed, writes the table entry, and completes.
+      (Operations: It validates every request before touching memory)""", features=Feature.DIRECT_ALLOC)
+async def bind_precedence(ctx: Ctx) -> None:
+    """BINDs naming a ticket whose slot does not hold their Block Offset (no ticket was
+    taken) that also fail a check every request passes first: outside every range
+    INVALID_HANDLE, a Data Length past Block Size TOO_LARGE, a wrong Generation
+    STALE_GENERATION; none binds anything."""
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
+    h = await ctx.handle(a)
+    await bind(ctx, a, h, b"x")
+    gone = await ctx.ok(a.free(h), "FREE (leaving an unbound entry with a Generation)")
+    ticket, offset = 0x7FFF_0000, gone.block_offset
+    await ctx.expect_each([
+        (a.bind(FAR, ticket, 8, offset), "INVALID_HANDLE",
+         "BIND outside every range, of a ticket never taken"),
+        (a.bind(h, ticket, a.target.block_size + 1, offset), "TOO_LARGE",
+         "BIND of Data Length Block Size + 1, of a ticket never taken"),
+        (a.bind(h, ticket, 8, offset, generation=other_generation(gone.generation)), "STALE_GENERATION",
+         "BIND with a wrong Generation, of a ticket never taken"),
+    ])
+    await unbound(ctx, a, h, "after the refused BINDs")
