@@ -176,9 +176,9 @@ async def _byte_order(ctx: Ctx, a, h: int, when: str) -> None:
     offset = c["completion.block_offset"]
     if "table.stag" in a.target.fields:        # the entry, read as the HELLO_ACK's byte order says
         entry = await ctx.wait(entry_of(a, h), f"an RDMA Read of the entry {when}")
-        seen = (hex(entry["entry.block_offset"]), entry["entry.data_length"])
-        ctx.check(seen == (hex(offset), len(payload)), f"the table entry {when}: the COMPLETION's Block "
-                  f"Offset {offset:#x} and Data Length {len(payload)}", seen)
+        at = (hex(entry["entry.block_offset"]), entry["entry.data_length"])
+        ctx.check(at == (hex(offset), len(payload)), f"the table entry {when}: the COMPLETION's Block "
+                  f"Offset {offset:#x} and Data Length {len(payload)}", at)
     if a.target.features & Feature.RECORD_COMPLETION:
         slot = a.memory.register(bytearray(M.COMPLETION_RECORD.size), Access.REMOTE_WRITE)
         rid = ctx.rid()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 
 from ... import codec
@@ -76,8 +77,11 @@ def _alloc_inline(ctx: Ctx, a: Initiator, h: int) -> bytes:
 async def version(ctx: Ctx) -> None:
     """ALLOC_STOREs with Versions below and above 1: none executed."""
     for v in (0, 2, 0xFF):
-        await _not_executed(ctx, lambda a, h, v=v: bytes([v]) + _alloc_inline(ctx, a, h)[1:],
-                            f"an ALLOC_STORE with Version {v}")
+        await _not_executed(ctx, functools.partial(_with_version, ctx, v), f"an ALLOC_STORE with Version {v}")
+
+
+def _with_version(ctx: Ctx, version: int, a: Initiator, h: int) -> bytes:
+    return bytes([version]) + _alloc_inline(ctx, a, h)[1:]
 
 
 @case("ops.header.opcode", "Common Header", RULE, UNPARSEABLE)
