@@ -857,6 +857,164 @@ def plant_shared_ring_counted_larger(t, mp) -> None:
     mp.setattr(TargetConfig, "shared_blocks", property(lambda c: real(c) + c.quota))
 
 
+# -- issue 31: the target classes that got through --------------------------------------------
+
+def _hello_requested(original):
+    """Connection._hello that keeps the HELLO's Requested Features as ``self.requested``."""
+    async def hello(self):
+        recv = self.qp.recv
+
+        async def kept():
+            msg = await recv()
+            self.requested = int.from_bytes(msg.payload[24:26], "big") if len(msg.payload) >= 26 else 0
+            return msg
+        self.qp.recv = kept
+        try:
+            return await original(self)
+        finally:
+            del self.qp.recv
+    return hello
+
+
+def plant_addr_le_when_requested(t, mp):
+    """Little-endian address fields in every session whose HELLO asked for ADDR_LE, whether
+    or not the HELLO_ACK granted it (the session's byte order taken from the request)."""
+    def wrapper(original):
+        async def hello(self):
+            ok = await original(self)
+            if ok and self.requested & Feature.ADDR_LE:
+                self.addr_le = True
+            return ok
+        return _hello_requested(hello)
+    wrap_method(mp, Connection, "_hello", wrapper)
+
+
+def plant_store_seal_from_inline(t, mp):
+    """STORE (the mapped store only) seals when the INLINE bit is set, not the SEAL bit:
+    the two constants swapped in one handler."""
+    def change(conn, req):
+        flags = req["flags"] & ~RequestFlag.SEAL
+        req["flags"] = flags | (RequestFlag.SEAL if flags & RequestFlag.INLINE else 0)
+    set_handler(t, "STORE", with_request(change))
+
+
+def plant_load_honours_seal(t, mp):
+    """The flags shared by every opcode acted on for all: a LOAD with SEAL seals the block."""
+    def wrapper(original):
+        async def load(self, conn, req, fetch=None):
+            out = await original(self, conn, req, fetch)
+            if not out.status and req["flags"] & RequestFlag.SEAL:
+                e = self.table.read(req["handle"])
+                self.table.write(req["handle"], Entry(e.flags | EntryFlag.SEALED, e.generation, e.data_length,
+                                                      e.block_offset))
+            return out
+        return load
+    set_handler(t, "LOAD", wrapper)
+
+
+def plant_quota_checked_first(t, mp):
+    """ALLOC_STORE checks the quota before anything else, so a request that also fails a
+    validation or ALREADY_BOUND answers NO_SPACE while the quota is full."""
+    def wrapper(original):
+        async def alloc_store(self, conn, req, fetch=None):
+            if conn.state.usage >= conn.state.quota:
+                raise Failed("NO_SPACE")
+            return await original(self, conn, req, fetch)
+        return alloc_store
+    set_handler(t, "ALLOC_STORE", wrapper)
+
+
+def plant_bind_quota_counts_its_ticket(t, mp):
+    """BIND checks the quota as ALLOC_STORE does, on usage, which still counts the ticket
+    being bound: the BIND that reaches the quota exactly is refused NO_SPACE."""
+    def wrapper(original):
+        async def bind(self, conn, req, fetch=None):
+            state = conn.state
+            if state.watch is not None:
+                state.watch.poll()
+            if state.usage >= state.quota:
+                raise Failed("NO_SPACE")
+            return await original(self, conn, req, fetch)
+        return bind
+    set_handler(t, "BIND", wrapper)
+
+
+def plant_bind_verifies_ticket_first(t, mp):
+    """BIND looks at the ring before anything else: a ticket whose slot does not hold the
+    Block Offset is MALFORMED whatever else is wrong with the request."""
+    def wrapper(original):
+        async def bind(self, conn, req, fetch=None):
+            watch = conn.state.watch
+            if watch is not None:
+                ring = watch.part.ring
+                ticket = req["bind.ticket"]
+                if ring.ready(ticket, ring.offset_of(ticket)) != req["bind.block_offset"]:
+                    raise Failed("MALFORMED")
+            return await original(self, conn, req, fetch)
+        return bind
+    set_handler(t, "BIND", wrapper)
+
+
+def plant_invalidate_last_descriptor(t, mp):
+    """INVALIDATE revokes the STag of the request's last descriptor: the Completion
+    Descriptor's when RECORD put one there, and the session answers with a COMPLETION."""
+    wrap_method(mp, Connection, "_complete", complete_with(
+        lambda req: {**req, "dd.stag": req["cd.stag"]} if "cd.stag" in req else req))
+
+
+def plant_hello_version_ignored(t, mp):
+    """The HELLO's Version is never looked at (requests' Versions still are)."""
+    def decode(b, le=False):
+        if len(b) > 1 and b[1] == Opcode.HELLO:
+            b = bytes([1]) + b[1:]
+        return codec.decode(b, le)
+    shim_decode(mp, decode)
+
+
+def plant_credits_from_config(t, mp):
+    """Request Credits are the target's own receive buffers, whatever Completion Credits the
+    HELLO announced."""
+    wrap_method(mp, Connection, "_hello_ack", hello_ack_body(lambda self, body: body.update(
+        {"hello_ack.request_credits": self.target.config.request_credits})))
+
+
+def plant_release_skips_clear(t, mp):
+    """Freed blocks are cleared by FREE only: GOODBYE with RELEASE returns them as they are."""
+    target = t.target
+    original = target.sessions._release
+
+    def release(state):
+        clear, target.executor.clear_freed = target.executor.clear_freed, False
+        try:
+            original(state)
+        finally:
+            target.executor.clear_freed = clear
+    set_attr(t, target.sessions, "_release", release)
+
+
+def plant_clear_data_length(t, mp):
+    """A freed block is cleared over its entry's Data Length only, not its Block Size."""
+    ex = t.target.executor
+
+    def wrapper(original):
+        async def free(self, conn, req, fetch=None):
+            h = req["handle"]
+            entry = self.table.read(h) if h in self.table else None
+            clear = self.clear_freed
+            self.clear_freed = False
+            try:
+                out = await original(self, conn, req, fetch)
+            finally:
+                self.clear_freed = clear
+            if clear and not out.status and entry is not None and \
+                    self.memory.ring_of(entry.block_offset) is self.memory.shared_ring:
+                self.memory.block(entry.block_offset, entry.data_length)[:] = bytes(entry.data_length)
+            return out
+        return free
+    assert ex.clear_freed
+    set_handler(t, "FREE", wrapper)
+
+
 CORPUS: list[Bug] = [
     # Session Establishment
     Bug("hello_ack_request_id", "HELLO_ACK ... in which Request ID, Block Handle, Generation, and "
@@ -1119,6 +1277,31 @@ CORPUS: list[Bug] = [
     Bug("shared_ring_overcommitted", "The target assigns each initiator an Allocation Quota at session "
         "setup and keeps the sum of quotas not larger than F", "session.quota.sum",
         plant_shared_ring_counted_larger),
+    # issue 31: the target classes that got through
+    Bug("addr_le_when_requested", "All fields ... are in network byte order, except the address fields "
+        "listed in when the target selects little-endian address fields",
+        "session.features.requested_not_granted", plant_addr_le_when_requested),
+    Bug("store_seal_from_inline", "0x0002 SEAL: seal the block after the store", "ops.flags.stores",
+        plant_store_seal_from_inline),
+    Bug("load_honours_seal", "0x0002 SEAL: seal the block after the store", "ops.flags.load_free",
+        plant_load_honours_seal),
+    Bug("quota_checked_first", "validates every request before touching memory ... 1. The handle MUST be "
+        "in the initiator's range and its entry MUST NOT be VALID. 2. The target allocates a block",
+        "ops.status.precedence.quota", plant_quota_checked_first),
+    Bug("bind_quota_counts_its_ticket", "[BIND] verifies ... that the initiator is within its quota",
+        "direct.quota.bind_edge", plant_bind_quota_counts_its_ticket),
+    Bug("bind_verifies_ticket_first", "[BIND] It validates every request before touching memory ... The "
+        "target verifies ... that the slot of the ticket holds that Block Offset", "direct.bind.precedence",
+        plant_bind_verifies_ticket_first),
+    Bug("invalidate_last_descriptor", "0x0008 INVALIDATE: ... invalidating the STag of the initiator's Data "
+        "Descriptor", "completion.invalidate.two_descriptors", plant_invalidate_last_descriptor),
+    Bug("hello_version_ignored", "Version is 1", "session.hello.version", plant_hello_version_ignored),
+    Bug("credits_from_config", "Completion Credits is the number of receive buffers the initiator has "
+        "posted for COMPLETION messages", "session.credits.completion", plant_credits_from_config),
+    Bug("clear_data_length", "targets SHOULD clear blocks when they are freed", "security.clear_freed",
+        plant_clear_data_length),
+    Bug("release_skips_clear", "targets SHOULD clear blocks when they are freed", "security.clear_freed",
+        plant_release_skips_clear),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 assert len(BY_NAME) == len(CORPUS)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,6 +35,14 @@ def _random_words() -> Iterator[int]:
 
 
 _random = _random_words()
+_random_lock = threading.Lock()
+
+
+def _random_word() -> int:
+    """The next random word; a lock, since a target and its checker may share the process
+    (tests, catch-rate tools) and a generator entered from two threads at once raises."""
+    with _random_lock:
+        return next(_random)
 
 
 class Access(enum.IntFlag):
@@ -114,7 +123,7 @@ class MemoryTable:
         InfiniBand; random indices keep STags unguessable (RFC 5042 s5.1).
         """
         while stag is None or stag in self._regions or stag == 0:
-            stag = next(_random)
+            stag = _random_word()
         region = MemoryRegion(stag, buffer, access, start, length, base, connection)
         self._regions[stag] = region
         return region
@@ -124,7 +133,7 @@ class MemoryTable:
         KLM lists): ``make`` builds it for a fresh STag (rnic/chains/alias.py)."""
         stag = None
         while stag is None or stag in self._regions or stag == 0:
-            stag = next(_random)
+            stag = _random_word()
         region = self._regions[stag] = make(stag)
         return region
 

@@ -8,6 +8,7 @@ from . import (  # noqa: F401
     canary,
     completion,
     direct,
+    flags,
     generation,
     late,
     limits,

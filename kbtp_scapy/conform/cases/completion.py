@@ -9,7 +9,7 @@ from ...vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from ..context import Ctx, status_name
 from ..hold import SETTLE
 from ..registry import MUST, MUST_NOT, RULE, case
-from .common import bind, buffer, data, load_request
+from .common import SENTINEL, bind, buffer, data, load_request
 
 SECTION = "Completion"
 
@@ -172,3 +172,68 @@ async def record_write_imm(ctx: Ctx) -> None:
     if got[0][1].imm != rid & 0xFFFFFFFF:
         ctx.note("the Immediate Data is not the low 32 bits of the Request ID, as the reference "
                  "target's is")
+
+
+@case("completion.invalidate.two_descriptors", "Common Header", RULE, """0x0008 INVALIDATE: the target
+      completes with Send with Invalidate , invalidating the STag of the initiator's Data
+      Descriptor. (Completion: If the target advertised RECORD_COMPLETION and the request has the
+      RECORD flag, the target instead writes a 24-octet completion record)""")
+async def invalidate_two_descriptors(ctx: Ctx) -> None:
+    """Requests with INVALIDATE that carry a Completion Descriptor (RECORD) beside a Data
+    Descriptor (a LOAD, a non-inline STORE and ALLOC_STORE) or none with a STag (an inline
+    STORE, a FREE). In a session not granted RECORD_COMPLETION each completes by a COMPLETION
+    OK, a Send with Invalidate of the Data Descriptor's STag where it has one, the Completion
+    Descriptor's STag still valid and its slot untouched; where RECORD_COMPLETION is granted,
+    the record is written to a slot whose STag stays valid."""
+    for features in (0, Feature.RECORD_COMPLETION) if ctx.info.features & Feature.RECORD_COMPLETION else (0,):
+        a = await ctx.connect(features=features)
+        records = bool(a.target.features & Feature.RECORD_COMPLETION)
+        if features and not records:
+            break
+        h, h2, fresh = await ctx.handles(a, 3)
+        payload = data(100)
+        await bind(ctx, a, h, payload)
+        await bind(ctx, a, h2, b"first", seal=False)
+        steps: list[tuple[str, AnyMessage, MemoryRegion | None]] = [
+            ("a LOAD", {"opcode": Opcode.LOAD, "handle": h}, buffer(a, 128))]
+        for opcode, handle in ((Opcode.STORE, h2), (Opcode.ALLOC_STORE, fresh)):
+            src = a.memory.register(bytearray(payload), Access.REMOTE_READ)
+            steps.append((f"a non-inline {opcode.name}", {"opcode": opcode, "handle": handle}, src))
+        if a.target.max_inline >= 8:
+            steps.append(("an inline STORE", {"opcode": Opcode.STORE, "handle": h2, "inline_data": b"inline!!"},
+                          None))
+        steps.append(("a FREE", {"opcode": Opcode.FREE, "handle": fresh}, None))
+        for what, values, dd in steps:
+            await _two_descriptors(ctx, a, what, values, dd, records)
+        await ctx.goodbye(a, release=True)
+
+
+async def _two_descriptors(ctx: Ctx, a, what: str, values: AnyMessage, dd: MemoryRegion | None,
+                           records: bool) -> None:
+    """One request of ``invalidate_two_descriptors``, judged."""
+    slot = a.memory.register(bytearray([SENTINEL]) * M.COMPLETION_RECORD.size, Access.REMOTE_WRITE)
+    flags = RequestFlag.RECORD | RequestFlag.INVALIDATE
+    if dd is not None:
+        values = {**values, "dd.stag": dd.stag, "dd.offset": 0, "dd.length": dd.length}
+    elif "inline_data" in values:
+        flags |= RequestFlag.INLINE
+    got = await ctx.raw(a, ctx.encode(a, {**values, "flags": flags, "cd.stag": slot.stag, "cd.offset": 0,
+                                          "cd.reserved": 0}))
+    what = f"{what} with RECORD and INVALIDATE ({'' if records else 'not '}granted RECORD_COMPLETION)"
+    ctx.check(bool(got), f"{what}: a completion", "none")
+    c, msg = got[0]
+    ctx.check(slot.valid, f"{what}: the Completion Descriptor's STag still valid",
+              "revoked" + (" (by the Send with Invalidate)" if msg.invalidated == slot.stag else ""))
+    if records:
+        d = codec.decode_struct(M.COMPLETION_RECORD, bytes(slot.view), a.addr_le)
+        ctx.check(msg.write_imm and d["record.status"] == Status.OK, f"{what}: a completion record with "
+                  "Status OK", "a Send" if not msg.write_imm else status_name(d["record.status"]))
+        return
+    ctx.check(c is not None and not msg.write_imm and c["status"] == Status.OK, f"{what}: a COMPLETION OK",
+              "something else" if c is None or msg.write_imm else status_name(c["status"]))
+    ctx.check(bytes(slot.view) == bytes([SENTINEL]) * len(slot.view),
+              f"{what}: the Completion Descriptor's slot untouched", "octets written into it")
+    if dd is not None:
+        ctx.check(msg.invalidated == dd.stag and not dd.valid,
+                  f"{what}: a Send with Invalidate of the Data Descriptor's STag {dd.stag:#010x}",
+                  "a plain Send" if msg.invalidated is None else f"STag {msg.invalidated:#x} revoked")

@@ -164,3 +164,29 @@ async def quota_sum(ctx: Ctx) -> None:
     await asyncio.gather(*(fill_quota(ctx, ini, hs, f"in session {i + 1} of the {len(opened)} admitted, all "
                                                     "filling their quotas at once")
                            for i, (ini, hs) in enumerate(wanted)))
+
+
+@case("direct.quota.bind_edge", "Allocation Quotas", RULE, """An initiator's usage is the number of
+      handles it has bound plus the number of tickets it has taken and not yet bound. ... If a
+      target observes an allocation by an initiator that exceeds its quota, it completes the
+      request with NO_SPACE (Direct Modes: The target verifies that the ticket has not been
+      abandoned, that the slot of the ticket holds that Block Offset, and that the initiator is
+      within its quota)""", features=Feature.DIRECT_ALLOC)
+async def bind_edge(ctx: Ctx) -> None:
+    """The BIND that brings usage to exactly the quota succeeds: the quota less one filled by
+    ALLOC_STORE, then DIRECT_ALLOC and BIND of the last unit (its ticket counted once, not
+    again by its own BIND); one ALLOC_STORE more is NO_SPACE; a FREE gives a unit back and
+    DIRECT_ALLOC takes it, exactly at the quota again."""
+    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
+    q = quota_of(ctx, a, 1)
+    hs = await ctx.handles(a, q + 1)
+    await fill_quota(ctx, a, hs[:q - 1], "before the last unit")
+    payload = data(64)
+    for h, when in ((hs[q - 1], f"after {q - 1} ALLOC_STOREs"), (hs[q], "after a FREE gave one unit back")):
+        await ctx.ok(a.direct_alloc(h, payload), f"DIRECT_ALLOC and BIND of the last unit of the quota of "
+                     f"{q} {when} (usage exactly the quota)")
+        await holds(ctx, a, h, payload, "after the BIND at the quota")
+        if h == hs[q - 1]:
+            status, _ = await ctx.outcome(a.alloc_store(hs[q], b"over"))
+            ctx.check(status == "NO_SPACE", f"the ALLOC_STORE one past the quota of {q}: NO_SPACE", status)
+            await ctx.ok(a.free(hs[0]), "FREE within the full quota")

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
+from ... import codec
 from ...rnic import Access
 from ...tables import memory as M
 from ...vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
 from ..context import Ctx, status_name
-from ..registry import RULE, SetupFailed, case
-from .common import SENTINEL, bind, data, unbound
+from ..registry import RULE, Fail, SetupFailed, case
+from .common import SENTINEL, bind, data, entry_of, unbound
 from .ops import quota_of
 
 DESCRIPTORS = {Feature.DIRECT_LOAD: ("table.stag", "pool.stag"),
@@ -114,3 +115,96 @@ async def shared_ring(ctx: Ctx) -> None:
         for ini in (a, b):     # the next round's two sessions take their places
             await ctx.goodbye(ini, release=True)
         judged = True
+
+
+EVERY_FEATURE = Feature.DIRECT_LOAD | Feature.DIRECT_ALLOC | Feature.RECORD_COMPLETION | Feature.ADDR_LE
+
+
+@case("session.features.requested_not_granted", "Conventions and Definitions", RULE, """All fields
+      in messages and in memory structures read by remote peers are in network byte order, except
+      the address fields listed in when the target selects little-endian address fields. (If the
+      target advertised RECORD_COMPLETION and the request has the RECORD flag, the target instead
+      writes a 24-octet completion record)""")
+async def requested_not_granted(ctx: Ctx) -> None:
+    """A feature requested in HELLO but not granted in HELLO_ACK is not in effect: HELLOs
+    requesting every feature bit at once, ADDR_LE alone and RECORD_COMPLETION alone, and in
+    each session every bit requested and not granted is checked as absent. ADDR_LE: address fields in network
+    byte order both ways (a non-inline store from, and a LOAD into, buffers whose STags,
+    Tagged Offsets and Lengths differ when read the other way round; the handle echoed);
+    RECORD_COMPLETION: a COMPLETION message, the record slot untouched; DIRECT_ALLOC: a
+    BIND binds nothing; DIRECT_LOAD: no Table or Pool descriptors."""
+    for requested in (EVERY_FEATURE, Feature.ADDR_LE, Feature.RECORD_COMPLETION):
+        a = await ctx.connect(features=requested)
+        absent = requested & ~a.target.features
+        for feature, keys in DESCRIPTORS.items():
+            ctx.check(not (absent & feature and any(k in a.target.fields for k in keys)),
+                      f"no {feature.name} descriptors in a HELLO_ACK that did not grant it",
+                      f"descriptors {sorted(a.target.fields)}")
+        when = f"in a session that requested {requested:#06x} and was granted {a.target.features:#06x}"
+        try:
+            h, other = await ctx.handles(a, 2)
+        except SetupFailed as failed:    # FREEs making room: in this session they are under test too
+            raise Fail(f"{failed.step} {when}: {failed.expected}", failed.seen) from None
+        await _byte_order(ctx, a, h, when)
+        if absent & Feature.RECORD_COMPLETION:
+            await _no_record(ctx, a, h, when)
+        if absent & Feature.DIRECT_ALLOC:
+            r = await ctx.ok(a.load(h, allow_unsealed=True), f"LOAD {when}")
+            status, _ = await ctx.outcome(a.bind(other, 0, 0, r.block_offset))
+            ctx.check(status != "OK", f"a BIND {when} refused", "completed OK")
+            await unbound(ctx, a, other, f"after a BIND {when}")
+        await ctx.ok(a.free(h), f"FREE {when}")
+        await ctx.goodbye(a, release=True)
+
+
+async def _byte_order(ctx: Ctx, a, h: int, when: str) -> None:
+    """A non-inline ALLOC_STORE from, and a LOAD into, buffers at a Tagged Offset whose
+    octets differ when reversed, in the order the HELLO_ACK set: the data stored and loaded,
+    the handle echoed."""
+    payload = data(200)
+    base = 0x0102_0304_0506_0700
+    src = a.memory.register(bytearray(payload), Access.REMOTE_READ, base=base)
+    c = await ctx.answer(a, ctx.encode(a, {"opcode": Opcode.ALLOC_STORE, "handle": h, "dd.stag": src.stag,
+                                           "dd.offset": base, "dd.length": len(payload)}),
+                         f"a non-inline ALLOC_STORE {when}")
+    ctx.check((c["status"], c["handle"]) == (Status.OK, h), f"the ALLOC_STORE {when}: OK, echoing "
+              f"handle {h:#x} (address fields {'little' if a.addr_le else 'big'}-endian, as granted)",
+              f"{status_name(c['status'])}, handle {c['handle']:#x}")
+    dest = a.memory.register(bytearray([SENTINEL]) * (len(payload) + 8), Access.REMOTE_WRITE, base=base)
+    c = await ctx.answer(a, ctx.encode(a, {"opcode": Opcode.LOAD, "handle": h, "flags": RequestFlag.ALLOW_UNSEALED,
+                                           "dd.stag": dest.stag, "dd.offset": base,
+                                           "dd.length": len(payload) + 8}), f"a LOAD {when}")
+    ctx.check(c["status"] == Status.OK, f"the LOAD {when}: OK", status_name(c["status"]))
+    ctx.check(bytes(dest.view[:len(payload)]) == payload, f"the stored octets loaded {when}", "other octets")
+    offset = c["completion.block_offset"]
+    if "table.stag" in a.target.fields:        # the entry, read as the HELLO_ACK's byte order says
+        entry = await ctx.wait(entry_of(a, h), f"an RDMA Read of the entry {when}")
+        at = (hex(entry["entry.block_offset"]), entry["entry.data_length"])
+        ctx.check(at == (hex(offset), len(payload)), f"the table entry {when}: the COMPLETION's Block "
+                  f"Offset {offset:#x} and Data Length {len(payload)}", at)
+    if a.target.features & Feature.RECORD_COMPLETION:
+        slot = a.memory.register(bytearray(M.COMPLETION_RECORD.size), Access.REMOTE_WRITE)
+        rid = ctx.rid()
+        got = await ctx.raw(a, codec.encode({
+            "opcode": Opcode.LOAD, "request_id": rid, "handle": h,
+            "flags": RequestFlag.RECORD | RequestFlag.ALLOW_UNSEALED, "dd.stag": dest.stag, "dd.offset": base,
+            "dd.length": dest.length, "cd.stag": slot.stag, "cd.offset": 0, "cd.reserved": 0}, a.addr_le))
+        d = codec.decode_struct(M.COMPLETION_RECORD, bytes(slot.view), a.addr_le)
+        seen = (bool(got), hex(d["record.request_id"]), d["record.status"], hex(d["record.block_offset"]))
+        ctx.check(seen == (True, hex(rid), Status.OK, hex(offset)), f"a completion record {when}: the Request "
+                  f"ID, Status OK, the Block Offset {offset:#x}", seen)
+
+
+async def _no_record(ctx: Ctx, a, h: int, when: str) -> None:
+    """A LOAD with RECORD and a Completion Descriptor: a COMPLETION message, the slot untouched."""
+    slot = a.memory.register(bytearray([SENTINEL]) * M.COMPLETION_RECORD.size, Access.REMOTE_WRITE)
+    dest = a.memory.register(bytearray(256), Access.REMOTE_WRITE)
+    got = await ctx.raw(a, ctx.encode(a, {"opcode": Opcode.LOAD, "handle": h,
+                                          "flags": RequestFlag.RECORD | RequestFlag.ALLOW_UNSEALED,
+                                          "dd.stag": dest.stag, "dd.offset": 0, "dd.length": dest.length,
+                                          "cd.stag": slot.stag, "cd.offset": 0, "cd.reserved": 0}))
+    ctx.check(bool(got) and got[0][0] is not None and not got[0][1].write_imm,
+              f"a LOAD with RECORD {when}: a COMPLETION message",
+              "none" if not got else "a completion record" if got[0][1].write_imm else "something else")
+    ctx.check(bytes(slot.view) == bytes([SENTINEL]) * len(slot.view),
+              f"a LOAD with RECORD {when}: the Completion Descriptor's slot untouched", "octets written into it")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 
 from ... import codec
@@ -74,8 +75,13 @@ def _alloc_inline(ctx: Ctx, a: Initiator, h: int) -> bytes:
 
 @case("ops.header.version", "Common Header", RULE, UNPARSEABLE)
 async def version(ctx: Ctx) -> None:
-    await _not_executed(ctx, lambda a, h: bytes([2]) + _alloc_inline(ctx, a, h)[1:],
-                        "an ALLOC_STORE with Version 2")
+    """ALLOC_STOREs with Versions below and above 1: none executed."""
+    for v in (0, 2, 0xFF):
+        await _not_executed(ctx, functools.partial(_with_version, ctx, v), f"an ALLOC_STORE with Version {v}")
+
+
+def _with_version(ctx: Ctx, version: int, a: Initiator, h: int) -> bytes:
+    return bytes([version]) + _alloc_inline(ctx, a, h)[1:]
 
 
 @case("ops.header.opcode", "Common Header", RULE, UNPARSEABLE)

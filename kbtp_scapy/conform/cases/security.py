@@ -9,6 +9,7 @@ from .common import bind, data
 from .direct import REFUSED, remote_access
 
 SECTION = "Security Considerations"
+CHUNK = 64           # octets compared at a time: a cleared part never equals random ones by chance
 GRANTS = {"table": "read", "pool": "read", "ring": "read", "partition": "write", "head": "atomic"}
 
 
@@ -41,16 +42,28 @@ async def no_stag(ctx: Ctx) -> None:
 @case("security.clear_freed", SECTION, SHOULD, """targets SHOULD clear blocks when they are freed if
       the blocks may be allocated to initiators of a different trust domain.""", features=Feature.DIRECT_LOAD)
 async def clear_freed(ctx: Ctx) -> None:
+    """Whole blocks of secret octets, then a STORE of one octet to each (its Data Length now
+    1); one freed by FREE, the other by GOODBYE with RELEASE: read through the Pool STag,
+    no part of either block's Block Size still holds its secret (a target that clears a
+    freed block only up to its Data Length, or only on FREE, leaves the rest)."""
     a = await ctx.connect(features=0)
-    h, secret = await ctx.handle(a), data(64)
-    r = await bind(ctx, a, h, secret)
+    size = a.target.block_size
+    blocks = []
+    for h in await ctx.handles(a, 2):
+        secret = data(size)
+        r = await bind(ctx, a, h, secret, seal=False, inline=False)
+        await ctx.ok(a.store(h, b"s"), "STORE of one octet (Data Length 1)")
+        blocks.append((r.block_offset, secret))
     await ctx.ok(a.free(h), "FREE")
+    await ctx.goodbye(a, release=True)
     c = await ctx.connect(need=Feature.DIRECT_LOAD)
     pool = c.target.fields["pool.stag"]
-    seen = await ctx.wait(c.qp.read(pool, r.block_offset, len(secret)), "an RDMA Read of the freed block")
-    ctx.check(seen != secret, "the freed block cleared (read through the Pool STag)",
-              "the freed data still in the block")
-
+    for (offset, secret), how in zip(blocks, ("GOODBYE with RELEASE", "FREE")):
+        seen = await ctx.wait(c.qp.read(pool, offset, size), f"an RDMA Read of the block freed by {how}")
+        kept = [i for i in range(1, size, CHUNK) if seen[i:i + CHUNK] == secret[i:i + CHUNK]]   # past the octet
+        ctx.check(not kept, f"the whole block freed by {how} ({size} octets) cleared (read through the Pool "
+                  "STag)", f"its data still there in {len(kept)} of its {CHUNK}-octet parts, from offset "
+                  f"{kept[0] if kept else 0}")
 
 untestable(SECTION, SHOULD, """it SHOULD use STags that are valid for a single request and SHOULD
            request INVALIDATE so that they are revoked by the completion.""",

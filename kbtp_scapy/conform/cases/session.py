@@ -6,7 +6,8 @@ import asyncio
 from ... import codec
 from ...initiator import Initiator
 from ...rnic import Access
-from ...vocab import Feature, GoodbyeFlag, Opcode
+from ...rnic.qp import ConnectionLost, RemoteError
+from ...vocab import Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 from ..context import Ctx, status_name
 from ..hold import SETTLE
 from ..registry import MUST, RULE, case, untestable
@@ -38,6 +39,33 @@ async def hello_ack_header(ctx: Ctx) -> None:
     if not ack["status"]:
         ctx.check(not ack["status"], "Status zero", ack["status"])
         await ctx.wait(qp.send(codec.encode({"opcode": Opcode.GOODBYE, "flags": GoodbyeFlag.RELEASE})), "GOODBYE sent")
+
+
+@case("session.hello.version", SECTION, RULE, """Version is 1. (Session Establishment: the initiator
+      sends HELLO and the target answers with HELLO_ACK ... (Status reports an error in HELLO_ACK))""")
+async def hello_version(ctx: Ctx) -> None:
+    """HELLOs that are well formed but for their Version (0, 2, 255): each is refused, by a
+    HELLO_ACK with a non-zero Status or by closing the connection; none is granted a session."""
+    for version in (0, 2, 0xFF):
+        qp = await ctx.raw_qp()
+        hello = codec.encode({"opcode": Opcode.HELLO, "hello.completion_credits": 4,
+                              "hello.initiator_id": ctx.new_id()})
+        await ctx.wait(qp.send(bytes([version]) + hello[1:]), "the HELLO sent")
+        try:
+            msg = await asyncio.wait_for(qp.recv(), ctx.timeout)
+        except TimeoutError:
+            ctx.check(False, f"a HELLO with Version {version} refused (a HELLO_ACK with an error Status, "
+                      "or the connection closed)", f"nothing within {ctx.timeout:g} s")
+        except (ConnectionLost, RemoteError):    # the connection closed: refused
+            continue
+        try:
+            ack = codec.decode(msg.payload)
+        except codec.Malformed:
+            continue                  # not a HELLO_ACK granting anything
+        ctx.check(ack["opcode"] != Opcode.HELLO_ACK or ack["status"] != Status.OK,
+                  f"a HELLO with Version {version} refused (a HELLO_ACK with an error Status, or the "
+                  "connection closed)", "HELLO_ACK Status OK: a session granted")
+        await qp.close()
 
 
 @case("session.initiator_id.active_rejected", SECTION, MUST, """a target MUST reject a HELLO whose
@@ -158,6 +186,38 @@ async def request_credits(ctx: Ctx) -> None:
     a Terminate (iWARP)."""
     a = await ctx.connect(features=0, credits=min(ctx.info.request_credits, 256))
     await all_credits_outstanding(ctx, a)
+
+
+@case("session.credits.completion", "HELLO", RULE, """Completion Credits is the number of receive
+      buffers the initiator has posted for COMPLETION messages.""")
+async def completion_credits(ctx: Ctx) -> None:
+    """HELLOs announcing 1 and 3 Completion Credits, with exactly that many receive buffers
+    posted: the HELLO_ACK grants no more Request Credits than that, and with every Request
+    Credit granted in use at once and no buffer posted again meanwhile, each request gets
+    exactly one COMPLETION and nothing arrives without a buffer (which would be an RNR NAK
+    on RoCEv2, a Terminate on iWARP)."""
+    for credits in (1, 3):
+        a = await ctx.connect(features=0, credits=credits)
+        granted = a.target.request_credits
+        ctx.check(granted <= credits, f"HELLO_ACK Request Credits at most the HELLO's {credits} Completion "
+                  "Credits", granted)
+        got: list = []
+        a.qp.on_receive(got.append)             # the buffers stay used: none is posted again
+        naks = a.qp.stats.get("rnr_naks_sent", 0)
+        ctx.send(a, [load_request(ctx, a, a.target.handle_base, buffer(a, 64), RequestFlag.ALLOW_UNSEALED)
+                     for _ in range(granted)])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ctx.timeout
+        while len(got) < granted and loop.time() < deadline and not a.qp.closed:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(SETTLE)             # anything more would find no buffer
+        refused = a.qp.stats.get("rnr_naks_sent", 0) - naks
+        when = f"with {credits} Completion Credits and {granted} requests (the Request Credits) outstanding"
+        ctx.check(not a.qp.closed and not refused, f"no message without a receive buffer {when}",
+                  "the connection terminated" if a.qp.closed else f"{refused} RNR NAK(s) sent")
+        ctx.check(len(got) == granted, f"exactly one COMPLETION per request {when}", f"{len(got)} messages")
+        a.qp.post_recv(granted)
+        await ctx.goodbye(a, release=True)
 
 
 async def all_credits_outstanding(ctx: Ctx, a: Initiator, when: str = "") -> None:
