@@ -304,11 +304,18 @@ class Ctx:
 
     async def _prepare(self, coro: Awaitable[Result], step: str, session: Initiator | None) -> Result:
         """Await a set-up request; no answer, or the connection ending under a request that
-        the initiator sent within its credits, is the target's breach (``Broke``)."""
+        the initiator sent within its credits (on RoCEv2 RNR NAKs, no buffer for it), is
+        the target's breach (``Broke``)."""
         closed = session is not None and session.qp.closed     # then the request is never sent
+        naks = _rnr_naks(session)
         try:
             return await asyncio.wait_for(coro, self.timeout)
         except TimeoutError:
+            refused = _rnr_naks(session) - naks
+            if refused:
+                raise Broke(Rule.CREDITS, step, "a COMPLETION (the request was within the Request "
+                            "Credits)", f"{refused} RNR NAK(s): the request found no receive buffer, "
+                            f"and no COMPLETION within {self.timeout:g} s") from None
             raise Broke(Rule.ANSWERED, step, "a COMPLETION", f"nothing within {self.timeout:g} s") from None
         except (ConnectionLost, RemoteError) as exc:
             seen = f"the connection failed ({describe(exc, self.timeout)})"
@@ -416,6 +423,11 @@ class Ctx:
         if decoded is None or decoded["opcode"] != Opcode.COMPLETION:
             raise Fail(f"{what}: a COMPLETION", msg.payload.hex() or "an RDMA Write with Immediate")
         return decoded
+
+
+def _rnr_naks(session: Initiator | None) -> int:
+    """The RNR NAKs ``session``'s connection has had (RoCEv2: a request found no buffer)."""
+    return session.qp.stats.get("rnr_naks", 0) if session is not None else 0
 
 
 def status_name(value: int) -> str:
