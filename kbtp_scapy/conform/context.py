@@ -292,15 +292,20 @@ class Ctx:
 
     async def setup(self, coro: Awaitable[Result], step: str, session: Initiator | None = None) -> Result:
         """A request of ``session`` that only prepares the case: it must complete OK. When
-        it does not, the target broke a rule (``Broke``), unless the checker asked for more
-        than the session's quota (``SetupFailed``)."""
+        it does not, the target broke a rule (``Broke``; NO_SPACE within the session's quota
+        breaks the quota's promise), unless the checker asked for more than the quota
+        (``SetupFailed``)."""
         try:
             return await self._prepare(coro, step, session)
         except KbtpError as exc:
-            if exc.name == "NO_SPACE" and session is not None and session.usage >= session.target.quota:
+            if exc.name != "NO_SPACE" or session is None:
+                raise Broke(Rule.STATUS, step, "OK", str(exc) or exc.name) from None
+            quota, usage = session.target.quota, session.usage
+            if usage >= quota:
                 raise SetupFailed(step, "OK", f"NO_SPACE: the case needs more than the quota of "
-                                              f"{session.target.quota}") from None
-            raise Broke(Rule.STATUS, step, "OK", str(exc) or exc.name) from None
+                                              f"{quota}") from None
+            raise Broke(Rule.QUOTA, step, "OK", f"NO_SPACE with {usage} of the quota of {quota} "
+                                                "in use") from None
 
     async def _prepare(self, coro: Awaitable[Result], step: str, session: Initiator | None) -> Result:
         """Await a set-up request; no answer, or the connection ending under a request that
