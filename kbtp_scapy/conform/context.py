@@ -295,23 +295,35 @@ class Ctx:
 
     async def setup(self, coro: Awaitable[Result], step: str, session: Initiator | None = None) -> Result:
         """A request of ``session`` that only prepares the case: it must complete OK. When
-        it does not, the target broke a rule (``Broke``), unless the checker asked for more
-        than the session's quota (``SetupFailed``)."""
+        it does not, the target broke a rule (``Broke``; NO_SPACE within the session's quota
+        breaks the quota's promise), unless the checker asked for more than the quota
+        (``SetupFailed``)."""
         try:
             return await self._prepare(coro, step, session)
         except KbtpError as exc:
-            if exc.name == "NO_SPACE" and session is not None and session.usage >= session.target.quota:
+            if exc.name != "NO_SPACE" or session is None:
+                raise Broke(Rule.STATUS, step, "OK", str(exc) or exc.name) from None
+            quota, usage = session.target.quota, session.usage
+            if usage >= quota:
                 raise SetupFailed(step, "OK", f"NO_SPACE: the case needs more than the quota of "
-                                              f"{session.target.quota}") from None
-            raise Broke(Rule.STATUS, step, "OK", str(exc) or exc.name) from None
+                                              f"{quota}") from None
+            raise Broke(Rule.QUOTA, step, "OK", f"NO_SPACE with {usage} of the quota of {quota} "
+                                                "in use") from None
 
     async def _prepare(self, coro: Awaitable[Result], step: str, session: Initiator | None) -> Result:
         """Await a set-up request; no answer, or the connection ending under a request that
-        the initiator sent within its credits, is the target's breach (``Broke``)."""
+        the initiator sent within its credits (on RoCEv2 RNR NAKs, no buffer for it), is
+        the target's breach (``Broke``)."""
         closed = session is not None and session.qp.closed     # then the request is never sent
+        naks = _rnr_naks(session)
         try:
             return await asyncio.wait_for(coro, self.timeout)
         except TimeoutError:
+            refused = _rnr_naks(session) - naks
+            if refused:
+                raise Broke(Rule.CREDITS, step, "a COMPLETION (the request was within the Request "
+                            "Credits)", f"{refused} RNR NAK(s): the request found no receive buffer, "
+                            f"and no COMPLETION within {self.timeout:g} s") from None
             raise Broke(Rule.ANSWERED, step, "a COMPLETION", f"nothing within {self.timeout:g} s") from None
         except (ConnectionLost, RemoteError) as exc:
             seen = f"the connection failed ({describe(exc, self.timeout)})"
@@ -419,6 +431,11 @@ class Ctx:
         if decoded is None or decoded["opcode"] != Opcode.COMPLETION:
             raise Fail(f"{what}: a COMPLETION", msg.payload.hex() or "an RDMA Write with Immediate")
         return decoded
+
+
+def _rnr_naks(session: Initiator | None) -> int:
+    """The RNR NAKs ``session``'s connection has had (RoCEv2: a request found no buffer)."""
+    return session.qp.stats.get("rnr_naks", 0) if session is not None else 0
 
 
 def status_name(value: int) -> str:

@@ -52,6 +52,7 @@ class Rule(Enum):
     CREDITS = "session.credits.request"   # the connection ended under a request within the credits
     ANSWERED = "completion.request_id"    # a request that got no COMPLETION
     STATUS = "ops.no_side_effect"         # refused with a status no check of the request gives
+    QUOTA = "session.quota.sum"           # NO_SPACE to an allocation within the session's quota
 
 
 class Broke(SetupFailed):

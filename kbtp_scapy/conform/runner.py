@@ -22,6 +22,7 @@ from typing import Any
 from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError, PeerLimit
 from ..initiator.client import ALL_FEATURES
+from ..initiator.presence import absent
 from ..initiator.results import TargetInfo
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..vocab import Feature
@@ -43,7 +44,6 @@ from .registry import (
 )
 
 CASE_BUDGET = 8      # a whole case may take this many --timeout periods (unless it says)
-GONE_PAUSE = 1.0     # seconds between the two HELLOs that find a target gone
 
 
 @dataclass
@@ -79,8 +79,9 @@ class Listener:
 async def probe(url: str, local: str | None, timeout: float,
                 state: RunState | None = None) -> TargetInfo:
     """HELLO with every feature requested: what the target offers, for SKIP decisions."""
+    options: dict[str, Any] = {"local": local} if local else {}
     try:
-        return await _session(url, local, timeout, ALL_FEATURES, state)
+        ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, **options), timeout)
     except PeerLimit as exc:          # every case's HELLO fails on it: FAIL (Ctx.connect)
         return exc.target
     except KbtpError as exc:
@@ -95,21 +96,14 @@ async def probe(url: str, local: str | None, timeout: float,
                                "--local") from None
         raise HarnessError(f"{url}: cannot reach a KBTP target ({describe(exc, timeout)}); check "
                            "the address and that the target runs") from None
-
-
-async def _session(url: str, local: str | None, timeout: float, features: int,
-                   state: RunState | None) -> TargetInfo:
-    """HELLO on a new connection, then GOODBYE with RELEASE; what the HELLO_ACK granted.
-    Its Initiator ID joins those a later case may reconnect with."""
-    options: dict[str, Any] = {"local": local} if local else {}
-    ini = await asyncio.wait_for(Initiator.connect(url, features=features, **options), timeout)
+    info = ini.target
     try:
         await asyncio.wait_for(ini.goodbye(release=True), timeout)
     except (TimeoutError, ConnectionLost):
         await ini.close()
     if state is not None:
         state.retired.append(ini.initiator_id)
-    return ini.target
+    return info
 
 
 def _unmet(case: Case, transport: str, info: TargetInfo, quick: bool) -> str | None:
@@ -205,20 +199,9 @@ async def run(url: str, cases: list[Case], *, timeout: float = 10.0, local: str 
 
 
 async def gone(url: str, local: str | None, timeout: float, state: RunState) -> str | None:
-    """Why the target no longer answers a HELLO on a new connection (asked twice, a moment
-    apart, before it is blamed), or None while it answers, whatever the HELLO_ACK says."""
-    why = None
-    for attempt in range(2):
-        if attempt:
-            await asyncio.sleep(GONE_PAUSE)
-        try:
-            await _session(url, local, timeout, 0, state)
-            return None
-        except KbtpError:
-            return None
-        except (TimeoutError, ConnectionLost, RemoteError, OSError) as exc:
-            why = describe(exc, timeout)
-    return why
+    """Why the target no longer answers a HELLO (asked twice), or None while it does."""
+    why = await absent(url, {"local": local} if local else {}, timeout, opened=state.retired.append)
+    return None if why is None else describe(why, timeout)
 
 
 def went_away(out: Outcome, why: str) -> Outcome:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..harness import HarnessError
-from ..initiator import Initiator, KbtpError
+from ..initiator.presence import absent
 from ..rnic.pcap import PcapSink
 from ..wire.address import parse_url
 from . import report
@@ -43,31 +43,14 @@ class Run:
 
 
 RESUME_TRIES = 3      # fresh sessions tried after a finding before the run stops
-GONE_PAUSE = 1.0      # seconds between the two HELLOs that find a target gone
 #: findings that may mean the target went away: look before minimizing against it
 SILENT = {"liveness", "no-answer", "setup"}
 
 
 async def gone(run: Run) -> str | None:
-    """Why the target no longer answers a HELLO on a new connection (asked twice, a moment
-    apart, before it is blamed), or None while it answers, whatever the HELLO_ACK says."""
-    why = None
-    for attempt in range(2):
-        if attempt:
-            await asyncio.sleep(GONE_PAUSE)
-        try:
-            ini = await asyncio.wait_for(Initiator.connect(run.url, features=0, **run.options), run.timeout)
-        except KbtpError:
-            return None
-        except TRANSPORT_ERRORS as exc:
-            why = describe(exc, run.timeout)
-            continue
-        try:
-            await asyncio.wait_for(ini.goodbye(release=True), run.timeout)
-        except (*TRANSPORT_ERRORS, KbtpError):
-            await ini.close()
-        return None
-    return why
+    """Why the target no longer answers a HELLO (asked twice), or None while it does."""
+    why = await absent(run.url, run.options, run.timeout)
+    return None if why is None else describe(why, run.timeout)
 
 
 class Control:
@@ -215,7 +198,7 @@ async def campaign(run: Run, control: Control, seed: int, count: int, start: int
             done = await resumed(first)
         try:
             await each_case(done)
-        except HarnessError:          # the target answered at the start: has it gone since?
+        except (HarnessError, *TRANSPORT_ERRORS):    # it answered at the start: gone since?
             why = await gone(run) if at else None
             if why is None:
                 raise
