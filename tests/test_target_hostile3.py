@@ -149,6 +149,7 @@ def test_busy_sessions_from_eight_sources_give_way_to_newcomers(transport, execu
     finally:
         log = t.stop()
     assert admitted >= PROBES - 1, (admitted, attackers, log[-3000:])
+    assert "Traceback" not in log, log[-3000:]
     assert attackers["admitted"] >= 8 + admitted - 1 and attackers["ended"] >= admitted - 1, attackers
     assert metrics['kbtp_sessions_total{event="displaced"}'] >= admitted - 1, metrics
 
@@ -169,4 +170,5 @@ def test_one_untrusted_source_with_busy_sessions_gives_way_to_newcomers(transpor
     finally:
         log = t.stop()
     assert admitted >= PROBES - 1, (admitted, attackers, log[-3000:])
+    assert "Traceback" not in log, log[-3000:]
     assert metrics['kbtp_sessions_total{event="displaced"}'] >= admitted - 1, metrics

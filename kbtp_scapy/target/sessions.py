@@ -215,7 +215,7 @@ class Sessions:
         now = asyncio.get_running_loop().time()
         cutoff = now - self.config.idle_timeout_s
         quiet = [s for s in self.by_id.values() if s.active and s.qp is not None
-                 and s.heard(now) <= cutoff and (s.partition is not None or not with_partition)]
+                 and not s.displaced and s.heard(now) <= cutoff and (s.partition is not None or not with_partition)]
         state = min(quiet, key=lambda s: s.heard_at, default=None)
         if state is None:
             return None
