@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from scapy.packet import Packet
 
 __all__ = ["CaptureError", "Found", "kbtp_messages", "rdma_messages", "read_packets",
-           "session_key", "to_json"]
+           "session_key", "to_json", "where_it_ends"]
 
 SEND_KINDS = {"send", "send_inv"}
 _HELLO_ACK = T.BY_NAME["HELLO_ACK"].opcode
@@ -64,6 +64,23 @@ def read_packets(path: str | Path) -> list[Packet]:
         raise CaptureError(f"{path}: no such file") from None
     except (Scapy_Exception, EOFError, ValueError, OSError) as exc:
         raise CaptureError(f"{path}: not a pcap or pcapng capture ({exc})") from None
+
+
+def where_it_ends(path: str | Path) -> str | None:
+    """Why a capture stops being readable before its end (cut in the middle of a frame,
+    a corrupt record), in ``kbtp decode``'s words; None when it reads to its end. Scapy's
+    reader stops there silently, so what is built from its packets says this beside them."""
+    from .decode.pcapfile import Reader
+    try:
+        with open(path, "rb") as stream:
+            reader = Reader(stream, str(path))
+            for _ in reader:
+                pass
+    except (OSError, CaptureError):
+        return None                              # read_packets says what is wrong with it
+    if reader.problem:
+        return reader.problem
+    return f"the capture ends in the middle of frame {reader.cut_short}" if reader.cut_short else None
 
 
 def rdma_messages(packets: list[Packet]) -> list[RdmaMessage]:

@@ -106,7 +106,8 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
 
     \b
     Exit status: 0 every compared step matched; 1 the target differed or failed to
-    answer; 2 usage error or the replay could not run.
+    answer, or the capture is cut short (the steps before its end are replayed); 2 usage
+    error or the replay could not run.
 
     The sample captures (pcaps/) come from a scripted session whose generations, tickets
     and failures (NO_SPACE, INTERNAL, TICKET_ABANDONED) no fresh target reproduces: they
@@ -165,5 +166,7 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
         differ = counts["differ"]
         raise _Failed(f"replay: {count(differ, 'step')} {'differs' if differ == 1 else 'differ'}, "
                       f"{counts['error']} failed")
+    if cap.ends:
+        raise _Failed(f"{capture}: {cap.ends}; the steps before it were replayed")
     if not counts["match"]:
         raise _Harness("replay: no step could be compared")

@@ -324,8 +324,8 @@ class Player:
             raise LookupError(f"a Read of {step.length} octets is longer than the direct modes "
                               f"make (a block of {ini.target.block_size})")
         if step.region == "table":
-            index, rem = divmod(step.offset - captured[1], M.ENTRY_SIZE)
-            handle = m.handle(ses, ses.ack.get("hello_ack.table_base_handle", 0) + index)
+            rem = (step.offset - captured[1]) % M.ENTRY_SIZE
+            handle = m.handle(ses, step.handle or 0)
             offset = base + M.ENTRY_SIZE * (handle - new["table_base_handle"]) + rem
             return stag, offset, lambda raw: self._entry(live, step, raw, rem)
         if step.region in ("pool", "partition"):

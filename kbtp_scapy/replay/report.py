@@ -30,6 +30,8 @@ def text(capture: Capture, url: str, loops: list[list[Verdict]], verbose: bool =
     lines = [f"replay of {capture.path} ({count(len(capture.sessions), 'session')}) against {url}"]
     lines += [f"note: {n}" for n in capture.notes]
     lines += [f"note: session {s.index}: {n}" for s in capture.sessions for n in s.notes]
+    if capture.ends:
+        lines.append(f"note: {capture.ends}: the steps after it are not in the replay")
     for number, verdicts in enumerate(loops, 1):
         prefix = f"loop {number}: " if len(loops) > 1 else ""
         for v in verdicts:
@@ -38,9 +40,16 @@ def text(capture: Capture, url: str, loops: list[list[Verdict]], verbose: bool =
             reasons = "; ".join(d.describe() for d in v.differences) or v.detail
             lines.append(f"{prefix}{v.state.upper():9} {_where(v)}{': ' + reasons if reasons else ''}")
     counts = summary(loops)
-    verdict = "DIFFERENT" if counts["differ"] or counts["error"] else "MATCH"
+    verdict = result(capture, counts).upper()
     lines.append(f"{verdict}: " + ", ".join(f"{counts[s]} {s}" for s in STATES))
     return lines
+
+
+def result(capture: Capture, counts: dict[str, int]) -> str:
+    """different, incomplete (the capture is cut short: a match of part of it) or match."""
+    if any(counts[s] for s in FAILING):
+        return "different"
+    return "incomplete" if capture.ends else "match"
 
 
 def _verdict_json(v: Verdict) -> dict[str, Any]:
@@ -65,6 +74,7 @@ def _verdict_json(v: Verdict) -> dict[str, Any]:
 def as_json(capture: Capture, url: str, loops: list[list[Verdict]], ignore: list[str],
             kept: set[int]) -> dict[str, Any]:
     counts = summary(loops)
+    verdict = result(capture, counts)
     return {
         "capture": capture.path, "target": url, "ignored": sorted(ignore),
         "sessions": [{"session": s.index, "transport": s.transport, "frame": s.frame,
@@ -72,8 +82,9 @@ def as_json(capture: Capture, url: str, loops: list[list[Verdict]], ignore: list
                       "handle_count": s.ack.get("hello_ack.handle_count"),
                       "steps": len(s.steps), "notes": s.notes} for s in capture.sessions],
         "notes": capture.notes,
+        "capture_ends": capture.ends,
         "handles_kept": sorted(kept),
         "loops": [[_verdict_json(v) for v in verdicts] for verdicts in loops],
         "summary": counts,
-        "result": "differ" if any(counts[s] for s in FAILING) else "match",
+        "result": "differ" if verdict == "different" else verdict,
     }
