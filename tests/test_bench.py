@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,5 +106,67 @@ def test_plot_png_and_svg(tmp_path, target):
 
 def test_more_in_flight_than_the_quota_is_one_line(target):
     proc = bench(target, "-t", "1000", "-n", "10", index=3)
-    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr   # as asked: usage
     assert "--in-flight 1000 needs a block each; the target's quota is 32 blocks" in proc.stderr
+
+
+def _measuring(t: TargetThread, *args: str) -> subprocess.Popen:
+    """``kbtp bench -D 60 --json`` against ``t``, returned once its session has run a second."""
+    local = ["--local", t.initiator_hosts[0]] if t.transport == "roce" else []
+    proc = subprocess.Popen([*KBTP, "bench", t.url, *local, "-D", "60", "--json", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not t.target.sessions.by_id and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    return proc
+
+
+def _partial(proc: subprocess.Popen, code: int) -> tuple[dict, str]:
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    doc = json.loads(out)
+    row = doc["results"][0]
+    assert doc["partial"] and row["partial"] and row["iterations"] > 0 and row["seconds"] < 30
+    return doc, err.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_what_was_measured():
+    """A SIGINT a second into a 60 s run: the requests completed until then, marked partial,
+    then exit 130 (as conform, fuzz and decode do)."""
+    t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4))
+    try:
+        proc = _measuring(t)
+        proc.send_signal(signal.SIGINT)
+        doc, why = _partial(proc, 130)
+    finally:
+        t.stop()
+    assert doc["ended"] == "interrupted (Ctrl-C)" and why.startswith("kbtp: bench: interrupted (Ctrl-C)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_a_target_that_dies_keeps_what_was_measured(transport):
+    """The target goes away a second into the run: what it answered until then is reported,
+    marked partial, with why it ended; exit 1 (the target failed)."""
+    t = TargetThread(transport, TargetConfig(blocks=64, max_initiators=4))
+    try:
+        proc = _measuring(t)
+    finally:
+        t.stop()
+    doc, why = _partial(proc, 1)
+    assert doc["ended"].startswith("the connection ended: ") and "the connection ended" in why
+
+
+def test_local_is_ignored_over_iwarp():
+    """--local names a RoCEv2 source address; over iWARP TCP picks it (was a traceback)."""
+    t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4))
+    try:
+        proc = subprocess.run([*KBTP, "bench", t.url, "--local", t.initiator_hosts[0], "-n", "20",
+                               "--json"], capture_output=True, text=True, timeout=120)
+    finally:
+        t.stop()
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["results"][0]["iterations"] == 20

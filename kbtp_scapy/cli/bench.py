@@ -2,7 +2,6 @@
 target, as a perftest-like table or JSON, with a terminal histogram and an optional plot."""
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -11,7 +10,8 @@ import click
 from ..bench import runner
 from ..bench.stats import histogram
 from ..initiator import KbtpError
-from .errors import CONNECTION_ERRORS, file_trouble, hint, line, local_trouble, reason
+from .errors import CONNECTION_ERRORS, Exit, file_trouble, hint, line, local_trouble, reason
+from .interrupt import run_stoppable
 from .options import address, raw_io, raw_io_options
 
 #: perftest-like columns: header, row key, width
@@ -62,7 +62,8 @@ def table(rows: list[dict[str, Any]]) -> str:
               help="Run each size for this many iterations instead (perftest's -n).")
 @click.option("--inline/--no-inline", default=None,
               help="Stores: data in the request, or RDMA-Read by the target [default: when it fits].")
-@click.option("--local", default=None, metavar="ADDR", help="RoCEv2: local address to send from.")
+@click.option("--local", default=None, metavar="ADDR",
+              help="RoCEv2: local address to send from (ignored over iWARP).")
 @raw_io_options("bench")
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="How long to wait for the connection.")
@@ -103,7 +104,7 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
         raise click.BadParameter("give a .png or .svg file", param_hint="--plot")
     target = address(transport, url)
     options: dict[str, Any] = {"connect_timeout": timeout, **raw_io(transport, io, iface, raw_addr, device)}
-    if local:
+    if local and transport == "roce":             # iWARP connects from what TCP picks
         options["local"] = local
     plan = runner.Plan(str(target), op, sizes, in_flight, None if iterations else duration or 5.0,
                        iterations, inline, options)
@@ -115,11 +116,14 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
         except OSError as exc:
             raise file_trouble(pcap, exc, option="--pcap") from None
         plan.frame_listeners.append(sink)
+    def stop() -> None:
+        plan.interrupted = True
+
     try:
-        runs = asyncio.run(runner.run(plan, lambda text: None if as_json else
-                                      click.echo(f"kbtp bench: {text} ...", err=True)))
+        runs = run_stoppable(lambda: runner.run(plan, lambda text: None if as_json else
+                                                click.echo(f"kbtp bench: {text} ...", err=True)), stop)
     except runner.BenchError as exc:
-        raise click.ClickException(line(f"bench {target}", str(exc), "see 'kbtp bench --help'")) from None
+        raise Exit(2, line(f"bench {target}", str(exc), "see 'kbtp bench --help'")) from None
     except KbtpError as exc:
         raise click.ClickException(line(f"bench {target}", str(exc), "the target's log may say why")) from None
     except CONNECTION_ERRORS as exc:
@@ -128,24 +132,51 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
     finally:
         if sink:
             sink.close()
-    rows = [row for run in runs for row in run.rows()]
-    if as_json:
-        click.echo(json.dumps({"target": str(target), "op": op, "in_flight": in_flight,
-                               "results": rows}, indent=1))
-    else:
-        click.echo(table(rows))
-        if show_histogram:
-            for run in runs:
-                for s in run.samples.values():
-                    click.echo(f"\n{s.op} latency, {s.size} octets ({len(s.latencies)} requests):")
-                    click.echo("\n".join(histogram(s.latencies)))
+    if not runs and plan.interrupted:
+        raise Exit(130, "bench: interrupted (Ctrl-C) before any request was measured")
+    cut = runs[-1].cut
+    _report(runs, target, op, in_flight, as_json, show_histogram, cut)
     if plot:
         from ..bench.plot import write
         try:
-            write(plot, runs, f"kbtp bench {op} {target}, {in_flight} in flight")
+            write(plot, runs, f"kbtp bench {op} {target}, {in_flight} in flight"
+                  + (" (partial)" if cut is not None else ""))
         except ImportError as exc:
             raise click.ClickException(str(exc)) from None
         except OSError as exc:
             raise file_trouble(plot, exc, option="--plot") from None
         if not as_json:
             click.echo(f"\nwrote {plot}")
+    done = f"the results above are of the {runs[-1].seconds:.1f} s measured until then, marked partial"
+    if isinstance(cut, runner.Interrupted):
+        raise Exit(130, f"bench: interrupted (Ctrl-C); {done}")
+    if cut is not None:
+        raise Exit(1, line(f"bench {target}: the connection ended", reason(cut, timeout), done))
+
+
+def _ended(cut: BaseException | None) -> str | None:
+    """Why the last size ended before its plan, for the JSON report."""
+    if cut is None:
+        return None
+    return "interrupted (Ctrl-C)" if isinstance(cut, runner.Interrupted) else \
+        f"the connection ended: {reason(cut)}"
+
+
+def _report(runs: list[runner.Measured], target: Any, op: str, in_flight: int, as_json: bool,
+            show_histogram: bool, cut: BaseException | None) -> None:
+    """The table and histograms, or the JSON document; a run cut short says so in both."""
+    rows = [row for run in runs for row in run.rows()]
+    if as_json:
+        doc = {"target": str(target), "op": op, "in_flight": in_flight, "results": rows}
+        if cut is not None:
+            doc.update(partial=True, ended=_ended(cut))
+        click.echo(json.dumps(doc, indent=1))
+        return
+    click.echo(table(rows))
+    if cut is not None:
+        click.echo(f"partial: {_ended(cut)} after {runs[-1].seconds:.1f} s of the last size")
+    if show_histogram:
+        for run in runs:
+            for s in run.samples.values():
+                click.echo(f"\n{s.op} latency, {s.size} octets ({len(s.latencies)} requests):")
+                click.echo("\n".join(histogram(s.latencies)))
