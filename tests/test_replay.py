@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -217,3 +220,30 @@ def test_truncated_capture_says_where_it_ends(capsys, tmp_path):
     rc, out, _ = replay(capsys, "iwarp", str(cut), "--json")
     doc = json.loads(out)
     assert rc == 1 and doc["result"] == "incomplete" and doc["capture_ends"] == ends
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_loop_keeps_the_steps_replayed(tmp_path):
+    """A SIGINT during ``--loop 1000``: the loops replayed until then are judged and written
+    (text and --json-file), marked interrupted, then exit 130."""
+    t = TargetThread("iwarp", TargetConfig(**CONFIG), hosts=hosts())
+    report = tmp_path / "report.json"
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kbtp_scapy", "replay",
+                                 "pcaps/rxe_kernel_session.pcap", "--target", t.url, "--loop", "1000",
+                                 "--json-file", str(report)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(t.target.metrics.hellos.values()) < 3 \
+                and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        t.stop()
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1].startswith("kbtp: replay: interrupted (Ctrl-C) after ")
+    assert out.splitlines()[-1].startswith("INTERRUPTED: ")
+    doc = json.loads(report.read_text())
+    assert doc["result"] == "interrupted" and doc["interrupted"].startswith("interrupted (Ctrl-C)")
+    assert doc["summary"]["match"] > 0 and doc["summary"]["differ"] == 0

@@ -133,12 +133,15 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     if role == "initiator":
         from .conform_initiator import check_initiator
         console = _Console(listen or "", not (as_json or json_file == "-"), quiet)
-        code = check_initiator(listen, program, local=local, list_only=list_only, only=only,
-                               exclude=exclude, quick=quick, strict=strict, as_json=as_json,
-                               json_file=json_file, junit_file=junit_file, pcap_dir=pcap_dir,
-                               keep=keep, timeout=timeout, quiet=quiet, console=console,
-                               io=raw_io("", io, None, None, device))   # no --io raw here
-        console.clear()
+        try:
+            code = check_initiator(listen, program, local=local, list_only=list_only, only=only,
+                                   exclude=exclude, quick=quick, strict=strict, as_json=as_json,
+                                   json_file=json_file, junit_file=junit_file, pcap_dir=pcap_dir,
+                                   keep=keep, timeout=timeout, quiet=quiet, console=console,
+                                   judged=console.outcomes,
+                                   io=raw_io("", io, None, None, device))   # no --io raw here
+        finally:
+            console.clear()
         if code:
             raise Exit(code, f"conform: the initiator did not pass (exit status {code}); see each "
                               "case's expected/seen above")
