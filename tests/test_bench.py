@@ -160,13 +160,10 @@ def test_a_target_that_dies_keeps_what_was_measured(transport):
     assert doc["ended"].startswith("the connection ended: ") and "the connection ended" in why
 
 
-def test_local_is_ignored_over_iwarp():
-    """--local names a RoCEv2 source address; over iWARP TCP picks it (was a traceback)."""
-    t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4))
-    try:
-        proc = subprocess.run([*KBTP, "bench", t.url, "--local", t.initiator_hosts[0], "-n", "20",
-                               "--json"], capture_output=True, text=True, timeout=120)
-    finally:
-        t.stop()
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["results"][0]["iterations"] == 20
+def test_local_over_iwarp_is_a_usage_error():
+    """--local names a RoCEv2 source address; over iWARP TCP picks it: one line, exit 2, as
+    kbtp initiator says it (it was a traceback)."""
+    proc = subprocess.run([*KBTP, "bench", "iwarp://127.0.0.1:9", "--local", "127.0.0.2", "-n", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "--local is for RoCEv2" in proc.stderr

@@ -12,7 +12,7 @@ from ..bench.stats import histogram
 from ..initiator import KbtpError
 from .errors import CONNECTION_ERRORS, Exit, file_trouble, hint, line, local_trouble, reason
 from .interrupt import run_stoppable
-from .options import address, raw_io, raw_io_options
+from .options import LOCAL_IS_ROCE, address, raw_io, raw_io_options
 
 #: perftest-like columns: header, row key, width
 COLUMNS = (("op", "op", 12), ("#bytes", "bytes", 8), ("#iterations", "iterations", 12),
@@ -62,8 +62,7 @@ def table(rows: list[dict[str, Any]]) -> str:
               help="Run each size for this many iterations instead (perftest's -n).")
 @click.option("--inline/--no-inline", default=None,
               help="Stores: data in the request, or RDMA-Read by the target [default: when it fits].")
-@click.option("--local", default=None, metavar="ADDR",
-              help="RoCEv2: local address to send from (ignored over iWARP).")
+@click.option("--local", default=None, metavar="ADDR", help="RoCEv2: local address to send from.")
 @raw_io_options("bench")
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="How long to wait for the connection.")
@@ -104,7 +103,9 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
         raise click.BadParameter("give a .png or .svg file", param_hint="--plot")
     target = address(transport, url)
     options: dict[str, Any] = {"connect_timeout": timeout, **raw_io(transport, io, iface, raw_addr, device)}
-    if local and transport == "roce":             # iWARP connects from what TCP picks
+    if local and transport == "iwarp" and io != "verbs":
+        raise click.UsageError(LOCAL_IS_ROCE)
+    if local:
         options["local"] = local
     plan = runner.Plan(str(target), op, sizes, in_flight, None if iterations else duration or 5.0,
                        iterations, inline, options)

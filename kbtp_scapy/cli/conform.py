@@ -16,7 +16,7 @@ from ..harness import HarnessError
 from ..initiator.results import TargetInfo
 from ..words import count
 from .errors import Exit
-from .options import raw_io
+from .options import raw_io, say_resolved
 
 
 class _Console(Listener):
@@ -156,6 +156,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         return
     if not url:
         raise click.UsageError("--target URL is required (or --list)")
+    say_resolved(url)
     if json_file == "-":
         as_json, json_file = True, None
     console = _Console(url, not as_json, quiet)

@@ -15,7 +15,7 @@ from ..fuzz.cases import parse_name
 from ..wire.address import parse_url
 from .errors import Exit
 from .interrupt import run_stoppable
-from .options import raw_io, raw_io_options
+from .options import raw_io, raw_io_options, say_resolved
 
 
 class _Progress:
@@ -135,6 +135,7 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
         transport = parse_url(url).transport
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    say_resolved(url)
     options = raw_io(transport, io, iface, raw_addr)
     replay_args = ["--io", "raw", "--iface", options["iface"], "--addr", options["addr"]] if options else []
     if local and transport == "roce":

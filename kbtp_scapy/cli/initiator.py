@@ -32,6 +32,7 @@ from .errors import (
     say,
 )
 from .options import (
+    LOCAL_IS_ROCE,
     address,
     feature_names,
     features,
@@ -148,8 +149,7 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
     if transport == "roce" and io != "verbs":
         options.update((k, v) for k, v in (("local", local), ("mtu", int(mtu) if mtu else None)) if v)
     elif local and io != "verbs":
-        raise click.UsageError("--local is for RoCEv2 (and --io verbs): over iWARP the kernel's "
-                               "TCP picks the source address")
+        raise click.UsageError(LOCAL_IS_ROCE)
     elif local:
         options["local"] = local
     options.update(raw_io(transport, io, iface, raw_addr, device))

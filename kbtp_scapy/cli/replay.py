@@ -14,6 +14,7 @@ from ..wire.address import parse_url
 from ..words import count
 from .errors import CONNECTION_ERRORS, Exit, describe, hint, local_trouble, reason
 from .interrupt import run_stoppable
+from .options import say_resolved
 
 
 class _Failed(click.ClickException):
@@ -138,6 +139,7 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
         transport = parse_url(url).transport
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--target") from None
+    say_resolved(url)
     ignored = {n.strip().lower() for item in ignore for n in item.split(",") if n.strip()}
     unknown = ignored - set(compare.FIELDS)
     if unknown:
