@@ -247,7 +247,7 @@ def test_generations_that_move_differently_still_differ():
 
     from kbtp_scapy.replay.compare import Generations
     g = Generations()
-    step = lambda handle: NS(step=NS(fields={"handle": handle}), session=NS(index=0))
+    step = lambda handle: NS(step=NS(handle=handle), session=NS(index=0))
     assert g.as_captured(step(0x10), 3, 1) == 3          # learnt: replay is 2 behind
     assert g.as_captured(step(0x10), 4, 2) == 4          # moved as captured
     assert g.as_captured(step(0x10), 5, 4) == 6          # bumped once too often: differs
