@@ -346,3 +346,15 @@ def test_host_names_are_resolved_and_said(tmp_path):
     bad = run("initiator", "iwarp://no-such-host.invalid:5420", "hello", home=tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1, bad.stderr
     assert "cannot resolve 'no-such-host.invalid'" in bad.stderr
+
+
+@pytest.mark.parametrize("where", ["/proc/nope", "file/x"])
+def test_dissector_build_out_where_no_folder_can_be(tmp_path, where):
+    """--out that cannot be a folder (under /proc, under a file): one line naming it, not
+    a 42-line traceback."""
+    (tmp_path / "file").write_text("")
+    proc = run("dissector", "build", "--out", where, home=tmp_path, cwd=tmp_path)
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    if "is not installed" not in proc.stderr:                # the toolchain is here
+        assert proc.stderr.startswith(f"kbtp: cannot write {where} (--out): "), proc.stderr

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +17,7 @@ import pytest
 
 from tests import test_dissector_fuzz as fuzz, test_dissector_rdma as rdma
 from tests.cplugin import ROOT, c_plugin, needs_toolchain, run_form  # noqa: F401 (fixture)
-from tests.tshark import TSHARK, needs_tshark, private_home
+from tests.tshark import TSHARK, folders, needs_tshark, private_home
 
 pytestmark = [needs_tshark, needs_toolchain]
 
@@ -383,3 +385,28 @@ def test_fuzz_corpus_under_address_and_undefined_behaviour_sanitizers(asan_plugi
     assert "KV Cache Block Transfer Protocol" in proc.stdout
     bugs = [line for line in proc.stdout.splitlines() if "Dissector bug, protocol KBTP" in line]
     assert not bugs, bugs[:5]
+
+
+@pytest.mark.slow
+def test_install_global_loads_the_c_plugin_as_root(tmp_path):
+    """--global: the system's plugin folders, as tshark reports them, which Wireshark 4.0
+    reads as root too; the C plugin is chosen there and the command says tshark loads it.
+    The folders are a tmpfs of a mount namespace of the test's own: the host's stay as they are."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (a mount namespace over the system's plugin folder)")
+    env = private_home(tmp_path)
+    found = folders(env)
+    lua_dir, c_dir = found["Global Lua Plugins"], found["Global Plugins"]
+    kbtp = f"{shlex.quote(sys.executable)} -m kbtp_scapy dissector"
+    script = (f"mount -t tmpfs kbtp-test {shlex.quote(lua_dir)} && mkdir -p {shlex.quote(c_dir)} && "
+              f"{kbtp} install --global && {kbtp} install --global --lua && {kbtp} uninstall --global --c")
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    so, lua = f"{c_dir}/epan/kbtp.so", f"{lua_dir}/kbtp.lua"
+    assert proc.stdout.splitlines()[:3] == [
+        "installing the C plugin: gcc and the Wireshark headers are here, so the C plugin (native speed)",
+        f"installed {so}", f"tshark loads the C plugin {so}"], proc.stdout
+    assert f"tshark loads the C plugin {so} (kbtp.lua is loaded too and steps aside)" in proc.stdout
+    assert f"removed {so}" in proc.stdout
+    assert not Path(so).exists() and not Path(lua).exists()          # the host's folders
