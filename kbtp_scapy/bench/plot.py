@@ -1,5 +1,5 @@
 """``kbtp bench --plot FILE``: the latency distribution and the throughput over time, as PNG
-or SVG (by FILE's suffix). Matplotlib is the optional extra ``kbtp_scapy[plot]``: well kept,
+or SVG (by FILE's suffix). Matplotlib is the checkout's optional extra ``[plot]``: well kept,
 both formats from one renderer, no display needed (Agg)."""
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def write(path: str, runs: list[Measured], title: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("--plot needs matplotlib: pip install 'kbtp_scapy[plot]'") from None
+        raise ImportError("--plot needs matplotlib: pip install '.[plot]' in the checkout "
+                          "(tools/install.sh installs it)") from None
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     fig, axes = plt.subplots(len(runs), 2, figsize=(11, 3.6 * len(runs)), squeeze=False)

@@ -73,7 +73,7 @@ def table(rows: list[dict[str, Any]]) -> str:
               help="A latency histogram in the terminal after the table.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="PNG or SVG of the latency distribution and throughput over time "
-                   "(needs the extra: pip install 'kbtp_scapy[plot]').")
+                   "(needs matplotlib, the checkout's [plot] extra: pip install '.[plot]').")
 def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float | None,
           iterations: int | None, inline: bool | None, local: str | None, io: str, iface: str | None,
           raw_addr: str | None, device: str | None, timeout: float, pcap: str | None, as_json: bool,
@@ -83,6 +83,11 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
     to completion; ops/s, MB/s, latency min/p50/p90/p99/p99.9/max in microseconds, and the
     client's own CPU per operation (CPU/op, and cpu_percent in --json: near 100% the client,
     not the target, is the bottleneck).
+
+    Exit status: 0 measured as asked; 1 the target failed during the run (the results
+    until then are printed, marked partial) or refused a request; 2 usage error, or a plan
+    the target cannot serve (a feature not granted, more in flight than its quota, a size
+    over its Block Size); 130 interrupted by Ctrl-C (the results so far, marked partial).
 
     \b
     Examples (with kbtp target running):

@@ -131,6 +131,9 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
     """Talk to a KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT): one
     session per run, with the Initiator ID of --id-file so bindings carry over.
 
+    Exit status: 0 every request completed OK; 1 a request failed (a status other than
+    OK, no answer) or the connection could not be made or was lost; 2 usage error.
+
     \b
     Examples (with kbtp target running on each binding):
       kbtp initiator roce://127.0.0.1 hello

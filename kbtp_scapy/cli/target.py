@@ -125,7 +125,7 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
     served over a software RDMA NIC until interrupted (Ctrl-C), then print its counters.
 
     Every resource a peer can make it hold is bounded in count and in time (the
-    --probe-*, --max-*, *-timeout and --cm-retries options; README, "Limits").
+    --probe-*, --max-*, *-timeout and --cm-retries options; docs/TOOLS.md, "Limits").
 
     \b
     Examples:
