@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kbtp_scapy.bench.stats import histogram, percentile
+from kbtp_scapy.bench.stats import Samples, histogram, percentile
 from kbtp_scapy.target import TargetConfig
 
 from .kbtp_harness import TargetThread
@@ -44,6 +44,27 @@ def test_percentiles_are_nearest_rank():
     assert [percentile(samples, p) for p in (50, 90, 99, 99.9, 100)] == [500, 900, 990, 999, 1000]
     lines = histogram([1000] * 9 + [100_000])            # 1 us and 100 us, log buckets
     assert lines[0].split("|")[1].split()[1:] == ["9", "90.0%"] and lines[-1].endswith("10.0%")
+
+
+def test_histogram_rows_name_both_edges():
+    """Each row says the range it counts, lower edge inclusive: 1 us falls in the first row
+    (1.0 to 1.6 us at five a decade), 100 us in the last, and each row starts where the one
+    before it ended."""
+    lines = histogram([1000] * 9 + [100_000])
+    ranges = [line.split("|")[0].split() for line in lines]
+    assert ranges[0] == ["1.0", "to", "1.6", "us"] and ranges[-1][0] == "100.0"
+    assert all(a[2] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_throughput_leaves_out_a_partial_last_interval():
+    """A run of 1.05 s at 1,000 ops/s: ten whole 100 ms intervals at 1,000 ops/s, and not
+    the last 50 ms, which read as a collapse to 500 at the end of every run."""
+    s = Samples("LOAD", 4096)
+    for i in range(1050):
+        s.add(1000, 1000, i * 1_000_000 + 500_000)
+    points = s.throughput(0.1, 1.05)
+    assert len(points) == 10 and {rate for _, rate in points} == {1000.0}
+    assert points[-1][0] == pytest.approx(1.0)
 
 
 @pytest.mark.slow

@@ -33,11 +33,12 @@ def write(path: str, runs: list[Measured], title: str) -> None:
             lo, hi = min(us), max(us)
             bins = [lo * (hi / lo) ** (i / 60) for i in range(61)] if hi > lo else 10
             dist.hist(us, bins=bins, histtype="step", label=f"{s.op} ({len(us)})")
-            points = s.throughput(STEP)
+            points = s.throughput(STEP, run.seconds)
             over_time.plot([t for t, _ in points], [r for _, r in points], label=s.op)
         dist.set(xscale="log", xlabel="latency [us]", ylabel="requests",
                  title=f"{run.size} octets: latency")
         over_time.set(xlabel="time [s]", ylabel="ops/s", title=f"{run.size} octets: throughput")
+        over_time.set_ylim(bottom=0)          # a dip reads as the share of the rate it is
         for ax in (dist, over_time):
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize="small")
