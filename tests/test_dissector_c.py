@@ -244,16 +244,22 @@ def _decoded(pcap: Path) -> list[dict]:
 
 
 def _srt_rows(text: str) -> dict[str, dict[str, tuple[int, float, float]]]:
-    """tshark -z kbtp,srt: table title -> row name -> (calls, min, max)."""
+    """tshark -z kbtp,srt: "Opcode" -> opcode -> (calls, min, max), and "status" ->
+    "OPCODE STATUS" -> the same, from the tables of each opcode by status. Every table
+    names its filter, and every row's name fits tshark's 22-column field."""
     tables: dict[str, dict[str, tuple[int, float, float]]] = {}
-    current = None
+    current, prefix = None, ""
     for line in text.splitlines():
-        if line.startswith("Index  "):
-            current = tables.setdefault(line.split()[1] if "Status" not in line else "status", {})
+        if line.startswith("Filter:"):
+            assert line.split(":", 1)[1].strip() in ("kbtp.opcode", "kbtp.status"), line
+        elif line.startswith("Index  "):
+            column = line[7:29].strip()
+            current = tables.setdefault("Opcode" if column == "Opcode" else "status", {})
+            prefix = "" if column == "Opcode" else column.removesuffix(" status") + " "
         elif current is not None and line[:5].strip().isdigit():
-            parts = line.split()
-            name = " ".join(parts[1:-5])
-            current[name] = (int(parts[-5]), float(parts[-4]), float(parts[-3]))
+            assert line[29] == " ", f"a row name wider than its column: {line!r}"
+            parts = line[30:].split()
+            current[prefix + line[7:29].strip()] = (int(parts[0]), float(parts[1]), float(parts[2]))
     return tables
 
 
