@@ -15,6 +15,7 @@ import os
 import pty
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -311,3 +312,15 @@ def test_a_timeout_is_said_in_words(capsys):
     code = main(["conform", "--target", "roce://127.51.251.1", "--local", "127.51.251.2", "--timeout", "1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "no answer within 1 s" in err and "TimeoutError" not in err and "raise --timeout" in err
+
+
+@pytest.mark.slow
+def test_the_wait_it_names_is_the_wait_it_made(capsys):
+    """Nothing answers on RoCEv2 with --timeout 9: the probe waits the 9 s it says, not the
+    RNIC's own 5 s set-up wait (it said "no answer within 10 s" after 7.2 s)."""
+    began = time.monotonic()
+    code = main(["conform", "--target", "roce://127.51.251.3", "--local", "127.51.251.4", "--timeout", "9"])
+    waited = time.monotonic() - began
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "within 9 s" in err, err
+    assert waited >= 8.9, waited
