@@ -3,6 +3,7 @@ measure: the request-to-completion times tshark and the Lua dissector read from 
 own capture (kbtp.time)."""
 from __future__ import annotations
 
+import csv
 import json
 import secrets
 import signal
@@ -154,17 +155,20 @@ def _partial(proc: subprocess.Popen, code: int) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_keeps_what_was_measured():
+def test_ctrl_c_keeps_what_was_measured(tmp_path):
     """A SIGINT a second into a 60 s run: the requests completed until then, marked partial,
     then exit 130 (as conform, fuzz and decode do)."""
     t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4))
+    table = tmp_path / "bench.csv"
     try:
-        proc = _measuring(t)
+        proc = _measuring(t, "--csv", str(table))
         proc.send_signal(signal.SIGINT)
         doc, why = _partial(proc, 130)
     finally:
         t.stop()
     assert doc["ended"] == "interrupted (Ctrl-C)" and why.startswith("kbtp: bench: interrupted (Ctrl-C)")
+    [row] = list(csv.DictReader(table.open()))
+    assert row["partial"] == "True" and int(row["iterations"]) == doc["results"][0]["iterations"]
 
 
 @pytest.mark.slow
@@ -188,3 +192,21 @@ def test_local_over_iwarp_is_a_usage_error():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert "--local is for RoCEv2" in proc.stderr
+
+
+def test_csv_has_a_row_per_size_with_gbit_per_s(target, tmp_path):
+    """--csv FILE: a header and one row per operation and size, as the JSON has them, with
+    Gbit/s beside MB/s; '-' puts it on stdout alone."""
+    table = tmp_path / "bench.csv"
+    proc = bench(target, "-s", "512,4096", "-n", "200", "--json", "--csv", str(table), index=4)
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader(table.open()))
+    results = json.loads(proc.stdout)["results"]
+    assert [(r["op"], int(r["bytes"]), int(r["iterations"])) for r in rows] == \
+        [(r["op"], r["bytes"], r["iterations"]) for r in results] == [("LOAD", 512, 200), ("LOAD", 4096, 200)]
+    for r in rows:
+        assert float(r["gbit_per_s"]) == pytest.approx(float(r["mb_per_s"]) * 8 / 1000, rel=0.01, abs=1e-4)
+        assert float(r["lat_p50_us"]) > 0 and r["partial"] == "False"
+    proc = bench(target, "-n", "50", "--csv", "-", index=5)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[0].startswith("op,bytes,iterations"), proc.stderr
+    assert len(proc.stdout.splitlines()) == 2

@@ -45,7 +45,8 @@ class Samples:
         row: dict[str, Any] = {"op": self.op, "bytes": self.size, "iterations": n, "errors": self.errors,
                                "seconds": round(seconds, 6),
                                "ops_per_s": round(n / seconds, 1) if seconds else 0.0,
-                               "mb_per_s": round(n * self.size / seconds / 1e6, 3) if seconds else 0.0}
+                               "mb_per_s": round(n * self.size / seconds / 1e6, 3) if seconds else 0.0,
+                               "gbit_per_s": round(n * self.size * 8 / seconds / 1e9, 4) if seconds else 0.0}
         if n:
             us = {"min": ordered[0], **{_key(p): percentile(ordered, p) for p in PERCENTILES},
                   "max": ordered[-1], "mean": sum(ordered) // n}

@@ -2,6 +2,7 @@
 target, as a perftest-like table or JSON, with a terminal histogram and an optional plot."""
 from __future__ import annotations
 
+import csv
 import json
 from typing import Any
 
@@ -16,7 +17,8 @@ from .options import LOCAL_IS_ROCE, address, raw_io, raw_io_options
 
 #: perftest-like columns: header, row key, width
 COLUMNS = (("op", "op", 12), ("#bytes", "bytes", 8), ("#iterations", "iterations", 12),
-           ("ops/s", "ops_per_s", 10), ("MB/sec", "mb_per_s", 9), ("t_min[usec]", "min", 12),
+           ("ops/s", "ops_per_s", 10), ("MB/sec", "mb_per_s", 9), ("Gb/s", "gbit_per_s", 8),
+           ("t_min[usec]", "min", 12),
            ("t_p50", "p50", 9), ("t_p90", "p90", 9), ("t_p99", "p99", 9), ("t_p99.9", "p99.9", 9),
            ("t_max", "max", 9), ("CPU/op[usec]", "cpu_us_per_op", 13))
 
@@ -69,6 +71,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 @click.option("--pcap", type=click.Path(dir_okay=False), default=None,
               help="Write every frame to this pcap (to check the times with tshark: kbtp.time).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout instead of text.")
+@click.option("--csv", "csv_file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              metavar="FILE", help="Also write the results as CSV to FILE, one row per operation and size "
+                                   "('-': stdout instead of the table).")
 @click.option("--histogram/--no-histogram", "show_histogram", default=True, show_default=True,
               help="A latency histogram in the terminal after the table.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE",
@@ -77,7 +82,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float | None,
           iterations: int | None, inline: bool | None, local: str | None, io: str, iface: str | None,
           raw_addr: str | None, device: str | None, timeout: float, pcap: str | None, as_json: bool,
-          show_histogram: bool, plot: str | None) -> None:
+          csv_file: str | None, show_histogram: bool, plot: str | None) -> None:
     """Benchmark the KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT) in
     perftest's manner: one session, --in-flight requests at a time, each timed from posting
     to completion; ops/s, MB/s, latency min/p50/p90/p99/p99.9/max in microseconds, and the
@@ -95,6 +100,7 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
       kbtp bench roce://127.0.0.1 --op alloc_store -s 64,4096 -t 8 -n 2000 --json
       kbtp bench iwarp://127.0.0.1:5420 --op direct_load -t 4 --duration 2 --no-histogram
       kbtp bench roce://127.0.0.1 --op store -t 16 --duration 2 --pcap bench.pcap
+      kbtp bench roce://127.0.0.1 -s 512,4096,65536 -n 2000 --csv bench.csv
     """
     transport = url.split("://", 1)[0] if "://" in url else ""
     if transport not in ("iwarp", "roce"):
@@ -141,7 +147,16 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
     if not runs and plan.interrupted:
         raise Exit(130, "bench: interrupted (Ctrl-C) before any request was measured")
     cut = runs[-1].cut
-    _report(runs, target, op, in_flight, as_json, show_histogram, cut)
+    if csv_file == "-":
+        _csv(click.get_text_stream("stdout"), runs)
+    else:
+        _report(runs, target, op, in_flight, as_json, show_histogram, cut)
+    if csv_file and csv_file != "-":
+        try:
+            with open(csv_file, "w", newline="") as out:
+                _csv(out, runs)
+        except OSError as exc:
+            raise file_trouble(csv_file, exc, option="--csv") from None
     if plot:
         from ..bench.plot import write
         try:
@@ -158,6 +173,22 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
         raise Exit(130, f"bench: interrupted (Ctrl-C); {done}")
     if cut is not None:
         raise Exit(1, line(f"bench {target}: the connection ended", reason(cut, timeout), done))
+
+
+#: the CSV's columns: the JSON row's, latencies flattened (lat_p50_us), and partial
+CSV_COLUMNS = ("op", "bytes", "iterations", "errors", "seconds", "ops_per_s", "mb_per_s", "gbit_per_s",
+               "lat_min_us", "lat_p50_us", "lat_p90_us", "lat_p99_us", "lat_p99.9_us", "lat_max_us",
+               "lat_mean_us", "cpu_us_per_op", "cpu_percent", "partial")
+
+
+def _csv(out: Any, runs: list[runner.Measured]) -> None:
+    """One CSV row per operation and size, with a header: for a spreadsheet or a plot."""
+    writer = csv.DictWriter(out, CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for run in runs:
+        for row in run.rows():
+            latency = {f"lat_{k}_us": v for k, v in row.get("latency_us", {}).items()}
+            writer.writerow({**row, **latency, "partial": bool(row.get("partial"))})
 
 
 def _ended(cut: BaseException | None) -> str | None:
