@@ -324,3 +324,23 @@ def test_the_wait_it_names_is_the_wait_it_made(capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "within 9 s" in err, err
     assert waited >= 8.9, waited
+
+
+@pytest.mark.slow
+def test_rerun_only_what_failed_last_time(reference, tmp_path):
+    """--rerun-failed REPORT runs the cases an earlier run's JSON has as FAIL, WARN or ERROR,
+    and no other; a report where none failed runs nothing (exit 0, said on stderr); a file
+    that is not such a report is one line, exit 2."""
+    first, second, third = (c.id for c in all_cases()[:3])
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"cases": [{"id": first, "verdict": "FAIL"}, {"id": second, "verdict": "PASS"},
+                                             {"id": third, "verdict": "ERROR"}]}))
+    proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert [c["id"] for c in json.loads(proc.stdout)["cases"]] == [first, third]
+    earlier.write_text(json.dumps({"cases": [{"id": first, "verdict": "PASS"}]}))
+    proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier))
+    assert proc.returncode == 0 and proc.stdout == "" and "none failed" in proc.stderr
+    earlier.write_text("not json")
+    proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier))
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr

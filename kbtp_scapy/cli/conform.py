@@ -76,6 +76,9 @@ class _Console(Listener):
               help="The specification's text for --coverage [default: docs/kbtp-draft.txt of the checkout].")
 @click.option("--only", multiple=True, metavar="PREFIX", help="Run only cases whose id starts so (repeatable).")
 @click.option("--exclude", multiple=True, metavar="PREFIX", help="Leave out cases whose id starts so (repeatable).")
+@click.option("--rerun-failed", "rerun", type=click.Path(dir_okay=False), metavar="REPORT",
+              help="Run only the cases that FAILed, WARNed or were ERROR in REPORT, the JSON of an "
+                   "earlier run (--json-file); with --only/--exclude, those of them.")
 @click.option("--quick", is_flag=True, help="Leave out the slow cases (they are reported as SKIP).")
 @click.option("--strict", is_flag=True, help="A WARN (a SHOULD not met) fails the run too (exit status 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout instead of text.")
@@ -91,7 +94,8 @@ class _Console(Listener):
 @click.argument("program", nargs=-1, type=click.UNPROCESSED)
 def conform(role: str, url: str | None, listen: str | None, keep: str | None, local: str | None,
             io: str, device: str | None, list_only: bool, coverage: bool, spec: str | None, only: tuple[str, ...],
-            exclude: tuple[str, ...], quick: bool, strict: bool, as_json: bool, json_file: str | None,
+            exclude: tuple[str, ...], rerun: str | None, quick: bool, strict: bool, as_json: bool,
+            json_file: str | None,
             junit_file: str | None, pcap_dir: str | None, timeout: float, quiet: bool,
             program: tuple[str, ...]) -> None:
     """Check a KBTP target against the specification, judging only what it sends back.
@@ -122,6 +126,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
       kbtp conform --target roce://127.0.0.1 --local 127.0.0.2
       kbtp conform --target iwarp://10.0.0.5:5420 --junit conform.xml --pcap-dir failed/
       kbtp conform --target iwarp://127.0.0.1:5420 --quick --strict --json > conform.json
+      kbtp conform --target iwarp://127.0.0.1:5420 --rerun-failed conform.json
       kbtp conform --target iwarp://10.0.0.5:5420 --only ops. --only generation. --exclude ops.quota
       kbtp conform --list --only direct.
       kbtp conform --role initiator --list --only direct_alloc.
@@ -131,6 +136,8 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         _coverage(spec, as_json)
         return
     if role == "initiator":
+        if rerun:
+            raise click.UsageError("--rerun-failed is for --role target")
         from .conform_initiator import check_initiator
         console = _Console(listen or "", not (as_json or json_file == "-"), quiet)
         try:
@@ -149,6 +156,13 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     if program or listen or keep or io != "udp" or device:
         raise click.UsageError("--listen, --keep, --io, --device and a command are for --role initiator")
     cases = select(all_cases(), only, exclude)
+    if rerun is not None:
+        again = _failed_in(rerun)
+        cases = [c for c in cases if c.id in again]
+        if not cases:
+            click.echo(f"kbtp conform: no case to run again: none failed in {rerun}"
+                       + (" among --only/--exclude" if only or exclude else ""), err=True)
+            return
     if not cases:
         raise click.UsageError("no case matches --only/--exclude (see --list)")
     if list_only:
@@ -185,6 +199,18 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     code = report.exit_code(outcomes, strict)
     if code:
         raise Exit(code, _summary(outcomes, strict))
+
+
+def _failed_in(path: str) -> set[str]:
+    """The ids of the cases an earlier run's JSON report has as FAIL, WARN or ERROR."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        return {c["id"] for c in doc["cases"] if c["verdict"] in (FAIL, WARN, ERROR)}
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: {exc.strerror or exc}", param_hint="--rerun-failed") from None
+    except (ValueError, KeyError, TypeError):
+        raise click.BadParameter(f"{path} is not the JSON report of a kbtp conform run (--json-file)",
+                                 param_hint="--rerun-failed") from None
 
 
 def _coverage(spec: str | None, as_json: bool) -> None:
