@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from typing import Any
 
 import click
@@ -100,7 +101,7 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
       kbtp bench roce://127.0.0.1 --op alloc_store -s 64,4096 -t 8 -n 2000 --json
       kbtp bench iwarp://127.0.0.1:5420 --op direct_load -t 4 --duration 2 --no-histogram
       kbtp bench roce://127.0.0.1 --op store -t 16 --duration 2 --pcap bench.pcap
-      kbtp bench roce://127.0.0.1 -s 512,4096,65536 -n 2000 --csv bench.csv
+      kbtp bench roce://127.0.0.1 -s 512,4096 -n 2000 --csv bench.csv
     """
     transport = url.split("://", 1)[0] if "://" in url else ""
     if transport not in ("iwarp", "roce"):
@@ -148,13 +149,13 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
         raise Exit(130, "bench: interrupted (Ctrl-C) before any request was measured")
     cut = runs[-1].cut
     if csv_file == "-":
-        _csv(click.get_text_stream("stdout"), runs)
+        _write_csv(sys.stdout, runs)
     else:
         _report(runs, target, op, in_flight, as_json, show_histogram, cut)
     if csv_file and csv_file != "-":
         try:
             with open(csv_file, "w", newline="") as out:
-                _csv(out, runs)
+                _write_csv(out, runs)
         except OSError as exc:
             raise file_trouble(csv_file, exc, option="--csv") from None
     if plot:
@@ -181,7 +182,7 @@ CSV_COLUMNS = ("op", "bytes", "iterations", "errors", "seconds", "ops_per_s", "m
                "lat_mean_us", "cpu_us_per_op", "cpu_percent", "partial")
 
 
-def _csv(out: Any, runs: list[runner.Measured]) -> None:
+def _write_csv(out: Any, runs: list[runner.Measured]) -> None:
     """One CSV row per operation and size, with a header: for a spreadsheet or a plot."""
     writer = csv.DictWriter(out, CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
