@@ -13,7 +13,7 @@ from typing import Any, BinaryIO, TextIO
 import click
 
 from .. import codec, tables as T
-from ..capture import Found, endpoints, kbtp_messages, to_json
+from ..capture import Found, ResponseTimes, endpoints, kbtp_messages, to_json
 from ..decode import CaptureError, Reader, Stats, rdma_messages
 from ..decode.frames import SUPPORTED, linktype_name
 from ..summary import describe
@@ -181,10 +181,15 @@ def _matches(fields: Mapping[str, Any], opcodes, statuses, handles) -> bool:
               help="Only messages naming this handle (decimal or 0x hex).")
 @click.option("--layers", is_flag=True, help="Also show each message as the Scapy layers "
               "dissect it (slow: a Scapy packet per message).")
+@click.option("--stats", is_flag=True,
+              help="Instead of the messages, the response times per request opcode and per opcode "
+                   "and status of the answer (calls, min, max, average, sum), as tshark's -z kbtp,srt "
+                   "gives them with the C plugin; with --json as one JSON document.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress display; results and the summary only.")
 def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO | None,
            addr_le: bool | None, count: int | None, opcodes: tuple[str, ...],
-           statuses: tuple[str, ...], handles: tuple[str, ...], layers: bool, quiet: bool) -> None:
+           statuses: tuple[str, ...], handles: tuple[str, ...], layers: bool, stats: bool,
+           quiet: bool) -> None:
     """Decode the KBTP messages in FILE (pcap or pcapng; '-' reads standard input).
 
     iWARP connections (TCP/MPA/DDP/RDMAP, found by their MPA Request and Reply; markers
@@ -203,6 +208,7 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
       kbtp decode --opcode COMPLETION --status NOT_VALID,TOO_LARGE pcaps/roce_session.pcap
       kbtp decode -c 3 --layers pcaps/iwarp_session.pcap
       kbtp decode --no-addr-le pcaps/roce_addr_le_ipv6_session.pcap
+      kbtp decode --stats pcaps/roce_session.pcap
       cat pcaps/iwarp_session.pcap | kbtp decode --json - | head -1
       kbtp decode --hex 0x011200010000000000000007000000000000400100000000000000000000000000000000000000084b56424c4f434b21
     """
@@ -213,13 +219,17 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
         as_json, json_file = True, None
     if layers and as_json:
         raise click.UsageError("--layers shows text; it does not go with --json")
+    if stats and (opcodes or statuses or handles or count or layers or json_file or hex_):
+        raise click.UsageError("--stats counts every request of a capture: it does not go with "
+                               "--opcode, --status, --handle, -c, --layers, --json-file or --hex")
     filters = (_names(T.OPCODES, "opcode", opcodes), _names(T.STATUS, "status", statuses),
                frozenset(_handle(h) for h in handles))
     try:
         if hex_ is not None:
             _decode_hex(_hex(hex_), addr_le, as_json, json_file, layers)
         elif file is not None:
-            _decode_capture(file, addr_le, as_json, json_file, layers, quiet, count, filters)
+            _decode_capture(file, addr_le, as_json, json_file, layers, quiet, count, filters,
+                            ResponseTimes() if stats else None)
     except BrokenPipeError:
         _stdout_closed()
 
@@ -247,7 +257,8 @@ def _decode_hex(data: bytes, addr_le: bool | None, as_json: bool, json_file: Tex
 
 
 def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: TextIO | None,
-                    layers: bool, quiet: bool, count: int | None, filters) -> None:
+                    layers: bool, quiet: bool, count: int | None, filters,
+                    times: ResponseTimes | None = None) -> None:
     stream, size = _open(file)
     name = "standard input" if file == "-" else file
     progress = _Progress(not quiet and sys.stderr.isatty() and (size is None or size >= PROGRESS_MIN_SIZE),
@@ -274,7 +285,9 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
             total += 1
             malformed += found.error is not None
             conns.add((found.transport, found.connection))
-            if _matches(found.fields, *filters):
+            if times is not None:
+                times.add(found)
+            elif _matches(found.fields, *filters):
                 out(found)
                 shown += 1
                 if count is not None and shown >= count:
@@ -288,6 +301,8 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
         sys.stdout.flush()
         if json_file is not None:
             json_file.flush()
+        if times is not None:
+            _times(times, as_json)
         _summary(stats, total, shown, malformed, len(conns), any(filters), None, name)
         click.echo(f"kbtp: decode of {name} interrupted (Ctrl-C): the lines above are the "
                    "messages found until then", err=True)
@@ -305,11 +320,18 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
                 "read (it reads Ethernet, Linux cooked, loopback and raw IP frames)")
         click.echo(f"kbtp: {name}: {_plural(n, 'frame')} of {linktype_name(linktype)} skipped: "
                    "kbtp decode reads Ethernet, Linux cooked, loopback and raw IP frames", err=True)
+    if times is not None:
+        _times(times, as_json)
     _summary(stats, total, shown, malformed, len(conns), any(filters), count if stopped else None,
              name)
     if not stopped and (reader.cut_short or reader.problem):
         why = reader.problem or f"the capture ends in the middle of frame {reader.cut_short}"
         raise click.ClickException(f"{name}: {why}; the frames before it were decoded")
+
+
+def _times(times: ResponseTimes, as_json: bool) -> None:
+    """The response-time tables of --stats, or their JSON document."""
+    click.echo(json.dumps(times.as_json(), indent=1) if as_json else "\n".join(times.text()))
 
 
 def _summary(stats: Stats, total: int, shown: int, malformed: int, conns: int, filtered: bool,
