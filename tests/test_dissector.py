@@ -299,3 +299,21 @@ def test_response_in_is_a_second_pass_field_and_the_docs_say_so():
     for name in ("kbtp.response_in", "kbtp.data_in"):
         row = next(line for line in fields.splitlines() if line.startswith(f"| `{name}`"))
         assert "tshark -2" in row, row
+
+
+def test_shipped_colouring_rules_are_filters_that_colour_the_samples():
+    """docs/kbtp.colorfilters: every rule is a display filter tshark accepts, and each but
+    the bad-ICRC one colours frames of the sample captures; the opcode rules together
+    colour every KBTP message, each once."""
+    rules = [line.split("@")[1:3] for line in (ROOT / "docs" / "kbtp.colorfilters").read_text().splitlines()
+             if line.startswith("@")]
+    assert len(rules) >= 6
+    pcap = ROOT / "pcaps" / "roce_session.pcap"
+    hits = {}
+    for name, rule in rules:
+        frames = tshark(pcap, "-T", "fields", "-e", "frame.number", "-Y", rule).split()
+        hits[name] = {int(n) for n in frames}
+        assert hits[name] or name == "KBTP bad ICRC", name
+    messages = set(expected(pcap))
+    by_opcode = [hits[n] for n in ("KBTP session", "KBTP completion", "KBTP request")]
+    assert set().union(*by_opcode) == messages and sum(map(len, by_opcode)) == len(messages)
