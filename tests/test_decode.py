@@ -558,3 +558,37 @@ def test_stats_are_the_dissectors_response_times(name):
     mixed = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--stats", "--opcode", "LOAD", str(pcap)],
                            capture_output=True, text=True, timeout=120)
     assert mixed.returncode == 2 and len(mixed.stderr.splitlines()) == 1, mixed.stderr
+
+
+@pytest.mark.parametrize("name", ["roce_session.pcap", "iwarp_session.pcap"])
+def test_where_filters_pick_connections_endpoints_and_a_time_window(name):
+    """--conn, --addr, --qp, --from and --to (a -Y for the questions a capture raises) show
+    exactly the messages the whole JSON output says are there, and the summary counts them."""
+    pcap = Path(__file__).resolve().parent.parent / "pcaps" / name
+
+    def frames(*args: str) -> list[int]:
+        proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--json", *args, str(pcap)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return [json.loads(line)["frame"] for line in proc.stdout.splitlines()]
+
+    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--json", str(pcap)],
+                          capture_output=True, text=True, timeout=120)
+    every = [json.loads(line) for line in proc.stdout.splitlines()]
+    origin = float(read_packets(pcap)[0].time)          # the capture's first frame, any kind
+    times = sorted(m["time"] for m in every)
+    start, end = times[len(times) // 4] - origin, times[3 * len(times) // 4] - origin
+    src = every[0]["src"]
+    assert frames("--addr", src) == [m["frame"] for m in every if src in (m["src"], m["dst"])]
+    assert frames("--conn", "0") == [m["frame"] for m in every if m["conn"] == 0]
+    window = frames("--from", f"{start:.6f}", "--to", f"{end:.6f}")
+    at = {m["frame"]: m["time"] - origin for m in every}
+    assert 0 < len(window) < len(every)
+    assert all(start - 2e-6 <= at[f] <= end + 2e-6 for f in window)
+    assert all(f in window for f, t in at.items() if start + 2e-6 <= t <= end - 2e-6)
+    if name.startswith("roce"):
+        qp = every[0]["dst_qp"]
+        assert frames("--qp", hex(qp)) == [m["frame"] for m in every if m["dst_qp"] == qp] != []
+    else:
+        assert frames("--qp", "1") == []                 # iWARP names no QP
+    assert frames("--conn", "7") == []
