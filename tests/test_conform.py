@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
@@ -344,3 +346,61 @@ def test_rerun_only_what_failed_last_time(reference, tmp_path):
     earlier.write_text("not json")
     proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier))
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+class _Page(HTMLParser):
+    """The rows of the HTML report: class, cell texts, link targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict] = []
+        self.cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "tr" and a.get("class"):
+            self.rows.append({"verdict": a["class"], "id": a.get("id"), "cells": [], "links": []})
+        elif tag == "td" and self.rows:
+            self.cell = []
+        elif tag == "a" and self.rows:
+            self.rows[-1]["links"].append(a["href"])
+
+    def handle_endtag(self, tag):
+        if tag == "td" and self.cell is not None:
+            self.rows[-1]["cells"].append("".join(self.cell))
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell.append(data)
+
+
+@pytest.mark.slow
+def test_html_report_has_each_case_and_links_its_capture(monkeypatch, tmp_path):
+    """--html FILE: a page with one row per case (verdict, requirement as quoted, expected,
+    seen) and, for a case that did not pass, a link to its capture that leads to it from
+    the page's folder."""
+    bug = BY_NAME["no_clear_on_free"]
+    t = start("roce", hosts(), bug)
+    page = tmp_path / "report" / "conform.html"
+    page.parent.mkdir()
+    try:
+        bug.plant(t, monkeypatch)
+        _, doc = conform(t, tmp_path, "--only", "security.clear_freed", "--only", "completion.order",
+                         "--html", str(page), "--pcap-dir", str(tmp_path / "failed"))
+    finally:
+        t.stop()
+    parser = _Page()
+    parser.feed(page.read_text())
+    rows = {r["id"]: r for r in parser.rows}
+    assert set(rows) == {c["id"] for c in doc["cases"]} == {"security.clear_freed", "completion.order"}
+    for c in doc["cases"]:
+        row = rows[c["id"]]
+        assert row["verdict"] == c["verdict"] and row["cells"][0] == c["verdict"]
+        assert row["cells"][2] == f"{c['level']}: {c['requirement']}"
+        assert row["cells"][3] == (c["expected"] or "") and row["cells"][4] == (c["seen"] or "")
+    warn = rows["security.clear_freed"]
+    assert warn["verdict"] == "WARN" and len(warn["links"]) == 1
+    pcaps = {c["id"]: c["pcap"] for c in doc["cases"]}
+    assert (page.parent / warn["links"][0]).resolve() == Path(pcaps["security.clear_freed"]).resolve()
+    assert rows["completion.order"]["links"] == []

@@ -86,6 +86,9 @@ class _Console(Listener):
               help="Also write the results as JSON to FILE ('-': the same as --json).")
 @click.option("--junit", "junit_file", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
               help="Write the results as JUnit XML to FILE (a WARN is a failure of type warning).")
+@click.option("--html", "html_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write the results as one HTML page to FILE: each case with its requirement, "
+                   "expected and seen, and a link to its capture (--pcap-dir).")
 @click.option("--pcap-dir", type=click.Path(file_okay=False), metavar="DIR",
               help="Write a pcap per case that did not pass.")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
@@ -96,7 +99,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
             io: str, device: str | None, list_only: bool, coverage: bool, spec: str | None, only: tuple[str, ...],
             exclude: tuple[str, ...], rerun: str | None, quick: bool, strict: bool, as_json: bool,
             json_file: str | None,
-            junit_file: str | None, pcap_dir: str | None, timeout: float, quiet: bool,
+            junit_file: str | None, html_file: str | None, pcap_dir: str | None, timeout: float, quiet: bool,
             program: tuple[str, ...]) -> None:
     """Check a KBTP target against the specification, judging only what it sends back.
 
@@ -125,6 +128,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     Examples:
       kbtp conform --target roce://127.0.0.1 --local 127.0.0.2
       kbtp conform --target iwarp://10.0.0.5:5420 --junit conform.xml --pcap-dir failed/
+      kbtp conform --target iwarp://10.0.0.5:5420 --html conform.html --pcap-dir failed/
       kbtp conform --target iwarp://127.0.0.1:5420 --quick --strict --json > conform.json
       kbtp conform --target iwarp://127.0.0.1:5420 --rerun-failed conform.json
       kbtp conform --target iwarp://10.0.0.5:5420 --only ops. --only generation. --exclude ops.quota
@@ -143,7 +147,8 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         try:
             code = check_initiator(listen, program, local=local, list_only=list_only, only=only,
                                    exclude=exclude, quick=quick, strict=strict, as_json=as_json,
-                                   json_file=json_file, junit_file=junit_file, pcap_dir=pcap_dir,
+                                   json_file=json_file, junit_file=junit_file, html_file=html_file,
+                                   pcap_dir=pcap_dir,
                                    keep=keep, timeout=timeout, quiet=quiet, console=console,
                                    judged=console.outcomes,
                                    io=raw_io("", io, None, None, device))   # no --io raw here
@@ -183,6 +188,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         doc = report.as_json(url, None, [], str(exc), strict, quick)
         _emit(as_json, json_file, doc)
         _write(junit_file, report.junit(url, [], str(exc)))
+        write_html(html_file, url, [], str(exc))
         raise Exit(report.EXIT_HARNESS, f"conform: {exc}") from None
     except KeyboardInterrupt:        # a CI timeout kills runs so: keep what was judged
         console.clear()
@@ -190,12 +196,14 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         why = f"interrupted (Ctrl-C) after {count(len(done), 'case')}"
         _emit(as_json, json_file, report.as_json(url, console.info, done, why, strict, quick))
         _write(junit_file, report.junit(url, done, why))
+        write_html(html_file, url, done, why)
         raise Exit(130, f"conform: {why}; the reports hold the cases judged until then") from None
     console.clear()
     if console.text:
         click.echo(report.footer(outcomes))
     _emit(as_json, json_file, report.as_json(url, info, outcomes, None, strict, quick))
     _write(junit_file, report.junit(url, outcomes))
+    write_html(html_file, url, outcomes, None)
     code = report.exit_code(outcomes, strict)
     if code:
         raise Exit(code, _summary(outcomes, strict))
@@ -252,3 +260,9 @@ def _write(path: str | None, content: str | bytes) -> None:
     if path is None:
         return
     Path(path).write_bytes(content.encode() if isinstance(content, str) else content)
+
+
+def write_html(path: str | None, url: str, outcomes: list[Outcome], error: str | None) -> None:
+    """--html: the page, its capture links relative to its own folder."""
+    if path is not None:
+        _write(path, report.html(url, outcomes, error, str(Path(path).resolve().parent)))
