@@ -10,7 +10,7 @@ session's ADDR_LE choice from its HELLO_ACK; ``to_json`` gives the JSON object o
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,8 +24,8 @@ from .wire.message import RdmaMessage
 if TYPE_CHECKING:
     from scapy.packet import Packet
 
-__all__ = ["CaptureError", "Found", "kbtp_messages", "rdma_messages", "read_packets",
-           "session_key", "to_json"]
+__all__ = ["CaptureError", "Found", "ResponseTimes", "kbtp_messages", "rdma_messages", "read_packets",
+           "session_key", "to_json", "where_it_ends"]
 
 SEND_KINDS = {"send", "send_inv"}
 _HELLO_ACK = T.BY_NAME["HELLO_ACK"].opcode
@@ -64,6 +64,85 @@ def read_packets(path: str | Path) -> list[Packet]:
         raise CaptureError(f"{path}: no such file") from None
     except (Scapy_Exception, EOFError, ValueError, OSError) as exc:
         raise CaptureError(f"{path}: not a pcap or pcapng capture ({exc})") from None
+
+
+@dataclass
+class ResponseTimes:
+    """Request-to-answer times of a capture, per request opcode and per opcode and status
+    of the answer: what tshark's ``-z kbtp,srt`` gives, without the C plugin. A request is
+    answered by the next message of its answer's opcode with its Request ID on its
+    connection (a HELLO by the HELLO_ACK)."""
+
+    pending: dict[tuple, Found] = field(default_factory=dict)
+    by_opcode: dict[int, list[float]] = field(default_factory=dict)
+    by_status: dict[int, dict[int, list[float]]] = field(default_factory=dict)
+
+    def add(self, found: Found) -> None:
+        msg = T.BY_OPCODE.get(found.fields.get("opcode", -1))
+        if msg is None or found.time is None:
+            return
+        key = (found.transport, found.connection, found.fields.get("request_id"))
+        if msg.answer:
+            self.pending[(*key, msg.answer)] = found
+            return
+        request = self.pending.pop((*key, msg.name), None)
+        if request is None or request.time is None:
+            return
+        opcode, seconds = request.fields["opcode"], found.time - request.time
+        self.by_opcode.setdefault(opcode, []).append(seconds)
+        self.by_status.setdefault(opcode, {}).setdefault(found.fields.get("status", -1), []).append(seconds)
+
+    @staticmethod
+    def summary(times: list[float]) -> dict[str, float | int]:
+        return {"calls": len(times), "min": min(times), "max": max(times),
+                "avg": sum(times) / len(times), "sum": sum(times)}
+
+    def tables(self) -> list[tuple[str, dict[str, list[float]]]]:
+        """(column, rows by name) of each table, in opcode and status order, as tshark's."""
+        def name(opcode: int) -> str:
+            return T.BY_OPCODE[opcode].name
+        out = [("Opcode", {name(op): self.by_opcode[op] for op in sorted(self.by_opcode)})]
+        out += [(f"{name(op)} status", {T.STATUS.describe(st): rows[st] for st in sorted(rows)})
+                for op, rows in sorted(self.by_status.items())]
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        by_opcode, *by_status = self.tables()
+        return {"by_opcode": {op: self.summary(t) for op, t in by_opcode[1].items()},
+                "by_opcode_status": {column.removesuffix(" status"): {st: self.summary(t) for st, t in rows.items()}
+                                     for column, rows in by_status},
+                "unanswered": len(self.pending)}
+
+    def text(self) -> list[str]:
+        """tshark's SRT tables, in seconds: per opcode, then each opcode per status."""
+        out: list[str] = []
+        for column, rows in self.tables():
+            if out:
+                out.append("")
+            out.append(f"{column:<22} {'Calls':>6} {'Min SRT':>10} {'Max SRT':>10} {'Avg SRT':>10} {'Sum SRT':>10}")
+            for name, times in rows.items():
+                s = self.summary(times)
+                out.append(f"{name:<22} {s['calls']:>6} {s['min']:>10.6f} {s['max']:>10.6f} "
+                           f"{s['avg']:>10.6f} {s['sum']:>10.6f}")
+        answered = sum(len(t) for t in self.by_opcode.values())
+        return [*out, "", f"{answered:,} requests answered, {len(self.pending):,} unanswered"]
+
+
+def where_it_ends(path: str | Path) -> str | None:
+    """Why a capture stops being readable before its end (cut in the middle of a frame,
+    a corrupt record), in ``kbtp decode``'s words; None when it reads to its end. Scapy's
+    reader stops there silently, so what is built from its packets says this beside them."""
+    from .decode.pcapfile import Reader
+    try:
+        with open(path, "rb") as stream:
+            reader = Reader(stream, str(path))
+            for _ in reader:
+                pass
+    except (OSError, CaptureError):
+        return None                              # read_packets says what is wrong with it
+    if reader.problem:
+        return reader.problem
+    return f"the capture ends in the middle of frame {reader.cut_short}" if reader.cut_short else None
 
 
 def rdma_messages(packets: list[Packet]) -> list[RdmaMessage]:

@@ -3,15 +3,18 @@ measure: the request-to-completion times tshark and the Lua dissector read from 
 own capture (kbtp.time)."""
 from __future__ import annotations
 
+import csv
 import json
 import secrets
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from kbtp_scapy.bench.stats import histogram, percentile
+from kbtp_scapy.bench.stats import Samples, histogram, percentile
 from kbtp_scapy.target import TargetConfig
 
 from .kbtp_harness import TargetThread
@@ -42,6 +45,27 @@ def test_percentiles_are_nearest_rank():
     assert [percentile(samples, p) for p in (50, 90, 99, 99.9, 100)] == [500, 900, 990, 999, 1000]
     lines = histogram([1000] * 9 + [100_000])            # 1 us and 100 us, log buckets
     assert lines[0].split("|")[1].split()[1:] == ["9", "90.0%"] and lines[-1].endswith("10.0%")
+
+
+def test_histogram_rows_name_both_edges():
+    """Each row says the range it counts, lower edge inclusive: 1 us falls in the first row
+    (1.0 to 1.6 us at five a decade), 100 us in the last, and each row starts where the one
+    before it ended."""
+    lines = histogram([1000] * 9 + [100_000])
+    ranges = [line.split("|")[0].split() for line in lines]
+    assert ranges[0] == ["1.0", "to", "1.6", "us"] and ranges[-1][0] == "100.0"
+    assert all(a[2] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_throughput_leaves_out_a_partial_last_interval():
+    """A run of 1.05 s at 1,000 ops/s: ten whole 100 ms intervals at 1,000 ops/s, and not
+    the last 50 ms, which read as a collapse to 500 at the end of every run."""
+    s = Samples("LOAD", 4096)
+    for i in range(1050):
+        s.add(1000, 1000, i * 1_000_000 + 500_000)
+    points = s.throughput(0.1, 1.05)
+    assert len(points) == 10 and {rate for _, rate in points} == {1000.0}
+    assert points[-1][0] == pytest.approx(1.0)
 
 
 @pytest.mark.slow
@@ -104,5 +128,85 @@ def test_plot_png_and_svg(tmp_path, target):
 
 def test_more_in_flight_than_the_quota_is_one_line(target):
     proc = bench(target, "-t", "1000", "-n", "10", index=3)
-    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr   # as asked: usage
     assert "--in-flight 1000 needs a block each; the target's quota is 32 blocks" in proc.stderr
+
+
+def _measuring(t: TargetThread, *args: str) -> subprocess.Popen:
+    """``kbtp bench -D 60 --json`` against ``t``, returned once its session has run a second."""
+    local = ["--local", t.initiator_hosts[0]] if t.transport == "roce" else []
+    proc = subprocess.Popen([*KBTP, "bench", t.url, *local, "-D", "60", "--json", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not t.target.sessions.by_id and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    return proc
+
+
+def _partial(proc: subprocess.Popen, code: int) -> tuple[dict, str]:
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    doc = json.loads(out)
+    row = doc["results"][0]
+    assert doc["partial"] and row["partial"] and row["iterations"] > 0 and row["seconds"] < 30
+    return doc, err.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_what_was_measured(tmp_path):
+    """A SIGINT a second into a 60 s run: the requests completed until then, marked partial,
+    then exit 130 (as conform, fuzz and decode do)."""
+    t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4))
+    table = tmp_path / "bench.csv"
+    try:
+        proc = _measuring(t, "--csv", str(table))
+        proc.send_signal(signal.SIGINT)
+        doc, why = _partial(proc, 130)
+    finally:
+        t.stop()
+    assert doc["ended"] == "interrupted (Ctrl-C)" and why.startswith("kbtp: bench: interrupted (Ctrl-C)")
+    [row] = list(csv.DictReader(table.open()))
+    assert row["partial"] == "True" and int(row["iterations"]) == doc["results"][0]["iterations"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_a_target_that_dies_keeps_what_was_measured(transport):
+    """The target goes away a second into the run: what it answered until then is reported,
+    marked partial, with why it ended; exit 1 (the target failed)."""
+    t = TargetThread(transport, TargetConfig(blocks=64, max_initiators=4))
+    try:
+        proc = _measuring(t)
+    finally:
+        t.stop()
+    doc, why = _partial(proc, 1)
+    assert doc["ended"].startswith("the connection ended: ") and "the connection ended" in why
+
+
+def test_local_over_iwarp_is_a_usage_error():
+    """--local names a RoCEv2 source address; over iWARP TCP picks it: one line, exit 2, as
+    kbtp initiator says it (it was a traceback)."""
+    proc = subprocess.run([*KBTP, "bench", "iwarp://127.0.0.1:9", "--local", "127.0.0.2", "-n", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "--local is for RoCEv2" in proc.stderr
+
+
+def test_csv_has_a_row_per_size_with_gbit_per_s(target, tmp_path):
+    """--csv FILE: a header and one row per operation and size, as the JSON has them, with
+    Gbit/s beside MB/s; '-' puts it on stdout alone."""
+    table = tmp_path / "bench.csv"
+    proc = bench(target, "-s", "512,4096", "-n", "200", "--json", "--csv", str(table), index=4)
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader(table.open()))
+    results = json.loads(proc.stdout)["results"]
+    assert [(r["op"], int(r["bytes"]), int(r["iterations"])) for r in rows] == \
+        [(r["op"], r["bytes"], r["iterations"]) for r in results] == [("LOAD", 512, 200), ("LOAD", 4096, 200)]
+    for r in rows:
+        assert float(r["gbit_per_s"]) == pytest.approx(float(r["mb_per_s"]) * 8 / 1000, rel=0.01, abs=1e-4)
+        assert float(r["lat_p50_us"]) > 0 and r["partial"] == "False"
+    proc = bench(target, "-n", "50", "--csv", "-", index=5)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[0].startswith("op,bytes,iterations"), proc.stderr
+    assert len(proc.stdout.splitlines()) == 2

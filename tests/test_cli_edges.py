@@ -19,7 +19,7 @@ import pytest
 
 from kbtp_scapy.target import TargetConfig
 
-from .kbtp_harness import TargetThread
+from .kbtp_harness import TargetThread, fresh_hosts
 
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
 #: ``kbtp: <what failed>: <why>; <what to do>`` with a non-empty why
@@ -247,7 +247,7 @@ def test_generations_that_move_differently_still_differ():
 
     from kbtp_scapy.replay.compare import Generations
     g = Generations()
-    step = lambda handle: NS(step=NS(fields={"handle": handle}), session=NS(index=0))
+    step = lambda handle: NS(step=NS(handle=handle), session=NS(index=0))
     assert g.as_captured(step(0x10), 3, 1) == 3          # learnt: replay is 2 behind
     assert g.as_captured(step(0x10), 4, 2) == 4          # moved as captured
     assert g.as_captured(step(0x10), 5, 4) == 6          # bumped once too often: differs
@@ -324,3 +324,37 @@ def test_local_on_iwarp_is_a_usage_error_not_a_traceback():
                            "--local", "127.0.0.2", "hello"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "--local is for RoCEv2" in proc.stderr
+
+
+def test_host_names_are_resolved_and_said(tmp_path):
+    """``iwarp://localhost:PORT`` (perftest and rping take names): the name is resolved, the
+    command says which address it used, and the session runs (it was "'localhost' is not
+    an IP address"); a name that resolves to nothing is one line, exit 2."""
+    wanted = socket.getaddrinfo("localhost", None, socket.AF_INET)[0][4][0]
+    t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4),
+                     hosts=[wanted, *fresh_hosts(2)], port=0)
+    try:
+        url = f"iwarp://localhost:{t.address.port}"
+        hello = run("initiator", url, "--json", "hello", home=tmp_path)
+        bench = run("bench", url, "-n", "20", "--json", home=tmp_path)
+    finally:
+        t.stop()
+    for proc in (hello, bench):
+        assert proc.returncode == 0, proc.stderr
+        assert f"kbtp: localhost is {wanted}" in proc.stderr.splitlines()
+    assert json.loads(bench.stdout)["target"] == f"iwarp://{wanted}:{t.address.port}"
+    bad = run("initiator", "iwarp://no-such-host.invalid:5420", "hello", home=tmp_path)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1, bad.stderr
+    assert "cannot resolve 'no-such-host.invalid'" in bad.stderr
+
+
+@pytest.mark.parametrize("where", ["/proc/nope", "file/x"])
+def test_dissector_build_out_where_no_folder_can_be(tmp_path, where):
+    """--out that cannot be a folder (under /proc, under a file): one line naming it, not
+    a 42-line traceback."""
+    (tmp_path / "file").write_text("")
+    proc = run("dissector", "build", "--out", where, home=tmp_path, cwd=tmp_path)
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    if "is not installed" not in proc.stderr:                # the toolchain is here
+        assert proc.stderr.startswith(f"kbtp: cannot write {where} (--out): "), proc.stderr

@@ -175,3 +175,26 @@ def test_replay_json_file_keeps_the_text_on_stdout(target):
     assert json.loads(report.read_text())["target"] == t["url"]
     dash = subprocess.run([*run, "--json-file", "-"], capture_output=True, text=True, timeout=60)
     assert dash.returncode == 0 and json.loads(dash.stdout)["target"] == t["url"]
+
+
+def test_metrics_on_an_address_of_its_own():
+    """--metrics HOST:PORT serves where a Prometheus on another host can reach it (there,
+    and not on 127.0.0.1); the banner names the address. A bad value is one line, exit 2."""
+    host, metrics_host = fresh_hosts(2)
+    port = free_port(metrics_host)
+    proc = subprocess.Popen([*KBTP, "target", "--transport", "iwarp", "--listen", f"{host}:0",
+                             "--metrics", f"{metrics_host}:{port}", "--duration", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stdout.readline()
+        assert f"metrics on http://{metrics_host}:{port}/metrics" in banner, proc.stderr.read()
+        page = urllib.request.urlopen(f"http://{metrics_host}:{port}/metrics", timeout=5).read().decode()
+        assert "kbtp_ring_blocks" in page
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    bad = subprocess.run([*KBTP, "target", "--metrics", "somewhere:port"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1, bad.stderr

@@ -16,7 +16,10 @@ import os
 import pty
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
@@ -297,3 +300,93 @@ def test_a_timeout_is_said_in_words(capsys):
     code = main(["conform", "--target", "roce://127.51.251.1", "--local", "127.51.251.2", "--timeout", "1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "no answer within 1 s" in err and "TimeoutError" not in err and "raise --timeout" in err
+
+
+@pytest.mark.slow
+def test_the_wait_it_names_is_the_wait_it_made(capsys):
+    """Nothing answers on RoCEv2 with --timeout 9: the probe waits the 9 s it says, not the
+    RNIC's own 5 s set-up wait (it said "no answer within 10 s" after 7.2 s)."""
+    began = time.monotonic()
+    code = main(["conform", "--target", "roce://127.51.251.3", "--local", "127.51.251.4", "--timeout", "9"])
+    waited = time.monotonic() - began
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "within 9 s" in err, err
+    assert waited >= 8.9, waited
+
+
+@pytest.mark.slow
+def test_rerun_only_what_failed_last_time(reference, tmp_path):
+    """--rerun-failed REPORT runs the cases an earlier run's JSON has as FAIL, WARN or ERROR,
+    and no other; a report where none failed runs nothing (exit 0, said on stderr); a file
+    that is not such a report is one line, exit 2."""
+    first, second, third = (c.id for c in all_cases()[:3])
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"cases": [{"id": first, "verdict": "FAIL"}, {"id": second, "verdict": "PASS"},
+                                             {"id": third, "verdict": "ERROR"}]}))
+    proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert [c["id"] for c in json.loads(proc.stdout)["cases"]] == [first, third]
+    earlier.write_text(json.dumps({"cases": [{"id": first, "verdict": "PASS"}]}))
+    proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier))
+    assert proc.returncode == 0 and proc.stdout == "" and "none failed" in proc.stderr
+    earlier.write_text("not json")
+    proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier))
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+class _Page(HTMLParser):
+    """The rows of the HTML report: class, cell texts, link targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict] = []
+        self.cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "tr" and a.get("class"):
+            self.rows.append({"verdict": a["class"], "id": a.get("id"), "cells": [], "links": []})
+        elif tag == "td" and self.rows:
+            self.cell = []
+        elif tag == "a" and self.rows:
+            self.rows[-1]["links"].append(a["href"])
+
+    def handle_endtag(self, tag):
+        if tag == "td" and self.cell is not None:
+            self.rows[-1]["cells"].append("".join(self.cell))
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell.append(data)
+
+
+@pytest.mark.slow
+def test_html_report_has_each_case_and_links_its_capture(monkeypatch, tmp_path):
+    """--html FILE: a page with one row per case (verdict, requirement as quoted, expected,
+    seen) and, for a case that did not pass, a link to its capture that leads to it from
+    the page's folder."""
+    bug = BY_NAME["no_clear_on_free"]
+    t = start("roce", hosts(), bug)
+    page = tmp_path / "report" / "conform.html"
+    page.parent.mkdir()
+    try:
+        bug.plant(t, monkeypatch)
+        _, doc = conform(t, tmp_path, "--only", "security.clear_freed", "--only", "completion.order",
+                         "--html", str(page), "--pcap-dir", str(tmp_path / "failed"))
+    finally:
+        t.stop()
+    parser = _Page()
+    parser.feed(page.read_text())
+    rows = {r["id"]: r for r in parser.rows}
+    assert set(rows) == {c["id"] for c in doc["cases"]} == {"security.clear_freed", "completion.order"}
+    for c in doc["cases"]:
+        row = rows[c["id"]]
+        assert row["verdict"] == c["verdict"] and row["cells"][0] == c["verdict"]
+        assert row["cells"][2] == f"{c['level']}: {c['requirement']}"
+        assert row["cells"][3] == (c["expected"] or "") and row["cells"][4] == (c["seen"] or "")
+    warn = rows["security.clear_freed"]
+    assert warn["verdict"] == "WARN" and len(warn["links"]) == 1
+    pcaps = {c["id"]: c["pcap"] for c in doc["cases"]}
+    assert (page.parent / warn["links"][0]).resolve() == Path(pcaps["security.clear_freed"]).resolve()
+    assert rows["completion.order"]["links"] == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -275,3 +276,30 @@ def test_fuzz_catches_a_crash_minimises_and_saves_it(tmp_path):
     assert len(finding["script"]) <= len(finding["original_script"])
     assert json.loads((tmp_path / f"roce-1-{index}.json").read_text())["script"] == finding["script"]
     assert (tmp_path / f"roce-1-{index}.pcap").stat().st_size > 24
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_the_cases_judged(tmp_path):
+    """A SIGINT after two cases: the JUnit and JSON reports hold them, marked interrupted,
+    and the run exits 130 (as the target's checker does), not a bare 'aborted'."""
+    cmd = [*KBTP, "initiator", "{url}", "--id-file", "{state}/id", "script", "--ops", "{ops}",
+           "--in", "{in}", "--out", "{out}"]
+    url, _ = listen("iwarp")
+    junit, doc = tmp_path / "i.xml", tmp_path / "i.json"
+    proc = subprocess.Popen([*KBTP, "conform", "--role", "initiator", "--listen", url, "--junit",
+                             str(junit), "--json-file", str(doc), "--", *cmd],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    judged: list[str] = []
+    for line in iter(proc.stdout.readline, ""):
+        judged += [line] if line.startswith("PASS") else []
+        if len(judged) == 2:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1].startswith("kbtp: conform: interrupted (Ctrl-C) after ")
+    cases = json.loads(doc.read_text())["cases"]
+    assert len(cases) >= 2 and {c["verdict"] for c in cases} == {"PASS"}
+    suite = ET.parse(junit).getroot()
+    assert int(suite.get("tests")) == len(cases)

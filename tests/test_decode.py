@@ -511,3 +511,84 @@ def test_decoder_survives_any_frames(frames):
     for found in kbtp_messages(stream_messages(Reader(out), stats)):
         to_json(found)
     assert stats.frames == len(frames)
+
+
+def _lua_srt(pcap: Path) -> dict[str, dict[str, tuple[int, float, float]]]:
+    """The Lua dissector's SRT tables in real tshark (-o kbtp.srt:TRUE): column -> row ->
+    (calls, min, max)."""
+    from tests.tshark import TSHARK
+    lua = Path(__file__).resolve().parent.parent / "dissector" / "kbtp.lua"
+    out = subprocess.run([TSHARK, "-q", "-n", "-X", f"lua_script:{lua}", "-o", "kbtp.srt:TRUE",
+                          "-o", "tcp.try_heuristic_first:TRUE", "-r", str(pcap)],
+                         capture_output=True, text=True, timeout=300).stdout
+    tables: dict[str, dict[str, tuple[int, float, float]]] = {}
+    current: dict[str, tuple[int, float, float]] = {}
+    for line in out.splitlines():
+        if line.startswith("Index  "):
+            current = tables.setdefault(line[7:29].strip(), {})
+        elif line[:5].strip().isdigit():
+            calls, lo, hi = line[30:].split()[:3]
+            current[line[7:29].strip()] = (int(calls), float(lo), float(hi))
+    return tables
+
+
+@needs_tshark
+@pytest.mark.parametrize("name", ["roce_session.pcap", "iwarp_session.pcap", "rxe_kernel_session.pcap"])
+def test_stats_are_the_dissectors_response_times(name):
+    """--stats: per request opcode and per opcode and status, the calls, min and max that the
+    dissector's SRT tables give in tshark, without a C plugin (or root) to load."""
+    pcap = Path(__file__).resolve().parent.parent / "pcaps" / name
+    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--stats", "--json", str(pcap)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    ours = {"Opcode": doc["by_opcode"],
+            **{f"{op} status": rows for op, rows in doc["by_opcode_status"].items()}}
+    theirs = _lua_srt(pcap)
+    assert set(ours) == set(theirs) and len(theirs) > 2
+    for column, rows in theirs.items():
+        assert set(ours[column]) == set(rows), column
+        for row, (calls, lo, hi) in rows.items():
+            got = ours[column][row]
+            assert got["calls"] == calls and abs(got["min"] - lo) < 2e-6 and abs(got["max"] - hi) < 2e-6, \
+                (column, row, got, (calls, lo, hi))
+    text = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--stats", str(pcap)],
+                          capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0 and text.stdout.splitlines()[0].split()[:2] == ["Opcode", "Calls"]
+    mixed = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--stats", "--opcode", "LOAD", str(pcap)],
+                           capture_output=True, text=True, timeout=120)
+    assert mixed.returncode == 2 and len(mixed.stderr.splitlines()) == 1, mixed.stderr
+
+
+@pytest.mark.parametrize("name", ["roce_session.pcap", "iwarp_session.pcap"])
+def test_where_filters_pick_connections_endpoints_and_a_time_window(name):
+    """--conn, --addr, --qp, --from and --to (a -Y for the questions a capture raises) show
+    exactly the messages the whole JSON output says are there, and the summary counts them."""
+    pcap = Path(__file__).resolve().parent.parent / "pcaps" / name
+
+    def frames(*args: str) -> list[int]:
+        proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--json", *args, str(pcap)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return [json.loads(line)["frame"] for line in proc.stdout.splitlines()]
+
+    proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--json", str(pcap)],
+                          capture_output=True, text=True, timeout=120)
+    every = [json.loads(line) for line in proc.stdout.splitlines()]
+    origin = float(read_packets(pcap)[0].time)          # the capture's first frame, any kind
+    times = sorted(m["time"] for m in every)
+    start, end = times[len(times) // 4] - origin, times[3 * len(times) // 4] - origin
+    src = every[0]["src"]
+    assert frames("--addr", src) == [m["frame"] for m in every if src in (m["src"], m["dst"])]
+    assert frames("--conn", "0") == [m["frame"] for m in every if m["conn"] == 0]
+    window = frames("--from", f"{start:.6f}", "--to", f"{end:.6f}")
+    at = {m["frame"]: m["time"] - origin for m in every}
+    assert 0 < len(window) < len(every)
+    assert all(start - 2e-6 <= at[f] <= end + 2e-6 for f in window)
+    assert all(f in window for f, t in at.items() if start + 2e-6 <= t <= end - 2e-6)
+    if name.startswith("roce"):
+        qp = every[0]["dst_qp"]
+        assert frames("--qp", hex(qp)) == [m["frame"] for m in every if m["dst_qp"] == qp] != []
+    else:
+        assert frames("--qp", "1") == []                 # iWARP names no QP
+    assert frames("--conn", "7") == []

@@ -285,3 +285,35 @@ def test_64_bit_values_beyond_double_precision_in_info_and_links(tmp_path, trans
         assert f"LOAD rid={rid} handle={rid:#x} len=8" in req[1], req
         assert f"COMPLETION rid={rid} OK gen=0 off={rid:#x}" in res[1], res
         assert int(res[2]) == int(req[0])
+
+
+def test_response_in_is_a_second_pass_field_and_the_docs_say_so():
+    """``kbtp.response_in`` (and ``kbtp.data_in``) are known only once the answer has been
+    read: tshark matches them with ``-2`` alone, and the field reference says so beside
+    each; ``kbtp.request_in`` needs no second pass."""
+    pcap = ROOT / "pcaps" / "roce_session.pcap"
+    count = lambda *args: len(tshark(pcap, "-T", "fields", "-e", "frame.number", *args).split())
+    assert count("-Y", "kbtp.response_in") == 0 and count("-2", "-Y", "kbtp.response_in") > 10
+    assert count("-Y", "kbtp.request_in") == count("-2", "-Y", "kbtp.response_in")
+    fields = (ROOT / "dissector" / "FIELDS.md").read_text()
+    for name in ("kbtp.response_in", "kbtp.data_in"):
+        row = next(line for line in fields.splitlines() if line.startswith(f"| `{name}`"))
+        assert "tshark -2" in row, row
+
+
+def test_shipped_colouring_rules_are_filters_that_colour_the_samples():
+    """docs/kbtp.colorfilters: every rule is a display filter tshark accepts, and each but
+    the bad-ICRC one colours frames of the sample captures; the opcode rules together
+    colour every KBTP message, each once."""
+    rules = [line.split("@")[1:3] for line in (ROOT / "docs" / "kbtp.colorfilters").read_text().splitlines()
+             if line.startswith("@")]
+    assert len(rules) >= 6
+    pcap = ROOT / "pcaps" / "roce_session.pcap"
+    hits = {}
+    for name, rule in rules:
+        frames = tshark(pcap, "-T", "fields", "-e", "frame.number", "-Y", rule).split()
+        hits[name] = {int(n) for n in frames}
+        assert hits[name] or name == "KBTP bad ICRC", name
+    messages = set(expected(pcap))
+    by_opcode = [hits[n] for n in ("KBTP session", "KBTP completion", "KBTP request")]
+    assert set().union(*by_opcode) == messages and sum(map(len, by_opcode)) == len(messages)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +17,7 @@ import pytest
 
 from tests import test_dissector_fuzz as fuzz, test_dissector_rdma as rdma
 from tests.cplugin import ROOT, c_plugin, needs_toolchain, run_form  # noqa: F401 (fixture)
-from tests.tshark import TSHARK, needs_tshark, private_home
+from tests.tshark import TSHARK, folders, needs_tshark, private_home
 
 pytestmark = [needs_tshark, needs_toolchain]
 
@@ -242,16 +244,22 @@ def _decoded(pcap: Path) -> list[dict]:
 
 
 def _srt_rows(text: str) -> dict[str, dict[str, tuple[int, float, float]]]:
-    """tshark -z kbtp,srt: table title -> row name -> (calls, min, max)."""
+    """tshark -z kbtp,srt: "Opcode" -> opcode -> (calls, min, max), and "status" ->
+    "OPCODE STATUS" -> the same, from the tables of each opcode by status. Every table
+    names its filter, and every row's name fits tshark's 22-column field."""
     tables: dict[str, dict[str, tuple[int, float, float]]] = {}
-    current = None
+    current, prefix = None, ""
     for line in text.splitlines():
-        if line.startswith("Index  "):
-            current = tables.setdefault(line.split()[1] if "Status" not in line else "status", {})
+        if line.startswith("Filter:"):
+            assert line.split(":", 1)[1].strip() in ("kbtp.opcode", "kbtp.status"), line
+        elif line.startswith("Index  "):
+            column = line[7:29].strip()
+            current = tables.setdefault("Opcode" if column == "Opcode" else "status", {})
+            prefix = "" if column == "Opcode" else column.removesuffix(" status") + " "
         elif current is not None and line[:5].strip().isdigit():
-            parts = line.split()
-            name = " ".join(parts[1:-5])
-            current[name] = (int(parts[-5]), float(parts[-4]), float(parts[-3]))
+            assert line[29] == " ", f"a row name wider than its column: {line!r}"
+            parts = line[30:].split()
+            current[prefix + line[7:29].strip()] = (int(parts[0]), float(parts[1]), float(parts[2]))
     return tables
 
 
@@ -383,3 +391,28 @@ def test_fuzz_corpus_under_address_and_undefined_behaviour_sanitizers(asan_plugi
     assert "KV Cache Block Transfer Protocol" in proc.stdout
     bugs = [line for line in proc.stdout.splitlines() if "Dissector bug, protocol KBTP" in line]
     assert not bugs, bugs[:5]
+
+
+@pytest.mark.slow
+def test_install_global_loads_the_c_plugin_as_root(tmp_path):
+    """--global: the system's plugin folders, as tshark reports them, which Wireshark 4.0
+    reads as root too; the C plugin is chosen there and the command says tshark loads it.
+    The folders are a tmpfs of a mount namespace of the test's own: the host's stay as they are."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (a mount namespace over the system's plugin folder)")
+    env = private_home(tmp_path)
+    found = folders(env)
+    lua_dir, c_dir = found["Global Lua Plugins"], found["Global Plugins"]
+    kbtp = f"{shlex.quote(sys.executable)} -m kbtp_scapy dissector"
+    script = (f"mount -t tmpfs kbtp-test {shlex.quote(lua_dir)} && mkdir -p {shlex.quote(c_dir)} && "
+              f"{kbtp} install --global && {kbtp} install --global --lua && {kbtp} uninstall --global --c")
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    so, lua = f"{c_dir}/epan/kbtp.so", f"{lua_dir}/kbtp.lua"
+    assert proc.stdout.splitlines()[:3] == [
+        "installing the C plugin: gcc and the Wireshark headers are here, so the C plugin (native speed)",
+        f"installed {so}", f"tshark loads the C plugin {so}"], proc.stdout
+    assert f"tshark loads the C plugin {so} (kbtp.lua is loaded too and steps aside)" in proc.stdout
+    assert f"removed {so}" in proc.stdout
+    assert not Path(so).exists() and not Path(lua).exists()          # the host's folders

@@ -15,9 +15,10 @@ from .sandbox import ROOT, Sandbox, campaign_marks
 
 README = (ROOT / "README.md").read_text()
 FENCED = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
-#: the README's two set-up commands, its only indented blocks: .ci/run runs the second, and
-#: tests/test_demo.py runs the demo as the first does
-SET_UP = ["./tools/install.sh && .venv/bin/kbtp demo", "./tools/install.sh && .venv/bin/python -m pytest -q"]
+#: the README's two set-up commands, its only indented blocks: the install that puts the
+#: environment's ``kbtp`` on PATH for every command after it, and the suite, as .ci/run runs it
+SET_UP = ["./tools/install.sh && . .venv/bin/activate", "./tools/install.sh && .venv/bin/python -m pytest -q"]
+QUICK_START = README[README.index("## Quick start"):README.index("\n## ", README.index("## Quick start") + 3)]
 
 
 def _adjacent(first: re.Match, then: re.Match) -> bool:
@@ -59,6 +60,24 @@ def test_ci_runs_the_readme_test_command():
     assert ci[-1] == SET_UP[1]
 
 
+def test_commands_find_kbtp_as_written():
+    """The quick start puts the environment on PATH (activates it) before its first command,
+    and no block names the environment's ``kbtp`` by path: every ``kbtp`` line runs as written
+    in the shell the install left (it was "kbtp: command not found" after the demo)."""
+    first_block = QUICK_START.index("```sh")
+    assert ". .venv/bin/activate" in QUICK_START[:first_block]
+    assert SET_UP[0] in QUICK_START[:first_block]
+    assert not [text for _, lang, text, _ in fenced() if ".venv/bin/kbtp" in text]
+
+
+def test_case_counts_are_the_registrys():
+    """The numbers of cases the README gives are those ``kbtp conform --list`` lists."""
+    from kbtp_scapy.conform.cases import all_cases
+    from kbtp_scapy.conform.initiator.runner import all_cases as initiator_cases
+    said = [int(n) for n in re.findall(r"(\d+)\s+cases \(`kbtp conform (?:--role initiator )?--list`\)", README)]
+    assert said == [len(all_cases()), len(initiator_cases())]
+
+
 def requirements(extras: dict[str, list[str]], extra: str) -> set[str]:
     """The distributions an extra brings, through the extras of this project it names."""
     out = set()
@@ -89,7 +108,8 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/DECISIONS.md", "docs/PERFORMANCE.md", "docs/ARCHITECTURE.md"])
+@pytest.mark.parametrize("page", ["README.md", "docs/DECISIONS.md", "docs/PERFORMANCE.md", "docs/ARCHITECTURE.md",
+                                  "docs/TOOLS.md", "docs/LAB.md"])
 def test_links_lead_somewhere(page):
     """Every relative link of the guide and of the records names a file of the checkout,
     every #anchor a heading of its page."""
@@ -130,3 +150,17 @@ def test_readme_block_runs(tmp_path, line, lang, text, shown):
         last = [s for s in steps if not s.target][-1]
         assert shows(last.stdout + last.stderr, shown), \
             f"README line {line}: output shown after it is not what it prints:\n{last.why()}"
+
+
+@pytest.mark.slow
+def test_quick_start_runs_in_order(tmp_path):
+    """The quick start's commands, every block in the order a newcomer follows them, in one
+    sandbox: the target of "Run the reference target" serves the conformance check after it
+    (in the other order the check found nothing listening)."""
+    lines = [line for m in FENCED.finditer(QUICK_START) if m[1] == "sh" for line in commands(m[2])]
+    assert lines[0] == "kbtp demo" and any(line == "kbtp target" for line in lines)
+    steps = Sandbox(tmp_path).run(lines, timeout=300)
+    failed = [s for s in steps if not s.ok]
+    assert not failed, "\n\n".join(s.why() for s in failed)
+    assert not [s for s in steps if s.target and not s.line.startswith("kbtp target")], \
+        "the sandbox started a target the quick start did not"

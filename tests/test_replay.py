@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from scapy.layers.inet import IP, TCP
@@ -178,3 +182,68 @@ def test_synthetic_captures_never_crash(capsys, name):
     doc = json.loads(out)
     assert rc == 1 and "Traceback" not in err
     assert doc["summary"]["match"] > 0 and doc["summary"]["differ"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["rxe_kernel_session.pcap", "siw_kernel_session.pcap"])
+def test_kernel_capture_replays_to_match_on_a_used_target(capsys, tmp_path, name):
+    """The kernel's captures read table entries by RDMA Read: their Generations move per
+    handle too, so the second and third replay on one target match as the first did."""
+    t = TargetThread("iwarp", TargetConfig(**CONFIG), hosts=hosts())
+    reports = [tmp_path / f"run{n}.json" for n in range(3)]
+    try:
+        runs = [main(["replay", f"pcaps/{name}", "--target", t.url, "--timeout", "3",
+                      "--json-file", str(report)]) for report in reports]
+    finally:
+        t.stop()
+    out = capsys.readouterr().out
+    assert runs == [0, 0, 0], out
+    last = json.loads(reports[2].read_text())["loops"][0]
+    reads = [v for v in last if v["operation"] == "READ table"]
+    assert reads and all(v["state"] == "match" for v in reads)
+    assert reads[0]["replayed"]["generation"] > reads[0]["captured"]["generation"]   # a used entry
+
+
+def test_truncated_capture_says_where_it_ends(capsys, tmp_path):
+    """A capture cut in the middle of a frame replays what it holds, then says where it
+    ends and exits 1, as ``kbtp decode`` does: never a MATCH of a capture read in part."""
+    whole = Path("pcaps/rxe_kernel_session.pcap").read_bytes()
+    cut = tmp_path / "cut.pcap"
+    cut.write_bytes(whole[:20000])
+    assert main(["decode", str(cut)]) == 1
+    decoded = capsys.readouterr().err.strip().splitlines()[-1]
+    ends = decoded.split(": ", 2)[2].split(";")[0]         # the capture ends in the middle of frame N
+    rc, out, err = replay(capsys, "iwarp", str(cut))
+    assert rc == 1, out + err
+    assert f"note: {ends}" in out and not out.splitlines()[-1].startswith("MATCH")
+    assert err.strip().splitlines()[-1] == f"kbtp: {cut}: {ends}; the steps before it were replayed"
+    rc, out, _ = replay(capsys, "iwarp", str(cut), "--json")
+    doc = json.loads(out)
+    assert rc == 1 and doc["result"] == "incomplete" and doc["capture_ends"] == ends
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_loop_keeps_the_steps_replayed(tmp_path):
+    """A SIGINT during ``--loop 1000``: the loops replayed until then are judged and written
+    (text and --json-file), marked interrupted, then exit 130."""
+    t = TargetThread("iwarp", TargetConfig(**CONFIG), hosts=hosts())
+    report = tmp_path / "report.json"
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kbtp_scapy", "replay",
+                                 "pcaps/rxe_kernel_session.pcap", "--target", t.url, "--loop", "1000",
+                                 "--json-file", str(report)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(t.target.metrics.hellos.values()) < 3 \
+                and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        t.stop()
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1].startswith("kbtp: replay: interrupted (Ctrl-C) after ")
+    assert out.splitlines()[-1].startswith("INTERRUPTED: ")
+    doc = json.loads(report.read_text())
+    assert doc["result"] == "interrupted" and doc["interrupted"].startswith("interrupted (Ctrl-C)")
+    assert doc["summary"]["match"] > 0 and doc["summary"]["differ"] == 0

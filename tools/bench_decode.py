@@ -50,12 +50,12 @@ print(json.dumps([os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_s
 """
 
 
-def run(cmd: list[str]) -> tuple[float, float, int, str]:
+def run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, int, str]:
     """(CPU seconds, wall seconds, peak resident octets, last line on stderr) of one run,
-    stdout to /dev/null."""
+    stdout to /dev/null, in ``env`` when given."""
     with tempfile.TemporaryFile() as err:
         proc = subprocess.run([sys.executable, "-S", "-c", _SPAWN, *cmd], stdout=subprocess.PIPE,
-                              stderr=err, text=True, check=False)
+                              stderr=err, text=True, check=False, env=env)
         err.seek(0)
         text = err.read().decode(errors="replace")
     code, cpu, wall, peak = json.loads(proc.stdout) if proc.returncode == 0 else (proc.returncode, 0, 0, 0)
@@ -73,11 +73,12 @@ def tshark_cmd(binding: str, pcap: Path, lua: Path) -> list[str]:
 def measure(caps: dict[str, Path], rounds: int, lua: Path) -> dict[tuple[str, str], tuple]:
     """Best (CPU, wall, peak RSS) per (binding, tool), rounds interleaved."""
     best: dict[tuple[str, str], tuple] = {}
+    bench_dissector.check_plugins("tshark + kbtp.lua", ["-X", f"lua_script:{lua}"])
     for r in range(rounds):
         for binding, pcap in caps.items():
             for tool, cmd in (("kbtp decode", [*KBTP, str(pcap)]),
                               ("tshark", tshark_cmd(binding, pcap, lua))):
-                got = run(cmd)
+                got = run(cmd, bench_dissector.tshark_env() if tool == "tshark" else None)
                 old = best.get((binding, tool))
                 best[(binding, tool)] = got if old is None or got[0] < old[0] else old
                 print(f"round {r + 1}/{rounds} {binding:5} {tool:11} {got[0]:7.2f} s CPU "

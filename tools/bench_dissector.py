@@ -45,8 +45,11 @@ sets the columns; the same adding ten fields), to show where the time goes.
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -333,11 +336,56 @@ def configs(binding: str, lua: Path) -> list[tuple[str, str, list[str]]]:
 OUTPUTS = {"fields": ["-T", "fields", "-e", "frame.number"], "-V": ["-V"]}
 
 
+@functools.cache
+def _home() -> Path:
+    """A HOME of the benchmark's own, removed at exit."""
+    home = Path(tempfile.mkdtemp(prefix="kbtp-bench-tshark-"))
+    atexit.register(shutil.rmtree, home, True)
+    for sub in (".config", ".local/share", ".cache"):
+        (home / sub).mkdir(parents=True)
+    return home
+
+
+def tshark_env(preload: Path | None = None) -> dict[str, str]:
+    """The environment of every tshark the benchmarks run: a HOME and XDG folders of their
+    own and none of Wireshark's WIRESHARK_* overrides, so no plugin or preference of the
+    user's loads (a kbtp.lua that 'kbtp dissector install' put in the personal plugin
+    folder made "plain tshark" the Lua form); with ``preload``, the C plugin's build."""
+    home = _home()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WIRESHARK_")}
+    env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"),
+               XDG_DATA_HOME=str(home / ".local/share"), XDG_CACHE_HOME=str(home / ".cache"))
+    if preload:
+        env["LD_PRELOAD"] = str(preload)
+    return env
+
+
+def check_plugins(name: str, options: list[str], preload: Path | None = None) -> None:
+    """Stop unless the tshark of configuration ``name`` loads what it is named for and
+    nothing else of KBTP: the Lua scripts its -X options give and no other KBTP plugin
+    (from the system's folders, say), KBTP registered with the C plugin's preload, and
+    not registered at all without either."""
+    scripts = [o for o in options if o.startswith("lua_script:")]
+    given = [opt for script in scripts for opt in ("-X", script)]
+    env = tshark_env(preload)
+    listed = subprocess.run(["tshark", "-G", "plugins", *given], capture_output=True, text=True,
+                            env=env, check=False).stdout
+    kbtp = sorted(line.split("\t")[-1] for line in listed.splitlines() if "kbtp" in line.lower())
+    protocols = subprocess.run(["tshark", "-G", "protocols", *given], capture_output=True,
+                               text=True, env=env, check=False).stdout
+    registered = any(line.split("\t")[-1] == "kbtp" for line in protocols.splitlines())
+    wanted = sorted(s.split(":", 1)[1] for s in scripts)
+    if kbtp != wanted or (preload and not registered) or (not preload and not scripts and registered):
+        raise SystemExit(f"{name}: tshark loads {kbtp or 'no KBTP plugin'} (KBTP "
+                         f"{'registered' if registered else 'not registered'}), not what it is "
+                         f"named for: {wanted or 'none'}{' and the C plugin' if preload else ''}")
+
+
 def run_once(pcap: Path, options: list[str], output: str, preload: Path | None = None) -> float:
     """CPU seconds (user + system) of one tshark run: steadier than the wall clock when
     other work shares the machine, and the same thing for a single-threaded tshark."""
     cmd = ["tshark", "-n", "-r", str(pcap), *options, *OUTPUTS[output]]
-    env = dict(os.environ, LD_PRELOAD=str(preload)) if preload else None
+    env = tshark_env(preload)
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -352,6 +400,9 @@ def run_once(pcap: Path, options: list[str], output: str, preload: Path | None =
 def measure(caps, rounds: int, lua: Path, extra=(), outputs=("fields", "-V")) -> dict:
     """Best CPU seconds per (binding, output, config name), rounds interleaved."""
     best: dict[tuple[str, str, str], float] = {}
+    for binding in ("roce", "iwarp"):
+        for name, _, options in configs(binding, lua) + list(extra):
+            check_plugins(name, options, C_PLUGIN[0] if name == C_NAME else None)
     for r in range(rounds):
         for binding in ("roce", "iwarp"):
             tcp = ["-o", "tcp.try_heuristic_first:TRUE"] if binding == "iwarp" else []

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..initiator import Initiator, KbtpError, Limits, Result, TargetInfo
-from ..rnic.qp import FrameListener
+from ..rnic.qp import ConnectionLost, FrameListener, RemoteError
 from ..vocab import Feature
 from .stats import Samples
 
@@ -25,8 +25,16 @@ OPERATIONS = {"load": ("LOAD",), "store": ("STORE",), "alloc_store": ("ALLOC_STO
 NEEDS = {"direct_load": Feature.DIRECT_LOAD, "direct_alloc": Feature.DIRECT_ALLOC}
 
 
+#: what ends a run early from the connection's side: the target died, hung or refused
+LOST = (ConnectionLost, RemoteError, OSError, TimeoutError)
+
+
 class BenchError(Exception):
     """The benchmark cannot run as asked (a feature not granted, more in flight than the quota)."""
+
+
+class Interrupted(Exception):
+    """The run was asked to stop (Ctrl-C) before its plan ended."""
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)     # the HELLO_ACK's figures, each answer's wait
     frame_listeners: list[FrameListener] = field(default_factory=list)
+    interrupted: bool = False                          # set by Ctrl-C: stop, keep what was measured
 
 
 @dataclass
@@ -53,6 +62,7 @@ class Measured:
     samples: dict[str, Samples]
     seconds: float
     cpu_seconds: float
+    cut: BaseException | None = None     # what ended it before its plan: Interrupted or LOST
 
     def rows(self) -> list[dict[str, Any]]:
         total = sum(len(s.latencies) for s in self.samples.values())
@@ -60,24 +70,32 @@ class Measured:
         for s in self.samples.values():
             row = s.summary(self.seconds, self.cpu_seconds, total)
             row["cpu_percent"] = round(100 * self.cpu_seconds / self.seconds, 1) if self.seconds else None
+            if self.cut is not None:
+                row["partial"] = True
             out.append(row)
         return out
 
 
 async def run(plan: Plan, progress: Callable[[str], None] = lambda _: None) -> list[Measured]:
-    """Connect, run every size, say GOODBYE with RELEASE."""
+    """Connect, run every size, say GOODBYE with RELEASE. A size cut short (Ctrl-C, the
+    connection lost) ends the run: the sizes so far are returned, the last one ``cut``."""
     ini = await Initiator.connect(plan.url, initiator_id=os.urandom(16),
                                   frame_listeners=plan.frame_listeners, limits=plan.limits,
                                   **plan.options)
+    out: list[Measured] = []
     try:
         _check(ini, plan)
-        out = []
         for size in plan.sizes or [_info(ini).block_size]:
+            if plan.interrupted:
+                break
             progress(f"{plan.op} of {size} octets, {plan.in_flight} in flight")
             out.append(await _one_size(ini, plan, size))
+            if out[-1].cut is not None:
+                break
         return out
     finally:
-        if not ini.qp.closed:
+        lost = bool(out) and isinstance(out[-1].cut, LOST)
+        if not ini.qp.closed and not lost:
             await ini.goodbye(release=True)
 
 
@@ -136,7 +154,11 @@ async def _one_size(ini: Initiator, plan: Plan, size: int) -> Measured:
     budget = [plan.iterations or 0]                    # iterations still to start, all workers
     start = time.perf_counter_ns()
 
+    cut: list[BaseException] = []                      # the first connection error, if any
+
     def more() -> bool:
+        if plan.interrupted or cut:
+            return False
         if plan.iterations:
             budget[0] -= 1
             return budget[0] >= 0
@@ -159,11 +181,23 @@ async def _one_size(ini: Initiator, plan: Plan, size: int) -> Measured:
                         if result.sent_ns and not (direct and name == names[0]) else ended - began)
                 samples[name].add(wire, ended - began, ended - start)
 
+    async def guarded(handle: int) -> None:
+        """One worker; a lost connection stops them all, keeping what completed."""
+        try:
+            await worker(handle)
+        except LOST as exc:
+            cut.append(exc)
+
     cpu = time.process_time()
-    await asyncio.gather(*(worker(h) for h in handles))
+    await asyncio.gather(*(guarded(h) for h in handles))
     cpu = time.process_time() - cpu
     seconds = (time.perf_counter_ns() - start) / 1e9
-    await _clean(ini, plan, handles)
-    if not first.latencies:
+    last = max((x.done_at[-1] for x in samples.values() if x.done_at), default=0)
+    if cut and last:
+        seconds = last / 1e9          # not the wait for the RNIC to give the connection up
+    ended = cut[0] if cut else Interrupted() if plan.interrupted else None
+    if not cut:
+        await _clean(ini, plan, handles)
+    if not first.latencies and ended is None:
         raise BenchError(f"no {names[0]} completed ({first.errors} failed)")
-    return Measured(size, samples, seconds, cpu)
+    return Measured(size, samples, seconds, cpu, ended)

@@ -45,7 +45,8 @@ class Samples:
         row: dict[str, Any] = {"op": self.op, "bytes": self.size, "iterations": n, "errors": self.errors,
                                "seconds": round(seconds, 6),
                                "ops_per_s": round(n / seconds, 1) if seconds else 0.0,
-                               "mb_per_s": round(n * self.size / seconds / 1e6, 3) if seconds else 0.0}
+                               "mb_per_s": round(n * self.size / seconds / 1e6, 3) if seconds else 0.0,
+                               "gbit_per_s": round(n * self.size * 8 / seconds / 1e9, 4) if seconds else 0.0}
         if n:
             us = {"min": ordered[0], **{_key(p): percentile(ordered, p) for p in PERCENTILES},
                   "max": ordered[-1], "mean": sum(ordered) // n}
@@ -55,15 +56,16 @@ class Samples:
         row["cpu_us_per_op"] = round(cpu_seconds / all_ops * 1e6, 2) if all_ops else None
         return row
 
-    def throughput(self, step_s: float) -> list[tuple[float, float]]:
-        """(end of interval in s, ops/s in it), for the plot of throughput over time."""
-        if not self.done_at:
-            return []
+    def throughput(self, step_s: float, span_s: float) -> list[tuple[float, float]]:
+        """(end of interval in s, ops/s in it), for the plot of throughput over time: whole
+        intervals of the run's ``span_s`` only, as a last one cut short by the run's end
+        would show a collapse that did not happen."""
         step = int(step_s * 1e9)
         counts: dict[int, int] = {}
         for t in self.done_at:
             counts[t // step] = counts.get(t // step, 0) + 1
-        return [((i + 1) * step_s, counts.get(i, 0) / step_s) for i in range(max(counts) + 1)]
+        whole = int(round(span_s / step_s, 9))
+        return [((i + 1) * step_s, counts.get(i, 0) / step_s) for i in range(whole)]
 
 
 def _key(p: float) -> str:
@@ -71,8 +73,9 @@ def _key(p: float) -> str:
 
 
 def histogram(latencies: list[int], width: int = 50, per_decade: int = 5) -> list[str]:
-    """Terminal lines: log-scale latency buckets (``per_decade`` a decade), a bar of ``#``
-    each, scaled to the fullest bucket, with count and share."""
+    """Terminal lines: log-scale latency buckets (``per_decade`` a decade), each named by
+    both its edges (from the lower, inclusive, to the upper), a bar of ``#`` scaled to the
+    fullest bucket, count and share."""
     if not latencies:
         return []
     lo = math.floor(math.log10(min(latencies)) * per_decade)
@@ -83,7 +86,7 @@ def histogram(latencies: list[int], width: int = 50, per_decade: int = 5) -> lis
     top, total = max(counts), len(latencies)
     lines = []
     for i, n in enumerate(counts):
-        edge = 10 ** ((lo + i) / per_decade) / 1000           # bucket's lower edge, in us
+        low, high = (10 ** ((lo + i + k) / per_decade) / 1000 for k in (0, 1))   # edges, in us
         bar = "#" * max(1 if n else 0, round(n / top * width))
-        lines.append(f"{edge:>10.1f} us | {bar:<{width}} {n:>8} {100 * n / total:5.1f}%")
+        lines.append(f"{low:>9.1f} to {high:>9.1f} us | {bar:<{width}} {n:>8} {100 * n / total:5.1f}%")
     return lines

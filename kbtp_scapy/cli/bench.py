@@ -2,8 +2,9 @@
 target, as a perftest-like table or JSON, with a terminal histogram and an optional plot."""
 from __future__ import annotations
 
-import asyncio
+import csv
 import json
+import sys
 from typing import Any
 
 import click
@@ -11,12 +12,14 @@ import click
 from ..bench import runner
 from ..bench.stats import histogram
 from ..initiator import KbtpError, PeerLimit
-from .errors import CONNECTION_ERRORS, file_trouble, hint, line, local_trouble, reason
-from .options import RAISE_LIMITS, address, limit_options, limits, raw_io, raw_io_options
+from .errors import CONNECTION_ERRORS, Exit, file_trouble, hint, line, local_trouble, reason
+from .interrupt import run_stoppable
+from .options import LOCAL_IS_ROCE, RAISE_LIMITS, address, limit_options, limits, raw_io, raw_io_options
 
 #: perftest-like columns: header, row key, width
 COLUMNS = (("op", "op", 12), ("#bytes", "bytes", 8), ("#iterations", "iterations", 12),
-           ("ops/s", "ops_per_s", 10), ("MB/sec", "mb_per_s", 9), ("t_min[usec]", "min", 12),
+           ("ops/s", "ops_per_s", 10), ("MB/sec", "mb_per_s", 9), ("Gb/s", "gbit_per_s", 8),
+           ("t_min[usec]", "min", 12),
            ("t_p50", "p50", 9), ("t_p90", "p90", 9), ("t_p99", "p99", 9), ("t_p99.9", "p99.9", 9),
            ("t_max", "max", 9), ("CPU/op[usec]", "cpu_us_per_op", 13))
 
@@ -70,20 +73,29 @@ def table(rows: list[dict[str, Any]]) -> str:
 @click.option("--pcap", type=click.Path(dir_okay=False), default=None,
               help="Write every frame to this pcap (to check the times with tshark: kbtp.time).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout instead of text.")
+@click.option("--csv", "csv_file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              metavar="FILE", help="Also write the results as CSV to FILE, one row per operation and size "
+                                   "('-': stdout instead of the table).")
 @click.option("--histogram/--no-histogram", "show_histogram", default=True, show_default=True,
               help="A latency histogram in the terminal after the table.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="PNG or SVG of the latency distribution and throughput over time "
-                   "(needs the extra: pip install 'kbtp_scapy[plot]').")
+                   "(needs matplotlib, the checkout's [plot] extra: pip install '.[plot]').")
 def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float | None,
           iterations: int | None, inline: bool | None, local: str | None, io: str, iface: str | None,
           raw_addr: str | None, device: str | None, timeout: float, max_block_size: int, max_blocks: int,
-          pcap: str | None, as_json: bool, show_histogram: bool, plot: str | None) -> None:
+          pcap: str | None, as_json: bool, csv_file: str | None, show_histogram: bool,
+          plot: str | None) -> None:
     """Benchmark the KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT) in
     perftest's manner: one session, --in-flight requests at a time, each timed from posting
     to completion; ops/s, MB/s, latency min/p50/p90/p99/p99.9/max in microseconds, and the
     client's own CPU per operation (CPU/op, and cpu_percent in --json: near 100% the client,
     not the target, is the bottleneck).
+
+    Exit status: 0 measured as asked; 1 the target failed during the run (the results
+    until then are printed, marked partial) or refused a request; 2 usage error, or a plan
+    the target cannot serve (a feature not granted, more in flight than its quota, a size
+    over its Block Size); 130 interrupted by Ctrl-C (the results so far, marked partial).
 
     \b
     Examples (with kbtp target running):
@@ -91,6 +103,7 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
       kbtp bench roce://127.0.0.1 --op alloc_store -s 64,4096 -t 8 -n 2000 --json
       kbtp bench iwarp://127.0.0.1:5420 --op direct_load -t 4 --duration 2 --no-histogram
       kbtp bench roce://127.0.0.1 --op store -t 16 --duration 2 --pcap bench.pcap
+      kbtp bench roce://127.0.0.1 -s 512,4096 -n 2000 --csv bench.csv
     """
     transport = url.split("://", 1)[0] if "://" in url else ""
     if transport not in ("iwarp", "roce"):
@@ -104,6 +117,8 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
         raise click.BadParameter("give a .png or .svg file", param_hint="--plot")
     target = address(transport, url)
     options: dict[str, Any] = {"connect_timeout": timeout, **raw_io(transport, io, iface, raw_addr, device)}
+    if local and transport == "iwarp" and io != "verbs":
+        raise click.UsageError(LOCAL_IS_ROCE)
     if local:
         options["local"] = local
     plan = runner.Plan(str(target), op, sizes, in_flight, None if iterations else duration or 5.0,
@@ -116,11 +131,14 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
         except OSError as exc:
             raise file_trouble(pcap, exc, option="--pcap") from None
         plan.frame_listeners.append(sink)
+    def stop() -> None:
+        plan.interrupted = True
+
     try:
-        runs = asyncio.run(runner.run(plan, lambda text: None if as_json else
-                                      click.echo(f"kbtp bench: {text} ...", err=True)))
+        runs = run_stoppable(lambda: runner.run(plan, lambda text: None if as_json else
+                                                click.echo(f"kbtp bench: {text} ...", err=True)), stop)
     except runner.BenchError as exc:
-        raise click.ClickException(line(f"bench {target}", str(exc), "see 'kbtp bench --help'")) from None
+        raise Exit(2, line(f"bench {target}", str(exc), "see 'kbtp bench --help'")) from None
     except PeerLimit as exc:
         raise click.ClickException(line(f"bench {target}: HELLO_ACK not usable", exc.detail, RAISE_LIMITS)) from None
     except KbtpError as exc:
@@ -131,24 +149,76 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
     finally:
         if sink:
             sink.close()
-    rows = [row for run in runs for row in run.rows()]
-    if as_json:
-        click.echo(json.dumps({"target": str(target), "op": op, "in_flight": in_flight,
-                               "results": rows}, indent=1))
+    if not runs and plan.interrupted:
+        raise Exit(130, "bench: interrupted (Ctrl-C) before any request was measured")
+    cut = runs[-1].cut
+    if csv_file == "-":
+        _write_csv(sys.stdout, runs)
     else:
-        click.echo(table(rows))
-        if show_histogram:
-            for run in runs:
-                for s in run.samples.values():
-                    click.echo(f"\n{s.op} latency, {s.size} octets ({len(s.latencies)} requests):")
-                    click.echo("\n".join(histogram(s.latencies)))
+        _report(runs, target, op, in_flight, as_json, show_histogram, cut)
+    if csv_file and csv_file != "-":
+        try:
+            with open(csv_file, "w", newline="") as out:
+                _write_csv(out, runs)
+        except OSError as exc:
+            raise file_trouble(csv_file, exc, option="--csv") from None
     if plot:
         from ..bench.plot import write
         try:
-            write(plot, runs, f"kbtp bench {op} {target}, {in_flight} in flight")
+            write(plot, runs, f"kbtp bench {op} {target}, {in_flight} in flight"
+                  + (" (partial)" if cut is not None else ""))
         except ImportError as exc:
             raise click.ClickException(str(exc)) from None
         except OSError as exc:
             raise file_trouble(plot, exc, option="--plot") from None
         if not as_json:
             click.echo(f"\nwrote {plot}")
+    done = f"the results above are of the {runs[-1].seconds:.1f} s measured until then, marked partial"
+    if isinstance(cut, runner.Interrupted):
+        raise Exit(130, f"bench: interrupted (Ctrl-C); {done}")
+    if cut is not None:
+        raise Exit(1, line(f"bench {target}: the connection ended", reason(cut, timeout), done))
+
+
+#: the CSV's columns: the JSON row's, latencies flattened (lat_p50_us), and partial
+CSV_COLUMNS = ("op", "bytes", "iterations", "errors", "seconds", "ops_per_s", "mb_per_s", "gbit_per_s",
+               "lat_min_us", "lat_p50_us", "lat_p90_us", "lat_p99_us", "lat_p99.9_us", "lat_max_us",
+               "lat_mean_us", "cpu_us_per_op", "cpu_percent", "partial")
+
+
+def _write_csv(out: Any, runs: list[runner.Measured]) -> None:
+    """One CSV row per operation and size, with a header: for a spreadsheet or a plot."""
+    writer = csv.DictWriter(out, CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for run in runs:
+        for row in run.rows():
+            latency = {f"lat_{k}_us": v for k, v in row.get("latency_us", {}).items()}
+            writer.writerow({**row, **latency, "partial": bool(row.get("partial"))})
+
+
+def _ended(cut: BaseException | None) -> str | None:
+    """Why the last size ended before its plan, for the JSON report."""
+    if cut is None:
+        return None
+    return "interrupted (Ctrl-C)" if isinstance(cut, runner.Interrupted) else \
+        f"the connection ended: {reason(cut)}"
+
+
+def _report(runs: list[runner.Measured], target: Any, op: str, in_flight: int, as_json: bool,
+            show_histogram: bool, cut: BaseException | None) -> None:
+    """The table and histograms, or the JSON document; a run cut short says so in both."""
+    rows = [row for run in runs for row in run.rows()]
+    if as_json:
+        doc = {"target": str(target), "op": op, "in_flight": in_flight, "results": rows}
+        if cut is not None:
+            doc.update(partial=True, ended=_ended(cut))
+        click.echo(json.dumps(doc, indent=1))
+        return
+    click.echo(table(rows))
+    if cut is not None:
+        click.echo(f"partial: {_ended(cut)} after {runs[-1].seconds:.1f} s of the last size")
+    if show_histogram:
+        for run in runs:
+            for s in run.samples.values():
+                click.echo(f"\n{s.op} latency, {s.size} octets ({len(s.latencies)} requests):")
+                click.echo("\n".join(histogram(s.latencies)))

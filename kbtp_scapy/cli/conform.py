@@ -16,7 +16,7 @@ from ..harness import HarnessError
 from ..initiator.results import TargetInfo
 from ..words import count
 from .errors import Exit
-from .options import raw_io
+from .options import raw_io, say_resolved
 
 
 class _Console(Listener):
@@ -81,6 +81,9 @@ class _Console(Listener):
               help="The specification's text for --coverage [default: docs/kbtp-draft.txt of the checkout].")
 @click.option("--only", multiple=True, metavar="PREFIX", help="Run only cases whose id starts so (repeatable).")
 @click.option("--exclude", multiple=True, metavar="PREFIX", help="Leave out cases whose id starts so (repeatable).")
+@click.option("--rerun-failed", "rerun", type=click.Path(dir_okay=False), metavar="REPORT",
+              help="Run only the cases that FAILed, WARNed or were ERROR in REPORT, the JSON of an "
+                   "earlier run (--json-file); with --only/--exclude, those of them.")
 @click.option("--quick", is_flag=True, help="Leave out the slow cases (they are reported as SKIP).")
 @click.option("--strict", is_flag=True, help="A WARN (a SHOULD not met) fails the run too (exit status 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout instead of text.")
@@ -88,6 +91,9 @@ class _Console(Listener):
               help="Also write the results as JSON to FILE ('-': the same as --json).")
 @click.option("--junit", "junit_file", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
               help="Write the results as JUnit XML to FILE (a WARN is a failure of type warning).")
+@click.option("--html", "html_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write the results as one HTML page to FILE: each case with its requirement, "
+                   "expected and seen, and a link to its capture (--pcap-dir).")
 @click.option("--pcap-dir", type=click.Path(file_okay=False), metavar="DIR",
               help="Write a pcap per case that did not pass.")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
@@ -96,8 +102,9 @@ class _Console(Listener):
 @click.argument("program", nargs=-1, type=click.UNPROCESSED)
 def conform(role: str, url: str | None, listen: str | None, keep: str | None, local: str | None,
             io: str, device: str | None, list_only: bool, coverage: bool, spec: str | None, only: tuple[str, ...],
-            exclude: tuple[str, ...], quick: bool, strict: bool, as_json: bool, json_file: str | None,
-            junit_file: str | None, pcap_dir: str | None, timeout: float, quiet: bool,
+            exclude: tuple[str, ...], rerun: str | None, quick: bool, strict: bool, as_json: bool,
+            json_file: str | None,
+            junit_file: str | None, html_file: str | None, pcap_dir: str | None, timeout: float, quiet: bool,
             program: tuple[str, ...]) -> None:
     """Check a KBTP target against the specification, judging only what it sends back.
 
@@ -129,7 +136,9 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     Examples:
       kbtp conform --target roce://127.0.0.1 --local 127.0.0.2
       kbtp conform --target iwarp://10.0.0.5:5420 --junit conform.xml --pcap-dir failed/
+      kbtp conform --target iwarp://10.0.0.5:5420 --html conform.html --pcap-dir failed/
       kbtp conform --target iwarp://127.0.0.1:5420 --quick --strict --json > conform.json
+      kbtp conform --target iwarp://127.0.0.1:5420 --rerun-failed conform.json
       kbtp conform --target iwarp://10.0.0.5:5420 --only ops. --only generation. --exclude ops.quota
       kbtp conform --list --only direct.
       kbtp conform --role initiator --list --only direct_alloc.
@@ -139,14 +148,20 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         _coverage(spec, as_json)
         return
     if role == "initiator":
+        if rerun:
+            raise click.UsageError("--rerun-failed is for --role target")
         from .conform_initiator import check_initiator
         console = _Console(listen or "", not (as_json or json_file == "-"), quiet)
-        code = check_initiator(listen, program, local=local, list_only=list_only, only=only,
-                               exclude=exclude, quick=quick, strict=strict, as_json=as_json,
-                               json_file=json_file, junit_file=junit_file, pcap_dir=pcap_dir,
-                               keep=keep, timeout=timeout, quiet=quiet, console=console,
-                               io=raw_io("", io, None, None, device))   # no --io raw here
-        console.clear()
+        try:
+            code = check_initiator(listen, program, local=local, list_only=list_only, only=only,
+                                   exclude=exclude, quick=quick, strict=strict, as_json=as_json,
+                                   json_file=json_file, junit_file=junit_file, html_file=html_file,
+                                   pcap_dir=pcap_dir,
+                                   keep=keep, timeout=timeout, quiet=quiet, console=console,
+                                   judged=console.outcomes,
+                                   io=raw_io("", io, None, None, device))   # no --io raw here
+        finally:
+            console.clear()
         if code:
             raise Exit(code, f"conform: the initiator did not pass (exit status {code}); see each "
                               "case's expected/seen above")
@@ -154,6 +169,13 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     if program or listen or keep or io != "udp" or device:
         raise click.UsageError("--listen, --keep, --io, --device and a command are for --role initiator")
     cases = select(all_cases(), only, exclude)
+    if rerun is not None:
+        again = _failed_in(rerun)
+        cases = [c for c in cases if c.id in again]
+        if not cases:
+            click.echo(f"kbtp conform: no case to run again: none failed in {rerun}"
+                       + (" among --only/--exclude" if only or exclude else ""), err=True)
+            return
     if not cases:
         raise click.UsageError("no case matches --only/--exclude (see --list)")
     if list_only:
@@ -161,6 +183,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         return
     if not url:
         raise click.UsageError("--target URL is required (or --list)")
+    say_resolved(url)
     if json_file == "-":
         as_json, json_file = True, None
     console = _Console(url, not as_json, quiet)
@@ -173,6 +196,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         doc = report.as_json(url, None, [], str(exc), strict, quick)
         _emit(as_json, json_file, doc)
         _write(junit_file, report.junit(url, [], str(exc)))
+        write_html(html_file, url, [], str(exc))
         raise Exit(report.EXIT_HARNESS, f"conform: {exc}") from None
     except KeyboardInterrupt:        # a CI timeout kills runs so: keep what was judged
         console.clear()
@@ -180,15 +204,29 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         why = f"interrupted (Ctrl-C) after {count(len(done), 'case')}"
         _emit(as_json, json_file, report.as_json(url, console.info, done, why, strict, quick))
         _write(junit_file, report.junit(url, done, why))
+        write_html(html_file, url, done, why)
         raise Exit(130, f"conform: {why}; the reports hold the cases judged until then") from None
     console.clear()
     if console.text:
         click.echo(report.footer(outcomes))
     _emit(as_json, json_file, report.as_json(url, info, outcomes, None, strict, quick))
     _write(junit_file, report.junit(url, outcomes))
+    write_html(html_file, url, outcomes, None)
     code = report.exit_code(outcomes, strict)
     if code:
         raise Exit(code, _summary(outcomes, strict))
+
+
+def _failed_in(path: str) -> set[str]:
+    """The ids of the cases an earlier run's JSON report has as FAIL, WARN or ERROR."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        return {c["id"] for c in doc["cases"] if c["verdict"] in (FAIL, WARN, ERROR)}
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: {exc.strerror or exc}", param_hint="--rerun-failed") from None
+    except (ValueError, KeyError, TypeError):
+        raise click.BadParameter(f"{path} is not the JSON report of a kbtp conform run (--json-file)",
+                                 param_hint="--rerun-failed") from None
 
 
 def _coverage(spec: str | None, as_json: bool) -> None:
@@ -231,3 +269,9 @@ def _write(path: str | None, content: str | bytes) -> None:
     if path is None:
         return
     Path(path).write_bytes(content.encode() if isinstance(content, str) else content)
+
+
+def write_html(path: str | None, url: str, outcomes: list[Outcome], error: str | None) -> None:
+    """--html: the page, its capture links relative to its own folder."""
+    if path is not None:
+        _write(path, report.html(url, outcomes, error, str(Path(path).resolve().parent)))

@@ -14,17 +14,20 @@ import click
 from ..conform import report
 from ..conform.initiator.runner import all_cases, run
 from ..conform.registry import select
-from ..conform.runner import Listener
+from ..conform.runner import Listener, Outcome
 from ..harness import HarnessError
+from ..words import count
+from .conform import write_html
 from .errors import Exit
 
 
 def check_initiator(listen: str | None, program: tuple[str, ...], *, local: str | None,
                     list_only: bool, only: tuple[str, ...], exclude: tuple[str, ...], quick: bool,
                     strict: bool, as_json: bool, json_file: str | None, junit_file: str | None,
-                    pcap_dir: str | None, keep: str | None, timeout: float, quiet: bool,
-                    console: Listener, io: dict | None = None) -> int:
-    """Run the initiator cases; returns the exit code (the caller raises it)."""
+                    html_file: str | None, pcap_dir: str | None, keep: str | None, timeout: float, quiet: bool,
+                    console: Listener, judged: list[Outcome], io: dict | None = None) -> int:
+    """Run the initiator cases; returns the exit code (the caller raises it). ``judged``
+    is the list ``console`` fills as verdicts come: on Ctrl-C, the partial report."""
     cases = select(all_cases(), only, exclude)
     if not cases:
         raise click.UsageError("no initiator case matches --only/--exclude (see --role initiator --list)")
@@ -48,11 +51,20 @@ def check_initiator(listen: str | None, program: tuple[str, ...], *, local: str 
         doc = _doc(listen, program, [], str(exc), strict, quick)
         _emit(as_json, json_file, doc)
         _write(junit_file, report.junit(listen, [], str(exc)))
+        write_html(html_file, listen, [], str(exc))
         raise Exit(report.EXIT_HARNESS, f"conform: {exc}") from None
+    except KeyboardInterrupt:        # as the target's checker: keep what was judged
+        done = list(judged)
+        why = f"interrupted (Ctrl-C) after {count(len(done), 'case')}"
+        _emit(as_json, json_file, _doc(listen, program, done, why, strict, quick))
+        _write(junit_file, report.junit(listen, done, why))
+        write_html(html_file, listen, done, why)
+        raise Exit(130, f"conform: {why}; the reports hold the cases judged until then") from None
     if not as_json:
         click.echo(report.footer(outcomes))
     _emit(as_json, json_file, _doc(listen, program, outcomes, None, strict, quick))
     _write(junit_file, report.junit(listen, outcomes))
+    write_html(html_file, listen, outcomes, None)
     return report.exit_code(outcomes, strict)
 
 

@@ -1,6 +1,7 @@
 """``kbtp decode``: every KBTP message in a capture (file or standard input) or a hex string."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -8,13 +9,14 @@ import stat
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 import click
 
 from .. import codec, tables as T
-from ..capture import Found, endpoints, kbtp_messages, to_json
+from ..capture import Found, ResponseTimes, endpoints, kbtp_messages, to_json
 from ..decode import CaptureError, Reader, Stats, rdma_messages
 from ..decode.frames import SUPPORTED, linktype_name
 from ..summary import describe
@@ -154,6 +156,36 @@ class _Output:
             self.json_file.write(json.dumps(to_json(found)) + "\n")
 
 
+@dataclass(frozen=True)
+class _Where:
+    """--conn, --addr, --qp, --from and --to: which connections, endpoints and stretch of
+    the capture's time (seconds since its first frame) a message must be in."""
+
+    conns: frozenset[int] = frozenset()
+    addrs: frozenset[str] = frozenset()
+    qps: frozenset[int] = frozenset()
+    start: float | None = None
+    end: float | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.conns or self.addrs or self.qps) or self.start is not None or self.end is not None
+
+    def matches(self, found: Found, origin: float) -> bool:
+        ends = endpoints(found)
+        at = (found.time or origin) - origin
+        return ((not self.conns or found.connection in self.conns)
+                and (not self.addrs or bool({ends.get("src"), ends.get("dst")} & self.addrs))
+                and (not self.qps or ends.get("dst_qp") in self.qps)
+                and (self.start is None or at >= self.start) and (self.end is None or at <= self.end))
+
+
+def _address(text: str) -> str:
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not an IP address", param_hint="--addr") from None
+
+
 def _matches(fields: Mapping[str, Any], opcodes, statuses, handles) -> bool:
     return ((not opcodes or fields.get("opcode") in opcodes)
             and (not statuses or fields.get("status") in statuses)
@@ -180,8 +212,22 @@ def _matches(fields: Mapping[str, Any], opcodes, statuses, handles) -> bool:
               help="Only messages with this status (name or number, e.g. NOT_VALID).")
 @click.option("--handle", "handles", multiple=True, metavar="H",
               help="Only messages naming this handle (decimal or 0x hex).")
+@click.option("--conn", "conns", multiple=True, type=click.IntRange(0), metavar="N",
+              help="Only messages of connection N (the #N of each line; repeatable).")
+@click.option("--addr", "addrs", multiple=True, metavar="IP",
+              help="Only messages from or to this address (repeatable).")
+@click.option("--qp", "qps", multiple=True, metavar="QPN",
+              help="RoCE: only messages to this destination QP (decimal or 0x hex; repeatable).")
+@click.option("--from", "start", type=float, default=None, metavar="SECONDS",
+              help="Only messages at or after SECONDS since the capture's first frame.")
+@click.option("--to", "end", type=float, default=None, metavar="SECONDS",
+              help="Only messages at or before SECONDS since the capture's first frame.")
 @click.option("--layers", is_flag=True, help="Also show each message as the Scapy layers "
               "dissect it (slow: a Scapy packet per message).")
+@click.option("--stats", is_flag=True,
+              help="Instead of the messages, the response times per request opcode and per opcode "
+                   "and status of the answer (calls, min, max, average, sum), as tshark's -z kbtp,srt "
+                   "gives them with the C plugin; with --json as one JSON document.")
 @click.option("--parquet", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="Write the messages as Parquet instead, one row each with typed columns from the "
                    "tables and derived ones (session, answer, latency): DIR/NAME/part-0.parquet, so "
@@ -189,8 +235,9 @@ def _matches(fields: Mapping[str, Any], opcodes, statuses, handles) -> bool:
 @click.option("-q", "--quiet", is_flag=True, help="No progress display; results and the summary only.")
 def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO | None,
            addr_le: bool | None, count: int | None, opcodes: tuple[str, ...],
-           statuses: tuple[str, ...], handles: tuple[str, ...], layers: bool, parquet: Path | None,
-           quiet: bool) -> None:
+           statuses: tuple[str, ...], handles: tuple[str, ...], conns: tuple[int, ...],
+           addrs: tuple[str, ...], qps: tuple[str, ...], start: float | None, end: float | None,
+           layers: bool, stats: bool, parquet: Path | None, quiet: bool) -> None:
     """Decode the KBTP messages in FILE (pcap or pcapng; '-' reads standard input).
 
     iWARP connections (TCP/MPA/DDP/RDMAP, found by their MPA Request and Reply; markers
@@ -209,6 +256,8 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
       kbtp decode --opcode COMPLETION --status NOT_VALID,TOO_LARGE pcaps/roce_session.pcap
       kbtp decode -c 3 --layers pcaps/iwarp_session.pcap
       kbtp decode --no-addr-le pcaps/roce_addr_le_ipv6_session.pcap
+      kbtp decode --stats pcaps/roce_session.pcap
+      kbtp decode --addr 192.0.2.1 --from 0.00001 --to 0.0001 pcaps/roce_session.pcap
       cat pcaps/iwarp_session.pcap | kbtp decode --json - | head -1
       kbtp decode --hex 0x011200010000000000000007000000000000400100000000000000000000000000000000000000084b56424c4f434b21
       kbtp decode --parquet dataset pcaps/iwarp_session.pcap
@@ -220,8 +269,13 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
         as_json, json_file = True, None
     if layers and as_json:
         raise click.UsageError("--layers shows text; it does not go with --json")
+    if stats and (opcodes or statuses or handles or count or layers or json_file or hex_):
+        raise click.UsageError("--stats counts every request of a capture: it does not go with "
+                               "--opcode, --status, --handle, -c, --layers, --json-file or --hex")
     filters = (_names(T.OPCODES, "opcode", opcodes), _names(T.STATUS, "status", statuses),
                frozenset(_handle(h) for h in handles))
+    where = _Where(frozenset(conns), frozenset(_address(a) for a in addrs),
+                   frozenset(_integer(q, "--qp", "a QP number") for q in qps), start, end)
     if parquet is not None:
         _parquet(file, parquet)
         return
@@ -229,7 +283,8 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
         if hex_ is not None:
             _decode_hex(_hex(hex_), addr_le, as_json, json_file, layers)
         elif file is not None:
-            _decode_capture(file, addr_le, as_json, json_file, layers, quiet, count, filters)
+            _decode_capture(file, addr_le, as_json, json_file, layers, quiet, count, filters, where,
+                            ResponseTimes() if stats else None)
     except BrokenPipeError:
         _stdout_closed()
 
@@ -240,25 +295,25 @@ def _parquet(file: str | None, out: Path) -> None:
         raise click.UsageError("--parquet reads a capture file, not --hex or standard input")
     try:
         from ..analyze import dataset
+        rows = dataset.write([Path(file)], out)
     except ImportError:
         raise click.ClickException("--parquet needs pyarrow: pip install 'kbtp_scapy[analyze]'") from None
-    try:
-        rows = dataset.write([Path(file)], out)
     except CaptureError as exc:
         raise click.ClickException(f"{exc}; give a pcap or pcapng capture") from None
-    except ImportError:
-        raise click.ClickException("--parquet needs pyarrow: pip install 'kbtp_scapy[analyze]'") from None
     except OSError as exc:
         raise click.ClickException(f"--parquet {out}: {exc.strerror or exc}") from None
     click.echo(f"{rows} KBTP messages written to {out / dataset.names([Path(file)])[0]}", err=True)
 
 
 def _handle(text: str) -> int:
+    return _integer(text, "--handle", "a handle")
+
+
+def _integer(text: str, option: str, what: str) -> int:
     try:
         return int(text, 0)
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not a handle (decimal or 0x hex)",
-                                 param_hint="--handle") from None
+        raise click.BadParameter(f"{text!r} is not {what} (decimal or 0x hex)", param_hint=option) from None
 
 
 def _decode_hex(data: bytes, addr_le: bool | None, as_json: bool, json_file: TextIO | None,
@@ -276,7 +331,8 @@ def _decode_hex(data: bytes, addr_le: bool | None, as_json: bool, json_file: Tex
 
 
 def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: TextIO | None,
-                    layers: bool, quiet: bool, count: int | None, filters) -> None:
+                    layers: bool, quiet: bool, count: int | None, filters, where: _Where,
+                    times: ResponseTimes | None = None) -> None:
     stream, size = _open(file)
     name = "standard input" if file == "-" else file
     progress = _Progress(not quiet and sys.stderr.isatty() and (size is None or size >= PROGRESS_MIN_SIZE),
@@ -303,7 +359,11 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
             total += 1
             malformed += found.error is not None
             conns.add((found.transport, found.connection))
-            if _matches(found.fields, *filters):
+            if where and not where.matches(found, stats.first_time or 0.0):
+                continue
+            if times is not None:
+                times.add(found)
+            elif _matches(found.fields, *filters):
                 out(found)
                 shown += 1
                 if count is not None and shown >= count:
@@ -317,7 +377,9 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
         sys.stdout.flush()
         if json_file is not None:
             json_file.flush()
-        _summary(stats, total, shown, malformed, len(conns), any(filters), None, name)
+        if times is not None:
+            _times(times, as_json)
+        _summary(stats, total, shown, malformed, len(conns), any(filters) or bool(where), None, name)
         click.echo(f"kbtp: decode of {name} interrupted (Ctrl-C): the lines above are the "
                    "messages found until then", err=True)
         raise click.exceptions.Exit(130) from None
@@ -334,11 +396,18 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
                 "read (it reads Ethernet, Linux cooked, loopback and raw IP frames)")
         click.echo(f"kbtp: {name}: {_plural(n, 'frame')} of {linktype_name(linktype)} skipped: "
                    "kbtp decode reads Ethernet, Linux cooked, loopback and raw IP frames", err=True)
-    _summary(stats, total, shown, malformed, len(conns), any(filters), count if stopped else None,
+    if times is not None:
+        _times(times, as_json)
+    _summary(stats, total, shown, malformed, len(conns), any(filters) or bool(where), count if stopped else None,
              name)
     if not stopped and (reader.cut_short or reader.problem):
         why = reader.problem or f"the capture ends in the middle of frame {reader.cut_short}"
         raise click.ClickException(f"{name}: {why}; the frames before it were decoded")
+
+
+def _times(times: ResponseTimes, as_json: bool) -> None:
+    """The response-time tables of --stats, or their JSON document."""
+    click.echo(json.dumps(times.as_json(), indent=1) if as_json else "\n".join(times.text()))
 
 
 def _summary(stats: Stats, total: int, shown: int, malformed: int, conns: int, filtered: bool,

@@ -15,6 +15,7 @@ from ..dissector import REPO_DISSECTOR, lua_path as _lua_path, outputs
 from ..dissector.build import PLUGIN_NAME, BuildError, build as _build, toolchain_missing, version_folder
 from ..dissector.generate import HEADER_LINE
 from ..tables import generate as vocab
+from .errors import file_trouble
 
 #: Marks a compiled plugin as this dissector's: the protocol it registers.
 _C_MARK = b"KV Cache Block Transfer Protocol\0"
@@ -91,6 +92,8 @@ def build_cmd(outdir: Path, sanitize: bool) -> None:
         click.echo(f"built {_build(outdir, sanitize=sanitize)}")
     except BuildError as exc:
         raise click.ClickException(f"cannot build the C plugin: {exc}") from None
+    except OSError as exc:                 # --out where no folder can be made
+        raise file_trouble(exc.filename or outdir, exc, option="--out") from None
 
 
 def _folders() -> dict[str, Path]:
@@ -106,20 +109,37 @@ def _folders() -> dict[str, Path]:
     return out
 
 
-def _personal_plugin_folder() -> Path:
-    folder = _folders().get("Personal Lua Plugins")
-    if folder is None:
-        raise click.ClickException("tshark -G folders names no personal Lua plugin folder")
-    return folder
+#: the folders ``tshark -G folders`` names for each form, personal and global (the C
+#: plugins' folder ends in the version folder, 4.0; dissectors go in its epan/)
+_FOLDERS = {("lua", False): "Personal Lua Plugins", ("lua", True): "Global Lua Plugins",
+            ("c", False): "Personal Plugins", ("c", True): "Global Plugins"}
 
 
-def _personal_c_folder() -> Path:
-    """Where Wireshark looks for personal epan plugins: Personal Plugins (which ends in the
-    version folder, 4.0), then epan."""
-    folder = _folders().get("Personal Plugins")
+def _plugin_folder(form: str, system: bool) -> Path:
+    """Where Wireshark looks for plugins of ``form`` (lua, c), the user's own or the
+    system's, as tshark itself reports it."""
+    kind = _FOLDERS[(form, system)]
+    folder = _folders().get(kind)
     if folder is None:
-        raise click.ClickException("tshark -G folders names no personal plugin folder")
-    return folder / "epan"
+        raise click.ClickException(f"tshark -G folders names no {kind} folder")
+    return folder / "epan" if form == "c" else folder
+
+
+def _loaded() -> str:
+    """Which form of this dissector tshark loads now, from its own plugin list."""
+    tshark = shutil.which("tshark")
+    if tshark is None:
+        return "tshark is not installed"
+    proc = subprocess.run([tshark, "-G", "plugins"], capture_output=True, text=True, timeout=120)
+    found = [line.split("\t")[-1].strip() for line in proc.stdout.splitlines()
+             if line.split(maxsplit=1)[:1] in ([PLUGIN_NAME], ["kbtp.lua"])]
+    so = [f for f in found if f.endswith(PLUGIN_NAME)]
+    if so:
+        return f"tshark loads the C plugin {so[0]}" + (
+            " (kbtp.lua is loaded too and steps aside)" if len(found) > len(so) else "")
+    if found:
+        return f"tshark loads the Lua plugin {found[0]}"
+    return "tshark loads neither form of the KBTP dissector"
 
 
 def _copy(source: Path, target: Path, ours: Callable[[Path], bool]) -> str:
@@ -149,43 +169,54 @@ def _ours_c(path: Path) -> bool:
 @click.option("--folder", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Install here instead of the folder 'tshark -G folders' reports "
                    "(for --c: the folder that holds the epan plugins).")
-def install(form: str | None, folder: Path | None) -> None:
+@click.option("--global", "system", is_flag=True,
+              help="Into the system's plugin folder that 'tshark -G folders' reports (Global "
+                   "Plugins, Global Lua Plugins), which Wireshark loads for every user, root too.")
+def install(form: str | None, folder: Path | None, system: bool) -> None:
     """Install the dissector where Wireshark and tshark load it: the C plugin when a compiler
-    and the Wireshark headers are here, else kbtp.lua (--c and --lua choose). As root,
-    kbtp.lua: Wireshark reads no personal plugin folder then, but it does load Lua plugins."""
+    and the Wireshark headers are here, else kbtp.lua (--c and --lua choose), then say
+    which form tshark loads. As root, Wireshark 4.0 reads no personal plugin folder: use
+    --global (the system's folder, the C plugin and its statistics load there), or kbtp.lua
+    is installed (Lua plugins do load)."""
+    if system and folder is not None:
+        raise click.UsageError("give --global or --folder, not both")
     missing = toolchain_missing()
     if form is None:
-        as_root = os.geteuid() == 0 and folder is None
+        as_root = os.geteuid() == 0 and folder is None and not system
         form = "lua" if missing or as_root else "c"
         why = (f"the C plugin cannot be built here: {missing}" if missing
                else f"Wireshark {version_folder()} reads no personal plugin folder when run as root, so the "
-                    "C plugin would not load (--c installs it anyway)" if as_root
+                    "C plugin would not load (--global installs it where it does)" if as_root
                else "gcc and the Wireshark headers are here, so the C plugin (native speed)")
         click.echo(f"installing the {'Lua' if form == 'lua' else 'C'} plugin: {why}")
     if form == "lua":
-        target = (folder or _personal_plugin_folder()) / "kbtp.lua"
+        target = (folder or _plugin_folder("lua", system)) / "kbtp.lua"
         click.echo(_copy(_lua_path(), target, _ours))
-        c_target = None if folder else _personal_c_folder() / PLUGIN_NAME
+        c_target = None if folder else _plugin_folder("c", system) / PLUGIN_NAME
         if c_target is not None and c_target.exists() and _ours_c(c_target):
             click.echo(f"note: the C plugin {c_target} is installed too; it registers first and kbtp.lua "
-                       "steps aside ('kbtp dissector uninstall --c' removes it)")
+                       f"steps aside ('kbtp dissector uninstall --c{' --global' if system else ''}' removes it)")
+        if folder is None:
+            click.echo(_loaded())
         return
     if missing:
         raise click.ClickException(f"cannot build the C plugin: {missing}")
-    target = (folder or _personal_c_folder()) / PLUGIN_NAME
+    target = (folder or _plugin_folder("c", system)) / PLUGIN_NAME
     with tempfile.TemporaryDirectory(prefix="kbtp-plugin-") as tmp:
         try:
             built = _build(Path(tmp))
         except BuildError as exc:
             raise click.ClickException(f"cannot build the C plugin: {exc}") from None
         click.echo(_copy(built, target, _ours_c))
-    lua = None if folder else _personal_plugin_folder() / "kbtp.lua"
+    lua = None if folder else _plugin_folder("lua", system) / "kbtp.lua"
     if lua is not None and lua.exists() and _ours(lua):
         click.echo(f"note: kbtp.lua is installed too ({lua}); the C plugin registers first and kbtp.lua "
-                   "steps aside ('kbtp dissector uninstall --lua' removes it)")
-    if os.geteuid() == 0 and folder is None:
+                   f"steps aside ('kbtp dissector uninstall --lua{' --global' if system else ''}' removes it)")
+    if os.geteuid() == 0 and folder is None and not system:
         click.echo(f"note: Wireshark {version_folder()} reads no personal plugin folder when run as root; "
-                   "run it as your own user")
+                   "run it as your own user, or install with --global")
+    if folder is None:
+        click.echo(_loaded())
 
 
 def _ours(path: Path) -> bool:
@@ -202,13 +233,14 @@ def _ours(path: Path) -> bool:
 @click.option("--lua", "form", flag_value="lua", help="Only the Lua plugin.")
 @click.option("--folder", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Uninstall from here instead of the folders 'tshark -G folders' reports.")
-def uninstall(form: str | None, folder: Path | None) -> None:
-    """Remove what 'kbtp dissector install' put in the personal plugin folders."""
+@click.option("--global", "system", is_flag=True, help="From the system's plugin folders (install --global).")
+def uninstall(form: str | None, folder: Path | None, system: bool) -> None:
+    """Remove what 'kbtp dissector install' put in the personal (or --global) plugin folders."""
     targets: list[tuple[Path, Callable[[Path], bool]]] = []
     if form in (None, "lua"):
-        targets.append(((folder or _personal_plugin_folder()) / "kbtp.lua", _ours))
+        targets.append(((folder or _plugin_folder("lua", system)) / "kbtp.lua", _ours))
     if form in (None, "c"):
-        targets.append(((folder or _personal_c_folder()) / PLUGIN_NAME, _ours_c))
+        targets.append(((folder or _plugin_folder("c", system)) / PLUGIN_NAME, _ours_c))
     for target, ours in targets:
         if not target.exists():
             click.echo(f"not installed: no {target}")

@@ -1,9 +1,7 @@
 """``kbtp fuzz --target URL``: the stateful protocol fuzzer's command line."""
 from __future__ import annotations
 
-import asyncio
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -17,7 +15,8 @@ from ..fuzz.cases import parse_name
 from ..initiator.limits import MAX_BLOCK_SIZE, MAX_BLOCKS
 from ..wire.address import parse_url
 from .errors import Exit
-from .options import limit_options, limits, raw_io, raw_io_options
+from .interrupt import run_stoppable
+from .options import limit_options, limits, raw_io, raw_io_options, say_resolved
 
 
 class _Progress:
@@ -55,22 +54,6 @@ def _pace(done: int, total: int, elapsed: float, time_limit: float | None) -> st
     hours, minutes = divmod(minutes, 60)
     clock = f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
     return f", {rate:.1f} cases/s, ETA {clock}"
-
-
-def _run(coro_factory, control: Control):
-    """Run the campaign; the first Ctrl-C stops it after the summary, a second aborts."""
-    async def main():
-        loop = asyncio.get_running_loop()
-
-        def interrupted() -> None:
-            control.interrupt()
-            loop.remove_signal_handler(signal.SIGINT)      # a second Ctrl-C: KeyboardInterrupt
-        try:
-            loop.add_signal_handler(signal.SIGINT, interrupted)
-        except (NotImplementedError, RuntimeError, ValueError):   # not the main thread
-            pass
-        return await coro_factory()
-    return asyncio.run(main())
 
 
 @click.command(context_settings={"max_content_width": 100})
@@ -160,6 +143,7 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
         transport = parse_url(url).transport
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    say_resolved(url)
     options = raw_io(transport, io, iface, raw_addr)
     replay_args = ["--io", "raw", "--iface", options["iface"], "--addr", options["addr"]] if options else []
     if local and transport == "roce":
@@ -196,10 +180,10 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
     control = Control(on_case, on_minimize)
     out_dir = Path(out)
     if case is not None:
-        summary = _run(lambda: replay_case(run, control, case), control)
+        summary = run_stoppable(lambda: replay_case(run, control, case), control.interrupt)
     else:
-        summary = _run(lambda: campaign(run, control, seed, count, start, time_limit, out_dir, max_findings),
-                       control)
+        summary = run_stoppable(lambda: campaign(run, control, seed, count, start, time_limit, out_dir,
+                                               max_findings), control.interrupt)
     bar.clear()
     text = report.table(summary)
     nothing_ran = summary.exit_code == report.EXIT_HARNESS and not summary.cases

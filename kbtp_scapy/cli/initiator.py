@@ -32,6 +32,7 @@ from .errors import (
     say,
 )
 from .options import (
+    LOCAL_IS_ROCE,
     RAISE_LIMITS,
     address,
     feature_names,
@@ -134,6 +135,9 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
     """Talk to a KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT): one
     session per run, with the Initiator ID of --id-file so bindings carry over.
 
+    Exit status: 0 every request completed OK; 1 a request failed (a status other than
+    OK, no answer) or the connection could not be made or was lost; 2 usage error.
+
     \b
     Examples (with kbtp target running on each binding):
       kbtp initiator roce://127.0.0.1 hello
@@ -152,8 +156,7 @@ def initiator(ctx, url, id_hex, id_file, feature_list, credits, no_invalidate, l
     if transport == "roce" and io != "verbs":
         options.update((k, v) for k, v in (("local", local), ("mtu", int(mtu) if mtu else None)) if v)
     elif local and io != "verbs":
-        raise click.UsageError("--local is for RoCEv2 (and --io verbs): over iWARP the kernel's "
-                               "TCP picks the source address")
+        raise click.UsageError(LOCAL_IS_ROCE)
     elif local:
         options["local"] = local
     options.update(raw_io(transport, io, iface, raw_addr, device))

@@ -8,6 +8,8 @@ from ..vocab import Feature
 from ..wire.address import Address, parse_url
 
 BINDINGS = {"iwarp": "iWARP", "roce": "RoCEv2"}
+#: the usage error of --local over iWARP (without --io verbs)
+LOCAL_IS_ROCE = "--local is for RoCEv2 (and --io verbs): over iWARP the kernel's TCP picks the source address"
 
 
 def address(transport: str, where: str) -> Address:
@@ -17,9 +19,22 @@ def address(transport: str, where: str) -> Address:
             where = f"[{where}]"
         where = f"{transport}://{where}"
     try:
-        return parse_url(where)
+        found = parse_url(where)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+    say_resolved(found)
+    return found
+
+
+def say_resolved(url: str | Address) -> None:
+    """``kbtp: localhost is 127.0.0.1`` on stderr when a URL names its host by name: the
+    address the command uses (a bad URL is left for the command to report)."""
+    try:
+        found = url if isinstance(url, Address) else parse_url(url)
+    except ValueError:
+        return
+    if found.resolved:
+        click.echo(f"kbtp: {found.resolved}", err=True)
 
 
 def features(text: str) -> int:

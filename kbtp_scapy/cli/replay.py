@@ -1,7 +1,6 @@
 """``kbtp replay CAPTURE --target URL``: replay captured KBTP sessions against a live target."""
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -13,8 +12,9 @@ from ..capture import CaptureError
 from ..harness import HarnessError
 from ..wire.address import parse_url
 from ..words import count
-from .errors import CONNECTION_ERRORS, describe, hint, local_trouble, reason
-from .options import limit_options, limits
+from .errors import CONNECTION_ERRORS, Exit, describe, hint, local_trouble, reason
+from .interrupt import run_stoppable
+from .options import limit_options, limits, say_resolved
 
 
 class _Failed(click.ClickException):
@@ -46,6 +46,17 @@ class _Progress:
         """Clear the line, so the report that follows is all that stays on the screen."""
         if self.shown:
             click.echo("\r" + " " * self.shown + "\r", err=True, nl=False)
+
+
+def _interrupted(runs: list, loops: int) -> str:
+    """Where Ctrl-C stopped the replay: in which loop, after how many of its steps."""
+    last = runs[-1] if runs else None
+    if last is not None and last.stopped_at is not None:
+        done, total = last.stopped_at
+        where = f"after {done} of {total} steps" + (f" of loop {len(runs)} of {loops}" if loops > 1 else "")
+    else:
+        where = f"after {count(len(runs), 'loop')} of {loops}"
+    return f"interrupted (Ctrl-C) {where}"
 
 
 def _harness(exc: Exception, url: str, local: str | None, timeout: float) -> _Harness:
@@ -108,7 +119,9 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
 
     \b
     Exit status: 0 every compared step matched; 1 the target differed or failed to
-    answer; 2 usage error or the replay could not run.
+    answer, or the capture is cut short (the steps before its end are replayed); 2 usage
+    error or the replay could not run; 130 interrupted (Ctrl-C: the steps replayed until
+    then are reported, marked interrupted; a second Ctrl-C aborts).
 
     The sample captures (pcaps/) come from a scripted session whose generations, tickets
     and failures (NO_SPACE, INTERNAL, TICKET_ABANDONED) no fresh target reproduces: they
@@ -127,6 +140,7 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
         transport = parse_url(url).transport
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--target") from None
+    say_resolved(url)
     ignored = {n.strip().lower() for item in ignore for n in item.split(",") if n.strip()}
     unknown = ignored - set(compare.FIELDS)
     if unknown:
@@ -141,11 +155,13 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     if json_file == "-":
         as_json, json_file = True, None
     progress = _Progress(sys.stderr.isatty() and not as_json and not quiet)
+    stop = player.Stop()
     try:
-        runs = asyncio.run(player.play(cap, url, loops=loops, pace=pace, timeout=timeout,
-                                       local=local if transport == "roce" else None,
-                                       progress=progress,
-                                       limits=limits(max_block_size, max_blocks, timeout)))
+        runs = run_stoppable(lambda: player.play(cap, url, loops=loops, pace=pace, timeout=timeout,
+                                                 local=local if transport == "roce" else None,
+                                                 progress=progress, stop=stop,
+                                                 limits=limits(max_block_size, max_blocks, timeout)),
+                             stop.ask)
     except HarnessError as exc:
         raise _harness(exc, url, local, timeout) from None
     except CONNECTION_ERRORS as exc:
@@ -155,18 +171,24 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     frozen = frozenset(ignored)
     verdicts = [compare.judge_run(run.results, frozen, relative=not strict) for run in runs]
     kept = set().union(*(run.mapping.kept for run in runs))
-    document = json.dumps(report.as_json(cap, url, verdicts, sorted(ignored), kept), indent=1)
+    interrupted = _interrupted(runs, loops) if stop.asked else None
+    document = json.dumps(report.as_json(cap, url, verdicts, sorted(ignored), kept, interrupted),
+                          indent=1)
     if json_file:
         Path(json_file).write_text(document + "\n")
     if as_json:
         click.echo(document)
     else:
-        for line in report.text(cap, url, verdicts, verbose):
+        for line in report.text(cap, url, verdicts, verbose, interrupted):
             click.echo(line)
+    if interrupted:
+        raise Exit(130, f"replay: {interrupted}; the report above holds the steps replayed until then")
     counts = report.summary(verdicts)
     if counts["differ"] or counts["error"]:
         differ = counts["differ"]
         raise _Failed(f"replay: {count(differ, 'step')} {'differs' if differ == 1 else 'differ'}, "
                       f"{counts['error']} failed")
+    if cap.ends:
+        raise _Failed(f"{capture}: {cap.ends}; the steps before it were replayed")
     if not counts["match"]:
         raise _Harness("replay: no step could be compared")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import signal
 from dataclasses import replace
@@ -12,6 +13,7 @@ import click
 from ..target import Target, TargetConfig
 from ..target.config import LOOPBACK
 from ..vocab import Feature
+from ..wire.address import resolve
 from .errors import file_trouble, hint, line
 from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_options
 
@@ -70,6 +72,29 @@ def limit_options(func):
     return func
 
 
+def _metrics_at(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, int] | None:
+    """``PORT``, ``HOST:PORT`` or ``[V6]:PORT``: where the metrics are served (a host name
+    resolved as URLs are)."""
+    if value is None:
+        return None
+    host, _, port = value.rpartition(":") if ":" in value else ("127.0.0.1", "", value)
+    try:
+        number = int(port)
+        if not 1 <= number <= 65535:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give PORT or HOST:PORT, PORT 1 to 65535") from None
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            host = resolve(host, value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return host, number
+
+
 @click.command()
 @click.option("--transport", type=click.Choice(["iwarp", "roce"]), default="roce", show_default=True,
               help="RDMA binding: iwarp (TCP, MPA rev 2) or roce (UDP 4791, RC).")
@@ -117,19 +142,20 @@ def limit_options(func):
               help="Do not clear freed blocks (all initiators share one trust domain).")
 @click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write every frame sent and received to this pcap file.")
-@click.option("--metrics", "metrics_port", type=click.IntRange(1, 65535), default=None,
-              help="Serve Prometheus metrics over HTTP on 127.0.0.1:PORT/metrics.")
+@click.option("--metrics", "metrics_at", metavar="[HOST:]PORT", default=None, callback=_metrics_at,
+              help="Serve Prometheus metrics over HTTP on HOST:PORT/metrics (HOST 127.0.0.1 when "
+                   "not given; 0.0.0.0 or [::] for a Prometheus on another host).")
 @click.option("--duration", type=float, default=None,
               help="Stop after this many seconds (default: run until interrupted).")
 @click.option("--verbose", "-v", is_flag=True, help="Log each malformed request too.")
 def target(transport, where, io, iface, raw_addr, device, blocks, block_size, feature_list, addr_le,
            max_initiators, quota, handles, direct_partitions, credits, max_inline, ticket_timeout, retention, trust,
-           execution, no_clear, pcap, metrics_port, duration, verbose, **limits) -> None:
+           execution, no_clear, pcap, metrics_at, duration, verbose, **limits) -> None:
     """Run the reference KBTP target: a pool of BLOCKS blocks in registered memory,
     served over a software RDMA NIC until interrupted (Ctrl-C), then print its counters.
 
     Every resource a peer can make it hold is bounded in count and in time (the
-    --probe-*, --max-*, *-timeout and --cm-retries options; README, "Limits").
+    --probe-*, --max-*, *-timeout and --cm-retries options; docs/TOOLS.md, "Limits").
 
     \b
     Examples:
@@ -163,10 +189,10 @@ def target(transport, where, io, iface, raw_addr, device, blocks, block_size, fe
         raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    asyncio.run(_run(config, addr, pcap, metrics_port, duration, options))
+    asyncio.run(_run(config, addr, pcap, metrics_at, duration, options))
 
 
-async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options) -> None:
+async def _run(config: TargetConfig, addr, pcap, metrics_at, duration, options) -> None:
     try:
         t = Target(config, addr.transport, options.get("io"))
     except MemoryError as exc:
@@ -188,12 +214,16 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         todo = hint(exc) if isinstance(exc, PermissionError) else ""
         raise click.ClickException(line(f"cannot listen on {addr}", why, todo)) from None
-    if metrics_port:
+    metrics_url = None
+    if metrics_at:
+        host, port = metrics_at
+        metrics_url = f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
         try:
-            t.metrics.serve(metrics_port)
+            t.metrics.serve(port, host)
         except OSError as exc:
             await t.close()
-            raise click.ClickException(f"cannot serve metrics on port {metrics_port}: {exc.strerror}") from None
+            raise click.ClickException(f"cannot serve metrics on {host} port {port}: "
+                                       f"{exc.strerror or exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):     # before the line that says we are up
@@ -205,7 +235,7 @@ async def _run(config: TargetConfig, addr, pcap, metrics_port, duration, options
                f"octets, quota {config.quota}, features {feature_names(t.features)}{withheld}"
                f"{', ADDR_LE' if config.addr_le else ''}"
                f"{'; direct modes for ' + ', '.join(config.trust) if t.features & direct else ''}"
-               f"{f', metrics on http://127.0.0.1:{metrics_port}/metrics' if metrics_port else ''}",
+               f"{f', metrics on {metrics_url}' if metrics_url else ''}",
                err=False)
     try:
         await asyncio.wait_for(stop.wait(), duration)

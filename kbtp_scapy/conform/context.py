@@ -72,7 +72,7 @@ def close_all(coros: Iterable[Coroutine]) -> None:
 def describe(exc: BaseException, timeout: float) -> str:
     """What an exception says happened, never empty (a timeout has no message)."""
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return f"no answer within {timeout:g} s"
+        return str(exc).strip() or f"no answer within {timeout:g} s"     # the RNIC's says what
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused (nothing listens there)"
     text = str(exc).strip()

@@ -1,7 +1,10 @@
-"""Outputs of a run: text for people, JSON and JUnit XML for machines, and the exit code."""
+"""Outputs of a run: text and an HTML page for people, JSON and JUnit XML for machines, and
+the exit code."""
 from __future__ import annotations
 
+import html as _html
 import json
+import os
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Iterable
@@ -175,3 +178,33 @@ def junit(url: str, outcomes: list[Outcome], error: str | None = None) -> bytes:
         tc = ET.SubElement(suite, "testcase", classname="kbtp.harness", name="harness", time="0")
         ET.SubElement(tc, "error", message=error)
     return ET.tostring(suite, encoding="utf-8", xml_declaration=True)
+
+
+_STYLE = """body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;width:100%}
+td,th{border:1px solid #ccc;padding:.3em .5em;vertical-align:top;text-align:left}
+tr.PASS td.verdict{background:#d8f5d8}tr.FAIL td.verdict{background:#f7c4c4}
+tr.WARN td.verdict{background:#fde7b5}tr.ERROR td.verdict{background:#f3c6f3}
+tr.SKIP td.verdict{background:#e4e4e4}code{white-space:pre-wrap}"""
+
+
+def html(url: str, outcomes: list[Outcome], error: str | None, where: str) -> str:
+    """One page for people: the counts, then every case with its requirement, what was
+    expected and seen, and a link to its capture (relative to ``where``, the page's folder,
+    so the page and --pcap-dir move together)."""
+    e = _html.escape
+    counts = ", ".join(f"{sum(o.verdict == v for o in outcomes)} {v}" for v in VERDICTS)
+    rows = []
+    for o in outcomes:
+        pcap = "" if not o.pcap else \
+            f'<a href="{e(os.path.relpath(o.pcap, where))}">{e(os.path.basename(o.pcap))}</a>'
+        rows.append(f'<tr class="{e(o.verdict)}" id="{e(o.case.id)}"><td class="verdict">{e(o.verdict)}</td>'
+                    f"<td><code>{e(o.case.id)}</code><br>{e(o.case.section)}</td><td>{e(o.case.level)}: "
+                    f"{e(o.case.requirement)}</td><td>{e(o.expected or '')}</td><td>{e(o.seen or '')}</td>"
+                    f"<td>{e(o.detail or '')}</td><td>{pcap}</td></tr>")
+    problem = f'<p class="error">The run did not finish: {e(error)}</p>' if error else ""
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f"<title>kbtp conform: {e(url)}</title><style>{_STYLE}</style></head><body>"
+            f"<h1>kbtp conform: {e(url)}</h1>{problem}<p class=\"summary\">{e(counts)}</p>"
+            "<table><thead><tr><th>verdict</th><th>case</th><th>requirement</th><th>expected</th>"
+            "<th>seen</th><th>detail</th><th>capture</th></tr></thead><tbody>"
+            + "".join(rows) + "</tbody></table></body></html>\n")

@@ -80,8 +80,9 @@ async def probe(url: str, local: str | None, timeout: float,
                 state: RunState | None = None) -> TargetInfo:
     """HELLO with every feature requested: what the target offers, for SKIP decisions."""
     options: dict[str, Any] = {"local": local} if local else {}
-    try:
-        ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, **options), timeout)
+    try:        # the RNIC's own set-up waits as long (not its default), so the reason holds
+        ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, connect_timeout=timeout,
+                                                       **options), timeout)
     except PeerLimit as exc:          # every case's HELLO fails on it: FAIL (Ctx.connect)
         return exc.target
     except KbtpError as exc:

@@ -23,11 +23,13 @@ _ORDER = {T.Order.NETWORK: "N", T.Order.ADDRESS: "A", T.Order.MEMORY: "M"}
 
 #: Fields the dissector adds beyond the wire fields: tracking and RDMA context.
 EXTRA_FIELDS = (
-    ("response_in", "framenum", "Response in", "Frame of the COMPLETION (or HELLO_ACK) answering this request", "RESPONSE"),
+    ("response_in", "framenum", "Response in", "Frame of the COMPLETION (or HELLO_ACK) answering this request; tshark sets it on "
+     "its second pass only (tshark -2), the GUI always", "RESPONSE"),
     ("request_in", "framenum", "Request in", "Frame of the request this message answers", "REQUEST"),
     ("time", "relative_time", "Response time", "Time from the request to this answer", None),
     ("data_for", "framenum", "Data for request in", "This RDMA transfer carries the block data of the KBTP request in that frame", "REQUEST"),
-    ("data_in", "framenum", "Data in", "An RDMA transfer in that frame carries this request's block data", None),
+    ("data_in", "framenum", "Data in", "An RDMA transfer in that frame carries this request's block data; tshark sets it on "
+     "its second pass only (tshark -2), the GUI always", None),
     ("ring.ticket", "uint32", "Ring Ticket", "Ticket of a FetchAdd on a ring counter advertised in HELLO_ACK", None),
     ("ring.slot_offset", "uint32", "Ring Slot Offset", "Slot Offset of a FetchAdd on a ring counter advertised in HELLO_ACK", None),
     ("session.addr_le", "bool", "ADDR_LE session", "Address fields decoded little-endian", None),

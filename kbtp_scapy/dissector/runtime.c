@@ -812,8 +812,10 @@ static gboolean dissect_kbtp_iwarp(tvbuff_t *tvb, packet_info *pinfo, proto_tree
 }
 
 /* ---- Service Response Time: -z kbtp,srt, Statistics > Service Response Time > KBTP ---- */
-/* Table 0: per request opcode. Table 1: per request opcode and the status of its answer
- * (the defined statuses, then one row for the others). */
+/* Table 0: per request opcode (filter kbtp.opcode). Then one table per answered opcode, per
+ * status of the answer (filter kbtp.status; the defined statuses at their values, then one
+ * row for the others, each made when first answered): a row's name is one word, which fits tshark's 22-column field, and
+ * the table's column header names the opcode ("ALLOC_STORE status"). */
 #define KBTP_N_STATUS G_N_ELEMENTS(vs_kbtp_status)   /* the defined ones and one more */
 
 static int answered_index(int opcode)
@@ -841,20 +843,17 @@ static int status_index(guint32 status)
 static void kbtp_srt_init(struct register_srt *srt, GArray *srt_array)
 {
     (void)srt;
+    wmem_allocator_t *scope = wmem_epan_scope();
     srt_stat_table *ops = init_srt_table("KBTP requests", NULL, srt_array, 256, "Opcode", "kbtp.opcode", NULL);
-    srt_stat_table *sts = init_srt_table("KBTP requests by status of the answer", NULL, srt_array,
-                                         (int)(G_N_ELEMENTS(kbtp_messages) * KBTP_N_STATUS), "Opcode Status",
-                                         NULL, NULL);
     for (guint m = 0; m < G_N_ELEMENTS(kbtp_messages); m++) {
         const kbtp_msg_t *msg = &kbtp_messages[m];
         if (msg->answer < 0)
             continue;
         init_srt_table_row(ops, msg->opcode, msg->name);
-        int base = answered_index(msg->opcode) * (int)KBTP_N_STATUS;
-        for (guint s = 0; s < KBTP_N_STATUS; s++) {
-            const char *status = vs_kbtp_status[s].strptr ? vs_kbtp_status[s].strptr : "other";
-            init_srt_table_row(sts, base + (int)s, wmem_strdup_printf(wmem_epan_scope(), "%s %s", msg->name, status));
-        }
+        /* no rows yet: a status gets its row when first answered, so a table of an opcode
+         * the capture never answered stays empty, and tshark prints nothing of it */
+        init_srt_table(wmem_strdup_printf(scope, "KBTP %s by status of the answer", msg->name), NULL, srt_array,
+                       0, wmem_strdup_printf(scope, "%s status", msg->name), "kbtp.status", NULL);
     }
 }
 
@@ -869,8 +868,11 @@ static tap_packet_status kbtp_srt_packet(void *pss, packet_info *pinfo, epan_dis
     if (i < 0)
         return TAP_PACKET_DONT_REDRAW;
     add_srt_table_data(g_array_index(data->srt_array, srt_stat_table *, 0), st->req_opcode, &st->req_ts, pinfo);
-    add_srt_table_data(g_array_index(data->srt_array, srt_stat_table *, 1),
-                       i * (int)KBTP_N_STATUS + status_index(st->status), &st->req_ts, pinfo);
+    srt_stat_table *sts = g_array_index(data->srt_array, srt_stat_table *, 1 + i);
+    int s = status_index(st->status);
+    if (s >= sts->num_procs || sts->procedures[s].procedure == NULL)
+        init_srt_table_row(sts, s, vs_kbtp_status[s].strptr ? vs_kbtp_status[s].strptr : "other");
+    add_srt_table_data(sts, s, &st->req_ts, pinfo);
     return TAP_PACKET_REDRAW;
 }
 
@@ -903,7 +905,7 @@ void proto_register_kbtp(void)
     }
     proto_kbtp = proto_register_protocol("KV Cache Block Transfer Protocol", "KBTP", "kbtp");
     kbtp_tap = register_tap("kbtp");
-    register_srt_table(proto_kbtp, NULL, 2, kbtp_srt_packet, kbtp_srt_init, NULL);
+    register_srt_table(proto_kbtp, NULL, 1 + (int)G_N_ELEMENTS(kbtp_messages), kbtp_srt_packet, kbtp_srt_init, NULL);
     kbtp_register_fields(proto_kbtp);
     expert_module_t *em = expert_register_protocol(proto_kbtp);
     expert_register_field_array(em, ei, array_length(ei));

@@ -32,17 +32,16 @@ local function row(t, index, name, dt)
     if dt > r.max then r.max = dt end
 end
 
-local function print_table(title, column, t)
+-- As tshark prints an SRT table: its filter, then a row per index, names in 22 columns.
+local function print_table(filter, column, t)
     local keys = {}
     for k in pairs(t) do keys[#keys + 1] = k end
     table.sort(keys)
-    print("")
-    print(title)
-    print(string.format("Index  %-20s %7s %10s %10s %10s %10s", column, "Calls", "Min SRT", "Max SRT", "Avg SRT",
-                        "Sum SRT"))
+    print("Filter: " .. filter)
+    print(string.format("Index  %-22s Calls    Min SRT    Max SRT    Avg SRT    Sum SRT", column))
     for _, k in ipairs(keys) do
         local r = t[k]
-        print(string.format("%5d  %-20s %7d %10.6f %10.6f %10.6f %10.6f", k, r.name, r.calls, r.min, r.max,
+        print(string.format("%5d  %-22s %6d %10.6f %10.6f %10.6f %10.6f", k, r.name, r.calls, r.min, r.max,
                             r.sum / r.calls, r.sum))
     end
 end
@@ -50,24 +49,30 @@ end
 local function start()
     if listener or not kbtp.prefs.srt then return end
     listener = Listener.new("frame", "kbtp.request_in")
-    local by_op, by_status = {}, {}
+    local by_op, by_status = {}, {}   -- by_status: request opcode -> status index -> row
     function listener.reset() by_op, by_status = {}, {} end
     function listener.packet(pinfo)
         local st = frames[pinfo.number]
         if not (st and st.req_op and st.delta) then return end
         local name = MESSAGES[st.req_op].name
         row(by_op, st.req_op, name, st.delta)
-        local i, s = 0, #STATUSES
-        for n, o in ipairs(OPS) do if o.op == st.req_op then i = n - 1 end end
+        local s = #STATUSES
         for n, r in ipairs(STATUSES) do if r[1] == st.status then s = n - 1 end end
         local status = STATUSES[s + 1] and STATUSES[s + 1][3] or "other"
-        row(by_status, i * (#STATUSES + 1) + s, name .. " " .. status, st.delta)
+        by_status[st.req_op] = by_status[st.req_op] or {}
+        row(by_status[st.req_op], s, status, st.delta)
     end
     function listener.draw()
+        print("")
         print("===================================================================")
         print("KBTP SRT Statistics (kbtp.lua):")
-        print_table("Requests by opcode:", "Opcode", by_op)
-        print_table("Requests by opcode and status of the answer:", "Opcode Status", by_status)
+        print_table("kbtp.opcode", "Opcode", by_op)
+        for _, o in ipairs(OPS) do
+            if by_status[o.op] then
+                print("")
+                print_table("kbtp.status", o.name .. " status", by_status[o.op])
+            end
+        end
         print("==================================================================")
     end
 end

@@ -61,7 +61,7 @@ class Generations:
 
     def as_captured(self, played: Played, captured: int | None, replayed: int | None) -> int | None:
         """The replayed Generation in the capture's numbering."""
-        handle = played.step.fields.get("handle") if played.step else None
+        handle = played.step.handle if played.step else None
         if handle is None or not captured or not replayed:
             return replayed          # nothing to relate (0: no entry, or any Generation)
         offset = self.offsets.setdefault((played.session.index, handle), replayed - captured)

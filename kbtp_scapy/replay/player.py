@@ -60,6 +60,17 @@ class _Event:
     done: asyncio.Event
 
 
+@dataclass
+class Stop:
+    """Asked for by Ctrl-C: no further step or loop starts; the answers already asked for
+    are awaited, so what was replayed is judged."""
+
+    asked: bool = False
+
+    def ask(self) -> None:
+        self.asked = True
+
+
 class _Live:
     """One replayed session: its initiator and the answers it waits for."""
 
@@ -92,10 +103,11 @@ class Player:
 
     def __init__(self, capture: Capture, url: str, *, pace: bool = False, timeout: float = 5.0,
                  local: str | None = None, progress: Callable[[int, int], None] | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, stop: Stop | None = None) -> None:
         self.capture, self.url, self.pace, self.timeout = capture, url, pace, timeout
         self.limits = limits or Limits(wait=timeout)
-        self.local, self.progress = local, progress
+        self.local, self.progress, self.stop = local, progress, stop or Stop()
+        self.stopped_at: tuple[int, int] | None = None    # (steps issued, of) when stopped
         self.mapping = Mapping(capture)
         self.live: dict[int, _Live] = {}
         self.results: list[Played] = []
@@ -117,6 +129,9 @@ class Player:
         start, first = time.monotonic(), (events[0].time if events else 0.0)
         try:
             for number, event in enumerate(events, 1):
+                if self.stop.asked:
+                    self.stopped_at = (number - 1, len(events))
+                    break
                 while waited < len(by_done) and by_done[waited].done_frame < event.frame:
                     await by_done[waited].done.wait()
                     waited += 1
@@ -337,8 +352,8 @@ class Player:
             raise LookupError(f"a Read of {step.length} octets is longer than the direct modes "
                               f"make (a block of {ini.target.block_size})")
         if step.region == "table":
-            index, rem = divmod(step.offset - captured[1], M.ENTRY_SIZE)
-            handle = m.handle(ses, ses.ack.get("hello_ack.table_base_handle", 0) + index)
+            rem = (step.offset - captured[1]) % M.ENTRY_SIZE
+            handle = m.handle(ses, step.handle or 0)
             offset = base + M.ENTRY_SIZE * (handle - new["table_base_handle"]) + rem
             return stag, offset, lambda raw: self._entry(live, step, raw, rem)
         if step.region in ("pool", "partition"):
@@ -394,12 +409,17 @@ def _entry_outcome(entry: AnyStruct) -> Outcome:
                    block_offset=entry["entry.block_offset"], flags=entry["entry.flags"], form="entry")
 
 
-async def play(capture: Capture, url: str, *, loops: int = 1, **options) -> list[Player]:
-    """Replay ``capture`` ``loops`` times in a row; one finished player per loop."""
+async def play(capture: Capture, url: str, *, loops: int = 1, stop: Stop | None = None,
+               **options) -> list[Player]:
+    """Replay ``capture`` ``loops`` times in a row; one finished player per loop (fewer,
+    the last one stopped part-way, when ``stop`` is asked for)."""
     if not capture.sessions:
         raise HarnessError(f"{capture.path}: no KBTP session (no HELLO) in the capture")
-    players = []
+    stop = stop or Stop()
+    players: list[Player] = []
     for _ in range(loops):
-        players.append(Player(capture, url, **options))
+        if stop.asked:
+            break
+        players.append(Player(capture, url, stop=stop, **options))
         await players[-1].run()
     return players

@@ -25,11 +25,17 @@ def summary(loops: list[list[Verdict]]) -> dict[str, int]:
     return {state: counts.get(state, 0) for state in STATES}
 
 
-def text(capture: Capture, url: str, loops: list[list[Verdict]], verbose: bool = False) -> list[str]:
-    """One line per step that did not match (every step with ``verbose``), then totals."""
+def text(capture: Capture, url: str, loops: list[list[Verdict]], verbose: bool = False,
+         interrupted: str | None = None) -> list[str]:
+    """One line per step that did not match (every step with ``verbose``), then totals;
+    a replay stopped part-way says where."""
     lines = [f"replay of {capture.path} ({count(len(capture.sessions), 'session')}) against {url}"]
     lines += [f"note: {n}" for n in capture.notes]
     lines += [f"note: session {s.index}: {n}" for s in capture.sessions for n in s.notes]
+    if capture.ends:
+        lines.append(f"note: {capture.ends}: the steps after it are not in the replay")
+    if interrupted:
+        lines.append(f"note: {interrupted}: the steps after it were not replayed")
     for number, verdicts in enumerate(loops, 1):
         prefix = f"loop {number}: " if len(loops) > 1 else ""
         for v in verdicts:
@@ -38,9 +44,17 @@ def text(capture: Capture, url: str, loops: list[list[Verdict]], verbose: bool =
             reasons = "; ".join(d.describe() for d in v.differences) or v.detail
             lines.append(f"{prefix}{v.state.upper():9} {_where(v)}{': ' + reasons if reasons else ''}")
     counts = summary(loops)
-    verdict = "DIFFERENT" if counts["differ"] or counts["error"] else "MATCH"
+    verdict = result(capture, counts, interrupted).upper()
     lines.append(f"{verdict}: " + ", ".join(f"{counts[s]} {s}" for s in STATES))
     return lines
+
+
+def result(capture: Capture, counts: dict[str, int], interrupted: str | None) -> str:
+    """different; interrupted or incomplete (the capture is cut short), a match of a part;
+    or match."""
+    if any(counts[s] for s in FAILING):
+        return "different"
+    return "interrupted" if interrupted else "incomplete" if capture.ends else "match"
 
 
 def _verdict_json(v: Verdict) -> dict[str, Any]:
@@ -63,8 +77,9 @@ def _verdict_json(v: Verdict) -> dict[str, Any]:
 
 
 def as_json(capture: Capture, url: str, loops: list[list[Verdict]], ignore: list[str],
-            kept: set[int]) -> dict[str, Any]:
+            kept: set[int], interrupted: str | None = None) -> dict[str, Any]:
     counts = summary(loops)
+    verdict = result(capture, counts, interrupted)
     return {
         "capture": capture.path, "target": url, "ignored": sorted(ignore),
         "sessions": [{"session": s.index, "transport": s.transport, "frame": s.frame,
@@ -72,8 +87,10 @@ def as_json(capture: Capture, url: str, loops: list[list[Verdict]], ignore: list
                       "handle_count": s.ack.get("hello_ack.handle_count"),
                       "steps": len(s.steps), "notes": s.notes} for s in capture.sessions],
         "notes": capture.notes,
+        "capture_ends": capture.ends,
+        "interrupted": interrupted,
         "handles_kept": sorted(kept),
         "loops": [[_verdict_json(v) for v in verdicts] for verdicts in loops],
         "summary": counts,
-        "result": "differ" if any(counts[s] for s in FAILING) else "match",
+        "result": "differ" if verdict == "different" else verdict,
     }

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import codec
-from ..capture import rdma_messages, read_packets
+from ..capture import rdma_messages, read_packets, where_it_ends
 from ..layers.kbtp import looks_like_kbtp
 from ..tables import RING_COUNTER, memory as M
 from ..tables.enums import OPCODES
@@ -67,6 +67,18 @@ class Step:
     captured: Outcome | None = None
     done_frame: float = float("inf")   # frame of the captured answer
     problem: str | None = None         # why it cannot be replayed faithfully
+
+    @property
+    def handle(self) -> int | None:
+        """The captured handle the step is about: a request's, or the one whose table
+        entry a one-sided operation on the table reads (None for any other step)."""
+        if self.kind == "request":
+            return self.fields.get("handle")
+        table = self.session.descriptor("table") if self.region == "table" else None
+        if table is None:
+            return None
+        return self.session.ack.get("hello_ack.table_base_handle", 0) + \
+            (self.offset - table[1]) // M.ENTRY_SIZE
 
     @property
     def name(self) -> str:
@@ -122,6 +134,7 @@ class Capture:
     sessions: list[Session]
     times: dict[int, float]
     notes: list[str] = field(default_factory=list)
+    ends: str | None = None            # where a truncated or damaged capture stops being read
 
     def steps(self) -> list[Step]:
         return sorted((s for ses in self.sessions for s in ses.steps), key=lambda s: s.frame)
@@ -153,7 +166,7 @@ class _Builder:
     def __init__(self, path: str) -> None:
         self.packets = read_packets(path)
         self.times = {n: float(p.time) for n, p in enumerate(self.packets, 1)}
-        self.capture = Capture(str(path), [], self.times)
+        self.capture = Capture(str(path), [], self.times, ends=where_it_ends(path))
         self.by_conn: dict[tuple, tuple[Session, str]] = {}
         self.awaiting_ack: list[Session] = []
 

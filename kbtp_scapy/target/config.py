@@ -22,7 +22,7 @@ class TargetConfig:
     of the quotas of the admitted sessions never exceeds F (spec "Allocation Quotas").
 
     The limits below bound what one peer can make the target hold, in count and in time
-    (README, "Limits"): liveness probes, the backlog of undelivered data per connection,
+    (docs/TOOLS.md, "Limits"): liveness probes, the backlog of undelivered data per connection,
     connections in set-up, and the deadline of each set-up phase.
     """
 
