@@ -262,8 +262,9 @@ class Initiator(DirectModes):
         """``answer`` awaited for at most ``limits.wait`` seconds, else ``NoAnswer``. ``fatal``:
         the connection is ended then, for a one-sided operation whose answer never came holds
         back every later completion (they complete in posting order)."""
-        try:
-            return await asyncio.wait_for(answer, self.limits.wait)
+        try:    # not wait_for: on 3.11 it returns an answer that arrives as the caller cancels
+            async with asyncio.timeout(self.limits.wait):
+                return await answer
         except TimeoutError:
             why = f"no {what} within {self.limits.wait:g} s"
             if fatal:
