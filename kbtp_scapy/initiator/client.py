@@ -263,7 +263,8 @@ class Initiator(DirectModes):
         the connection is ended then, for a one-sided operation whose answer never came holds
         back every later completion (they complete in posting order)."""
         try:
-            return await asyncio.wait_for(answer, self.limits.wait)
+            async with asyncio.timeout(self.limits.wait):   # not wait_for: it can swallow a cancel
+                return await answer
         except TimeoutError:
             why = f"no {what} within {self.limits.wait:g} s"
             if fatal:
