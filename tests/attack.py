@@ -846,6 +846,8 @@ class HostileTarget:
             await self._mpa_session(MpaStream(reader, writer))
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
+        except asyncio.CancelledError:  # the target stopping: ended quietly (asyncio's stream
+            pass                        # callback would log a handler cancelled as an error)
         finally:
             writer.close()
 

@@ -1,7 +1,7 @@
 """The client tools pointed at a hostile target (issue 32, T1 to T4).
 
-The target is ``tests/attack.py``'s ``HostileTarget`` (iWARP and RoCEv2), framed from the texts with no code of
-the package. Each tool runs as a user runs it, a process of its own, under an address-space
+The target is ``tests/attack.py``'s ``HostileTarget`` (iWARP and RoCEv2), framed from the
+texts with no code of the package. Each tool runs as a user runs it, a process of its own, under an address-space
 cap (so a tool that trusts a Block Size of 0xFFFFFFF8 fails here instead of taking the
 machine), and must end by itself within its deadline, with a one-line message (no
 traceback), its exit status, and a peak RSS under 256 MB.
@@ -158,11 +158,12 @@ def test_requests_never_answered_end_every_tool(tmp_path, binding):
 
 
 @pytest.mark.slow
-@BINDINGS
-def test_an_rdma_read_never_answered_ends_every_tool(tmp_path, binding):
+def test_an_rdma_read_never_answered_ends_every_tool(tmp_path):
     """T4: DIRECT_LOAD granted and no Read Response ever: ``kbtp replay --timeout`` and
-    ``kbtp bench --op direct_load`` waited forever."""
-    target = hostile(binding, ack={"features": DIRECT_LOAD}, reads=False,
+    ``kbtp bench --op direct_load`` waited forever. iWARP only: TCP acknowledges the Read
+    Request, where a RoCEv2 requester sends it again and its exhausted retries end the
+    connection, so no tool hung there."""
+    target = hostile("iwarp", ack={"features": DIRECT_LOAD}, reads=False,
                      descriptors=direct_load_descriptors((0x100, 0, 64), 0x4000, (0x200, 0, 16)))
     attack(tmp_path, FAILED, "direct.load.entry_and_block", target, op="direct_load")
     assert target.seen["reads"] >= 4, target.seen        # the tools did read
@@ -196,14 +197,16 @@ def test_a_hello_ack_within_raised_limits_is_taken():
 
 
 @pytest.mark.slow
-def test_completions_answering_nothing_are_bounded():
+@BINDINGS
+def test_completions_answering_nothing_are_bounded(binding):
     """T3: a flood of COMPLETIONs with Request IDs never used keeps only the newest
     ``MAX_UNMATCHED`` and counts the rest (the queue grew by one per COMPLETION)."""
     flood = 4 * MAX_UNMATCHED
 
     async def main() -> tuple[int, int]:
-        with hostile(flood=flood, answer=False) as target:
-            ini = await Initiator.connect(target.url, limits=Limits(wait=5))
+        with hostile(binding, flood=flood, answer=False) as target:
+            local = {"local": target.roce_peer} if target.roce_peer else {}
+            ini = await Initiator.connect(target.url, limits=Limits(wait=5), **local)
             try:
                 end = time.monotonic() + 60
                 while ini.unmatched.qsize() + ini.dropped < flood and time.monotonic() < end:

@@ -234,7 +234,7 @@ async def _session(o: dict, name: str, func, kwargs: dict) -> None:
                         "--release" if needs == "DIRECT_ALLOC" else
                         f"{url} may not offer it (its start-up line lists what it offers)")
                 raise _failure(asked, why=f"{url} did not grant {needs}", todo=todo)
-            release = await asyncio.wait_for(func(ini, o, **kwargs), timeout)
+            release = await ini.within(func(ini, o, **kwargs), "complete answer")   # all of it: --timeout
         except KbtpError as exc:
             raise _failure(_what(name, kwargs), exc, **_status_hint(exc, ini, o, kwargs)) from None
         except CONNECTION_ERRORS as exc:
