@@ -76,7 +76,9 @@ class Burst(Behaviour):
         self.extra = extra
         self.held: list[Callable[[], None]] = []
         self.bursts: list[int] = []
+        self.no_buffer = 0          # COMPLETIONs the initiator's RNIC had no buffer for (RNR NAKs)
         self._timer: asyncio.TimerHandle | None = None
+        self._conn: CheckedConnection | None = None
 
     def hello_ack(self, conn: CheckedConnection, body: HelloAck) -> None:
         credits = (conn.session.hello or {}).get("hello.completion_credits", 1)
@@ -84,6 +86,7 @@ class Burst(Behaviour):
 
     def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
                  send: Callable[[], None]) -> None:
+        self._conn = conn
         self.held.append(send)
         if len(self.held) >= (conn.session.hello or {}).get("hello.completion_credits", 1):
             self._flush()
@@ -98,6 +101,18 @@ class Burst(Behaviour):
         self.bursts.append(len(held))
         for send in held:
             send()
+        asyncio.get_running_loop().call_later(SETTLE, self._refused)
+
+    def _refused(self) -> None:
+        """RoCEv2: a COMPLETION that found no receive buffer is retried by the RNIC for as
+        long as RNR NAKs come back; end the connection then, so that the initiator's
+        broken promise ends its session (iWARP's Terminate does that by itself)."""
+        conn = self._conn
+        if conn is None or conn.qp.closed:
+            return
+        self.no_buffer = conn.qp.stats.get("rnr_naks", 0)
+        if self.no_buffer:
+            conn.qp.abort(f"{self.no_buffer} RNR NAK(s): no receive buffer for a COMPLETION")
 
 
 class Reverse(Behaviour):

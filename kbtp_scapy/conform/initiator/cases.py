@@ -200,6 +200,8 @@ async def credits_completion_buffers(ctx: ICtx) -> None:
     s = ctx.record.sessions[-1]
     ctx.check(s.max_in_flight <= credits, f"at most {credits} requests in flight (the Completion "
               f"Credits announced; {credits + 8} Request Credits granted)", f"{s.max_in_flight}")
+    ctx.check(not burst.no_buffer, "a receive buffer for every COMPLETION", f"{burst.no_buffer} RNR "
+              "NAK(s) from the initiator's RNIC: no receive buffer posted")
     ctx.check(run.exit_code == 0 and run.statuses() == ["NOT_VALID"] * (3 * width),
               f"3 x {width} FREEs answered NOT_VALID, their COMPLETIONs sent {credits} at a time "
               f"(bursts {burst.bursts})", f"exit {run.exit_code}, {len(run.statuses())} results, "
