@@ -648,6 +648,37 @@ def plant_goodbye_early() -> None:
     driver.Runner.run = run
 
 
+def plant_record_descriptor_big_endian() -> None:
+    """ADDR_LE applied to the Data Descriptor, the Completion Descriptor left in network order."""
+    real = codec.encode
+
+    class Shim:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(codec, name)
+
+        @staticmethod
+        def encode(values: dict, addr_le: bool = False) -> bytes:
+            if addr_le and "cd.stag" in values:
+                values = dict(values)
+                values["cd.stag"] = int.from_bytes(values["cd.stag"].to_bytes(4, "big"), "little")
+                values["cd.offset"] = int.from_bytes(values["cd.offset"].to_bytes(8, "big"), "little")
+            return real(values, addr_le)
+    client.codec = Shim()
+
+
+def plant_source_writable() -> None:
+    """A store's source buffer registered for remote writing as well as reading."""
+    from kbtp_scapy.rnic.memory import MemoryTable
+
+    def make(original):
+        def register(self, buffer, access=Access.LOCAL, **kwargs):
+            if access == Access.REMOTE_READ:
+                access = Access.REMOTE_READ | Access.REMOTE_WRITE
+            return original(self, buffer, access, **kwargs)
+        return register
+    patch(MemoryTable, "register", make)
+
+
 def _half_repeated() -> bytes:
     half = secrets.token_bytes(8)
     return half + half
@@ -795,6 +826,13 @@ CORPUS = [
     Bug("bind_before_write", "RDMA-writes the data into the block, and then sends BIND",
         "direct_alloc.write_order", _direct_alloc(bind_first=True)),
     Bug("goodbye_early", "GOODBYE ends the session.", "goodbye.after_completions", plant_goodbye_early),
+    Bug("request_ids_cycle", "Request ID is chosen by the initiator and echoed in the completion.",
+        "request.ids", after_hello(lambda self: setattr(self, "_ids", itertools.cycle(range(1, 5))))),
+    Bug("record_descriptor_big_endian", "the initiator MUST encode ... the STag, Tagged Offset, and "
+        "Length fields of the Data and Completion Descriptors in little-endian byte order",
+        "addr_le.record", plant_record_descriptor_big_endian, ("roce",)),
+    Bug("source_writable", "The initiator exposes only the buffers named in its descriptors",
+        "descriptor.read_only", plant_source_writable),
     # for the hostile target (``kbtp fuzz --role initiator``): case "fuzz:SEED-INDEX"
     Bug("hello_ack_unchecked", "HELLO_ACK Body (Target Descriptor)", "fuzz:1-000028",
         plant_hello_ack_unchecked),

@@ -15,8 +15,8 @@ from .test_conform_initiator import conform, verdicts
 DEEP = ["hello.id_bits", "credits.strays", "credits.completion_buffers", "quota.concurrent",
         "quota.failed_free", "addr_le.direct_load", "flags.as_asked", "flags.record_as_asked",
         "record.slots", "status.every_opcode", "direct_load.every_window", "direct_alloc.write_order",
-        "goodbye.after_completions"]
-ROCE_ONLY = {"flags.record_as_asked", "record.slots"}
+        "goodbye.after_completions", "request.ids", "addr_le.record", "descriptor.read_only"]
+ROCE_ONLY = {"flags.record_as_asked", "record.slots", "addr_le.record"}
 
 
 @pytest.mark.slow
@@ -40,7 +40,8 @@ PLANTED = [("id_uuid4", "iwarp"), ("id_half_repeated", "roce"), ("id_fixed_prefi
            ("unsealed_retry", "roce"), ("invalidate_on_free", "iwarp"),
            ("record_dropped_on_free", "roce"), ("record_slot_shared", "roce"),
            ("load_status_collapsed", "iwarp"), ("direct_load_cached", "roce"),
-           ("bind_before_write", "iwarp"), ("goodbye_early", "roce")]
+           ("bind_before_write", "iwarp"), ("goodbye_early", "roce"), ("request_ids_cycle", "iwarp"),
+           ("record_descriptor_big_endian", "roce"), ("source_writable", "roce")]
 
 
 @pytest.mark.slow
@@ -50,8 +51,9 @@ def test_planted_bug_fails_its_deeper_case(name, transport):
     assert bug.case in DEEP and transport in bug.transports
     code, out, err = conform(transport, program(name), "--only", bug.case, "--json")
     [case] = json.loads(out)["cases"]
-    assert case["verdict"] == "FAIL", case
-    assert code == 1 and case["expected"] and case["seen"]
+    want = "WARN" if case["level"] == "SHOULD" else "FAIL"
+    assert case["verdict"] == want, case
+    assert code == (0 if want == "WARN" else 1) and case["expected"] and case["seen"]
 
 
 def test_an_id_made_of_a_shorter_value_repeated_is_named_by_its_period():

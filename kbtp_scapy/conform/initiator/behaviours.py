@@ -184,7 +184,7 @@ class Statuses(Behaviour):
     ``statuses``, each opcode in turn from the start of the list (then as the reference)."""
 
     def __init__(self, opcode: str, statuses: list[int]) -> None:
-        self.left = {Opcode[name]: list(statuses) for name in opcode.split("|")}
+        self.left: dict[int, list[int]] = {Opcode[name]: list(statuses) for name in opcode.split("|")}
 
     async def operation(self, conn: CheckedConnection, req: AnyMessage, run: Run) -> Outcome:
         left = self.left.get(req["opcode"])
@@ -249,13 +249,15 @@ async def _signaled(future: asyncio.Future | None) -> None:
     await future
 
 
-async def _probe(conn: CheckedConnection, write: bool, stag: int, offset: int) -> str:
-    """Whether a 1-octet RDMA Write (or Read) of the initiator's buffer was placed. An iWARP
-    Write completes once it is sent (RDMAP acknowledges nothing), so a refusal shows as
-    the peer's Terminate ending the connection: it must still be up ``SETTLE`` later."""
+async def _probe(conn: CheckedConnection, write: bool, stag: int, offset: int,
+                 octet: bytes = b"\x00") -> str:
+    """Whether a 1-octet RDMA Write (of ``octet``; or a Read) of the initiator's buffer was
+    placed. An iWARP Write completes once it is sent (RDMAP acknowledges nothing), so a
+    refusal shows as the peer's Terminate ending the connection: it must still be up
+    ``SETTLE`` later."""
     try:
         if write:
-            await asyncio.wait_for(_signaled(conn.qp.write(stag, offset, b"\x00")), 2.0)
+            await asyncio.wait_for(_signaled(conn.qp.write(stag, offset, octet)), 2.0)
         else:
             await asyncio.wait_for(conn.qp.read(stag, offset, 1), 2.0)
         await asyncio.wait_for(conn.qp.wait_closed(), SETTLE)
@@ -264,6 +266,26 @@ async def _probe(conn: CheckedConnection, write: bool, stag: int, offset: int) -
     except TimeoutError:
         return "placed" if not conn.qp.closed else "refused (no answer within 2 s)"
     return f"refused (the connection ended: {conn.qp.error or 'closed'})"
+
+
+class Overreach(Behaviour):
+    """Before the first store that the target reads by RDMA Read is executed, write its
+    source buffer's first octet (with the value a Read of it returns, so nothing changes
+    if it is placed): a buffer exposed to be read must refuse Writes."""
+
+    def __init__(self) -> None:
+        self.write: str | None = None      # "placed" or "refused: ..."
+
+    async def operation(self, conn: CheckedConnection, req: AnyMessage, run: Run) -> Outcome:
+        if (self.write is None and req["opcode"] in (Opcode.STORE, Opcode.ALLOC_STORE)
+                and not req["flags"] & RequestFlag.INLINE and req["dd.length"]):
+            stag, at = req["dd.stag"], req["dd.offset"]
+            try:
+                first = bytes(await asyncio.wait_for(conn.qp.read(stag, at, 1), 2.0))
+            except (RemoteError, ConnectionLost, TimeoutError):
+                return await run()       # its own Read refused: the store fails on its own
+            self.write = await _probe(conn, True, stag, at, first)
+        return await run()
 
 
 class DirectLoadWindow(Behaviour):

@@ -12,7 +12,7 @@ from ... import codec
 from ...ring import add_mask
 from ...tables import RING_COUNTER, memory as M
 from ...tables.enums import OPCODES
-from ...vocab import EntryFlag, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
+from ...vocab import AnyMessage, EntryFlag, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 from ..registry import MUST, MUST_NOT, RULE, SHOULD
 from . import behaviours as B
 from .context import ICtx, icase
@@ -384,6 +384,25 @@ async def addr_le_direct_load(ctx: ICtx) -> None:
     ctx.check(run.output("back") == data, "the block's data", "other octets")
 
 
+@icase("addr_le.record", COMPLETION, RULE, """If ADDR_LE is set, the initiator MUST encode the
+       Block Handle and the STag, Tagged Offset, and Length fields of the Data and Completion
+       Descriptors in little-endian byte order""", transport="roce")
+async def addr_le_record(ctx: ICtx) -> None:
+    """A target that sets ADDR_LE and grants RECORD_COMPLETION: the Completion Descriptor's
+    STag and Tagged Offset, read little-endian, name the record slot, so the records land
+    and each operation completes through its own."""
+    await ctx.serve(addr_le=True)
+    data = ctx.data(200, 1)
+    run = await ctx.run("alloc_store 1 @kv seal record; load 1 @back record; free 1 record", {"kv": data})
+    s = ctx.record.sessions[0]
+    if not any(r["flags"] & RequestFlag.RECORD for r in s.requests()):
+        ctx.skip("the initiator asked for no completion record (RECORD is optional)")
+    ctx.check(run.exit_code == 0, "exit status 0: every record written where the Completion "
+              "Descriptor, read little-endian, points", f"{run.exit_code}: {run.tail()}")
+    ctx.expect_statuses(run, ["OK"] * 3, "the store, the load and the FREE through records")
+    ctx.check(run.output("back") == data, "the data back", "other octets")
+
+
 # -- descriptors and RECORD ---------------------------------------------------------------------
 
 @icase("descriptor.load_length", OPERATIONS, MUST_NOT, """lengths MUST NOT exceed Block Size or
@@ -443,6 +462,22 @@ async def descriptor_store_buffer(ctx: ICtx) -> None:
               "an RDMA Read of the octet past the descriptor refused by the initiator's RNIC", probe.past)
 
 
+@icase("descriptor.read_only", SECURITY, SHOULD, """The initiator exposes only the buffers named
+       in its descriptors; it SHOULD use STags that are valid for a single request""")
+async def descriptor_read_only(ctx: ICtx) -> None:
+    """A store larger than Max Inline names its source for the target to RDMA-read: an
+    RDMA Write into that buffer (of the octet it holds) is refused by the initiator's RNIC."""
+    over = B.Overreach()
+    await ctx.serve(over)
+    await ctx.run("alloc_store 1 @kv seal noinline", {"kv": ctx.data(3000, 1)})
+    write = over.write
+    if write is None:
+        ctx.skip("the initiator sent no store by RDMA Read (all inline)")
+        return
+    ctx.check(write.startswith("refused"), "an RDMA Write into a store's source buffer refused "
+              "(it is exposed for reading only)", write)
+
+
 @icase("record.buffer", COMPLETION, RULE, """A Completion Descriptor is 16 octets: STag (32 bits),
        Tagged Offset (64 bits), and 32 reserved bits, naming a 24-octet completion record slot of
        the initiator.""", transport="roce")
@@ -491,6 +526,16 @@ async def record_descriptor(ctx: ICtx) -> None:
                   r.get("cd.stag"))
     ctx.expect_statuses(run, ["OK", "OK"], "both operations completed through records")
     ctx.check(run.output("back") == data, "the data back", "other octets")
+
+
+def _together(s: Any, messages: list) -> list[tuple[AnyMessage, AnyMessage]]:
+    """Pairs of the requests in ``messages`` that were in flight at the same time (the
+    later one taken before the earlier one's completion was sent)."""
+    done: dict[int, float] = {}
+    for t, rid, _, _ in s.completions:
+        done.setdefault(rid, t)
+    return [(m.decoded, m2.decoded) for i, m in enumerate(messages) for m2 in messages[i + 1:]
+            if m2.at < done.get(m.decoded["request_id"], float("inf"))]
 
 
 FLAGS_TEXT = """Flags are interpreted per opcode; for LOAD, STORE, ALLOC_STORE, and FREE they are:
@@ -582,19 +627,16 @@ async def record_slots(ctx: ICtx) -> None:
     run = await ctx.run_ok("alloc_store 0 @a seal; alloc_store 2 @c seal; "
                            "load 0 @ra record & load 1 @rb record & load 2 @rc record", {"a": a, "c": c})
     s = ctx.record.sessions[0]
-    recorded = [(m, m.decoded) for m in s.messages if m.decoded and m.decoded["flags"] & RequestFlag.RECORD
+    recorded = [m for m in s.messages if m.decoded and m.decoded["flags"] & RequestFlag.RECORD
                 and m.decoded["opcode"] in (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE)]
     if not recorded:
         ctx.skip("the initiator asked for no completion record (RECORD is optional)")
-    done = {rid: t for t, rid, _, _ in s.completions}
-    for i, (_, r) in enumerate(recorded):
-        for m2, r2 in recorded[i + 1:]:
-            together = m2.at < done.get(r["request_id"], float("inf"))
-            apart = (r["cd.stag"] != r2["cd.stag"] or r["cd.offset"] + M.COMPLETION_RECORD.size <= r2["cd.offset"]
-                     or r2["cd.offset"] + M.COMPLETION_RECORD.size <= r["cd.offset"])
-            ctx.check(not together or apart, "requests in flight together with completion record "
-                      "slots of their own", f"Request IDs {r['request_id']} and {r2['request_id']} "
-                      f"both name STag {r2['cd.stag']:#x} at {r['cd.offset']:#x} and {r2['cd.offset']:#x}")
+    for r, r2 in _together(s, recorded):
+        apart = (r["cd.stag"] != r2["cd.stag"] or r["cd.offset"] + M.COMPLETION_RECORD.size <= r2["cd.offset"]
+                 or r2["cd.offset"] + M.COMPLETION_RECORD.size <= r["cd.offset"])
+        ctx.check(apart, "requests in flight together with completion record slots of their own",
+                  f"Request IDs {r['request_id']} and {r2['request_id']} both name STag "
+                  f"{r2['cd.stag']:#x} at {r['cd.offset']:#x} and {r2['cd.offset']:#x}")
     ctx.expect_statuses(run, ["OK", "OK", "OK", "NOT_VALID", "OK"], "each load with its own status")
     ctx.check(run.output("ra") == a and run.output("rc") == c and run.output("rb") is None,
               "each load with its own data", f"{len(run.output('ra') or b'')} and "
@@ -617,6 +659,36 @@ async def _three_loads(ctx: ICtx, behaviour: B.Behaviour) -> None:
 
 
 MATCH = """Request ID is chosen by the initiator and echoed in the completion."""
+
+
+@icase("request.ids", "Common Header", RULE, """Version is 1. Opcodes are listed in . Request ID
+       is chosen by the initiator and echoed in the completion. ... Status is zero in
+       requests.""")
+async def request_ids(ctx: ICtx) -> None:
+    """Eight requests in flight together, six of them LOADs of the same handle, each
+    completion held 0.3 s: every request has Version 1 and Status 0, requests in flight
+    at once have Request IDs of their own, and each load gets its data."""
+    await ctx.serve(B.Grant(64))
+    a = ctx.data(900, 1)
+    loads = " & ".join(f"load 0 @r{i}" for i in range(6))
+    run = await ctx.run("alloc_store 0 @a seal; " + loads + " & free 1 & free 2", {"a": a})
+    s = ctx.record.sessions[0]
+    for m in s.messages:
+        if m.decoded and m.decoded["opcode"] in (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE,
+                                                  Opcode.FREE, Opcode.BIND):
+            r = m.decoded
+            ctx.check(r["version"] == 1 and r["status"] == 0, "requests with Version 1 and Status 0",
+                      f"{OPCODES.describe(r['opcode'])} Version {r['version']} Status {r['status']}")
+    requests = [m for m in s.messages if m.decoded and m.decoded["opcode"] in
+                (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND)]
+    for r, r2 in _together(s, requests):
+        ctx.check(r["request_id"] != r2["request_id"], "a Request ID of its own for each request in "
+                  "flight", f"{OPCODES.describe(r['opcode'])} and {OPCODES.describe(r2['opcode'])} "
+                  f"in flight together with Request ID {r['request_id']:#x}")
+    ctx.check(run.exit_code == 0, "exit status 0", f"{run.exit_code}: {run.tail()}")
+    ctx.expect_statuses(run, ["OK"] * 7 + ["NOT_VALID"] * 2, "the store, six loads of it, two FREEs "
+                        "of unbound handles")
+    ctx.check(all(run.output(f"r{i}") == a for i in range(6)), "each load with the data", "other octets")
 
 
 @icase("completion.out_of_order", "Common Header", RULE, MATCH)
