@@ -15,6 +15,7 @@ case is a case of the hostile target, ``kbtp fuzz --role initiator --replay``);
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import secrets
 import sys
@@ -679,6 +680,73 @@ def plant_source_writable() -> None:
     patch(MemoryTable, "register", make)
 
 
+_uncredited = contextvars.ContextVar("uncredited", default=False)
+
+
+class _Credits:
+    """The initiator's credit semaphore, skipped by a request marked ``_uncredited``."""
+
+    def __init__(self, semaphore: asyncio.Semaphore) -> None:
+        self.semaphore = semaphore
+
+    async def __aenter__(self) -> None:
+        if not _uncredited.get():
+            await self.semaphore.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not _uncredited.get():
+            self.semaphore.release()
+
+
+def _without_credit(method: str) -> Plant:
+    """Requests of ``method`` sent without taking a credit (the others take one)."""
+    def plant() -> None:
+        after_hello(lambda self: setattr(self, "_credits", _Credits(self._credits)))()
+
+        def make(original):
+            async def call(self, *args, **kwargs):
+                token = _uncredited.set(True)
+                try:
+                    return await original(self, *args, **kwargs)
+                finally:
+                    _uncredited.reset(token)
+            return call
+        patch(Initiator, method, make)
+    return plant
+
+
+def plant_matched_by_handle() -> None:
+    """A COMPLETION matched to the oldest waiting request of the handle it echoes."""
+    handles: dict[int, int] = {}
+    real_encode, real_match = codec.encode, results.match_completion
+
+    class Shim:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(codec, name)
+
+        @staticmethod
+        def encode(values: dict, addr_le: bool = False) -> bytes:
+            if "request_id" in values:
+                handles[values["request_id"]] = values.get("handle", 0)
+            return real_encode(values, addr_le)
+
+    def match(msg, waiting, addr_le):
+        if msg.write_imm:
+            return real_match(msg, waiting, addr_le)
+        try:
+            c = codec.decode(msg.payload, addr_le)
+        except codec.Malformed:
+            return None
+        rid = next((r for r in waiting if handles.get(r) == c["handle"]), None)
+        if c["opcode"] != Opcode.COMPLETION or rid is None:
+            return None
+        future, _ = waiting.pop(rid)
+        return future, Result(rid, c["status"], c["generation"], c["completion.data_length"],
+                              c["completion.block_offset"])
+    client.codec = Shim()
+    client.match_completion = match
+
+
 def _half_repeated() -> bytes:
     half = secrets.token_bytes(8)
     return half + half
@@ -826,6 +894,12 @@ CORPUS = [
     Bug("bind_before_write", "RDMA-writes the data into the block, and then sends BIND",
         "direct_alloc.write_order", _direct_alloc(bind_first=True)),
     Bug("goodbye_early", "GOODBYE ends the session.", "goodbye.after_completions", plant_goodbye_early),
+    Bug("bind_without_credit", "A target pre-posts, for each request credit, a receive buffer",
+        "credits.every_opcode", _without_credit("bind")),
+    Bug("free_without_credit", "A target pre-posts, for each request credit, a receive buffer",
+        "credits.every_opcode", _without_credit("free")),
+    Bug("matched_by_handle", "Request ID is chosen by the initiator and echoed in the completion.",
+        "completion.same_handle", plant_matched_by_handle),
     Bug("request_ids_cycle", "Request ID is chosen by the initiator and echoed in the completion.",
         "request.ids", after_hello(lambda self: setattr(self, "_ids", itertools.cycle(range(1, 5))))),
     Bug("record_descriptor_big_endian", "the initiator MUST encode ... the STag, Tagged Offset, and "

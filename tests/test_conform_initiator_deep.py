@@ -15,7 +15,8 @@ from .test_conform_initiator import conform, verdicts
 DEEP = ["hello.id_bits", "credits.strays", "credits.completion_buffers", "quota.concurrent",
         "quota.failed_free", "addr_le.direct_load", "flags.as_asked", "flags.record_as_asked",
         "record.slots", "status.every_opcode", "direct_load.every_window", "direct_alloc.write_order",
-        "goodbye.after_completions", "request.ids", "addr_le.record", "descriptor.read_only"]
+        "goodbye.after_completions", "request.ids", "addr_le.record", "descriptor.read_only",
+        "credits.every_opcode", "completion.same_handle"]
 ROCE_ONLY = {"flags.record_as_asked", "record.slots", "addr_le.record"}
 
 
@@ -41,7 +42,9 @@ PLANTED = [("id_uuid4", "iwarp"), ("id_half_repeated", "roce"), ("id_fixed_prefi
            ("record_dropped_on_free", "roce"), ("record_slot_shared", "roce"),
            ("load_status_collapsed", "iwarp"), ("direct_load_cached", "roce"),
            ("bind_before_write", "iwarp"), ("goodbye_early", "roce"), ("request_ids_cycle", "iwarp"),
-           ("record_descriptor_big_endian", "roce"), ("source_writable", "roce")]
+           ("record_descriptor_big_endian", "roce"), ("source_writable", "roce"),
+           ("bind_without_credit", "roce"), ("free_without_credit", "iwarp"),
+           ("matched_by_handle", "iwarp")]
 
 
 @pytest.mark.slow

@@ -236,6 +236,22 @@ def _check_usage(ctx: ICtx, s: Any, quota: int) -> None:
               f"the quota of {quota}", f"{worst} at the worst")
 
 
+@icase("credits.every_opcode", "Target Execution Model", RULE, CREDITS)
+async def credits_every_opcode(ctx: ICtx) -> None:
+    """One Request Credit, every completion held 0.3 s, and operations of every kind
+    issued together (ALLOC_STORE, STORE, LOAD, FREE, and the BIND of DIRECT_ALLOC): each
+    request waits for the credit, whatever its opcode."""
+    await ctx.serve(B.Grant(1))
+    inputs = {k: ctx.data(300, i) for i, k in enumerate("abcde")}
+    run = await ctx.run_ok("alloc_store 0 @a & direct_alloc 1 @b & alloc_store 2 @c seal; "
+                           "store 0 @d seal & load 2 @r & free 1 & direct_alloc 3 @e", inputs)
+    s = ctx.record.sessions[0]
+    seen = sorted({OPCODES.describe(r["opcode"]) for r in s.requests()})
+    ctx.check(s.max_in_flight <= 1, "at most 1 request in flight (Request Credits 1), whatever its "
+              f"opcode ({', '.join(seen)} sent)", f"{s.max_in_flight} in flight")
+    ctx.expect_statuses(run, ["OK"] * 7, "every operation, one request at a time")
+
+
 @icase("quota.tickets", QUOTAS, MUST_NOT, """An initiator's usage is the number of handles it
        has bound plus the number of tickets it has taken and not yet bound. An initiator MUST
        NOT exceed its quota""")
@@ -707,6 +723,22 @@ async def completion_duplicate(ctx: ICtx) -> None:
 @icase("completion.unknown_id", "Common Header", RULE, MATCH)
 async def completion_unknown_id(ctx: ICtx) -> None:
     await _three_loads(ctx, B.Unknown())
+
+
+@icase("completion.same_handle", "Common Header", RULE, MATCH)
+async def completion_same_handle(ctx: ICtx) -> None:
+    """Two LOADs, a FREE and a LOAD of one handle in flight together, their completions
+    sent last first: each is matched by its Request ID, not by the handle it echoes."""
+    await ctx.serve(B.Reverse(4))
+    a = ctx.data(1500, 1)
+    run = await ctx.run_ok("alloc_store 0 @a seal; load 0 @r0 & load 0 @r1 & free 0 & load 0 @r2",
+                           {"a": a})
+    ctx.expect_statuses(run, ["OK", "OK", "OK", "OK", "NOT_VALID"], "each request with its own "
+                        "completion's status (the last LOAD after the FREE)")
+    ctx.check(run.output("r0") == a and run.output("r1") == a and run.output("r2") is None,
+              "the two loads before the FREE with the data, none for the one after it",
+              f"{len(run.output('r0') or b'')} and {len(run.output('r1') or b'')} octets, "
+              f"{'a file' if run.output('r2') is not None else 'none'} after the FREE")
 
 
 @icase("completion.other_opcode", "Common Header", RULE, MATCH)
