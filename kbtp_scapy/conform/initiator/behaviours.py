@@ -70,7 +70,8 @@ class Strays(Grant):
 class Burst(Behaviour):
     """Grant ``extra`` Request Credits more than the Completion Credits the HELLO
     announced, and hold completions until as many requests wait as the initiator has
-    receive buffers (or ``3 * SETTLE`` passes): then send them all at once."""
+    receive buffers, or until no request came for ``SETTLE`` seconds: then send them
+    all at once."""
 
     def __init__(self, extra: int) -> None:
         self.extra = extra
@@ -88,10 +89,13 @@ class Burst(Behaviour):
                  send: Callable[[], None]) -> None:
         self._conn = conn
         self.held.append(send)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if len(self.held) >= (conn.session.hello or {}).get("hello.completion_credits", 1):
             self._flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(3 * SETTLE, self._flush)
+        else:
+            self._timer = asyncio.get_running_loop().call_later(SETTLE, self._flush)
 
     def _flush(self) -> None:
         if self._timer is not None:
