@@ -343,7 +343,10 @@ def _direct_load(same: Callable[[dict, dict], bool] = lambda a, b: a == b, rerea
         async def direct_load(self, handle, *, attempts=8):
             stag, base, count = self._direct("table")
             pool_stag = self._direct("pool")[0]
-            at = base + (handle - self.target.fields["table_base_handle"]) * M.ENTRY_SIZE
+            index = handle - self.target.fields["table_base_handle"]
+            if not 0 <= index < count:         # as the reference: no read outside the Table
+                raise KbtpError(Status.INVALID_HANDLE)
+            at = base + index * M.ENTRY_SIZE
             verified = self.__dict__.setdefault("verified", {})
             for _ in range(attempts):
                 first = await self._entry(stag, at)
@@ -438,6 +441,15 @@ def _direct_alloc(offset: int = 0, mark_slot: bool = False, length: Callable[[In
     def plant() -> None:
         async def direct_alloc(self, handle, data):
             partition_stag = self._direct("partition")[0]
+            if self.usage + self.tickets >= self.target.quota:     # as the reference
+                raise KbtpError(Status.NO_SPACE)
+            self.tickets += 1
+            try:
+                return await allocate(self, handle, data, partition_stag)
+            finally:
+                self.tickets -= 1
+
+        async def allocate(self, handle, data, partition_stag):
             ticket, slot = await self.take_ticket()
             block = await self.wait_slot(ticket, slot, self.target.ticket_timeout_ms / 2000)
             if bind_first:
