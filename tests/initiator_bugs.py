@@ -759,6 +759,47 @@ def plant_matched_by_handle() -> None:
     client.match_completion = match
 
 
+def plant_ticket_per_try() -> None:
+    """A slot not ready yet: another ticket taken, instead of the slot read again."""
+    async def direct_alloc(self, handle, data):
+        partition_stag = self._direct("partition")[0]
+        ring_stag, ring_base, _ = self._direct("ring")
+        if self.usage + self.tickets >= self.target.quota:
+            raise KbtpError(Status.NO_SPACE)
+        for _ in range(16):
+            ticket, offset = await self.take_ticket()
+            slots = []
+            for _ in range(2):
+                raw = await self.qp.read(ring_stag, ring_base + offset, M.SLOT_SIZE)
+                slots.append(codec.decode_struct(M.RING_SLOT, raw, self.addr_le))
+                if slots[-1]["slot.sequence"] != ticket or slots[-1]["slot.block_offset"] == M.SLOT_CONSUMED:
+                    break
+            if len(slots) == 2 and slots[0] == slots[1]:
+                block = slots[1]["slot.block_offset"]
+                await self.qp.write(partition_stag, block, data)
+                return await self.bind(handle, ticket, len(data), block)
+        raise KbtpError(Status.NO_SPACE)
+    Initiator.direct_alloc = direct_alloc
+
+
+def plant_generation_cached() -> None:
+    """LOADs carry the Generation of the handle's first binding, kept past its FREE."""
+    def make_store(original):
+        async def alloc_store(self, handle, data, **kwargs):
+            result = await original(self, handle, data, **kwargs)
+            self.__dict__.setdefault("generations", {}).setdefault(handle, result.generation)
+            return result
+        return alloc_store
+
+    def make_load(original):
+        async def load(self, handle, **kwargs):
+            kwargs["generation"] = self.__dict__.get("generations", {}).get(handle, 0)
+            return await original(self, handle, **kwargs)
+        return load
+    patch(Initiator, "alloc_store", make_store)
+    patch(Initiator, "load", make_load)
+
+
 def _half_repeated() -> bytes:
     half = secrets.token_bytes(8)
     return half + half
@@ -912,6 +953,10 @@ CORPUS = [
         "credits.every_opcode", _without_credit("free")),
     Bug("matched_by_handle", "Request ID is chosen by the initiator and echoed in the completion.",
         "completion.same_handle", plant_matched_by_handle),
+    Bug("ticket_per_try", "re-reading until the Sequence equals its ticket", "direct_alloc.slot",
+        plant_ticket_per_try),
+    Bug("generation_cached", "Generation in a request is the generation the initiator expects",
+        "generation.rebound", plant_generation_cached),
     Bug("request_ids_cycle", "Request ID is chosen by the initiator and echoed in the completion.",
         "request.ids", after_hello(lambda self: setattr(self, "_ids", itertools.cycle(range(1, 5))))),
     Bug("record_descriptor_big_endian", "the initiator MUST encode ... the STag, Tagged Offset, and "

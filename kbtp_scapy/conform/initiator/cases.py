@@ -801,6 +801,28 @@ async def load_after_completion(ctx: ICtx) -> None:
     ctx.check(back == data, "the block's data", "other octets")
 
 
+@icase("generation.rebound", "Common Header", RULE, """Generation in a request is the generation
+       the initiator expects (zero means "any"); in a completion it is the entry's current
+       generation.""")
+async def generation_rebound(ctx: ICtx) -> None:
+    """A handle stored, loaded, freed, stored again and loaded again: a request Generation,
+    where one is given, is the entry's current one (the FREE and the new binding each
+    moved it), so the loads of each binding return its data."""
+    await ctx.serve()
+    a, b = ctx.data(600, 1), ctx.data(700, 2)
+    run = await ctx.run_ok("alloc_store 0 @a seal; load 0 @r1; free 0; alloc_store 0 @b seal; "
+                           "load 0 @r2; free 0", {"a": a, "b": b})
+    s = ctx.record.sessions[0]
+    done = {rid: st for _, rid, st, _ in s.completions}
+    for r in s.requests():
+        ctx.check(not r["generation"] or done.get(r["request_id"]) != Status.STALE_GENERATION,
+                  "a request Generation, where given, that is the entry's current one",
+                  f"{OPCODES.describe(r['opcode'])} with Generation {r['generation']} answered "
+                  "STALE_GENERATION")
+    ctx.expect_statuses(run, ["OK"] * 6, "each operation on the handle's current binding")
+    ctx.check(run.output("r1") == a and run.output("r2") == b, "each binding's own data", "other octets")
+
+
 # -- Direct Load ------------------------------------------------------------------------------
 
 DIRECT_LOAD_TEXT = """Direct Load (DIRECT_LOAD): through the read-only Table and Pool STags, the
@@ -1004,6 +1026,12 @@ async def direct_alloc_slot(ctx: ICtx) -> None:
     reads = B.SlotReads()
     run, data, s = await _direct_alloc(ctx, reads)
     binds = s.requests("BIND")
+    fetches = [a for a in s.accesses if a.kind == "fetch_add"]
+    ctx.check(len(fetches) == 1, "one FetchAdd for the allocation: a slot not ready yet is read "
+              "again, its ticket kept (a ticket taken is the initiator's until bound or abandoned)",
+              f"{len(fetches)} FetchAdds")
+    slots = {a.offset for a in s.reads("ring")}
+    ctx.check(len(slots) == 1, "every read at the ticket's slot", [hex(o) for o in sorted(slots)])
     ctx.check(len(reads.shown) >= reads.untrusted + 2, "the slot read until it shows the ticket "
               f"with a block, then once more to confirm ({reads.untrusted} reads not to be trusted "
               "here, then 2 agreeing)", f"{len(reads.shown)} read(s)")
