@@ -728,7 +728,8 @@ def _without_credit(method: str) -> Plant:
 
 
 def plant_matched_by_handle() -> None:
-    """A COMPLETION matched to the oldest waiting request of the handle it echoes."""
+    """A COMPLETION whose Request ID is waiting answers the oldest waiting request of the
+    handle it echoes (a queue per handle), not necessarily the one with that ID."""
     handles: dict[int, int] = {}
     real_encode, real_match = codec.encode, results.match_completion
 
@@ -749,9 +750,9 @@ def plant_matched_by_handle() -> None:
             c = codec.decode(msg.payload, addr_le)
         except codec.Malformed:
             return None
-        rid = next((r for r in waiting if handles.get(r) == c["handle"]), None)
-        if c["opcode"] != Opcode.COMPLETION or rid is None:
+        if c["opcode"] != Opcode.COMPLETION or c["request_id"] not in waiting:
             return None
+        rid = next(r for r in waiting if handles.get(r) == c["handle"])
         future, _ = waiting.pop(rid)
         return future, Result(rid, c["status"], c["generation"], c["completion.data_length"],
                               c["completion.block_offset"])

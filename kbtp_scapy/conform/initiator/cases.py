@@ -91,7 +91,8 @@ def _repeats(ident: bytes) -> int | None:
 
 
 @icase("hello.id_bits", SESSION, MUST, """Because it gives access to those bindings, the
-       Initiator ID MUST be generated with at least 128 bits of entropy and kept secret""")
+       Initiator ID MUST be generated with at least 128 bits of entropy and kept secret""",
+       slow=f"{ID_RUNS} runs of the program, each a fresh initiator")
 async def hello_id_bits(ctx: ICtx) -> None:
     """Twelve fresh initiators: no ID is one shorter value repeated, no two are closer
     than 24 bits apart, and fewer than 4 of the 128 bit positions are the same in all
