@@ -174,8 +174,9 @@ async def credits_strays(ctx: ICtx) -> None:
     await ctx.serve(strays)
     run = await ctx.run_ok(" & ".join(f"free {i}" for i in range(6)))
     s = ctx.record.sessions[0]
-    ctx.check(strays.sent > 0, "COMPLETIONs that answer nothing sent", "none (no Completion Credits "
-              "to spare)")
+    if not strays.sent:
+        ctx.skip("the Completion Credits announced leave no room for COMPLETIONs beside the 2 "
+                 "requests granted")
     ctx.check(s.max_in_flight <= 2, "at most 2 requests in flight (Request Credits 2): a COMPLETION "
               "that answers no request returns no credit", f"{s.max_in_flight} in flight")
     ctx.expect_statuses(run, ["NOT_VALID"] * 6, "6 FREEs of unbound handles, none answered by a "
