@@ -15,10 +15,12 @@ case is a case of the hostile target, ``kbtp fuzz --role initiator --replay``);
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import secrets
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from kbtp_scapy.cli import initiator as cli_initiator  # noqa: E402
 from kbtp_scapy.initiator import client, driver, results  # noqa: E402
 from kbtp_scapy.initiator.client import Initiator  # noqa: E402
 from kbtp_scapy.initiator.results import KbtpError, Result  # noqa: E402
+from kbtp_scapy.initiator.script import RESULTS, result_line  # noqa: E402
 from kbtp_scapy.rnic import Access  # noqa: E402
 from kbtp_scapy.rnic.qp import ConnectionLost  # noqa: E402
 from kbtp_scapy.tables import RING_COUNTER, memory as M  # noqa: E402
@@ -93,6 +96,21 @@ def _hello_field(key: str, value: int) -> Callable[[dict], None]:
 def _ids(make_id: Callable[[], bytes]) -> Plant:
     def plant() -> None:
         cli_initiator._initiator_id = lambda id_hex, id_file: make_id()
+    return plant
+
+
+def _kept_ids(make_id: Callable[[], bytes]) -> Plant:
+    """IDs from ``make_id``, kept in the ID file as the reference keeps its own."""
+    def plant() -> None:
+        def initiator_id(id_hex, id_file):
+            path = Path(id_file)
+            if path.exists():
+                return bytes.fromhex(path.read_text().strip())
+            value = make_id()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(value.hex() + "\n")
+            return value
+        cli_initiator._initiator_id = initiator_id
     return plant
 
 
@@ -317,12 +335,19 @@ def plant_load_early() -> None:
 
 
 def _direct_load(same: Callable[[dict, dict], bool] = lambda a, b: a == b, reread: bool = True,
-                 together: bool = False, check_sealed: bool = True, check_valid: bool = True) -> Plant:
+                 together: bool = False, check_sealed: bool = True, check_valid: bool = True,
+                 cached: bool = False) -> Plant:
+    """``cached``: a handle once read valid at a Generation is trusted at it again after
+    one entry read (no second entry read)."""
     def plant() -> None:
         async def direct_load(self, handle, *, attempts=8):
             stag, base, count = self._direct("table")
             pool_stag = self._direct("pool")[0]
-            at = base + (handle - self.target.fields["table_base_handle"]) * M.ENTRY_SIZE
+            index = handle - self.target.fields["table_base_handle"]
+            if not 0 <= index < count:         # as the reference: no read outside the Table
+                raise KbtpError(Status.INVALID_HANDLE)
+            at = base + index * M.ENTRY_SIZE
+            verified = self.__dict__.setdefault("verified", {})
             for _ in range(attempts):
                 first = await self._entry(stag, at)
                 if check_valid and not first["entry.flags"] & EntryFlag.VALID:
@@ -335,8 +360,10 @@ def _direct_load(same: Callable[[dict, dict], bool] = lambda a, b: a == b, rerea
                         self.qp.read(pool_stag, first["entry.block_offset"], length), self._entry(stag, at))
                 else:
                     data = await self.qp.read(pool_stag, first["entry.block_offset"], length)
-                    second = await self._entry(stag, at) if reread else first
+                    known = cached and verified.get(handle) == first["entry.generation"]
+                    second = await self._entry(stag, at) if reread and not known else first
                 if same(first, second):
+                    verified[handle] = first["entry.generation"]
                     return Result(0, 0, first["entry.generation"], length, first["entry.block_offset"],
                                   bytes(data))
             raise KbtpError(Status.NOT_VALID)
@@ -409,12 +436,27 @@ def _wait_slot(check_sequence: bool = True, check_consumed: bool = True, confirm
 
 
 def _direct_alloc(offset: int = 0, mark_slot: bool = False, length: Callable[[Initiator, bytes], int] | None = None,
-                  delay: float = 0.0) -> Plant:
+                  delay: float = 0.0, bind_first: bool = False) -> Plant:
+    """``bind_first``: BIND is posted, then the data written (both awaited together)."""
     def plant() -> None:
         async def direct_alloc(self, handle, data):
             partition_stag = self._direct("partition")[0]
+            if self.usage + self.tickets >= self.target.quota:     # as the reference
+                raise KbtpError(Status.NO_SPACE)
+            self.tickets += 1
+            try:
+                return await allocate(self, handle, data, partition_stag)
+            finally:
+                self.tickets -= 1
+
+        async def allocate(self, handle, data, partition_stag):
             ticket, slot = await self.take_ticket()
             block = await self.wait_slot(ticket, slot, self.target.ticket_timeout_ms / 2000)
+            if bind_first:
+                bind = asyncio.ensure_future(self.bind(handle, ticket, len(data), block))
+                await asyncio.sleep(0)
+                await self.qp.write(partition_stag, block, data)
+                return await bind
             await self.qp.write(partition_stag, block + offset, data)
             if mark_slot:
                 ring_stag, ring_base, _ = self._direct("ring")
@@ -480,6 +522,288 @@ def plant_no_invalidate() -> None:
             original(self, qp, memory, initiator_id, credits, False)
         return init
     patch(Initiator, "__init__", make)
+
+
+def plant_stray_returns_credit() -> None:
+    """Every COMPLETION received gives a credit back, one that answers no request too."""
+    def make(original):
+        def dispatch(self, msg, arrived=0):
+            if results.match_completion(msg, dict(self._pending), self.addr_le) is None and self._credits:
+                self._credits.release()
+            original(self, msg, arrived)
+        return dispatch
+    patch(Initiator, "_dispatch", make)
+
+
+def plant_recv_not_reposted() -> None:
+    """A receive buffer a COMPLETION consumed is not posted again."""
+    def make(original):
+        def receive(self, msg):
+            self.qp.post_recv = lambda count=1: None
+            try:
+                original(self, msg)
+            finally:
+                del self.qp.post_recv
+        return receive
+    patch(Initiator, "_receive", make)
+
+
+def plant_tickets_uncounted() -> None:
+    """Usage counts the handles bound, not the tickets taken and not yet bound."""
+    Initiator.tickets = property(lambda self: 0, lambda self, value: None)
+
+
+def plant_failed_free_counted() -> None:
+    """A FREE that failed releases a unit of usage as one that completed OK does."""
+    def make(original):
+        async def free(self, *args, **kwargs):
+            try:
+                return await original(self, *args, **kwargs)
+            except KbtpError:
+                self.usage = max(0, self.usage - 1)
+                raise
+        return free
+    patch(Initiator, "free", make)
+
+
+def plant_entries_big_endian() -> None:
+    """ADDR_LE applied to the requests, but table entries decoded in network byte order."""
+    async def _entry(self, stag, offset):
+        raw = await self.qp.read(stag, offset, M.ENTRY_SIZE)
+        return codec.decode_struct(M.TABLE_ENTRY, raw, False)
+    Initiator._entry = _entry
+
+
+def _load(*, allow: bool = False, retry: bool = False, collapse: bool = False) -> Plant:
+    """LOAD with ALLOW_UNSEALED always (``allow``), again with it after NOT_SEALED
+    (``retry``), or every failure reported NOT_VALID (``collapse``)."""
+    def plant() -> None:
+        def make(original):
+            async def load(self, handle, **kwargs):
+                if allow:
+                    kwargs["allow_unsealed"] = True
+                try:
+                    return await original(self, handle, **kwargs)
+                except KbtpError as exc:
+                    if retry and exc.name == "NOT_SEALED" and not kwargs.get("allow_unsealed"):
+                        return await original(self, handle, **{**kwargs, "allow_unsealed": True})
+                    if collapse:
+                        raise KbtpError(Status.NOT_VALID, exc.result) from None
+                    raise
+            return load
+        patch(Initiator, "load", make)
+    return plant
+
+
+def _free_invalidate(values: dict) -> None:
+    if values["opcode"] == Opcode.FREE:
+        values["flags"] = values.get("flags", 0) | RequestFlag.INVALIDATE
+
+
+def plant_free_record_dropped() -> None:
+    def make(original):
+        async def free(self, handle, *, generation=0, record=False):
+            return await original(self, handle, generation=generation)
+        return free
+    patch(Initiator, "free", make)
+
+
+def plant_record_slot_shared() -> None:
+    """One completion record slot, registered once, named by every request with RECORD."""
+    from kbtp_scapy.rnic.memory import MemoryTable
+    shared: dict[int, Any] = {}
+
+    def make_register(original):
+        def register(self, buffer, access=Access.LOCAL, **kwargs):
+            if len(buffer) == M.COMPLETION_RECORD.size and access == Access.REMOTE_WRITE:
+                if id(self) not in shared:
+                    shared[id(self)] = original(self, buffer, access, **kwargs)
+                return shared[id(self)]
+            return original(self, buffer, access, **kwargs)
+        return register
+
+    def make_deregister(original):
+        def deregister(self, stag):
+            if all(region.stag != stag for region in shared.values()):
+                original(self, stag)
+        return deregister
+    patch(MemoryTable, "register", make_register)
+    patch(MemoryTable, "deregister", make_deregister)
+
+
+def plant_goodbye_early() -> None:
+    """GOODBYE sent as soon as the operations before it are issued, not once they completed."""
+    async def run(self, script):
+        out = self.out_dir / RESULTS
+        out.write_text("")
+        issued = None
+        for statement in script:
+            for op in statement:
+                if op.name == "goodbye":
+                    await self.ini.goodbye(release="release" in op.words)
+                    if issued is not None:
+                        done = await issued[1]
+                        self._write(out, [result_line(o, st if isinstance(st, str) else "ERROR")
+                                          for o, st in zip(issued[0], done)])
+                    self._write(out, [result_line(op, "OK")])
+                    return "release" in op.words
+            if issued is not None:
+                done = await issued[1]
+                self._write(out, [result_line(o, st if isinstance(st, str) else "ERROR")
+                                  for o, st in zip(issued[0], done)])
+            issued = (statement, asyncio.gather(*(self.one(op) for op in statement), return_exceptions=True))
+            await asyncio.sleep(0)
+        if issued is not None:
+            done = await issued[1]
+            self._write(out, [result_line(o, st if isinstance(st, str) else "ERROR")
+                              for o, st in zip(issued[0], done)])
+        return None
+    driver.Runner.run = run
+
+
+def plant_record_descriptor_big_endian() -> None:
+    """ADDR_LE applied to the Data Descriptor, the Completion Descriptor left in network order."""
+    real = codec.encode
+
+    class Shim:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(codec, name)
+
+        @staticmethod
+        def encode(values: dict, addr_le: bool = False) -> bytes:
+            if addr_le and "cd.stag" in values:
+                values = dict(values)
+                values["cd.stag"] = int.from_bytes(values["cd.stag"].to_bytes(4, "big"), "little")
+                values["cd.offset"] = int.from_bytes(values["cd.offset"].to_bytes(8, "big"), "little")
+            return real(values, addr_le)
+    client.codec = Shim()
+
+
+def plant_source_writable() -> None:
+    """A store's source buffer registered for remote writing as well as reading."""
+    from kbtp_scapy.rnic.memory import MemoryTable
+
+    def make(original):
+        def register(self, buffer, access=Access.LOCAL, **kwargs):
+            if access == Access.REMOTE_READ:
+                access = Access.REMOTE_READ | Access.REMOTE_WRITE
+            return original(self, buffer, access, **kwargs)
+        return register
+    patch(MemoryTable, "register", make)
+
+
+_uncredited = contextvars.ContextVar("uncredited", default=False)
+
+
+class _Credits:
+    """The initiator's credit semaphore, skipped by a request marked ``_uncredited``."""
+
+    def __init__(self, semaphore: asyncio.Semaphore) -> None:
+        self.semaphore = semaphore
+
+    async def __aenter__(self) -> None:
+        if not _uncredited.get():
+            await self.semaphore.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not _uncredited.get():
+            self.semaphore.release()
+
+
+def _without_credit(method: str) -> Plant:
+    """Requests of ``method`` sent without taking a credit (the others take one)."""
+    def plant() -> None:
+        after_hello(lambda self: setattr(self, "_credits", _Credits(self._credits)))()
+
+        def make(original):
+            async def call(self, *args, **kwargs):
+                token = _uncredited.set(True)
+                try:
+                    return await original(self, *args, **kwargs)
+                finally:
+                    _uncredited.reset(token)
+            return call
+        patch(Initiator, method, make)
+    return plant
+
+
+def plant_matched_by_handle() -> None:
+    """A COMPLETION whose Request ID is waiting answers the oldest waiting request of the
+    handle it echoes (a queue per handle), not necessarily the one with that ID."""
+    handles: dict[int, int] = {}
+    real_encode, real_match = codec.encode, results.match_completion
+
+    class Shim:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(codec, name)
+
+        @staticmethod
+        def encode(values: dict, addr_le: bool = False) -> bytes:
+            if "request_id" in values:
+                handles[values["request_id"]] = values.get("handle", 0)
+            return real_encode(values, addr_le)
+
+    def match(msg, waiting, addr_le):
+        if msg.write_imm:
+            return real_match(msg, waiting, addr_le)
+        try:
+            c = codec.decode(msg.payload, addr_le)
+        except codec.Malformed:
+            return None
+        if c["opcode"] != Opcode.COMPLETION or c["request_id"] not in waiting:
+            return None
+        rid = next(r for r in waiting if handles.get(r) == c["handle"])
+        future, _ = waiting.pop(rid)
+        return future, Result(rid, c["status"], c["generation"], c["completion.data_length"],
+                              c["completion.block_offset"])
+    client.codec = Shim()
+    client.match_completion = match
+
+
+def plant_ticket_per_try() -> None:
+    """A slot not ready yet: another ticket taken, instead of the slot read again."""
+    async def direct_alloc(self, handle, data):
+        partition_stag = self._direct("partition")[0]
+        ring_stag, ring_base, _ = self._direct("ring")
+        if self.usage + self.tickets >= self.target.quota:
+            raise KbtpError(Status.NO_SPACE)
+        for _ in range(16):
+            ticket, offset = await self.take_ticket()
+            slots = []
+            for _ in range(2):
+                raw = await self.qp.read(ring_stag, ring_base + offset, M.SLOT_SIZE)
+                slots.append(codec.decode_struct(M.RING_SLOT, raw, self.addr_le))
+                if slots[-1]["slot.sequence"] != ticket or slots[-1]["slot.block_offset"] == M.SLOT_CONSUMED:
+                    break
+            if len(slots) == 2 and slots[0] == slots[1]:
+                block = slots[1]["slot.block_offset"]
+                await self.qp.write(partition_stag, block, data)
+                return await self.bind(handle, ticket, len(data), block)
+        raise KbtpError(Status.NO_SPACE)
+    Initiator.direct_alloc = direct_alloc
+
+
+def plant_generation_cached() -> None:
+    """LOADs carry the Generation of the handle's first binding, kept past its FREE."""
+    def make_store(original):
+        async def alloc_store(self, handle, data, **kwargs):
+            result = await original(self, handle, data, **kwargs)
+            self.__dict__.setdefault("generations", {}).setdefault(handle, result.generation)
+            return result
+        return alloc_store
+
+    def make_load(original):
+        async def load(self, handle, **kwargs):
+            kwargs["generation"] = self.__dict__.get("generations", {}).get(handle, 0)
+            return await original(self, handle, **kwargs)
+        return load
+    patch(Initiator, "alloc_store", make_store)
+    patch(Initiator, "load", make_load)
+
+
+def _half_repeated() -> bytes:
+    half = secrets.token_bytes(8)
+    return half + half
 
 
 CORPUS = [
@@ -587,6 +911,60 @@ CORPUS = [
     Bug("goodbye_always_releases", "for GOODBYE, 0x0001 RELEASE", "goodbye.retain", _goodbye(True)),
     Bug("no_invalidate", "SHOULD request INVALIDATE so that they are revoked by the completion",
         "security.single_use_stags", plant_no_invalidate),
+    # the deeper cases: each bug below escapes every case above it
+    Bug("id_uuid4", "the Initiator ID MUST be generated with at least 128 bits of entropy",
+        "hello.id_bits", _kept_ids(lambda: uuid.uuid4().bytes)),
+    Bug("id_half_repeated", "the Initiator ID MUST be generated with at least 128 bits of entropy",
+        "hello.id_bits", _kept_ids(_half_repeated)),
+    Bug("id_fixed_prefix", "the Initiator ID MUST be generated with at least 128 bits of entropy",
+        "hello.id_bits", _kept_ids(lambda: b"KBTP" + secrets.token_bytes(12))),
+    Bug("stray_returns_credit", "A target pre-posts, for each request credit, a receive buffer",
+        "credits.strays", plant_stray_returns_credit),
+    Bug("recv_not_reposted", "Completion Credits is the number of receive buffers the initiator has "
+        "posted for COMPLETION messages.", "credits.completion_buffers", plant_recv_not_reposted),
+    Bug("credits_request_only", "Completion Credits is the number of receive buffers the initiator has "
+        "posted for COMPLETION messages.", "credits.completion_buffers",
+        after_hello(lambda self: setattr(self, "_credits", asyncio.Semaphore(self.target.request_credits)))),
+    Bug("quota_tickets_uncounted", "plus the number of tickets it has taken and not yet bound",
+        "quota.concurrent", plant_tickets_uncounted),
+    Bug("quota_failed_free_counted", "the target releases one unit of usage when a FREE completes",
+        "quota.failed_free", plant_failed_free_counted),
+    Bug("addr_le_entries_ignored", "the Block Offset fields of table entries and ring slots are in "
+        "little-endian byte order", "addr_le.direct_load", plant_entries_big_endian),
+    Bug("allow_unsealed_always", "0x0010 ALLOW_UNSEALED: a load may return an unsealed block.",
+        "flags.as_asked", _load(allow=True)),
+    Bug("unsealed_retry", "0x0010 ALLOW_UNSEALED: a load may return an unsealed block.",
+        "flags.as_asked", _load(retry=True)),
+    Bug("invalidate_on_free", "0x0008 INVALIDATE: ... invalidating the STag of the initiator's Data "
+        "Descriptor.", "flags.as_asked", encoding(_free_invalidate)),
+    Bug("record_dropped_on_free", "0x0004 RECORD: complete with a completion record ()",
+        "flags.record_as_asked", plant_free_record_dropped, ("roce",)),
+    Bug("record_slot_shared", "naming a 24-octet completion record slot of the initiator",
+        "record.slots", plant_record_slot_shared, ("roce",)),
+    Bug("load_status_collapsed", "A failed check completes the request with the corresponding status",
+        "status.every_opcode", _load(collapse=True)),
+    Bug("direct_load_cached", "the initiator RDMA-reads the table entry, then the block, then the "
+        "entry again", "direct_load.every_window", _direct_load(cached=True)),
+    Bug("bind_before_write", "RDMA-writes the data into the block, and then sends BIND",
+        "direct_alloc.write_order", _direct_alloc(bind_first=True)),
+    Bug("goodbye_early", "GOODBYE ends the session.", "goodbye.after_completions", plant_goodbye_early),
+    Bug("bind_without_credit", "A target pre-posts, for each request credit, a receive buffer",
+        "credits.every_opcode", _without_credit("bind")),
+    Bug("free_without_credit", "A target pre-posts, for each request credit, a receive buffer",
+        "credits.every_opcode", _without_credit("free")),
+    Bug("matched_by_handle", "Request ID is chosen by the initiator and echoed in the completion.",
+        "completion.same_handle", plant_matched_by_handle),
+    Bug("ticket_per_try", "re-reading until the Sequence equals its ticket", "direct_alloc.slot",
+        plant_ticket_per_try),
+    Bug("generation_cached", "Generation in a request is the generation the initiator expects",
+        "generation.rebound", plant_generation_cached),
+    Bug("request_ids_cycle", "Request ID is chosen by the initiator and echoed in the completion.",
+        "request.ids", after_hello(lambda self: setattr(self, "_ids", itertools.cycle(range(1, 5))))),
+    Bug("record_descriptor_big_endian", "the initiator MUST encode ... the STag, Tagged Offset, and "
+        "Length fields of the Data and Completion Descriptors in little-endian byte order",
+        "addr_le.record", plant_record_descriptor_big_endian, ("roce",)),
+    Bug("source_writable", "The initiator exposes only the buffers named in its descriptors",
+        "descriptor.read_only", plant_source_writable),
     # for the hostile target (``kbtp fuzz --role initiator``): case "fuzz:SEED-INDEX"
     Bug("hello_ack_unchecked", "HELLO_ACK Body (Target Descriptor)", "fuzz:1-000028",
         plant_hello_ack_unchecked),

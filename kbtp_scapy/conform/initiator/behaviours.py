@@ -37,6 +37,88 @@ class Grant(Behaviour):
         asyncio.get_running_loop().call_later(self.hold, send)
 
 
+class Strays(Grant):
+    """``Grant``, and while each completion is held, two COMPLETIONs that answer nothing
+    (an unknown Request ID with status OK, and the previous completion again): they
+    must neither give the initiator a credit back nor be taken as an answer. Sent only
+    while the Completion Credits the HELLO announced leave room for them."""
+
+    def __init__(self, credits: int, hold: float = SETTLE) -> None:
+        super().__init__(credits, hold)
+        self.sent = 0
+        self.last: dict[str, int] | None = None
+
+    def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
+                 send: Callable[[], None]) -> None:
+        room = (conn.session.hello or {}).get("hello.completion_credits", 0) - self.credits
+        used = {m.decoded["request_id"] for m in conn.session.messages if m.decoded}
+        unknown = max(used) + 0x1000
+        if room >= 2:
+            conn.send_completion(unknown, req["handle"], Status.OK)
+            if self.last is not None:
+                conn.send_completion(**self.last)
+            self.sent += 1 + (self.last is not None)
+
+        def sent() -> None:            # only a completion already sent is sent again
+            send()
+            self.last = {"request_id": req["request_id"], "handle": req["handle"],
+                         "status": outcome.status, "data_length": outcome.data_length,
+                         "block_offset": outcome.block_offset, "generation": outcome.generation}
+        super().complete(conn, req, outcome, sent)
+
+
+class Burst(Behaviour):
+    """Grant ``extra`` Request Credits more than the Completion Credits the HELLO
+    announced, and hold completions until as many requests wait as the initiator has
+    receive buffers, or until no request came for ``SETTLE`` seconds: then send them
+    all at once."""
+
+    def __init__(self, extra: int) -> None:
+        self.extra = extra
+        self.held: list[Callable[[], None]] = []
+        self.bursts: list[int] = []
+        self.no_buffer = 0          # COMPLETIONs the initiator's RNIC had no buffer for (RNR NAKs)
+        self._timer: asyncio.TimerHandle | None = None
+        self._conn: CheckedConnection | None = None
+
+    def hello_ack(self, conn: CheckedConnection, body: HelloAck) -> None:
+        credits = (conn.session.hello or {}).get("hello.completion_credits", 1)
+        body["hello_ack.request_credits"] = min(credits + self.extra, 0xFFFF)
+
+    def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
+                 send: Callable[[], None]) -> None:
+        self._conn = conn
+        self.held.append(send)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if len(self.held) >= (conn.session.hello or {}).get("hello.completion_credits", 1):
+            self._flush()
+        else:
+            self._timer = asyncio.get_running_loop().call_later(SETTLE, self._flush)
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        held, self.held = self.held, []
+        self.bursts.append(len(held))
+        for send in held:
+            send()
+        asyncio.get_running_loop().call_later(SETTLE, self._refused)
+
+    def _refused(self) -> None:
+        """RoCEv2: a COMPLETION that found no receive buffer is retried by the RNIC for as
+        long as RNR NAKs come back; end the connection then, so that the initiator's
+        broken promise ends its session (iWARP's Terminate does that by itself)."""
+        conn = self._conn
+        if conn is None or conn.qp.closed:
+            return
+        self.no_buffer = conn.qp.stats.get("rnr_naks", 0)
+        if self.no_buffer:
+            conn.qp.abort(f"{self.no_buffer} RNR NAK(s): no receive buffer for a COMPLETION")
+
+
 class Reverse(Behaviour):
     """Hold completions until ``count`` wait (or ``SETTLE`` passes), then send them last first."""
 
@@ -102,14 +184,16 @@ class Unknown(Behaviour):
 
 
 class Statuses(Behaviour):
-    """Answer the requests of ``opcode`` with ``statuses``, in order (then as the reference)."""
+    """Answer the requests of ``opcode`` (one name, or several joined by ``|``) with
+    ``statuses``, each opcode in turn from the start of the list (then as the reference)."""
 
     def __init__(self, opcode: str, statuses: list[int]) -> None:
-        self.opcode, self.statuses = Opcode[opcode], list(statuses)
+        self.left: dict[int, list[int]] = {Opcode[name]: list(statuses) for name in opcode.split("|")}
 
     async def operation(self, conn: CheckedConnection, req: AnyMessage, run: Run) -> Outcome:
-        if req["opcode"] == self.opcode and self.statuses:
-            return Outcome(self.statuses.pop(0))
+        left = self.left.get(req["opcode"])
+        if left:
+            return Outcome(left.pop(0))
         return await run()
 
 
@@ -169,13 +253,15 @@ async def _signaled(future: asyncio.Future | None) -> None:
     await future
 
 
-async def _probe(conn: CheckedConnection, write: bool, stag: int, offset: int) -> str:
-    """Whether a 1-octet RDMA Write (or Read) of the initiator's buffer was placed. An iWARP
-    Write completes once it is sent (RDMAP acknowledges nothing), so a refusal shows as
-    the peer's Terminate ending the connection: it must still be up ``SETTLE`` later."""
+async def _probe(conn: CheckedConnection, write: bool, stag: int, offset: int,
+                 octet: bytes = b"\x00") -> str:
+    """Whether a 1-octet RDMA Write (of ``octet``; or a Read) of the initiator's buffer was
+    placed. An iWARP Write completes once it is sent (RDMAP acknowledges nothing), so a
+    refusal shows as the peer's Terminate ending the connection: it must still be up
+    ``SETTLE`` later."""
     try:
         if write:
-            await asyncio.wait_for(_signaled(conn.qp.write(stag, offset, b"\x00")), 2.0)
+            await asyncio.wait_for(_signaled(conn.qp.write(stag, offset, octet)), 2.0)
         else:
             await asyncio.wait_for(conn.qp.read(stag, offset, 1), 2.0)
         await asyncio.wait_for(conn.qp.wait_closed(), SETTLE)
@@ -186,20 +272,43 @@ async def _probe(conn: CheckedConnection, write: bool, stag: int, offset: int) -
     return f"refused (the connection ended: {conn.qp.error or 'closed'})"
 
 
+class Overreach(Behaviour):
+    """Before the first store that the target reads by RDMA Read is executed, write its
+    source buffer's first octet (with the value a Read of it returns, so nothing changes
+    if it is placed): a buffer exposed to be read must refuse Writes."""
+
+    def __init__(self) -> None:
+        self.write: str | None = None      # "placed" or "refused: ..."
+
+    async def operation(self, conn: CheckedConnection, req: AnyMessage, run: Run) -> Outcome:
+        if (self.write is None and req["opcode"] in (Opcode.STORE, Opcode.ALLOC_STORE)
+                and not req["flags"] & RequestFlag.INLINE and req["dd.length"]):
+            stag, at = req["dd.stag"], req["dd.offset"]
+            try:
+                first = bytes(await asyncio.wait_for(conn.qp.read(stag, at, 1), 2.0))
+            except (RemoteError, ConnectionLost, TimeoutError):
+                return await run()       # its own Read refused: the store fails on its own
+            self.write = await _probe(conn, True, stag, at, first)
+        return await run()
+
+
 class DirectLoadWindow(Behaviour):
     """DIRECT_LOAD: hold each Read's answer ``SETTLE`` seconds (a Read issued meanwhile did
-    not wait for the previous one), and in the first entry-block-entry window change what
+    not wait for the previous one; unless not ``hold``), and in entry-block-entry window
+    number ``window`` (0: the first) change what
     the second entry read shows (``mode``): ``generation`` moves the entry's Generation in
     memory, ``valid`` shows it with VALID cleared, ``sealed`` with SEALED cleared. The
     block read of that window returns decoy octets."""
 
-    def __init__(self, mode: str | None = None) -> None:
-        self.mode = mode
+    def __init__(self, mode: str | None = None, window: int = 0, hold: bool = True) -> None:
+        self.mode, self.hold = mode, hold
+        self.window = window            # which entry-block-entry window to change (0: the first)
         self.decoy = b""
         self.changed = False
         self.overlapped: list[str] = []
         self._pending: Access | None = None
         self._window: list[Access] = []
+        self._seen = 0                  # windows completed before the one to change
 
     def read(self, conn: CheckedConnection, access: Access, data: bytes) -> bytes:
         if access.region not in ("table", "pool"):
@@ -208,16 +317,23 @@ class DirectLoadWindow(Behaviour):
             self.overlapped.append(f"{access.region} read at offset {access.offset:#x} issued while "
                                    f"the {self._pending.region} read before it was unanswered")
         self._pending = access
-        hold = _hold_responses(conn)
-        asyncio.get_running_loop().call_later(SETTLE, self._answered, hold, access)
+        if self.hold:
+            hold = _hold_responses(conn)
+            asyncio.get_running_loop().call_later(SETTLE, self._answered, hold, access)
+        else:
+            self._pending = None
         if self.mode is None or self.changed:
             return data
         self._window.append(access)
         kinds = [a.region for a in self._window]
-        if kinds == ["table", "pool"]:
+        if kinds == ["table", "pool"] and self._seen == self.window:
             self.decoy = bytes(b ^ 0x5A for b in data) or b""
             return self.decoy
         if kinds == ["table", "pool", "table"]:
+            if self._seen < self.window:
+                self._seen += 1
+                self._window = []
+                return data
             self.changed = True
             return self._second_entry(conn, access, data)
         if kinds[-1] == "table":
@@ -307,6 +423,26 @@ class SlotReads(Behaviour):
             slot["slot.sequence"], slot["slot.block_offset"] = fake[n]
         self.shown.append((slot["slot.sequence"], slot["slot.block_offset"]))
         return codec.encode_struct(M.RING_SLOT, slot, conn.addr_le)
+
+
+class BindSnapshot(Behaviour):
+    """DIRECT_ALLOC: as each BIND lands in its receive buffer (in wire order with the
+    initiator's RDMA Writes), what the block it names holds for its Data Length."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[tuple[int, bytes]] = []     # (Block Offset, octets)
+
+    def placed(self, conn: CheckedConnection, payload: bytes) -> None:
+        if payload[1:2] != bytes([Opcode.BIND]):
+            return
+        try:
+            bind = codec.decode(payload, conn.addr_le)
+        except codec.Malformed:
+            return
+        memory = conn.target.memory
+        at, length = bind["bind.block_offset"] - memory.pool_base, bind["bind.data_length"]
+        if 0 <= at and at + length <= len(memory.pool_view):
+            self.snapshots.append((bind["bind.block_offset"], bytes(memory.pool_view[at:at + length])))
 
 
 class Abandon(Behaviour):

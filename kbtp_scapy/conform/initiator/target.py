@@ -63,6 +63,10 @@ class Behaviour:
         """The HELLO_ACK as sent (``message``: as encoded)."""
         return message
 
+    def placed(self, conn: CheckedConnection, payload: bytes) -> None:
+        """A Send of the initiator placed in a receive buffer, in wire order with its
+        RDMA Writes (called by the RNIC as the Send lands, before the target takes it)."""
+
 
 class CheckingExecutor(Executor):
     """The reference operations, each offered to the case's ``Behaviour`` first."""
@@ -151,6 +155,13 @@ def _observe(qp: QueuePair, conn: CheckedConnection) -> None:
         return note(recv_nowait())
 
     qp.recv, qp.recv_nowait = recv_observed, recv_nowait_observed   # type: ignore[method-assign]
+    deliver_send = qp.deliver_send
+
+    def placed(payload: bytes, **kwargs: Any) -> None:
+        deliver_send(payload, **kwargs)
+        conn.behaviour.placed(conn, bytes(payload))
+
+    qp.deliver_send = placed                                               # type: ignore[method-assign]
     if session.hidden:                           # an RDMA device's responder: not ours to watch
         return
     duplicate = [False]
