@@ -85,6 +85,8 @@ KINDS = OLD_KINDS + tuple(MODEL_KINDS)
 #: program must run its script to the end and exit 0
 GENTLE = frozenset(MODEL_KINDS) | {"completion.status", "completion.data_length", "ring.garbage",
                                   "ring.torn", "entry.garbage"}
+READS_ALTERED = frozenset({"direct_load.window", "entry.shown", "entry.garbage", "slot.reads", "ring.garbage",
+                           "ring.torn"})
 MALFORMED_ACK = frozenset({"hello_ack.truncate", "hello_ack.extend"})
 DESCRIPTOR_COUNTS = ("table", "pool", "partition", "ring", "head")
 EXIT_OK, EXIT_FINDING, EXIT_HARNESS = 0, 1, 2
@@ -138,6 +140,8 @@ def make_case(transport: str, seed: int, index: int) -> HostileCase:
         p["clear"] = rng.choice([int(EntryFlag.VALID), int(EntryFlag.SEALED)])
     scripts = MODEL_KINDS.get(kind, tuple(range(5)))
     script = SCRIPTS[scripts[rng.randrange(len(scripts))]]
+    if kind == "credits.edge":
+        p["unsolicited"] = rng.random() < 0.5     # and a COMPLETION that answers nothing before each
     return HostileCase(f"{transport}-{seed}-{index:06d}", kind, script, p)
 
 
@@ -145,7 +149,8 @@ def inner(case: HostileCase) -> tuple[Behaviour | None, dict[str, Any]]:
     """The conformance behaviour a model kind borrows, and the checking target's configuration."""
     k, p = case.kind, case.params
     made: dict[str, Callable[[], Behaviour]] = {
-        "credits.edge": lambda: B.Grant(p["credits"], 0.1), "completion.reverse": lambda: B.Reverse(p["count"]),
+        "credits.edge": lambda: Unsolicited(p["credits"], 0.1, p["unsolicited"]),
+        "completion.reverse": lambda: B.Reverse(p["count"]),
         "completion.duplicate": B.Duplicate, "completion.unknown": B.Unknown,
         "completion.other_opcode": B.OtherOpcodes, "load.decoy": B.Decoy,
         "direct_load.window": lambda: B.DirectLoadWindow(p["mode"]), "entry.shown": lambda: B.EntryShown(p["clear"]),
@@ -156,6 +161,21 @@ def inner(case: HostileCase) -> tuple[Behaviour | None, dict[str, Any]]:
         "record.ungranted": {"features": Feature.DIRECT_LOAD | Feature.DIRECT_ALLOC}}
     config = configs.get(k, {})
     return (made[k]() if k in made else None), config
+
+
+class Unsolicited(B.Grant):
+    """Grant few credits and hold each completion; with ``unsolicited``, send a COMPLETION
+    for a Request ID never used before each (a credit must not come back with it)."""
+
+    def __init__(self, credits: int, hold: float, unsolicited: bool) -> None:
+        super().__init__(credits, hold)
+        self.unsolicited = unsolicited
+
+    def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
+                 send: Callable[[], None]) -> None:
+        if self.unsolicited:
+            conn.send_completion(req["request_id"] | 0x5A5A << 48, req["handle"], Status.INTERNAL)
+        super().complete(conn, req, outcome, send)
 
 
 class EdgeProbe(Behaviour):
@@ -302,7 +322,8 @@ async def run_case(ctx: ICtx, case: HostileCase, script: str,
     inputs = {"a": os.urandom(1800), "b": os.urandom(3000), "c": os.urandom(300)}
     hostile = Hostile(case)
     await ctx.serve(hostile, **hostile.config)
-    model = Model(ctx.transport, inputs, protocol_kept=case.kind in GENTLE, earlier_ids=earlier_ids)
+    model = Model(ctx.transport, inputs, protocol_kept=case.kind in GENTLE, earlier_ids=earlier_ids,
+                  reads_honest=case.kind in GENTLE - READS_ALTERED)
     before = bytes(ctx.served.memory.pool_view)
     state = ctx.new_state()
     found = []

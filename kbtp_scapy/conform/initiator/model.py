@@ -119,6 +119,8 @@ class Planned:
     known: bool = True                  # whether ``content`` is known
     #: DIRECT_LOAD without LOAD: the blocks read between two agreeing entry reads (None: unseen)
     windows: list[bytes] | None = None
+    #: DIRECT_LOAD without LOAD: every entry read showed VALID and SEALED, and no block was read
+    ready_unread: bool = False
 
 
 @dataclass
@@ -154,9 +156,10 @@ class Model:
     IDs carry from one run of the case to the next (a kept state reconnects)."""
 
     def __init__(self, transport: str, inputs: dict[str, bytes], *, protocol_kept: bool,
-                 earlier_ids: Iterable[bytes] = ()) -> None:
+                 earlier_ids: Iterable[bytes] = (), reads_honest: bool = False) -> None:
         self.transport, self.inputs = transport, inputs
         self.protocol_kept = protocol_kept      # the target kept to the protocol (bar answers it altered)
+        self.reads_honest = reads_honest        # its Reads returned what memory holds
         self.earlier_ids = set(earlier_ids)
         self.ids: list[bytes] = []
         self.content: dict[int, bytes | None] = {}      # handle offset -> data; None: unknown
@@ -294,8 +297,14 @@ class Model:
 
 
     def _direct_load(self, p: Planned, status: str, run: Run) -> None:
-        """OK only with the octets of a block read between two entry reads that agree."""
+        """OK only with the octets of a block read between two entry reads that agree; and,
+        where the target served its entries as they are, not a failure on entries that all
+        showed the block ready without reading it."""
         if status != "OK":
+            if self.reads_honest:
+                self.check(not p.ready_unread, "result", "direct_load",
+                           f"{p.op} reported {status} without reading the block, though every entry "
+                           "read showed it VALID and SEALED (entries are in the session's byte order)")
             return
         if p.windows is None:
             self.tally.cannot(HIDDEN, "result.data")
@@ -327,6 +336,8 @@ class SessionModel:
         self.usage: int | None = 0
         self.entries: dict[int, tuple[AnyStruct, Access | None]] = {}   # table offset -> last read
         self.windows: dict[int, list[bytes]] = {}       # handle -> blocks read inside agreeing reads
+        self.shown: dict[int, list[bool]] = {}          # handle -> whether each entry read was ready
+        self.read_blocks: set[int] = set()              # handles whose block was read
         self.goodbye = False
 
     def walk(self) -> None:
@@ -687,6 +698,7 @@ class SessionModel:
         if not ok:
             return
         entry = codec.decode_struct(M.TABLE_ENTRY, a.served, self.s.addr_le)
+        self.shown.setdefault(handle, []).append(entry["entry.flags"] & READY == READY)
         before = self.entries.get(a.offset)
         if before is not None:
             first, block = before
@@ -701,10 +713,15 @@ class SessionModel:
         self.m.check(bool(named), "read.pool", "direct_load",
                      f"{where}: no entry read just before it named that block and length with VALID "
                      "and SEALED (entries are read in the session's byte order)")
+        tbh, table = self.g.get("hello_ack.table_base_handle", 0), self.desc("table")
         for off in named[:1]:
             self.entries[off] = (self.entries[off][0], a)
+            self.read_blocks.add(tbh + (off - (table[1] if table else 0)) // M.ENTRY_SIZE)
 
     def direct_load_result(self, p: Planned) -> None:
         """A DIRECT_LOAD that sent no LOAD: the blocks read inside agreeing entry reads."""
         if not self.s.hidden:
-            p.windows = (p.windows or []) + self.windows.get(self.base + (p.op.handle or 0), [])
+            handle = self.base + (p.op.handle or 0)
+            p.windows = (p.windows or []) + self.windows.get(handle, [])
+            shown = self.shown.get(handle, [])
+            p.ready_unread = bool(shown) and all(shown) and handle not in self.read_blocks
