@@ -588,14 +588,14 @@ CORPUS = [
     Bug("no_invalidate", "SHOULD request INVALIDATE so that they are revoked by the completion",
         "security.single_use_stags", plant_no_invalidate),
     # for the hostile target (``kbtp fuzz --role initiator``): case "fuzz:SEED-INDEX"
-    Bug("hello_ack_unchecked", "HELLO_ACK Body (Target Descriptor)", "fuzz:1-000028",
+    Bug("hello_ack_unchecked", "HELLO_ACK Body (Target Descriptor)", "fuzz:1-000014",
         plant_hello_ack_unchecked),
     Bug("completion_length_unchecked", "Data Length MUST NOT exceed the descriptor Length.",
-        "fuzz:1-000013", _load_buffer()),
+        "fuzz:1-000828", _load_buffer()),
     Bug("head_unaligned_used", "two 64-bit counters, Head (used to allocate) and Tail (used to free), "
-        "each aligned to 8 octets", "fuzz:11-000002", plant_ring_unchecked),
+        "each aligned to 8 octets", "fuzz:11-000004", plant_ring_unchecked),
     Bug("entry_unchecked", "Direct Load (DIRECT_LOAD): through the read-only Table and Pool STags",
-        "fuzz:1-000195", lambda: setattr(Initiator, "_in_pool", lambda self, offset, length: True)),
+        "fuzz:1-001470", lambda: setattr(Initiator, "_in_pool", lambda self, offset, length: True)),
 ]
 # -- for the model of ``kbtp fuzz --role initiator``: the classes issue 31 names ----------------
 
@@ -691,24 +691,24 @@ def _shared_record_slot(values: dict) -> None:
 
 
 CORPUS += [
-    Bug("load_always_unsealed", "0x0010 ALLOW_UNSEALED", "fuzz:7-000000",
+    Bug("load_always_unsealed", "0x0010 ALLOW_UNSEALED", "fuzz:7-000012",
         _load_words(allow_unsealed=True)),
-    Bug("retry_unsealed", "0x0010 ALLOW_UNSEALED", "fuzz:7-000051", plant_retry_unsealed),
+    Bug("retry_unsealed", "0x0010 ALLOW_UNSEALED", "fuzz:7-000025", plant_retry_unsealed),
     Bug("free_invalidate", "0x0008 INVALIDATE: the target completes with Send with Invalidate, "
-        "invalidating the STag of the initiator's Data Descriptor", "fuzz:7-000000",
+        "invalidating the STag of the initiator's Data Descriptor", "fuzz:7-000012",
         encoding(_free_invalidate)),
-    Bug("record_dropped", "0x0004 RECORD: complete with a completion record", "fuzz:7-000115",
+    Bug("record_dropped", "0x0004 RECORD: complete with a completion record", "fuzz:7-000093",
         lambda: setattr(Initiator, "_record", lambda self, record: False), ("roce",)),
-    Bug("goodbye_early", "GOODBYE ends the session", "fuzz:7-000018", plant_goodbye_early),
+    Bug("goodbye_early", "GOODBYE ends the session", "fuzz:7-000005", plant_goodbye_early),
     Bug("credit_from_unknown", "A target pre-posts, for each request credit, a receive buffer",
-        "fuzz:7-000020", plant_credit_from_unknown),
+        "fuzz:7-000015", plant_credit_from_unknown),
     Bug("bind_before_write", "RDMA-writes the data into the block, and then sends BIND",
-        "fuzz:7-000000", plant_bind_before_write),
+        "fuzz:7-000198", plant_bind_before_write),
     Bug("entries_big_endian", "the receive scatter list places the request's Data Descriptor and "
-        "handle directly into the address fields (hence the ADDR_LE option)", "fuzz:7-000068",
+        "handle directly into the address fields (hence the ADDR_LE option)", "fuzz:7-000018",
         plant_entries_big_endian),
     Bug("record_slot_shared", "naming a 24-octet completion record slot of the initiator",
-        "fuzz:7-000115", encoding(_shared_record_slot), ("roce",)),
+        "fuzz:7-000093", encoding(_shared_record_slot), ("roce",)),
     Bug("id_fixed", "the Initiator ID MUST be generated with at least 128 bits of entropy",
         "fuzz:7-000000", _ids(lambda: bytes.fromhex("5f1c2a9e7b3d4c8a0e6f1b2d3c4a5e6f"))),
 ]

@@ -59,7 +59,6 @@ NAMES = {int(s): s.name for s in Status}
 BAD_ACK = "the HELLO_ACK was malformed on purpose: what follows is the initiator's choice"
 ENDED = "the session ended before the operation was answered"
 CONTENT = "the handle's content is unknown (an answer the checker withheld or misreported)"
-LIED = "the checker's answer lied about its Data Length"
 CHOICE = "left to the initiator (Generation it learned, INVALIDATE where allowed)"
 HIDDEN = "the one-sided accesses are served out of the checker's sight"
 USAGE = "the usage is unknown (an allocation answered by a status the checker misreported)"
@@ -268,7 +267,8 @@ class Model:
     def _result(self, p: Planned, status: str, run: Run) -> None:
         op = p.op
         if p.altered is Altered.LENGTH_LIE:
-            self.tally.cannot(LIED, "result")
+            self.check(status != "OK", "result", "result_status", f"{op} reported OK, its answer "
+                       "carried a Data Length past the buffer its request named")
             return
         if op.name == "direct_load" and not p.requests:
             self._direct_load(p, status, run)
