@@ -202,5 +202,5 @@ def test_planted_bugs_only_the_model_sees(bug, transport, oracle, tmp_path):
                           "--out", str(tmp_path))
     doc = json.loads(out)
     assert code == 1, out + err
-    assert doc["findings"], doc
+    assert doc["error"] is None and doc["findings"], doc
     assert oracle in {f["oracle"] for f in doc["findings"][0]["findings"]}, doc["findings"]

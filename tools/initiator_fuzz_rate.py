@@ -55,6 +55,7 @@ def main() -> int:
     ap.add_argument("--transport", choices=TRANSPORTS, action="append", help="only this binding")
     ap.add_argument("--cases", type=int, default=12, help="cases per (bug, binding) (default 12)")
     ap.add_argument("--control-cases", type=int, default=None, help="cases of the clean initiator per binding")
+    ap.add_argument("--control-only", action="store_true", help="only the clean initiator's cases")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per program run (default 10)")
     ap.add_argument("--json", metavar="FILE", help="write every run's result as JSON to FILE")
@@ -73,7 +74,7 @@ def main() -> int:
             print(f"control {transport}: {r['cases']} cases, {r['findings']} with findings {r['first'] or ''}",
                   file=sys.stderr, flush=True)
             results.append({"bug": None, "transport": transport, **r})
-    for bug in (b for b in CORPUS if not args.bug or b.name in args.bug):
+    for bug in (b for b in CORPUS if not args.control_only and (not args.bug or b.name in args.bug)):
         for transport in (t for t in transports if t in bug.transports):
             r = fuzz(transport, bug.name, args.seed, args.cases, args.timeout, stop=True)
             r.update(bug=bug.name, transport=transport, caught=bool(r["findings"]))

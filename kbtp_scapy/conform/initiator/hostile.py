@@ -1,21 +1,26 @@
 """A hostile target for fuzzing initiators: ``kbtp fuzz --role initiator``.
 
 Each case is drawn from its name (``iwarp-SEED-INDEX``), so a seed gives the same cases
-and a finding replays by name. A case is one run of the program under test with an
-operation script, against a checking target that deviates in one way (a ``Hostile``
-``kind``): malformed HELLO_ACKs (lengths, features not requested, descriptor Counts
-out of range, a Head Tagged Offset not a multiple of 8), completions with wrong or
-unknown Request IDs, Data Lengths past the buffer or statuses out of range, ring slots
-of garbage and torn reads, RDMA Writes outside the descriptors, and stalls and
-disconnects at any request.
+and a finding replays by name. A case is one run (or, for ``reconnect``, two runs with
+one state) of the program under test with an operation script, against a checking
+target that deviates in one way (a ``Hostile`` ``kind``). Every block of ``BLOCK``
+cases holds each of the model's kinds once (``MODEL_KINDS``: few credits held at their
+edge with unsolicited COMPLETIONs, completions delayed, reversed, duplicated, unknown or
+under other opcodes, every defined status, NOT_SEALED and TICKET_ABANDONED, decoys before
+a LOAD's data, moved or cleared entries between DIRECT_LOAD's reads, stale and torn
+slots, a wrapping ring, a shifted Table, ADDR_LE, RECORD not granted, a small quota,
+probes of every buffer's last octet, a reconnection), most borrowed from the conformance
+behaviours, and some of the malformed ones (``OLD_KINDS``: HELLO_ACKs cut, extended or
+with impossible descriptors, lying completions, garbage in the ring and the Table, a
+Write past a LOAD's buffer, a disconnect).
 
 The oracles: the program neither crashes (a signal, or a traceback on stderr) nor hangs
-(it must give up by itself within the run's time); it never reports data as valid that
-the checker did not serve as valid (a load reported OK returns what was stored); and
-it never writes outside what it was granted (every RDMA Write through the Partition
-STag, none refused), nor reads or adds outside it (no access the RNIC refuses). A
-finding is minimised by dropping statements of the script while the same oracle still
-fires, and saved as JSON and pcap.
+(it must give up by itself within the run's time), no pool block changes that nothing of
+the initiator named, and ``model.py`` judges every field of every request and every
+one-sided access against what the script asked and the target did, and every result
+against the answer it got. A finding is minimised by dropping statements of the script
+while the same oracle still fires, and saved as JSON and pcap; the report counts the
+fields judged and those the model could not predict, with the reason.
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import codec
-from ...initiator.script import Op, Script
+from ...initiator.script import UNSUPPORTED, Op, Script
 from ...ring import add_mask
 from ...tables import RING_COUNTER, memory as M
 from ...tables.enums import OPCODES
@@ -57,12 +57,11 @@ NAMES = {int(s): s.name for s in Status}
 
 # the reasons the model cannot predict a field, named once for the report
 BAD_ACK = "the HELLO_ACK was malformed on purpose: what follows is the initiator's choice"
-ENDED = "the session ended before the operation was answered"
 CONTENT = "the handle's content is unknown (an answer the checker withheld or misreported)"
 CHOICE = "left to the initiator (Generation it learned, INVALIDATE where allowed)"
 HIDDEN = "the one-sided accesses are served out of the checker's sight"
 USAGE = "the usage is unknown (an allocation answered by a status the checker misreported)"
-FALLBACK = "a DIRECT_LOAD that went by LOAD"
+PARTIAL = "the program reported an operation UNSUPPORTED: the rest of the script is its choice"
 
 
 @dataclass
@@ -247,6 +246,9 @@ class Model:
     def _results(self, plan: list[Planned], run: Run, grant: Any) -> None:
         """Each operation's reported status and data against what its answers carried."""
         reported = run.results
+        if any(status == UNSUPPORTED for _, _, status in reported):
+            self.tally.cannot(PARTIAL, "result")
+            return
         for i, (p, line) in enumerate(zip(plan, reported)):
             name, _, status = line
             self.check(name == p.op.name, "result", "results", f"result line {i + 1} is {name!r}, "
