@@ -712,6 +712,47 @@ CORPUS += [
     Bug("id_fixed", "the Initiator ID MUST be generated with at least 128 bits of entropy",
         "fuzz:7-000000", _ids(lambda: bytes.fromhex("5f1c2a9e7b3d4c8a0e6f1b2d3c4a5e6f"))),
 ]
+
+def plant_receive_not_reposted() -> None:
+    """A receive buffer not posted again once a message has used it: the Completion Credits
+    promised in HELLO run out after that many messages."""
+    def _receive(self, msg):
+        if isinstance(msg, ConnectionLost):
+            for future, _ in self._pending.values():
+                if not future.done():
+                    future.set_exception(msg)
+            self._pending.clear()
+            return
+        self._dispatch(msg)
+    Initiator._receive = _receive
+
+
+def plant_tickets_uncounted() -> None:
+    """DIRECT_ALLOC checks the quota against the bound handles only, not the tickets in hand."""
+    Initiator.tickets = property(lambda self: 0, lambda self, value: None)
+
+
+def plant_failed_free_released() -> None:
+    """A FREE that failed counted as a release all the same."""
+    def make(original):
+        async def free(self, *args, **kwargs):
+            try:
+                return await original(self, *args, **kwargs)
+            except KbtpError:
+                self.usage = max(0, self.usage - 1)
+                raise
+        return free
+    patch(Initiator, "free", make)
+
+
+CORPUS += [
+    Bug("receive_not_reposted", "hello.completion_credits: receive buffers the initiator keeps posted",
+        "fuzz:7-000014", plant_receive_not_reposted),
+    Bug("tickets_uncounted", "An initiator's usage is the number of handles it has bound plus the "
+        "number of tickets it has taken and not yet bound", "fuzz:7-000010", plant_tickets_uncounted),
+    Bug("failed_free_released", "A failed check completes the request with the corresponding status "
+        "and has no other effect", "fuzz:7-000010", plant_failed_free_released),
+]
 BY_NAME = {b.name: b for b in CORPUS}
 
 #: the program the checker runs for a bug: this file, the bug, then kbtp initiator's arguments

@@ -64,8 +64,8 @@ SCRIPTS = [
     "alloc_store 4 @c seal inline; load 4 @ra unsealed; store 4 @b seal; load 4 @rb; free 4 record; goodbye",
     "direct_alloc 5 @a & direct_alloc 6 @c & direct_alloc 7 @b; direct_load 5 @ra & direct_load 6 @rc; "
     "free 5; free 6; direct_alloc 8 @c; load 8 @r8; goodbye release",
-    "alloc_store 0 @c seal; direct_alloc 1 @a; direct_alloc 2 @b; direct_alloc 3 @c; free 0; "
-    "direct_alloc 4 @a; load 4 @r4; free 1; free 2; direct_alloc 5 @c",
+    "alloc_store 0 @c seal; direct_alloc 1 @a & direct_alloc 2 @b & direct_alloc 3 @c; free 9; "
+    "direct_alloc 4 @a; free 0; direct_alloc 5 @a; load 5 @r5; free 1; free 2; direct_alloc 6 @c",
     "alloc_store 0 @a seal & alloc_store 1 @b seal & alloc_store 2 @c seal & alloc_store 3 @a seal & "
     "alloc_store 4 @b seal; load 0 @r0 & load 1 @r1 & load 2 @r2 & load 3 @r3 & load 4 @r4; "
     "free 0 & free 1 & free 2",
