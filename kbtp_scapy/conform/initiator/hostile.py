@@ -302,8 +302,9 @@ class Hostile(Behaviour):
             conn.session.altered[rid] = Altered.MISREPORTED
             status = self.p["status"]
         elif k == "completion.data_length":      # past the buffer: a lie the initiator can see
-            conn.session.altered[rid] = Altered.LENGTH_LIE
             length = req.get("dd.length", 0) + self.p["extra"]
+            if req["opcode"] == Opcode.LOAD:     # elsewhere the text gives it no meaning
+                conn.session.altered[rid] = Altered.LENGTH_LIE
         conn.session.completed(rid, status, outcome.block_offset, outcome.generation)
         conn.send_completion(rid, req["handle"], status, length, outcome.block_offset, outcome.generation)
 
