@@ -45,6 +45,8 @@ def fuzz(transport: str, bug: str | None, seed: int, cases: int, timeout: float,
     first = summary.findings[0] if summary.findings else None
     return {"cases": summary.cases, "seconds": summary.seconds, "error": summary.error,
             "findings": len(summary.findings),
+            "found": [f"{f['case']} [{f['kind']}] {f['findings'][0]['oracle'] if f['findings'] else '?'}"
+                      for f in summary.findings],
             "first": None if first is None else {"case": first["case"], "kind": first["kind"],
                                                  "findings": first["findings"][:3]}}
 
