@@ -342,7 +342,7 @@ async def run_case(ctx: ICtx, case: HostileCase, script: str,
     hostile = Hostile(case)
     await ctx.serve(hostile, **hostile.config)
     model = Model(ctx.transport, inputs, protocol_kept=case.kind in GENTLE, earlier_ids=earlier_ids,
-                  reads_honest=case.kind in GENTLE - READS_ALTERED)
+                  reads_honest=case.kind in GENTLE - READS_ALTERED, give_up=ctx.timeout / 2)
     before = bytes(ctx.served.memory.pool_view)
     state = ctx.new_state()
     found = []

@@ -61,6 +61,7 @@ CONTENT = "the handle's content is unknown (an answer the checker withheld or mi
 CHOICE = "left to the initiator (Generation it learned, INVALIDATE where allowed)"
 HIDDEN = "the one-sided accesses are served out of the checker's sight"
 USAGE = "the usage is unknown (an allocation answered by a status the checker misreported)"
+GAVE_UP = "the run lasted as long as the program was told to give up after (a slow host)"
 PARTIAL = "the program reported an operation UNSUPPORTED: the rest of the script is its choice"
 
 
@@ -154,10 +155,13 @@ class Model:
     IDs carry from one run of the case to the next (a kept state reconnects)."""
 
     def __init__(self, transport: str, inputs: dict[str, bytes], *, protocol_kept: bool,
-                 earlier_ids: Iterable[bytes] = (), reads_honest: bool = False) -> None:
+                 earlier_ids: Iterable[bytes] = (), reads_honest: bool = False,
+                 give_up: float = 0.0) -> None:
         self.transport, self.inputs = transport, inputs
         self.protocol_kept = protocol_kept      # the target kept to the protocol (bar answers it altered)
         self.reads_honest = reads_honest        # its Reads returned what memory holds
+        self.give_up = give_up                  # seconds the program was told to give up after
+        self.late = False                       # the run lasted about that long (a slow host)
         self.earlier_ids = set(earlier_ids)
         self.ids: list[bytes] = []
         self.content: dict[int, bytes | None] = {}      # handle offset -> data; None: unknown
@@ -246,6 +250,7 @@ class Model:
     def _results(self, plan: list[Planned], run: Run, grant: Any) -> None:
         """Each operation's reported status and data against what its answers carried."""
         reported = run.results
+        self.late = bool(self.give_up) and run.seconds >= 0.8 * self.give_up
         if any(status == UNSUPPORTED for _, _, status in reported):
             self.tally.cannot(PARTIAL, "result")
             return
@@ -260,7 +265,9 @@ class Model:
         goodbye = next((i for i, p in enumerate(plan) if p.op.name == "goodbye"), None)
         if goodbye is not None:
             ops = goodbye + 1
-        if self.protocol_kept:
+        if self.protocol_kept and self.late and (run.exit_code != 0 or len(reported) < ops):
+            self.tally.cannot(GAVE_UP, "result")
+        elif self.protocol_kept:
             self._quota(plan, reported, grant)
             self.check(run.exit_code == 0 and len(reported) >= ops, "result", "completeness",
                        f"exit status {run.exit_code} with {len(reported)} of {ops} results, from a "
@@ -279,6 +286,9 @@ class Model:
             sent = "sent, never answered" if p.requests else "never sent"
             self.check(status != "OK", "result", "result_status",
                        f"{op} reported OK, its request {sent}")
+            return
+        if self.late and status not in ("OK", NAMES.get(p.answer, "")):
+            self.tally.cannot(GAVE_UP, "result")
             return
         if p.answer in NAMES:
             self.check(status == NAMES[p.answer], "result", "result_status",
