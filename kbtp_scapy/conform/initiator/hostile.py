@@ -76,13 +76,14 @@ OLD_KINDS = ("hello_ack.truncate", "hello_ack.extend", "hello_ack.features", "he
              "hello_ack.head_offset", "hello_ack.credits", "completion.request_id",
              "completion.data_length", "completion.status", "completion.drop", "disconnect",
              "ring.garbage", "ring.torn", "entry.garbage", "load.outside")
-#: kind -> the scripts (indices of ``SCRIPTS``) that reach what it provokes
+#: kind -> the scripts (indices of ``SCRIPTS``) that reach what it provokes (a window of
+#: DIRECT_LOAD reads is judged one DIRECT_LOAD at a time: none issued together)
 MODEL_KINDS: dict[str, tuple[int, ...]] = {
     "plain": GENERAL, "credits.edge": (1, 5, 9), "completion.delay": GENERAL,
     "completion.reverse": (1, 4, 5, 7, 9), "completion.duplicate": GENERAL,
     "completion.unknown": GENERAL, "completion.other_opcode": (0, 1, 5, 6),
     "status.defined": GENERAL, "load.not_sealed": (0, 1, 5, 6), "bind.abandoned": (3, 4, 7, 8),
-    "load.decoy": (0, 1, 5, 9), "direct_load.window": (2, 3, 4, 7), "entry.shown": (2, 3, 7),
+    "load.decoy": (0, 1, 5, 9), "direct_load.window": (2, 3, 4), "entry.shown": (2, 3, 7),
     "slot.reads": (3, 4, 7), "ring.wrap": (7,), "table.window": (2, 3, 4, 7), "addr_le": (1, 3, 4, 7),
     "record.ungranted": (5, 6), "quota.small": (8,), "probe.buffers": (1, 5, 6), "reconnect": (10,)}
 KINDS = OLD_KINDS + tuple(MODEL_KINDS)
