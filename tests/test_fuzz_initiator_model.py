@@ -159,6 +159,18 @@ def test_a_reported_status_is_the_one_the_answer_carried(tmp_path):
     assert ("result_status", "load 0 @r reported INTERNAL, its answer carried TICKET_ABANDONED") in found
 
 
+@pytest.mark.parametrize("seconds,found", [(0.5, True), (4.9, False)])
+def test_an_unfinished_script_is_a_finding_unless_the_program_gave_up_on_time(seconds, found, tmp_path):
+    """Against a target that kept to the protocol the script runs to its end; a run that lasted
+    as long as the program was told to give up after (5 s here) is a slow host, not a finding."""
+    w = Wire()
+    w.answer(w.load(0), 3)
+    model = Model("iwarp", {}, protocol_kept=True, give_up=5.0)
+    run = Run([], 1, seconds, tmp_path, "", [("load", "0", "NOT_VALID")])
+    model.judge_run(parse("load 0 @a; load 1 @b"), [w.s], run, kept_state=False, malformed_ack=False)
+    assert ("completeness" in {f.oracle for f in model.found}) is found
+
+
 def test_weak_initiator_ids():
     assert weak_id(bytes(16)) == "all zero"
     assert weak_id(b"\x12\x34" * 8) is not None
