@@ -195,7 +195,7 @@ def test_the_model_finds_nothing_in_the_reference_initiator(transport, tmp_path)
     code, out, err = fuzz(transport, program(None), "--cases", "16", "--seed", "5", "--json",
                           "--out", str(tmp_path))
     doc = json.loads(out)
-    assert (code, doc["cases"], doc["findings"]) == (0, 16, []), err
+    assert (code, doc["cases"], doc["findings"]) == (0, 16, []), (doc["findings"], doc["error"], err)
     judged = sum(f["judged"] for f in doc["oracle"].values())
     assert judged > 500 and doc["oracle"]["LOAD.flags"]["judged"] > 0, doc["oracle"]
 
