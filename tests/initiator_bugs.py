@@ -966,14 +966,170 @@ CORPUS = [
     Bug("source_writable", "The initiator exposes only the buffers named in its descriptors",
         "descriptor.read_only", plant_source_writable),
     # for the hostile target (``kbtp fuzz --role initiator``): case "fuzz:SEED-INDEX"
-    Bug("hello_ack_unchecked", "HELLO_ACK Body (Target Descriptor)", "fuzz:1-000028",
+    Bug("hello_ack_unchecked", "HELLO_ACK Body (Target Descriptor)", "fuzz:1-000014",
         plant_hello_ack_unchecked),
     Bug("completion_length_unchecked", "Data Length MUST NOT exceed the descriptor Length.",
-        "fuzz:1-000012", _load_buffer()),
+        "fuzz:1-000828", _load_buffer()),
     Bug("head_unaligned_used", "two 64-bit counters, Head (used to allocate) and Tail (used to free), "
-        "each aligned to 8 octets", "fuzz:11-000032", plant_ring_unchecked),
+        "each aligned to 8 octets", "fuzz:11-000004", plant_ring_unchecked),
     Bug("entry_unchecked", "Direct Load (DIRECT_LOAD): through the read-only Table and Pool STags",
-        "fuzz:1-000101", lambda: setattr(Initiator, "_in_pool", lambda self, offset, length: True)),
+        "fuzz:1-001470", lambda: setattr(Initiator, "_in_pool", lambda self, offset, length: True)),
+]
+# -- for the model of ``kbtp fuzz --role initiator``: the classes issue 31 names ----------------
+
+def _load_words(**forced: bool) -> Plant:
+    """Every LOAD sent with ``forced`` flags (ALLOW_UNSEALED the application did not ask for)."""
+    def plant() -> None:
+        def make(original):
+            async def load(self, handle, **kwargs):
+                return await original(self, handle, **{**kwargs, **forced})
+            return load
+        patch(Initiator, "load", make)
+    return plant
+
+
+def plant_retry_unsealed() -> None:
+    """A LOAD answered NOT_SEALED silently sent again with ALLOW_UNSEALED."""
+    def make(original):
+        async def load(self, handle, **kwargs):
+            try:
+                return await original(self, handle, **kwargs)
+            except KbtpError as exc:
+                if exc.status != Status.NOT_SEALED:
+                    raise
+                return await original(self, handle, **{**kwargs, "allow_unsealed": True})
+        return load
+    patch(Initiator, "load", make)
+
+
+def _free_invalidate(values: dict) -> None:
+    if values["opcode"] == Opcode.FREE:
+        values["flags"] = values.get("flags", 0) | RequestFlag.INVALIDATE
+
+
+def plant_goodbye_early() -> None:
+    """The operations of a statement waited for 50 ms only: GOODBYE may overtake answers."""
+    async def run(self, script):
+        out = self.out_dir / "results"
+        out.write_text("")
+        for statement in script:
+            if statement[0].name == "goodbye":
+                self._write(out, ["goodbye - OK"])
+                await self.ini.goodbye(release="release" in statement[0].words)
+                return "release" in statement[0].words
+            tasks = [asyncio.ensure_future(self.one(op)) for op in statement]
+            await asyncio.wait(tasks, timeout=0.05)
+            self._write(out, [f"{op.name} {op.handle} {t.result() if t.done() else 'ERROR'}"
+                              for op, t in zip(statement, tasks)])
+        return None
+    driver.Runner.run = run
+
+
+def plant_credit_from_unknown() -> None:
+    """A COMPLETION that answers no request gives a credit back all the same."""
+    def make(original):
+        def dispatch(self, msg, arrived=0):
+            if results.match_completion(msg, dict(self._pending), self.addr_le) is None and self._credits:
+                self._credits.release()
+            original(self, msg, arrived)
+        return dispatch
+    patch(Initiator, "_dispatch", make)
+
+
+def plant_bind_before_write() -> None:
+    """DIRECT_ALLOC: BIND sent first, the data written into the block after it."""
+    async def direct_alloc(self, handle, data):
+        partition_stag = self._direct("partition")[0]
+        ticket, slot = await self.take_ticket()
+        block = await self.wait_slot(ticket, slot, self.target.ticket_timeout_ms / 2000)
+        bound = asyncio.ensure_future(self.bind(handle, ticket, len(data), block))
+        await asyncio.sleep(0.01)
+        await self.qp.write(partition_stag, block, data)
+        return await bound
+    Initiator.direct_alloc = direct_alloc
+
+
+def plant_entries_big_endian() -> None:
+    """ADDR_LE applied to requests but not to the table entries DIRECT_LOAD reads."""
+    async def _entry(self, stag, offset):
+        raw = await self.qp.read(stag, offset, M.ENTRY_SIZE)
+        return codec.decode_struct(M.TABLE_ENTRY, raw, False)
+    Initiator._entry = _entry
+
+
+_slot: dict[str, int] = {}
+
+
+def _shared_record_slot(values: dict) -> None:
+    """Every RECORD request names the completion record slot of the first one."""
+    if values.get("flags", 0) & RequestFlag.RECORD and "cd.stag" in values:
+        _slot.setdefault("stag", values["cd.stag"])
+        _slot.setdefault("offset", values["cd.offset"])
+        values["cd.stag"], values["cd.offset"] = _slot["stag"], _slot["offset"]
+
+
+CORPUS += [
+    Bug("load_always_unsealed", "0x0010 ALLOW_UNSEALED", "fuzz:7-000012",
+        _load_words(allow_unsealed=True)),
+    Bug("retry_unsealed", "0x0010 ALLOW_UNSEALED", "fuzz:7-000025", plant_retry_unsealed),
+    Bug("free_invalidate", "0x0008 INVALIDATE: the target completes with Send with Invalidate, "
+        "invalidating the STag of the initiator's Data Descriptor", "fuzz:7-000012",
+        encoding(_free_invalidate)),
+    Bug("record_dropped", "0x0004 RECORD: complete with a completion record", "fuzz:7-000093",
+        lambda: setattr(Initiator, "_record", lambda self, record: False), ("roce",)),
+    Bug("goodbye_early", "GOODBYE ends the session", "fuzz:7-000005", plant_goodbye_early),
+    Bug("credit_from_unknown", "A target pre-posts, for each request credit, a receive buffer",
+        "fuzz:7-000015", plant_credit_from_unknown),
+    Bug("bind_before_write", "RDMA-writes the data into the block, and then sends BIND",
+        "fuzz:7-000198", plant_bind_before_write),
+    Bug("entries_big_endian", "the receive scatter list places the request's Data Descriptor and "
+        "handle directly into the address fields (hence the ADDR_LE option)", "fuzz:7-000018",
+        plant_entries_big_endian),
+    Bug("record_slot_shared", "naming a 24-octet completion record slot of the initiator",
+        "fuzz:7-000093", encoding(_shared_record_slot), ("roce",)),
+    Bug("id_fixed", "the Initiator ID MUST be generated with at least 128 bits of entropy",
+        "fuzz:7-000000", _ids(lambda: bytes.fromhex("5f1c2a9e7b3d4c8a0e6f1b2d3c4a5e6f"))),
+]
+
+def plant_receive_not_reposted() -> None:
+    """A receive buffer not posted again once a message has used it: the Completion Credits
+    promised in HELLO run out after that many messages."""
+    def _receive(self, msg):
+        if isinstance(msg, ConnectionLost):
+            for future, _ in self._pending.values():
+                if not future.done():
+                    future.set_exception(msg)
+            self._pending.clear()
+            return
+        self._dispatch(msg)
+    Initiator._receive = _receive
+
+
+def plant_tickets_uncounted() -> None:
+    """DIRECT_ALLOC checks the quota against the bound handles only, not the tickets in hand."""
+    Initiator.tickets = property(lambda self: 0, lambda self, value: None)
+
+
+def plant_failed_free_released() -> None:
+    """A FREE that failed counted as a release all the same."""
+    def make(original):
+        async def free(self, *args, **kwargs):
+            try:
+                return await original(self, *args, **kwargs)
+            except KbtpError:
+                self.usage = max(0, self.usage - 1)
+                raise
+        return free
+    patch(Initiator, "free", make)
+
+
+CORPUS += [
+    Bug("receive_not_reposted", "hello.completion_credits: receive buffers the initiator keeps posted",
+        "fuzz:7-000014", plant_receive_not_reposted),
+    Bug("tickets_uncounted", "An initiator's usage is the number of handles it has bound plus the "
+        "number of tickets it has taken and not yet bound", "fuzz:7-000010", plant_tickets_uncounted),
+    Bug("failed_free_released", "A failed check completes the request with the corresponding status "
+        "and has no other effect", "fuzz:7-000010", plant_failed_free_released),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from ... import codec
@@ -18,6 +19,15 @@ from ..registry import Skip
 
 REQUESTS = (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND)
 REGIONS = ("table", "pool", "partition", "ring", "head")
+
+
+class Altered(Enum):
+    """What the checking target did to the answer of one request, beyond the text."""
+
+    WITHHELD = "its completion withheld"
+    MISREPORTED = "executed, and answered with another status"
+    NOT_EXECUTED = "answered with a status without being executed"
+    LENGTH_LIE = "answered with a Data Length past its buffer"
 
 
 @dataclass
@@ -64,6 +74,14 @@ class Session:
     in_flight: int = 0
     max_in_flight: int = 0
     closed: float | None = None
+    #: the Generation each answer carried, by Request ID (what the initiator was shown)
+    generations: dict[int, int] = field(default_factory=dict)
+    #: Request ID -> what a misbehaving target did to its answer (``Altered``), for a
+    #: model that must not read a withheld or misreported answer as the text's
+    altered: dict[int, Altered] = field(default_factory=dict)
+    #: (rule, detail): what only the checking target could see as it happened (a probe of
+    #: a buffer refused, a Read issued while another was unanswered)
+    noted: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def accesses(self) -> list[Access]:
@@ -101,9 +119,11 @@ class Session:
         self.messages.append(msg)
         return msg
 
-    def completed(self, request_id: int, status: int, block_offset: int = 0) -> None:
+    def completed(self, request_id: int, status: int, block_offset: int = 0,
+                  generation: int = 0) -> None:
         self.in_flight = max(0, self.in_flight - 1)
         self.completions.append((time.monotonic(), request_id, status, block_offset))
+        self.generations[request_id] = generation
 
     def reads(self, region: str | None = None) -> list[Access]:
         return [a for a in self.accesses if a.kind == "read" and not a.duplicate

@@ -118,7 +118,8 @@ class CheckedConnection(Connection):
         def send() -> None:
             if self.qp.closed:
                 return
-            self.session.completed(req["request_id"], outcome.status, outcome.block_offset)
+            self.session.completed(req["request_id"], outcome.status, outcome.block_offset,
+                                   outcome.generation)
             Connection._complete(self, req, outcome, why)
         self.behaviour.complete(self, req, outcome, send)
 
@@ -225,7 +226,8 @@ def _observe(qp: QueuePair, conn: CheckedConnection) -> None:
         except AccessError as exc:
             access("fetch_add", stag, offset, 8, add=add, mask=mask, refused=exc.fault.value)
             raise
-        access("fetch_add", stag, offset, 8, add=add, mask=mask)
+        a = access("fetch_add", stag, offset, 8, add=add, mask=mask)
+        a.served = value.to_bytes(8, "big")      # the counter before the add: the ticket taken
         return value
 
     qp.serve_read, qp.check_write = read, checked_write                         # type: ignore[method-assign]
