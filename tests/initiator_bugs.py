@@ -1007,7 +1007,7 @@ def _free_invalidate(values: dict) -> None:
         values["flags"] = values.get("flags", 0) | RequestFlag.INVALIDATE
 
 
-def plant_goodbye_early() -> None:
+def plant_goodbye_early_fuzz() -> None:
     """The operations of a statement waited for 50 ms only: GOODBYE may overtake answers."""
     async def run(self, script):
         out = self.out_dir / "results"
@@ -1049,7 +1049,7 @@ def plant_bind_before_write() -> None:
     Initiator.direct_alloc = direct_alloc
 
 
-def plant_entries_big_endian() -> None:
+def plant_entries_big_endian_fuzz() -> None:
     """ADDR_LE applied to requests but not to the table entries DIRECT_LOAD reads."""
     async def _entry(self, stag, offset):
         raw = await self.qp.read(stag, offset, M.ENTRY_SIZE)
@@ -1077,15 +1077,15 @@ CORPUS += [
         encoding(_free_invalidate)),
     Bug("record_dropped", "0x0004 RECORD: complete with a completion record", "fuzz:7-000093",
         lambda: setattr(Initiator, "_record", lambda self, record: False), ("roce",)),
-    Bug("goodbye_early", "GOODBYE ends the session", "fuzz:7-000005", plant_goodbye_early),
+    Bug("goodbye_early_fuzz", "GOODBYE ends the session", "fuzz:7-000005", plant_goodbye_early_fuzz),
     Bug("credit_from_unknown", "A target pre-posts, for each request credit, a receive buffer",
         "fuzz:7-000015", plant_credit_from_unknown),
-    Bug("bind_before_write", "RDMA-writes the data into the block, and then sends BIND",
+    Bug("bind_before_write_fuzz", "RDMA-writes the data into the block, and then sends BIND",
         "fuzz:7-000198", plant_bind_before_write),
     Bug("entries_big_endian", "the receive scatter list places the request's Data Descriptor and "
         "handle directly into the address fields (hence the ADDR_LE option)", "fuzz:7-000018",
-        plant_entries_big_endian),
-    Bug("record_slot_shared", "naming a 24-octet completion record slot of the initiator",
+        plant_entries_big_endian_fuzz),
+    Bug("record_slot_shared_fuzz", "naming a 24-octet completion record slot of the initiator",
         "fuzz:7-000093", encoding(_shared_record_slot), ("roce",)),
     Bug("id_fixed", "the Initiator ID MUST be generated with at least 128 bits of entropy",
         "fuzz:7-000000", _ids(lambda: bytes.fromhex("5f1c2a9e7b3d4c8a0e6f1b2d3c4a5e6f"))),
@@ -1105,7 +1105,7 @@ def plant_receive_not_reposted() -> None:
     Initiator._receive = _receive
 
 
-def plant_tickets_uncounted() -> None:
+def plant_tickets_uncounted_fuzz() -> None:
     """DIRECT_ALLOC checks the quota against the bound handles only, not the tickets in hand."""
     Initiator.tickets = property(lambda self: 0, lambda self, value: None)
 
@@ -1127,7 +1127,7 @@ CORPUS += [
     Bug("receive_not_reposted", "hello.completion_credits: receive buffers the initiator keeps posted",
         "fuzz:7-000014", plant_receive_not_reposted),
     Bug("tickets_uncounted", "An initiator's usage is the number of handles it has bound plus the "
-        "number of tickets it has taken and not yet bound", "fuzz:7-000010", plant_tickets_uncounted),
+        "number of tickets it has taken and not yet bound", "fuzz:7-000010", plant_tickets_uncounted_fuzz),
     Bug("failed_free_released", "A failed check completes the request with the corresponding status "
         "and has no other effect", "fuzz:7-000010", plant_failed_free_released),
 ]
