@@ -28,6 +28,7 @@ from ..rnic.qp import ConnectionLost, Received, RemoteError
 from ..tables.enums import STATUS
 from ..vocab import AnyMessage, Feature, Opcode
 from .hold import ReadHold
+from .pace import NoAnswer
 from .registry import Fail, SetupFailed, Skip
 
 
@@ -281,7 +282,7 @@ class Ctx:
         try:
             return await asyncio.wait_for(coro, self.timeout)
         except TimeoutError:
-            raise Fail(what, f"nothing within {self.timeout:g} s") from None
+            raise NoAnswer(what, f"nothing within {self.timeout:g} s") from None
         except (ConnectionLost, RemoteError) as exc:
             raise Fail(what, f"the connection failed ({describe(exc, self.timeout)})") from None
 
