@@ -174,15 +174,18 @@ class Ctx:
             return refused.name, None
 
     async def reconnect(self, ini: Initiator, features: int = 0) -> Initiator:
-        """A new session with ``ini``'s Initiator ID, once the target sees the old one gone."""
-        status = ""
-        for _ in range(10):
+        """A new session with ``ini``'s Initiator ID, once the target sees the old one gone:
+        HELLOs for as long as the checker waits for any answer (a busy target notices late)."""
+        loop = asyncio.get_running_loop()
+        deadline, status = loop.time() + self.timeout, ""
+        while True:
             status, new = await self.hello_status(ini.initiator_id, features)
             if new is not None:
                 return new
+            if loop.time() >= deadline:
+                raise Fail("a HELLO with the Initiator ID of an ended session accepted within "
+                           f"{self.timeout:g} s", f"HELLO_ACK Status {status}")
             await asyncio.sleep(0.3)
-        raise Fail("a HELLO with the Initiator ID of an ended session accepted",
-                   f"HELLO_ACK Status {status}")
 
     async def raw_qp(self) -> QueuePair:
         """A bare RDMA connection (no HELLO yet) with receive buffers posted."""
