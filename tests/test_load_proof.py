@@ -118,3 +118,21 @@ def test_the_reference_initiator_passes_the_timing_cases_under_load(transport, t
     assert set(seen) == set(INITIATOR_CASES), seen
     bad = {case: v for case, v in seen.items() if v[0] != "PASS"}
     assert proc.returncode == 0 and not bad, (bad, proc.stderr)
+
+
+@pytest.mark.slow
+def test_a_program_slow_to_start_is_judged_not_called_hung(tmp_path):
+    """A correct program slow to start and as slow to end (as an interpreter may be on a
+    busy host; here sleeps around ``kbtp initiator``), which takes longer than ``--timeout``
+    in all: the checker waits ``--timeout`` + twice the start for a program that connected.
+    The old fixed ``--timeout`` called it hung (ERROR "did not exit within 6 s")."""
+    [host] = fresh_hosts(1)
+    slow = tmp_path / "slow-start.sh"
+    slow.write_text(f'sleep 2\n{sys.executable} -m kbtp_scapy initiator "$KBTP_TARGET_URL" '
+                    '--timeout "$KBTP_TIMEOUT" --id-file "$KBTP_STATE/id" script\nstatus=$?\nsleep 4.5\n'
+                    'exit $status\n')
+    proc = subprocess.run([*KBTP, "conform", "--role", "initiator", "--listen", f"iwarp://{host}:5431",
+                           "--timeout", "6", "--only", "hello.header", "--json", "--", "sh", str(slow)],
+                          capture_output=True, text=True, timeout=300)
+    [case] = json.loads(proc.stdout)["cases"]
+    assert (proc.returncode, case["verdict"]) == (0, "PASS"), case
