@@ -138,23 +138,24 @@ async def quota_tickets(ctx: Ctx) -> None:
     complete NO_SPACE. Both before the Ticket Timeout can abandon any of the tickets: k
     is as many as the checker's pace lets it take in a quarter of the Timeout (the whole
     quota on an idle host). A verdict that came too late to be sure no ticket expired is
-    tried again on a fresh session, k set by the pace the tickets went at; a SKIP when
-    the last try is too late as well (``pace``)."""
-    pace = 0.0
+    tried again on a fresh session, k no more than the pace the tickets went at allows and
+    at most half the last try's (at least one); a SKIP when the last try is too late as
+    well (``pace``)."""
+    most = 0                 # tickets the last try may take: at most half as many next time
     for attempt in range(1, ATTEMPTS + 1):
         a = await ctx.connect(need=Feature.DIRECT_ALLOC)
         q = quota_of(ctx, a, 1)
-        pace = pace or await ctx.wait(round_trip(a), "RDMA Reads of the ring (the checker's pace)")
-        k = min(q, fitting(a, pace) - 1)
+        pace = await ctx.wait(round_trip(a), "RDMA Reads of the ring (the checker's pace)")
+        k = min(q, fitting(a, pace) - 1, max(1, most // 2) if most else q)
         if k < 1:
-            ctx.skip(f"the checker's pace ({pace * 1000:.0f} ms a ticket) leaves no room for two "
+            ctx.skip(f"the checker's pace ({pace * 1000:.0f} ms a round trip) leaves no room for two "
                      f"tickets in a quarter of the Ticket Timeout ({a.target.ticket_timeout_ms} ms)")
         try:
             return await _tickets_counted(ctx, a, q, k)
         except TooSlow as slow:
             if attempt == ATTEMPTS:
                 raise Skip(f"{slow} (try {attempt} of {ATTEMPTS})") from None
-            pace = slow.pace
+            most = max(1, min(k, fitting(a, slow.pace) - 1))
 
 
 ATTEMPTS = 3          # sessions direct.quota.tickets tries before it is too slow to judge
