@@ -3,6 +3,10 @@ in flight (one worker per request, each on a handle of its own), for a duration 
 iteration count, every request timed from posting to completion.
 
 The data path is the reference initiator's, on the codec: no Scapy object per request.
+
+A DIRECT_ALLOC whose ticket outlived the Ticket Timeout (a bench slower than the target
+expects, on a busy host) is abandoned by the target, which revokes the session's Partition:
+the bench counts it as expired, not as an error, and goes on in a new session.
 """
 from __future__ import annotations
 
@@ -79,24 +83,79 @@ class Measured:
 async def run(plan: Plan, progress: Callable[[str], None] = lambda _: None) -> list[Measured]:
     """Connect, run every size, say GOODBYE with RELEASE. A size cut short (Ctrl-C, the
     connection lost) ends the run: the sizes so far are returned, the last one ``cut``."""
-    ini = await Initiator.connect(plan.url, initiator_id=os.urandom(16),
-                                  frame_listeners=plan.frame_listeners, limits=plan.limits,
-                                  **plan.options)
+    session = Session(plan, await _connect(plan))
     out: list[Measured] = []
     try:
-        _check(ini, plan)
-        for size in plan.sizes or [_info(ini).block_size]:
+        _check(session.ini, plan)
+        for size in plan.sizes or [_info(session.ini).block_size]:
             if plan.interrupted:
                 break
             progress(f"{plan.op} of {size} octets, {plan.in_flight} in flight")
-            out.append(await _one_size(ini, plan, size))
+            out.append(await _one_size(session, plan, size))
             if out[-1].cut is not None:
                 break
         return out
     finally:
-        lost = bool(out) and isinstance(out[-1].cut, LOST)
-        if not ini.qp.closed and not lost:
-            await ini.goodbye(release=True)
+        if not (out and isinstance(out[-1].cut, LOST)):
+            await _end(session.ini)
+
+
+async def _connect(plan: Plan, initiator_id: bytes | None = None) -> Initiator:
+    return await Initiator.connect(plan.url, initiator_id=initiator_id or os.urandom(16),
+                                   frame_listeners=plan.frame_listeners, limits=plan.limits,
+                                   **plan.options)
+
+
+async def _end(ini: Initiator) -> None:
+    if not ini.qp.closed:
+        await ini.goodbye(release=True)
+
+
+class Session:
+    """The bench's session, renewed when a ticket expired and the target revoked its Partition."""
+
+    def __init__(self, plan: Plan, ini: Initiator) -> None:
+        self.plan, self.ini = plan, ini
+        self._renewing = asyncio.Lock()
+
+    async def renew(self, failed: Initiator) -> None:
+        """A new session in place of ``failed`` (once, however many workers saw it fail).
+        DIRECT_ALLOC stays revoked for the rest of a session, so the old one is ended
+        with GOODBYE RELEASE (from a new connection under its Initiator ID when the target
+        ended its connection, tried again after a pause while the target still
+        sees the old one: ALREADY_BOUND), lest the target keep it, and a fresh one begins."""
+        async with self._renewing:
+            if self.ini is not failed:
+                return
+            old = failed
+            for attempt in range(1, RECONNECTS + 1):
+                try:
+                    if old.qp.closed:
+                        old = await _connect(self.plan, failed.initiator_id)
+                    await _end(old)
+                    break
+                except (ConnectionLost, RemoteError):
+                    continue                           # ended meanwhile: once more
+                except KbtpError as refused:
+                    if refused.name != "ALREADY_BOUND" or attempt == RECONNECTS:
+                        raise
+                    await asyncio.sleep(min(PAUSE_MAX, _info(failed).ticket_timeout_ms / 1000 * 2 ** attempt))
+            self.ini = await _connect(self.plan)
+            _check(self.ini, self.plan)
+
+
+RECONNECTS = 10       # HELLOs a renewal tries while the target still sees the old connection,
+PAUSE_MAX = 1.0       # pausing a Ticket Timeout, doubled each time, at most this many seconds
+
+
+def _expired(exc: BaseException, took_ns: int, ini: Initiator) -> bool:
+    """Whether a direct allocation failed because its ticket was abandoned: BIND refused
+    so, or refused at all after the Ticket Timeout (a target that reclaimed the ticket
+    no longer knows it), or the Write to the Partition refused (the target revoked it),
+    ending the connection."""
+    if isinstance(exc, KbtpError):
+        return exc.name == "TICKET_ABANDONED" or took_ns >= _info(ini).ticket_timeout_ms * 1_000_000
+    return isinstance(exc, (RemoteError, ConnectionLost))
 
 
 def _info(ini: Initiator) -> TargetInfo:
@@ -141,10 +200,10 @@ async def _clean(ini: Initiator, plan: Plan, handles: list[int]) -> None:
         await asyncio.gather(*(ini.free(h) for h in handles))
 
 
-async def _one_size(ini: Initiator, plan: Plan, size: int) -> Measured:
+async def _one_size(session: Session, plan: Plan, size: int) -> Measured:
     data = os.urandom(size)
-    base = _info(ini).handle_base
-    handles = [base + w for w in range(plan.in_flight)]
+    ini = session.ini
+    handles = [_info(ini).handle_base + w for w in range(plan.in_flight)]
     await _prepare(ini, plan, handles, data)
     names = OPERATIONS[plan.op]
     samples = {n: Samples(n, 0 if n == "FREE" else size) for n in names}
@@ -166,14 +225,26 @@ async def _one_size(ini: Initiator, plan: Plan, size: int) -> Measured:
 
     direct = plan.op in NEEDS and names[0] != "FREE"
 
-    async def worker(handle: int) -> None:
-        steps = list(zip(names, _steps(ini, plan, handle, data)))
+    async def worker(w: int) -> None:
         while more():
-            for name, call in steps:
+            ini = session.ini                          # a new one after an expired ticket
+            handle = _info(ini).handle_base + w
+            for name, call in zip(names, _steps(ini, plan, handle, data)):
                 began = time.perf_counter_ns()
                 try:
                     result = await call()
-                except KbtpError:
+                except (KbtpError, RemoteError, ConnectionLost) as exc:
+                    if direct and _expired(exc, time.perf_counter_ns() - began, ini):
+                        if name == names[0]:
+                            samples[name].expired += 1
+                            if plan.iterations and samples[name].expired <= plan.iterations:
+                                budget[0] += 1         # taken again, at most once an iteration
+                        elif session.ini is ini:       # the session ended under a later step
+                            samples[name].errors += 1
+                        await session.renew(ini)
+                        break
+                    if not isinstance(exc, KbtpError):
+                        raise
                     samples[name].errors += 1
                     continue
                 ended = time.perf_counter_ns()
@@ -181,15 +252,15 @@ async def _one_size(ini: Initiator, plan: Plan, size: int) -> Measured:
                         if result.sent_ns and not (direct and name == names[0]) else ended - began)
                 samples[name].add(wire, ended - began, ended - start)
 
-    async def guarded(handle: int) -> None:
+    async def guarded(w: int) -> None:
         """One worker; a lost connection stops them all, keeping what completed."""
         try:
-            await worker(handle)
+            await worker(w)
         except LOST as exc:
             cut.append(exc)
 
     cpu = time.process_time()
-    await asyncio.gather(*(guarded(h) for h in handles))
+    await asyncio.gather(*(guarded(w) for w in range(plan.in_flight)))
     cpu = time.process_time() - cpu
     seconds = (time.perf_counter_ns() - start) / 1e9
     last = max((x.done_at[-1] for x in samples.values() if x.done_at), default=0)
@@ -197,7 +268,10 @@ async def _one_size(ini: Initiator, plan: Plan, size: int) -> Measured:
         seconds = last / 1e9          # not the wait for the RNIC to give the connection up
     ended = cut[0] if cut else Interrupted() if plan.interrupted else None
     if not cut:
-        await _clean(ini, plan, handles)
+        await _clean(session.ini, plan, handles)
     if not first.latencies and ended is None:
-        raise BenchError(f"no {names[0]} completed ({first.errors} failed)")
+        raise BenchError(f"no {names[0]} completed ({first.errors} failed"
+                         + (f", {first.expired} tickets expired: each took longer than the Ticket "
+                            f"Timeout of {_info(session.ini).ticket_timeout_ms} ms" if first.expired else "")
+                         + ")")
     return Measured(size, samples, seconds, cpu, ended)

@@ -31,6 +31,7 @@ class Samples:
     calls: list[int] = field(default_factory=list)
     done_at: list[int] = field(default_factory=list)
     errors: int = 0
+    expired: int = 0                        # DIRECT_ALLOC tickets abandoned before their BIND
 
     def add(self, latency_ns: int, call_ns: int, done_at_ns: int) -> None:
         self.latencies.append(latency_ns)
@@ -43,6 +44,7 @@ class Samples:
         ordered = sorted(self.latencies)
         n = len(ordered)
         row: dict[str, Any] = {"op": self.op, "bytes": self.size, "iterations": n, "errors": self.errors,
+                               "expired": self.expired,
                                "seconds": round(seconds, 6),
                                "ops_per_s": round(n / seconds, 1) if seconds else 0.0,
                                "mb_per_s": round(n * self.size / seconds / 1e6, 3) if seconds else 0.0,

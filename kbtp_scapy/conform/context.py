@@ -28,6 +28,7 @@ from ..rnic.qp import ConnectionLost, Received, RemoteError
 from ..tables.enums import STATUS
 from ..vocab import AnyMessage, Feature, Opcode
 from .hold import ReadHold
+from .pace import NoAnswer
 from .registry import Broke, Fail, Rule, SetupFailed, Skip
 
 #: what a FREE that makes room answers: the handle was bound (OK) or was not (NOT_VALID)
@@ -179,15 +180,18 @@ class Ctx:
             return refused.name, None
 
     async def reconnect(self, ini: Initiator, features: int = 0) -> Initiator:
-        """A new session with ``ini``'s Initiator ID, once the target sees the old one gone."""
-        status = ""
-        for _ in range(10):
+        """A new session with ``ini``'s Initiator ID, once the target sees the old one gone:
+        HELLOs for as long as the checker waits for any answer (a busy target notices late)."""
+        loop = asyncio.get_running_loop()
+        deadline, status = loop.time() + self.timeout, ""
+        while True:
             status, new = await self.hello_status(ini.initiator_id, features)
             if new is not None:
                 return new
+            if loop.time() >= deadline:
+                raise Fail("a HELLO with the Initiator ID of an ended session accepted within "
+                           f"{self.timeout:g} s", f"HELLO_ACK Status {status}")
             await asyncio.sleep(0.3)
-        raise Fail("a HELLO with the Initiator ID of an ended session accepted",
-                   f"HELLO_ACK Status {status}")
 
     async def raw_qp(self) -> QueuePair:
         """A bare RDMA connection (no HELLO yet) with receive buffers posted."""
@@ -289,7 +293,7 @@ class Ctx:
         try:
             return await asyncio.wait_for(coro, self.timeout)
         except TimeoutError:
-            raise Fail(what, f"nothing within {self.timeout:g} s") from None
+            raise NoAnswer(what, f"nothing within {self.timeout:g} s") from None
         except (ConnectionLost, RemoteError) as exc:
             raise Fail(what, f"the connection failed ({describe(exc, self.timeout)})") from None
 

@@ -126,21 +126,28 @@ class DirectModes:
         return ticket, M.SLOT_SIZE * (ticket % (1 << n))
 
     async def wait_slot(self, ticket: int, offset: int, timeout: float) -> int:
-        """Re-read the slot until it holds a block for ``ticket``, then confirm once more."""
+        """Re-read the slot until it holds a block for ``ticket``, then confirm once more.
+
+        The slot counts as empty only when a read sent ``timeout`` seconds or more after
+        the first still finds it so, and a block seen is always confirmed (once, however
+        late): a slow initiator (a busy host) never mistakes its own pace for the target's."""
         ring_stag, ring_base, _ = self._direct("ring")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         confirmed: int | None = None
-        while loop.time() < deadline:
+        while True:
+            asked = loop.time()
             raw = await self._read(ring_stag, ring_base + offset, M.SLOT_SIZE, "a ring slot")
             slot = codec.decode_struct(M.RING_SLOT, raw, self.addr_le)
             ready = slot["slot.sequence"] == ticket & 0xFFFFFFFF and slot["slot.block_offset"] != CONSUMED
-            if ready and confirmed is not None and confirmed == slot["slot.block_offset"]:
-                return confirmed
-            confirmed = slot["slot.block_offset"] if ready else None
-            if not ready:
+            block = slot["slot.block_offset"] if ready else None
+            if block is not None and block == confirmed:
+                return block
+            if asked >= deadline and (block is None or confirmed is not None):
+                raise KbtpError(Status.NO_SPACE, detail=f"no block arrived for ticket {ticket}")
+            confirmed = block
+            if block is None:
                 await asyncio.sleep(0.001)
-        raise KbtpError(Status.NO_SPACE, detail=f"no block arrived for ticket {ticket}")
 
     async def direct_alloc(self, handle: int, data: bytes) -> Result:
         """FetchAdd on Head, read the slot, RDMA Write the data, then BIND."""

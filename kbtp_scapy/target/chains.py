@@ -115,7 +115,7 @@ class ChainRunner:
         self.owed = self.qp.posted + self.qp.undelivered
         self.slots = max(2 * max(conn.credits, 1), self.owed)
         self.port = QueuePairPort(self.qp, conn.backlog.every)   # signaled as software answers
-        self.engine = Engine(memory, self.port, self.little)
+        self.engine: Engine = Engine(memory, self.port, self.little)
         self.port.engine = self.engine
         e = self.engine
         self.spare = e.create_cq()
@@ -173,7 +173,7 @@ class ChainRunner:
         # the idle rule (sessions._quiet) reads the receive CQ's count: requests a chain
         # ran reach no Python, so heard_at alone would age (docs/CHAINS.md, "The idle
         # rule and the other hostile-peer limits")
-        self.loop = asyncio.get_running_loop()
+        self.loop: asyncio.AbstractEventLoop = asyncio.get_running_loop()
         own.received, own.received_seen = self._received, self.recv_cq.count
 
     # -- addresses ------------------------------------------------------------------------

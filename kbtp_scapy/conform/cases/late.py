@@ -13,7 +13,8 @@ import asyncio
 from ...initiator import Initiator
 from ...vocab import Feature
 from ..context import Ctx
-from ..registry import RULE, case
+from ..pace import TicketWindow, fitting, round_trip
+from ..registry import RULE, Skip, case
 from .common import data, unbound
 from .direct import abandon_ticket
 from .ops import QUOTA, fill_quota, quota_of
@@ -130,32 +131,67 @@ async def reclaimed_unit(ctx: Ctx) -> None:
       target observes an allocation by an initiator that exceeds its quota, it completes the
       request with NO_SPACE and MAY terminate the session.""", features=Feature.DIRECT_ALLOC)
 async def quota_tickets(ctx: Ctx) -> None:
-    """Tickets taken by FetchAdd and not bound count as usage: with the whole quota taken
-    so, an ALLOC_STORE completes NO_SPACE; with one ticket more taken past the quota (the
-    RNIC executes any FetchAdd on Head, so a misbehaving initiator can), usage is above the
-    quota and an ALLOC_STORE must still complete NO_SPACE. Both before the Ticket Timeout
-    can abandon any of the tickets."""
-    a = await ctx.connect(need=Feature.DIRECT_ALLOC)
-    q = quota_of(ctx, a, 0)
-    h = await ctx.handle(a)
-    loop = asyncio.get_running_loop()
-    started, taken = loop.time(), 0
-    for extra, where in ((0, "at the quota"), (1, "one past the quota")):
-        while taken < q + extra:
-            await ctx.wait(a.take_ticket(), "FetchAdd on Head")
-            taken += 1
-        sent = loop.time()         # the tickets' age when the target can first see the request
+    """Tickets taken by FetchAdd and not bound count as usage: with the quota's last k
+    units taken so (the others bound by ALLOC_STORE), an ALLOC_STORE completes NO_SPACE;
+    with one ticket more taken past the quota (the RNIC executes any FetchAdd on Head, so
+    a misbehaving initiator can), usage is above the quota and an ALLOC_STORE must still
+    complete NO_SPACE. Both before the Ticket Timeout can abandon any of the tickets: k
+    is as many as the checker's pace lets it take in a quarter of the Timeout (the whole
+    quota on an idle host). A verdict that came too late to be sure no ticket expired is
+    tried again on a fresh session, k no more than the pace the tickets went at allows and
+    at most half the last try's (at least one); a SKIP when the last try is too late as
+    well (``pace``)."""
+    most = 0                 # tickets the last try may take: at most half as many next time
+    for attempt in range(1, ATTEMPTS + 1):
+        a = await ctx.connect(need=Feature.DIRECT_ALLOC)
+        q = quota_of(ctx, a, 1)
+        pace = await ctx.wait(round_trip(a), "RDMA Reads of the ring (the checker's pace)")
+        k = min(q, fitting(a, pace) - 1, max(1, most // 2) if most else q)
+        if k < 1:
+            ctx.skip(f"the checker's pace ({pace * 1000:.0f} ms a round trip) leaves no room for two "
+                     f"tickets in a quarter of the Ticket Timeout ({a.target.ticket_timeout_ms} ms)")
         try:
-            status, _ = await ctx.outcome(a.alloc_store(h, b"past the quota"))
-        except Exception as exc:   # the text allows terminating the session
-            if not a.qp.closed:
-                raise
-            ctx.note(f"the target terminated the session on the allocation {where} ({exc})")
-            return
-        if status != "NO_SPACE" and sent - started > a.target.ticket_timeout_ms / 1000 * 0.8:
-            ctx.skip("taking the tickets took nearly the Ticket Timeout: some may be abandoned meanwhile")
-        ctx.check(status == "NO_SPACE", f"ALLOC_STORE with {taken} tickets taken by FetchAdd and not "
-                  f"bound (usage {where}, the quota {q}): NO_SPACE", status)
+            return await _tickets_counted(ctx, a, q, k)
+        except TooSlow as slow:
+            if attempt == ATTEMPTS:
+                raise Skip(f"{slow} (try {attempt} of {ATTEMPTS})") from None
+            most = max(1, min(k, fitting(a, slow.pace) - 1))
+
+
+ATTEMPTS = 3          # sessions direct.quota.tickets tries before it is too slow to judge
+
+
+class TooSlow(Skip):
+    """The tickets went too slowly to judge, at ``pace`` seconds each."""
+
+    def __init__(self, reason: str, pace: float) -> None:
+        super().__init__(reason)
+        self.pace = pace
+
+
+async def _tickets_counted(ctx: Ctx, a: Initiator, q: int, k: int) -> None:
+    hs = await ctx.handles(a, q - k + 1)
+    await fill_quota(ctx, a, hs[:q - k], f"(the {q - k} units of the quota not taken as tickets)")
+    h, taken = hs[-1], 0
+    window = TicketWindow(a, f"taking {k + 1} tickets and the ALLOC_STOREs that judge them")
+    try:
+        with window:
+            for extra, where in ((0, "at the quota"), (1, "one past the quota")):
+                while taken < k + extra:
+                    await ctx.wait(a.take_ticket(), "FetchAdd on Head")
+                    taken += 1
+                try:
+                    status, _ = await ctx.outcome(a.alloc_store(h, b"past the quota"))
+                except Exception as exc:   # the text allows terminating the session
+                    if not a.qp.closed:
+                        raise
+                    ctx.note(f"the target terminated the session on the allocation {where} ({exc})")
+                    return
+                ctx.check(status == "NO_SPACE", f"ALLOC_STORE with {taken} tickets taken by FetchAdd "
+                          f"and not bound and {q - k} handles bound (usage {where}, the quota {q}): "
+                          "NO_SPACE", status)
+    except Skip as skipped:
+        raise TooSlow(str(skipped), window.elapsed() / max(taken, 1)) from None   # a pace on the safe side
     await unbound(ctx, a, h, "after the ALLOC_STOREs refused for the quota")
 
 
@@ -169,7 +205,8 @@ async def quota_bound_ticket(ctx: Ctx) -> None:
     a = await ctx.connect(need=Feature.DIRECT_ALLOC)
     q = quota_of(ctx, a, 1)
     hs = await ctx.handles(a, q + 1)
-    await ctx.ok(a.direct_alloc(hs[0], b"ticket"), "DIRECT_ALLOC and BIND")
+    with TicketWindow(a, "DIRECT_ALLOC"):
+        await ctx.ok(a.direct_alloc(hs[0], b"ticket"), "DIRECT_ALLOC and BIND")
     await fill_quota(ctx, a, hs[1:q], "after one handle bound by BIND")
     status, _ = await ctx.outcome(a.alloc_store(hs[q], b"over"))
     ctx.check(status == "NO_SPACE", f"the ALLOC_STORE past the quota of {q} (one handle bound by BIND, "

@@ -12,6 +12,7 @@ import asyncio
 from ...initiator import Initiator, KbtpError
 from ...vocab import Feature
 from ..context import Ctx
+from ..pace import TicketWindow
 from ..registry import MUST, RULE, case
 from .common import data, holds, unbound
 from .direct import granted, slot_block
@@ -88,16 +89,19 @@ async def within_timeout(ctx: Ctx) -> None:
         ctx.skip(f"the Ticket Timeout ({a.target.ticket_timeout_ms} ms) is too long for --timeout {ctx.timeout:g} s")
     payload = data(64)
     taken = []
-    for handle in await ctx.handles(a, 2):
-        ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
-        block = await slot_block(ctx, a, ticket, offset)
-        await ctx.wait(a.qp.write(granted(a, "partition")[0], block, payload), "the data written")
-        taken.append((handle, ticket, block))
-    await asyncio.sleep(wait)
-    for handle, ticket, block in taken:
-        await ctx.ok(a.bind(handle, ticket, len(payload), block),
-                     f"BIND of ticket {ticket} {wait * 1000:.0f} ms or more after it was taken (Ticket "
-                     f"Timeout {a.target.ticket_timeout_ms} ms)")
+    handles = await ctx.handles(a, 2)
+    with TicketWindow(a, f"two tickets, their data, {wait * 1000:.0f} ms and their BINDs"):
+        for handle in handles:
+            ticket, offset = await ctx.wait(a.take_ticket(), "FetchAdd on Head")
+            block = await slot_block(ctx, a, ticket, offset)
+            await ctx.wait(a.qp.write(granted(a, "partition")[0], block, payload), "the data written")
+            taken.append((handle, ticket, block))
+        await asyncio.sleep(wait)
+        for handle, ticket, block in taken:
+            await ctx.ok(a.bind(handle, ticket, len(payload), block),
+                         f"BIND of ticket {ticket} {wait * 1000:.0f} ms or more after it was taken "
+                         f"(Ticket Timeout {a.target.ticket_timeout_ms} ms)")
+    for handle, _, _ in taken:
         await holds(ctx, a, handle, payload, "after BIND within the Ticket Timeout")
 
 

@@ -220,10 +220,13 @@ class Probe(Behaviour):
     of it names at its last octet (must be reached) and at the octet past it (must be
     refused by the initiator's RNIC): RDMA Writes into a LOAD's Data Descriptor
     (``what="load"``) or its completion record slot (``"record"``), RDMA Reads of a
-    store's Data Descriptor (``"store"``)."""
+    store's Data Descriptor (``"store"``). A probe's answer, and the refusal of the one past
+    the buffer, are waited for ``patience`` seconds: a busy initiator refuses late, and a
+    correct one ends the wait at once (the case passes the program's {timeout} in halves,
+    so the program does not give up on its request meanwhile)."""
 
-    def __init__(self, what: str) -> None:
-        self.what = what
+    def __init__(self, what: str, patience: float) -> None:
+        self.what, self.patience = what, patience
         self.opcodes = {Opcode.LOAD} if what in ("load", "record") else {Opcode.STORE, Opcode.ALLOC_STORE}
         self.edge: str | None = None       # "placed" or why not
         self.past: str | None = None       # "refused: ..." or "placed"
@@ -241,9 +244,11 @@ class Probe(Behaviour):
         if named is None or not named[2]:
             return await run()
         stag, at, self.length = named
-        self.edge = await _probe(conn, self.what != "store", stag, at + self.length - 1)
+        self.edge = await _probe(conn, self.what != "store", stag, at + self.length - 1,
+                                 self.patience, SETTLE)
         if self.edge == "placed":
-            self.past = await _probe(conn, self.what != "store", stag, at + self.length)
+            self.past = await _probe(conn, self.what != "store", stag, at + self.length,
+                                     self.patience, self.patience)
         return await run()        # on a connection a refusal ended, this ends the session
 
 
@@ -253,22 +258,22 @@ async def _signaled(future: asyncio.Future | None) -> None:
     await future
 
 
-async def _probe(conn: CheckedConnection, write: bool, stag: int, offset: int,
-                 octet: bytes = b"\x00") -> str:
+async def _probe(conn: CheckedConnection, write: bool, stag: int, offset: int, answer: float,
+                 settle: float, octet: bytes = b"\x00") -> str:
     """Whether a 1-octet RDMA Write (of ``octet``; or a Read) of the initiator's buffer was
-    placed. An iWARP Write completes once it is sent (RDMAP acknowledges nothing), so a
-    refusal shows as the peer's Terminate ending the connection: it must still be up
-    ``SETTLE`` later."""
+    placed, its completion waited for ``answer`` seconds. An iWARP Write completes once it is sent
+    (RDMAP acknowledges nothing), so a refusal shows as the peer's Terminate ending the
+    connection: it must still be up ``settle`` seconds later."""
     try:
         if write:
-            await asyncio.wait_for(_signaled(conn.qp.write(stag, offset, octet)), 2.0)
+            await asyncio.wait_for(_signaled(conn.qp.write(stag, offset, octet)), answer)
         else:
-            await asyncio.wait_for(conn.qp.read(stag, offset, 1), 2.0)
-        await asyncio.wait_for(conn.qp.wait_closed(), SETTLE)
+            await asyncio.wait_for(conn.qp.read(stag, offset, 1), answer)
+        await asyncio.wait_for(conn.qp.wait_closed(), settle)
     except (RemoteError, ConnectionLost) as exc:
         return f"refused ({exc or type(exc).__name__})"
     except TimeoutError:
-        return "placed" if not conn.qp.closed else "refused (no answer within 2 s)"
+        return "placed" if not conn.qp.closed else f"refused (no answer within {answer:g} s)"
     return f"refused (the connection ended: {conn.qp.error or 'closed'})"
 
 
@@ -288,7 +293,7 @@ class Overreach(Behaviour):
                 first = bytes(await asyncio.wait_for(conn.qp.read(stag, at, 1), 2.0))
             except (RemoteError, ConnectionLost, TimeoutError):
                 return await run()       # its own Read refused: the store fails on its own
-            self.write = await _probe(conn, True, stag, at, first)
+            self.write = await _probe(conn, True, stag, at, 2.0, SETTLE, first)
         return await run()
 
 

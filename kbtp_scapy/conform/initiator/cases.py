@@ -431,7 +431,7 @@ async def descriptor_load_length(ctx: ICtx) -> None:
     """The LOAD's Data Descriptor names a buffer that holds the block (at least its Data
     Length), and all of it is registered: an RDMA Write of its last octet is placed,
     one of the octet past it is refused by the initiator's RNIC."""
-    probe = B.Probe("load")
+    probe = B.Probe("load", ctx.told / 2)
     await ctx.serve(probe)
     data = ctx.data(BLOCK, 1)
     await ctx.run("alloc_store 1 @kv seal; load 1 @back", {"kv": data})
@@ -472,7 +472,7 @@ async def descriptor_store_length(ctx: ICtx) -> None:
 async def descriptor_store_buffer(ctx: ICtx) -> None:
     """A store larger than Max Inline: an RDMA Read of the last octet its Data Descriptor
     names is answered, one of the octet past it is refused by the initiator's RNIC."""
-    probe = B.Probe("store")
+    probe = B.Probe("store", ctx.told / 2)
     await ctx.serve(probe)
     await ctx.run("alloc_store 1 @kv seal noinline", {"kv": ctx.data(3000, 1)})
     if probe.edge is None:
@@ -504,7 +504,7 @@ async def descriptor_read_only(ctx: ICtx) -> None:
 async def record_buffer(ctx: ICtx) -> None:
     """A LOAD with RECORD: an RDMA Write of the record slot's last octet is placed, one of
     the octet past its 24 is refused by the initiator's RNIC."""
-    probe = B.Probe("record")
+    probe = B.Probe("record", ctx.told / 2)
     await ctx.serve(probe)
     await ctx.run("alloc_store 1 @kv seal; load 1 @back record", {"kv": ctx.data(100, 1)})
     if probe.edge is None:

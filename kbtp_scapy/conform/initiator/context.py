@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
@@ -71,6 +72,7 @@ class ICtx:
         self.target: CheckingTarget | None = None
         self.notes: list[str] = []
         self.runs: list[Run] = []
+        self.budget: asyncio.Timeout | None = None   # the case's, which slow runs extend
         self._n = itertools.count(1)
 
     @property
@@ -129,15 +131,19 @@ class ICtx:
         state = state or self.new_state()
         sessions = len(self.record.sessions)
         values = {"url": self.url, "local": self.local, "ops": ops, "in": str(in_dir),
-                  "out": str(out_dir), "state": str(state), "timeout": f"{self.timeout / 2:g}"}
+                  "out": str(out_dir), "state": str(state), "timeout": f"{self.told:g}"}
+        begun = time.monotonic()
         try:
-            run = await run_program(self.program, values, self.timeout)
+            run = await run_program(self.program, values, lambda started: self.patience(sessions, started))
         except ProgramMissing as exc:
             raise Unjudged(str(exc)) from None
         self.runs.append(run)
+        self._extend(run.seconds - self.timeout)
         if run.timed_out:
-            raise Unjudged(f"the program did not exit within {self.timeout:g} s and was killed "
-                           f"with its process group (ops {ops!r}; raise --timeout for a slow one)")
+            waited = round(self.patience(sessions, begun), 1)
+            raise Unjudged(f"the program did not exit within {waited:g} s ({self._paced(sessions, begun)}) "
+                           f"and was killed with its process group (ops {ops!r}; raise --timeout for a "
+                           "slow one)")
         if not connect:
             return run
         statements = [op for st in parse(ops) for op in st]
@@ -149,6 +155,40 @@ class ICtx:
             raise Unjudged(f"the program exited with status {run.exit_code} in {run.seconds:.1f} s "
                            f"without connecting to {self.url}: {run.tail()}")
         return run
+
+    @property
+    def told(self) -> float:
+        """Seconds the program is told it has ({timeout}) to give up by itself."""
+        return self.timeout / 2
+
+    def _started_up(self, sessions: int, started: float) -> float | None:
+        """Seconds from the program's start to its first connection of this run, if any."""
+        new = self.record.sessions[sessions:] if self.target is not None else []
+        return max(0.0, new[0].opened - started) if new else None
+
+    def patience(self, sessions: int, started: float) -> float:
+        """How long the checker waits for a run that started at ``started``: --timeout
+        until the program connects; once it has, s seconds after its start, also 2 s
+        more: the time it took to start is its pace on this host, and its exit (an
+        interpreter's teardown, say) goes at the same pace. So a correct program that
+        uses its whole {timeout} for the operations and again for ending the session (the
+        reference bounds the connection, the script and GOODBYE each by it) is never
+        called hung, however busy the host."""
+        start_up = self._started_up(sessions, started)
+        return self.timeout + 2 * (start_up or 0.0)
+
+    def _extend(self, seconds: float) -> None:
+        """Give the case's budget ``seconds`` more: a run's slow start is not the case's."""
+        when = self.budget.when() if self.budget is not None else None
+        if self.budget is not None and when is not None and seconds > 0:
+            self.budget.reschedule(when + seconds)
+
+    def _paced(self, sessions: int, begun: float) -> str:
+        start_up = self._started_up(sessions, begun)
+        told = f"told {{timeout}} {self.told:g} s"
+        if start_up is None:
+            return f"it never connected; {told}"
+        return f"it connected {start_up:.1f} s after its start; {told}"
 
     async def run_ok(self, ops: str, inputs: dict[str, bytes] | None = None, *,
                      state: Path | None = None) -> Run:

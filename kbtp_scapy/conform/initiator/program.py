@@ -4,8 +4,9 @@ The command line's placeholders and the environment carry the same things (see
 ``docs/INITIATOR_CONFORMANCE.md``): ``{url}`` KBTP_TARGET_URL, ``{local}`` KBTP_LOCAL,
 ``{ops}`` KBTP_OPS, ``{in}`` KBTP_IN, ``{out}`` KBTP_OUT, ``{state}`` KBTP_STATE,
 ``{timeout}`` KBTP_TIMEOUT (seconds the program has to give up by itself). A run
-that outlives its time is killed with its whole process group, and so is anything a
-program leaves running after it exits: the checker leaves no process behind.
+that outlives the checker's patience (``patience``, re-asked as the run goes: it grows
+once the program has shown its pace) is killed with its whole process group, and so is
+anything a program leaves running after it exits: the checker leaves no process behind.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +31,7 @@ class ProgramMissing(Exception):
 @dataclass
 class Run:
     argv: list[str]
-    exit_code: int | None            # None: killed after ``timeout``
+    exit_code: int | None            # None: killed when the checker's patience ran out
     seconds: float
     out_dir: Path
     stderr: str = ""
@@ -61,8 +63,10 @@ def command(template: list[str], values: dict[str, str]) -> list[str]:
     return out
 
 
-async def run(template: list[str], values: dict[str, str], timeout: float) -> Run:
-    """Run the program once with ``values`` (placeholder name -> text) and wait for it."""
+async def run(template: list[str], values: dict[str, str], patience: Callable[[float], float]) -> Run:
+    """Run the program once with ``values`` (placeholder name -> text) and wait for it:
+    ``patience(started)`` seconds from its start (``time.monotonic``), asked again
+    whenever they run out."""
     argv = command(template, values)
     env = {**os.environ, **{PLACEHOLDERS[k]: v for k, v in values.items()}}
     out_dir = Path(values["out"])
@@ -79,13 +83,17 @@ async def run(template: list[str], values: dict[str, str], timeout: float) -> Ru
             raise ProgramMissing(f"{argv[0]}: not executable (chmod +x it)") from None
         except OSError as exc:
             raise ProgramMissing(f"{argv[0]}: cannot be started ({exc.strerror or exc})") from None
-        code: int | None
+        code: int | None = None
         try:
-            code = await asyncio.wait_for(proc.wait(), timeout)
-        except TimeoutError:
-            code = None
-            _kill_group(proc.pid)
-            await proc.wait()
+            while (left := started + patience(started) - time.monotonic()) > 0:
+                try:
+                    code = await asyncio.wait_for(proc.wait(), left)
+                    break
+                except TimeoutError:
+                    continue
+            else:
+                _kill_group(proc.pid)
+                await proc.wait()
         finally:                          # also when the case is cancelled meanwhile
             _kill_group(proc.pid)          # whatever it started and left running
     text = (out_dir / RESULTS).read_text() if (out_dir / RESULTS).is_file() else ""

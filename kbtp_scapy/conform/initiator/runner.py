@@ -15,7 +15,8 @@ from ..registry import ERROR, FAIL, PASS, SHOULD, SKIP, WARN, Case, Fail, Skip
 from ..runner import Listener, Outcome, write_pcap
 from .context import ICASES, ICtx, Unjudged
 
-CASE_RUNS = 6        # a case may take this many --timeout periods in all
+CASE_RUNS = 6        # a case may take this many --timeout periods in all, and what its
+                     # runs took past --timeout each (a slow start: ICtx.patience)
 
 
 def all_cases() -> list[Case]:
@@ -45,7 +46,8 @@ async def run_case(case: Case, program: list[str], url: str, transport: str, *, 
                workdir=workdir / case.id, io=io)
     budget = timeout * CASE_RUNS
     try:
-        await asyncio.wait_for(case.fn(ctx), budget)   # type: ignore[arg-type]
+        async with asyncio.timeout(budget) as ctx.budget:
+            await case.fn(ctx)   # type: ignore[arg-type]
         out = Outcome(case, PASS)
     except Fail as failed:
         out = Outcome(case, WARN if case.level == SHOULD else FAIL, failed.expected, failed.seen)
