@@ -231,7 +231,7 @@ def test_decode_parquet_and_the_html_report(tmp_path):
     pcap = capture(tmp_path / "bad.pcap", CASES["stale-generation"][0])
     proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--parquet", str(tmp_path / "ds"),
                            str(pcap)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0 and "6 KBTP messages" in proc.stderr, proc.stderr
+    assert proc.returncode == 0 and "6 KBTP messages" in proc.stdout, proc.stderr
     code, result = analysis("--report", str(tmp_path / "report"), str(tmp_path / "ds"))
     assert code == 1 and result["counts"] == {"stale-generation": 1}
     page = (tmp_path / "report" / "report.html").read_text()

@@ -150,7 +150,7 @@ def test_installed_plugin_and_lua_script_together_load_once(tmp_path):
     alone = run(pcap, *PLUGIN, "-V").stdout
     proc = subprocess.run([*kbtp, "install", "--lua"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("installed "), proc.stderr
-    installed = Path(proc.stdout.split(" ", 1)[1].strip())
+    installed = Path(proc.stdout.splitlines()[0].split(" ", 1)[1].strip())   # then which form loads
     assert installed.read_text() == LUA.read_text()
     both = run(pcap, *PLUGIN, "-V", env=env)
     assert both.stdout == alone

@@ -234,6 +234,8 @@ async def data_before_valid(ctx: Ctx) -> None:
         payload = data(a.target.block_size)
         hold.hold()
         store = asyncio.ensure_future(a.alloc_store(h, payload, seal=True, inline=False))
+        # a case that ends early (a FAIL, the target gone) leaves it: its error is the case's
+        store.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             if not await hold.wait_requested(ctx.timeout):
                 ctx.check(False, "an RDMA Read of the data of a non-inline ALLOC_STORE",

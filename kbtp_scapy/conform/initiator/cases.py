@@ -939,8 +939,12 @@ async def direct_load_every_window(ctx: ICtx) -> None:
     ctx.check(behaviour.changed, "a fourth window whose second entry read the checker changed", "none")
     ctx.check(run.output("r3") != behaviour.decoy, "the block read in the fourth window, whose "
               "Generation moved, not reported as data", "the decoy octets reported")
-    ctx.expect_statuses(run, ["OK"] * 6, "the stores and four Direct Loads")
-    ctx.check([run.output(f"r{i}") for i in range(4)] == [a, b, a, b], "each block's data", "other octets")
+    # the fourth may be retried to OK or given up (the text requires no retry): never the decoy
+    statuses = run.statuses()
+    ctx.check(statuses[:5] == ["OK"] * 5 and len(statuses) == 6, "the stores and the first three "
+              "Direct Loads OK, the fourth OK or refused", " ".join(statuses) or "no results file")
+    want = [a, b, a, b] if statuses[5:] == ["OK"] else [a, b, a]
+    ctx.check([run.output(f"r{i}") for i in range(len(want))] == want, "each block's data", "other octets")
 
 
 @icase("direct_load.table_range", "Block Table", RULE, """The entry for handle h is at Table Offset
