@@ -212,7 +212,7 @@ class EdgeProbe(Behaviour):
             named.append(("completion record slot", True, req["cd.stag"],
                           req["cd.offset"] + M.COMPLETION_RECORD.size - 1))
         for what, write, stag, last in named:
-            edge = await B._probe(conn, write, stag, last)
+            edge = await B._probe(conn, write, stag, last, 2.0, B.SETTLE)
             if edge != "placed":
                 conn.session.noted.append(("descriptor", f"{OPCODES.describe(req['opcode'])}: the last "
                                            f"octet of its {what} (STag {stag:#x} at {last:#x}) {edge}"))
