@@ -1049,14 +1049,6 @@ def plant_bind_before_write() -> None:
     Initiator.direct_alloc = direct_alloc
 
 
-def plant_entries_big_endian_fuzz() -> None:
-    """ADDR_LE applied to requests but not to the table entries DIRECT_LOAD reads."""
-    async def _entry(self, stag, offset):
-        raw = await self.qp.read(stag, offset, M.ENTRY_SIZE)
-        return codec.decode_struct(M.TABLE_ENTRY, raw, False)
-    Initiator._entry = _entry
-
-
 _slot: dict[str, int] = {}
 
 
@@ -1084,7 +1076,7 @@ CORPUS += [
         "fuzz:7-000198", plant_bind_before_write),
     Bug("entries_big_endian", "the receive scatter list places the request's Data Descriptor and "
         "handle directly into the address fields (hence the ADDR_LE option)", "fuzz:7-000018",
-        plant_entries_big_endian_fuzz),
+        plant_entries_big_endian),
     Bug("record_slot_shared_fuzz", "naming a 24-octet completion record slot of the initiator",
         "fuzz:7-000093", encoding(_shared_record_slot), ("roce",)),
     Bug("id_fixed", "the Initiator ID MUST be generated with at least 128 bits of entropy",
@@ -1105,31 +1097,13 @@ def plant_receive_not_reposted() -> None:
     Initiator._receive = _receive
 
 
-def plant_tickets_uncounted_fuzz() -> None:
-    """DIRECT_ALLOC checks the quota against the bound handles only, not the tickets in hand."""
-    Initiator.tickets = property(lambda self: 0, lambda self, value: None)
-
-
-def plant_failed_free_released() -> None:
-    """A FREE that failed counted as a release all the same."""
-    def make(original):
-        async def free(self, *args, **kwargs):
-            try:
-                return await original(self, *args, **kwargs)
-            except KbtpError:
-                self.usage = max(0, self.usage - 1)
-                raise
-        return free
-    patch(Initiator, "free", make)
-
-
 CORPUS += [
     Bug("receive_not_reposted", "hello.completion_credits: receive buffers the initiator keeps posted",
         "fuzz:7-000014", plant_receive_not_reposted),
     Bug("tickets_uncounted", "An initiator's usage is the number of handles it has bound plus the "
-        "number of tickets it has taken and not yet bound", "fuzz:7-000010", plant_tickets_uncounted_fuzz),
+        "number of tickets it has taken and not yet bound", "fuzz:7-000010", plant_tickets_uncounted),
     Bug("failed_free_released", "A failed check completes the request with the corresponding status "
-        "and has no other effect", "fuzz:7-000010", plant_failed_free_released),
+        "and has no other effect", "fuzz:7-000010", plant_failed_free_counted),
 ]
 BY_NAME = {b.name: b for b in CORPUS}
 
