@@ -40,13 +40,14 @@ from ... import codec
 from ...initiator.script import parse
 from ...tables import memory as M
 from ...tables.enums import OPCODES
+from ...tally import Tally
 from ...target.operations import Outcome
 from ...vocab import AnyMessage, EntryFlag, Feature, HelloAck, Opcode, RequestFlag, Status
 from ...wire.address import parse_url
 from ..context import FrameBuffer
 from . import behaviours as B
 from .context import ICtx, Unjudged
-from .model import Finding, Model, Tally
+from .model import Finding, Model
 from .observe import Access, Altered, Session
 from .target import Behaviour, CheckedConnection
 

@@ -34,7 +34,6 @@ leave the initiator. What it cannot predict is counted with its reason.
 """
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from ...initiator.script import UNSUPPORTED, Op, Script
 from ...ring import add_mask
 from ...tables import RING_COUNTER, memory as M
 from ...tables.enums import OPCODES
+from ...tally import Tally
 from ...vocab import AnyMessage, AnyStruct, EntryFlag, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 from .observe import REQUESTS, Access, Altered, Session
 from .program import Run
@@ -69,39 +69,6 @@ PARTIAL = "the program reported an operation UNSUPPORTED: the rest of the script
 class Finding:
     oracle: str          # the rule that fired: crash, hang, invalid_data, write_outside, flags, ...
     detail: str
-
-
-class Tally:
-    """Per field (``REQUEST.field``, ``read.table``, ``result``): judged, or not predicted by reason."""
-
-    def __init__(self) -> None:
-        self.judged: Counter[str] = Counter()
-        self.unpredicted: Counter[tuple[str, str]] = Counter()
-
-    def judge(self, *fields: str) -> None:
-        self.judged.update(fields)
-
-    def cannot(self, why: str, *fields: str) -> None:
-        self.unpredicted.update((f, why) for f in fields)
-
-    def add(self, other: Tally) -> None:
-        self.judged.update(other.judged)
-        self.unpredicted.update(other.unpredicted)
-
-    def as_dict(self) -> dict[str, Any]:
-        fields = sorted(set(self.judged) | {f for f, _ in self.unpredicted})
-        return {f: {"judged": self.judged[f],
-                    "not_predicted": {why: n for (g, why), n in sorted(self.unpredicted.items()) if g == f}}
-                for f in fields}
-
-    def lines(self) -> list[str]:
-        out = [f"oracle: {sum(self.judged.values())} fields judged, "
-               f"{sum(self.unpredicted.values())} not predicted",
-               f"{'field':28} {'judged':>8} {'not pred.':>9}", f"{'-' * 28} {'-' * 8} {'-' * 9}"]
-        for f, d in self.as_dict().items():
-            out.append(f"{f:28} {d['judged']:>8} {sum(d['not_predicted'].values()):>9}")
-            out += [f"    {n:>8}  {why}" for why, n in d["not_predicted"].items()]
-        return out
 
 
 @dataclass
