@@ -326,3 +326,24 @@ def test_kpi_reports_kv_block_transfer_latency_over_trials(target, tmp_path):
     stdout = bench(target, "-n", "30", "--kpi", "-", index=4)
     assert stdout.returncode == 0, stdout.stderr
     assert json.loads(stdout.stdout)["results"][0]["trials"][0]["samples"] == 30
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_what_every_session_and_direction_measured():
+    """A SIGINT a second into a 60 s run of two sessions, loads and stores at once: both
+    directions' requests so far, marked partial, exit 130; the target is left with no
+    session (each said GOODBYE)."""
+    t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4))
+    try:
+        proc = _measuring(t, "-q", "2", "-t", "2", "--bidirectional")
+        proc.send_signal(signal.SIGINT)
+        doc, _ = _partial(proc, 130)
+        deadline = time.monotonic() + 30
+        while t.target.sessions.by_id and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = len(t.target.sessions.by_id)
+    finally:
+        t.stop()
+    assert [r["op"] for r in doc["results"]] == ["LOAD", "STORE"] and doc["connections"] == 2
+    assert all(r["partial"] and r["iterations"] > 0 for r in doc["results"])
+    assert left == 0
