@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kbtp_scapy.bench.runner import sweep
 from kbtp_scapy.bench.stats import Samples, histogram, percentile
 from kbtp_scapy.target import TargetConfig
 
@@ -46,6 +47,14 @@ def test_percentiles_are_nearest_rank():
     assert [percentile(samples, p) for p in (50, 90, 99, 99.9, 100)] == [500, 900, 990, 999, 1000]
     lines = histogram([1000] * 9 + [100_000])            # 1 us and 100 us, log buckets
     assert lines[0].split("|")[1].split()[1:] == ["9", "90.0%"] and lines[-1].endswith("10.0%")
+
+
+def test_sweep_is_powers_of_two_from_8_to_the_block_size():
+    """perftest's -a from 8; a Block Size that is no power of two is swept to, and one under
+    8 is the only size."""
+    assert sweep(64) == [8, 16, 32, 64]
+    assert sweep(1000) == [8, 16, 32, 64, 128, 256, 512, 1000]
+    assert sweep(4) == [4] and sweep(8) == [8]
 
 
 def test_histogram_rows_name_both_edges():
@@ -289,7 +298,7 @@ def test_bidirectional_loads_and_stores_at_once(target):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)["results"]
     assert [(r["op"], r["bytes"], r["iterations"], r["errors"]) for r in rows] == \
-        [("LOAD", 1024, 60, 0), ("STORE", 1024, 60, 0)]
+        [("LOAD", 1024, 60, 0), ("STORE", 1024, 60, 0)] and json.loads(proc.stdout)["op"] == "load+store"
     assert rows[0]["seconds"] == rows[1]["seconds"]          # one run, not one after the other
     one = bench(target, "--bidirectional", "-t", "1", "-n", "5", index=3)
     assert one.returncode == 2 and "--in-flight 2 or more" in one.stderr, one.stderr

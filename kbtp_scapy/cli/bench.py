@@ -178,7 +178,8 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
     if not runs and plan.interrupted:
         raise Exit(130, "bench: interrupted (Ctrl-C) before any request was measured")
     cut = runs[-1].cut
-    report = kpi.report(runs, str(target), {"op": "load+store" if bidirectional else op, "in_flight": in_flight,
+    what = "load+store" if bidirectional else op
+    report = kpi.report(runs, str(target), {"op": what, "in_flight": in_flight,
                                             "connections": connections, "trials": trials,
                                             "iterations": iterations, "duration_s": plan.duration})
     if csv_file == "-":
@@ -186,7 +187,7 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
     elif kpi_file == "-":
         click.echo(json.dumps(report, indent=1))
     else:
-        _report(runs, target, op, in_flight, connections, as_json, show_histogram, cut)
+        _report(runs, target, what, in_flight, connections, as_json, show_histogram, cut)
     if kpi_file and kpi_file != "-":
         try:
             with open(kpi_file, "w") as out:
@@ -202,7 +203,8 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
     if plot:
         from ..bench.plot import write
         try:
-            write(plot, runs, f"kbtp bench {op} {target}, {in_flight} in flight"
+            write(plot, runs, f"kbtp bench {what} {target}, {in_flight} in flight"
+                  + (f" in each of {connections} sessions" if connections > 1 else "")
                   + (" (partial)" if cut is not None else ""))
         except ImportError as exc:
             raise click.ClickException(str(exc)) from None
