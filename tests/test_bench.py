@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kbtp_scapy.bench.runner import sweep
 from kbtp_scapy.bench.stats import Samples, histogram, percentile
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.operations import Executor
@@ -48,6 +49,14 @@ def test_percentiles_are_nearest_rank():
     assert [percentile(samples, p) for p in (50, 90, 99, 99.9, 100)] == [500, 900, 990, 999, 1000]
     lines = histogram([1000] * 9 + [100_000])            # 1 us and 100 us, log buckets
     assert lines[0].split("|")[1].split()[1:] == ["9", "90.0%"] and lines[-1].endswith("10.0%")
+
+
+def test_sweep_is_powers_of_two_from_8_to_the_block_size():
+    """perftest's -a from 8; a Block Size that is no power of two is swept to, and one under
+    8 is the only size."""
+    assert sweep(64) == [8, 16, 32, 64]
+    assert sweep(1000) == [8, 16, 32, 64, 128, 256, 512, 1000]
+    assert sweep(4) == [4] and sweep(8) == [8]
 
 
 def test_histogram_rows_name_both_edges():
@@ -254,3 +263,108 @@ def test_csv_has_a_row_per_size_with_gbit_per_s(target, tmp_path):
     proc = bench(target, "-n", "50", "--csv", "-", index=5)
     assert proc.returncode == 0 and proc.stdout.splitlines()[0].startswith("op,bytes,iterations"), proc.stderr
     assert len(proc.stdout.splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_all_sizes_sweeps_powers_of_two_to_the_block_size(target):
+    """-a (perftest's): one row per size, 8, 16, ... up to the target's Block Size (4096)."""
+    proc = bench(target, "-a", "-n", "20", "--json", index=1)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["results"]
+    assert [r["bytes"] for r in rows] == [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert {(r["op"], r["iterations"], r["errors"]) for r in rows} == {("LOAD", 20, 0)}
+    both = bench(target, "-a", "-s", "64", "-n", "5", index=1)
+    assert both.returncode == 2 and "--size or --all-sizes" in both.stderr, both.stderr
+
+
+@pytest.mark.slow
+@needs_tshark
+def test_qp_runs_sessions_at_once_each_its_own_initiator_id(target, tmp_path):
+    """-q 3 (perftest's): three sessions at once, each with -t 2 and -n 30: the row sums
+    them (90 LOADs a size), and the capture shows three HELLOs with three Initiator IDs."""
+    pcap = tmp_path / "qp.pcap"
+    proc = bench(target, "-q", "3", "-t", "2", "-s", "512,1024", "-n", "30", "--json", "--pcap", str(pcap),
+                 index=2)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["connections"] == 3
+    assert [(r["op"], r["bytes"], r["iterations"], r["errors"]) for r in doc["results"]] == \
+        [("LOAD", 512, 90, 0), ("LOAD", 1024, 90, 0)]
+    ids = hello_initiator_ids(pcap)
+    assert len(ids) == 3 and len(set(ids)) == 3, ids
+
+
+def hello_initiator_ids(pcap: Path) -> list[str]:
+    """The Initiator ID of every HELLO in the capture, as tshark and the Lua dissector read it."""
+    out = subprocess.run([TSHARK, "-n", "-r", str(pcap), "-X", f"lua_script:{LUA}", "-Y", "kbtp.hello.initiator_id",
+                          "-T", "fields", "-e", "kbtp.hello.initiator_id"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+@pytest.mark.slow
+def test_bidirectional_loads_and_stores_at_once(target):
+    """--bidirectional: loads and stores in the same seconds, half of -t each, both reported
+    with their own rows; it needs two in flight, and is load and store only."""
+    proc = bench(target, "--bidirectional", "-t", "4", "-s", "1024", "-n", "60", "--json", index=3)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["results"]
+    assert [(r["op"], r["bytes"], r["iterations"], r["errors"]) for r in rows] == \
+        [("LOAD", 1024, 60, 0), ("STORE", 1024, 60, 0)] and json.loads(proc.stdout)["op"] == "load+store"
+    assert rows[0]["seconds"] == rows[1]["seconds"]          # one run, not one after the other
+    one = bench(target, "--bidirectional", "-t", "1", "-n", "5", index=3)
+    assert one.returncode == 2 and "--in-flight 2 or more" in one.stderr, one.stderr
+    other = bench(target, "--bidirectional", "--op", "direct_load", "-t", "2", "-n", "5", index=3)
+    assert other.returncode == 2 and len(other.stderr.splitlines()) == 1, other.stderr
+
+
+@pytest.mark.slow
+def test_kpi_reports_kv_block_transfer_latency_over_trials(target, tmp_path):
+    """--trials 3 --kpi FILE: the KV block transfer latency, P50/P95/P99/P99.9 of each
+    trial (nearest rank of its samples) and their mean, min and max over the trials, per
+    size; the table has a row per trial. '-' puts the JSON on stdout."""
+    out = tmp_path / "kpi.json"
+    proc = bench(target, "--trials", "3", "-s", "512,4096", "-n", "40", "-t", "2", "--json", "--kpi", str(out),
+                 index=4)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["results"]
+    assert [(r["bytes"], r["trial"]) for r in rows] == [(512, 1), (512, 2), (512, 3), (4096, 1), (4096, 2),
+                                                        (4096, 3)]
+    doc = json.loads(out.read_text())
+    assert doc["metric"] == "KV block transfer latency" and "IETF" in doc["source"]
+    assert [(r["op"], r["bytes"]) for r in doc["results"]] == [("LOAD", 512), ("LOAD", 4096)]
+    for result, table_rows in zip(doc["results"], (rows[:3], rows[3:])):
+        trials = result["trials"]
+        assert [(t["trial"], t["samples"]) for t in trials] == [(1, 40), (2, 40), (3, 40)]
+        for t, row in zip(trials, table_rows):
+            assert t["p50_us"] == row["latency_us"]["p50"] and t["p99.9_us"] == row["latency_us"]["p99.9"]
+            assert t["p50_us"] <= t["p95_us"] <= t["p99_us"] <= t["p99.9_us"] <= row["latency_us"]["max"]
+        for key in ("p50_us", "p95_us", "p99_us", "p99.9_us"):
+            values = [t[key] for t in trials]
+            spread = result["across_trials"][key]
+            assert (spread["min"], spread["max"]) == (min(values), max(values))
+            assert spread["mean"] == pytest.approx(sum(values) / 3, abs=0.01)
+    stdout = bench(target, "-n", "30", "--kpi", "-", index=4)
+    assert stdout.returncode == 0, stdout.stderr
+    assert json.loads(stdout.stdout)["results"][0]["trials"][0]["samples"] == 30
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_what_every_session_and_direction_measured():
+    """A SIGINT a second into a 60 s run of two sessions, loads and stores at once: both
+    directions' requests so far, marked partial, exit 130; the target is left with no
+    session (each said GOODBYE)."""
+    t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4))
+    try:
+        proc = _measuring(t, "-q", "2", "-t", "2", "--bidirectional")
+        proc.send_signal(signal.SIGINT)
+        doc, _ = _partial(proc, 130)
+        deadline = time.monotonic() + 30
+        while t.target.sessions.by_id and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = len(t.target.sessions.by_id)
+    finally:
+        t.stop()
+    assert [r["op"] for r in doc["results"]] == ["LOAD", "STORE"] and doc["connections"] == 2
+    assert all(r["partial"] and r["iterations"] > 0 for r in doc["results"])
+    assert left == 0

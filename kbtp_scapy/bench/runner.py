@@ -1,6 +1,9 @@
-"""One benchmark run against any KBTP target, in perftest's manner: one session, N requests
-in flight (one worker per request, each on a handle of its own), for a duration or an
-iteration count, every request timed from posting to completion.
+"""One benchmark run against any KBTP target, in perftest's manner: one session (or
+``connections`` at once, perftest's -q), N requests in flight in each (one worker per
+request, each on a handle of its own), for a duration or an iteration count, every request
+timed from posting to completion; each size once or ``trials`` times. Bidirectional: loads
+and stores at once in each session, half the workers each (perftest's -b, for KBTP the two
+directions of block data).
 
 The data path is the reference initiator's, on the codec: no Scapy object per request.
 
@@ -11,6 +14,7 @@ the bench counts it as expired, not as an error, and goes on in a new session.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -56,6 +60,10 @@ class Plan:
     limits: Limits = field(default_factory=Limits)     # the HELLO_ACK's figures, each answer's wait
     frame_listeners: list[FrameListener] = field(default_factory=list)
     interrupted: bool = False                          # set by Ctrl-C: stop, keep what was measured
+    all_sizes: bool = False                            # powers of two from 8 to the Block Size
+    connections: int = 1                               # sessions at once, each with in_flight
+    bidirectional: bool = False                        # loads and stores at once
+    trials: int = 1                                    # runs of each size
 
 
 @dataclass
@@ -67,12 +75,15 @@ class Measured:
     seconds: float
     cpu_seconds: float
     cut: BaseException | None = None     # what ended it before its plan: Interrupted or LOST
+    trial: int | None = None             # its number (from 1) when the plan repeats each size
 
     def rows(self) -> list[dict[str, Any]]:
         total = sum(len(s.latencies) for s in self.samples.values())
         out = []
         for s in self.samples.values():
             row = s.summary(self.seconds, self.cpu_seconds, total)
+            if self.trial is not None:
+                row["trial"] = self.trial
             row["cpu_percent"] = round(100 * self.cpu_seconds / self.seconds, 1) if self.seconds else None
             if self.cut is not None:
                 row["partial"] = True
@@ -80,24 +91,65 @@ class Measured:
         return out
 
 
+@dataclass
+class Lane:
+    """One session's share of a run: ``op`` on ``workers`` handles from the ``first``."""
+
+    session: Session
+    op: str
+    workers: int
+    first: int = 0
+
+    def handles(self) -> list[int]:
+        base = _info(self.session.ini).handle_base + self.first
+        return [base + w for w in range(self.workers)]
+
+
+def sweep(block_size: int) -> list[int]:
+    """perftest's -a: powers of two from 8 (the smallest it sweeps) to the Block Size, that
+    too when it is no power of two."""
+    sizes = [1 << k for k in range(3, block_size.bit_length()) if 1 << k <= block_size]
+    return sizes + [block_size] if not sizes or sizes[-1] != block_size else sizes
+
+
+def _lanes(plan: Plan, sessions: list[Session]) -> list[Lane]:
+    if not plan.bidirectional:
+        return [Lane(s, plan.op, plan.in_flight) for s in sessions]
+    loads = math.ceil(plan.in_flight / 2)
+    return [lane for s in sessions
+            for lane in (Lane(s, "load", loads), Lane(s, "store", plan.in_flight - loads, loads))]
+
+
 async def run(plan: Plan, progress: Callable[[str], None] = lambda _: None) -> list[Measured]:
-    """Connect, run every size, say GOODBYE with RELEASE. A size cut short (Ctrl-C, the
-    connection lost) ends the run: the sizes so far are returned, the last one ``cut``."""
-    session = Session(plan, await _connect(plan))
+    """Connect ``connections`` sessions, run every size (``trials`` times), say GOODBYE with
+    RELEASE. A size cut short (Ctrl-C, a connection lost) ends the run: the sizes so far are
+    returned, the last one ``cut``."""
+    sessions: list[Session] = []
     out: list[Measured] = []
     try:
-        _check(session.ini, plan)
-        for size in plan.sizes or [_info(session.ini).block_size]:
-            if plan.interrupted:
-                break
-            progress(f"{plan.op} of {size} octets, {plan.in_flight} in flight")
-            out.append(await _one_size(session, plan, size))
-            if out[-1].cut is not None:
-                break
+        for _ in range(plan.connections):               # each with an Initiator ID of its own
+            sessions.append(Session(plan, await _connect(plan)))
+            _check(sessions[-1].ini, plan)
+        lanes = _lanes(plan, sessions)
+        block_size = _info(sessions[0].ini).block_size
+        what = "load and store" if plan.bidirectional else plan.op
+        for size in plan.sizes or (sweep(block_size) if plan.all_sizes else [block_size]):
+            for trial in range(1, plan.trials + 1):
+                if plan.interrupted:
+                    return out
+                progress(f"{what} of {size} octets, {plan.in_flight} in flight"
+                         + (f" in each of {plan.connections} sessions" if plan.connections > 1 else "")
+                         + (f", trial {trial} of {plan.trials}" if plan.trials > 1 else ""))
+                out.append(await _one_size(lanes, plan, size))
+                if plan.trials > 1:
+                    out[-1].trial = trial
+                if out[-1].cut is not None:
+                    return out
         return out
     finally:
         if not (out and isinstance(out[-1].cut, LOST)):
-            await _end(session.ini)
+            for session in sessions:
+                await _end(session.ini)
 
 
 async def _connect(plan: Plan, initiator_id: bytes | None = None) -> Initiator:
@@ -167,6 +219,8 @@ def _check(ini: Initiator, plan: Plan) -> None:
     need = NEEDS.get(plan.op)
     if need is not None and not t.feature(need):
         raise BenchError(f"{plan.url} did not grant {need.name}, which --op {plan.op} needs")
+    if plan.bidirectional and plan.in_flight < 2:
+        raise BenchError("--bidirectional needs --in-flight 2 or more: half load, half store")
     if plan.in_flight > min(t.quota, t.handle_count):
         raise BenchError(f"--in-flight {plan.in_flight} needs a block each; the target's quota "
                          f"is {t.quota} blocks")
@@ -176,7 +230,8 @@ def _check(ini: Initiator, plan: Plan) -> None:
                          "(sizes are 1 to it)")
 
 
-def _steps(ini: Initiator, plan: Plan, handle: int, data: bytes) -> Sequence[Callable[[], Awaitable[Result]]]:
+def _steps(ini: Initiator, plan: Plan, op: str, handle: int,
+           data: bytes) -> Sequence[Callable[[], Awaitable[Result]]]:
     """The requests of one iteration on ``handle``, as OPERATIONS names them."""
     size = len(data)
     return {
@@ -186,81 +241,87 @@ def _steps(ini: Initiator, plan: Plan, handle: int, data: bytes) -> Sequence[Cal
                         lambda: ini.free(handle)],
         "direct_load": [lambda: ini.direct_load(handle)],
         "direct_alloc": [lambda: ini.direct_alloc(handle, data), lambda: ini.free(handle)],
-    }[plan.op]
+    }[op]
 
 
-async def _prepare(ini: Initiator, plan: Plan, handles: list[int], data: bytes) -> None:
+async def _prepare(lane: Lane, data: bytes) -> None:
     """Blocks for the operations that need one bound: sealed to load, open to store."""
-    if plan.op in ("load", "direct_load", "store"):
-        await asyncio.gather(*(ini.alloc_store(h, data, seal=plan.op != "store") for h in handles))
+    if lane.op in ("load", "direct_load", "store"):
+        ini = lane.session.ini
+        await asyncio.gather(*(ini.alloc_store(h, data, seal=lane.op != "store") for h in lane.handles()))
 
 
-async def _clean(ini: Initiator, plan: Plan, handles: list[int]) -> None:
-    if plan.op in ("load", "direct_load", "store"):
-        await asyncio.gather(*(ini.free(h) for h in handles))
+async def _clean(lane: Lane) -> None:
+    if lane.op in ("load", "direct_load", "store"):
+        ini = lane.session.ini
+        await asyncio.gather(*(ini.free(h) for h in lane.handles()))
 
 
-async def _one_size(session: Session, plan: Plan, size: int) -> Measured:
+async def _one_size(lanes: list[Lane], plan: Plan, size: int) -> Measured:
+    """Every lane at once on ``size`` octets; the samples of one request kind are summed
+    over the lanes (perftest -q reports the sum of its connections)."""
     data = os.urandom(size)
-    ini = session.ini
-    handles = [_info(ini).handle_base + w for w in range(plan.in_flight)]
-    await _prepare(ini, plan, handles, data)
-    names = OPERATIONS[plan.op]
-    samples = {n: Samples(n, 0 if n == "FREE" else size) for n in names}
-    first = samples[names[0]]
+    await asyncio.gather(*(_prepare(lane, data) for lane in lanes))
+    samples: dict[str, Samples] = {}
+    for lane in lanes:
+        for n in OPERATIONS[lane.op]:
+            samples.setdefault(n, Samples(n, 0 if n == "FREE" else size))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (plan.duration or 0)
-    budget = [plan.iterations or 0]                    # iterations still to start, all workers
     start = time.perf_counter_ns()
-
     cut: list[BaseException] = []                      # the first connection error, if any
 
-    def more() -> bool:
-        if plan.interrupted or cut:
-            return False
-        if plan.iterations:
-            budget[0] -= 1
-            return budget[0] >= 0
-        return loop.time() < deadline
+    async def lane_run(lane: Lane) -> None:
+        session, names = lane.session, OPERATIONS[lane.op]
+        budget = [plan.iterations or 0]                # this lane's iterations still to start
+        direct = lane.op in NEEDS
 
-    direct = plan.op in NEEDS and names[0] != "FREE"
+        def more() -> bool:
+            if plan.interrupted or cut:
+                return False
+            if plan.iterations:
+                budget[0] -= 1
+                return budget[0] >= 0
+            return loop.time() < deadline
 
-    async def worker(w: int) -> None:
-        while more():
-            ini = session.ini                          # a new one after an expired ticket
-            handle = _info(ini).handle_base + w
-            for name, call in zip(names, _steps(ini, plan, handle, data)):
-                began = time.perf_counter_ns()
-                try:
-                    result = await call()
-                except (KbtpError, RemoteError, ConnectionLost) as exc:
-                    if direct and _expired(exc, time.perf_counter_ns() - began, ini):
-                        if name == names[0]:
-                            samples[name].expired += 1
-                            if plan.iterations and samples[name].expired <= plan.iterations:
-                                budget[0] += 1         # taken again, at most once an iteration
-                        elif session.ini is ini:       # the session ended under a later step
-                            samples[name].errors += 1
-                        await session.renew(ini)
-                        break
-                    if not isinstance(exc, KbtpError):
-                        raise
-                    samples[name].errors += 1
-                    continue
-                ended = time.perf_counter_ns()
-                wire = (result.answered_ns - result.sent_ns
-                        if result.sent_ns and not (direct and name == names[0]) else ended - began)
-                samples[name].add(wire, ended - began, ended - start)
+        async def worker(w: int) -> None:
+            while more():
+                ini = session.ini                      # a new one after an expired ticket
+                handle = _info(ini).handle_base + lane.first + w
+                for name, call in zip(names, _steps(ini, plan, lane.op, handle, data)):
+                    began = time.perf_counter_ns()
+                    try:
+                        result = await call()
+                    except (KbtpError, RemoteError, ConnectionLost) as exc:
+                        if direct and _expired(exc, time.perf_counter_ns() - began, ini):
+                            if name == names[0]:
+                                samples[name].expired += 1
+                                if plan.iterations and samples[name].expired <= plan.iterations:
+                                    budget[0] += 1     # taken again, at most once an iteration
+                            elif session.ini is ini:   # the session ended under a later step
+                                samples[name].errors += 1
+                            await session.renew(ini)
+                            break
+                        if not isinstance(exc, KbtpError):
+                            raise
+                        samples[name].errors += 1
+                        continue
+                    ended = time.perf_counter_ns()
+                    wire = (result.answered_ns - result.sent_ns
+                            if result.sent_ns and not (direct and name == names[0]) else ended - began)
+                    samples[name].add(wire, ended - began, ended - start)
 
-    async def guarded(w: int) -> None:
-        """One worker; a lost connection stops them all, keeping what completed."""
-        try:
-            await worker(w)
-        except LOST as exc:
-            cut.append(exc)
+        async def guarded(w: int) -> None:
+            """One worker; a lost connection stops them all, keeping what completed."""
+            try:
+                await worker(w)
+            except LOST as exc:
+                cut.append(exc)
+
+        await asyncio.gather(*(guarded(w) for w in range(lane.workers)))
 
     cpu = time.process_time()
-    await asyncio.gather(*(guarded(w) for w in range(plan.in_flight)))
+    await asyncio.gather(*(lane_run(lane) for lane in lanes))
     cpu = time.process_time() - cpu
     seconds = (time.perf_counter_ns() - start) / 1e9
     last = max((x.done_at[-1] for x in samples.values() if x.done_at), default=0)
@@ -268,10 +329,12 @@ async def _one_size(session: Session, plan: Plan, size: int) -> Measured:
         seconds = last / 1e9          # not the wait for the RNIC to give the connection up
     ended = cut[0] if cut else Interrupted() if plan.interrupted else None
     if not cut:
-        await _clean(session.ini, plan, handles)
-    if not first.latencies and ended is None:
-        raise BenchError(f"no {names[0]} completed ({first.errors} failed"
-                         + (f", {first.expired} tickets expired: each took longer than the Ticket "
-                            f"Timeout of {_info(session.ini).ticket_timeout_ms} ms" if first.expired else "")
-                         + ")")
+        await asyncio.gather(*(_clean(lane) for lane in lanes))
+    for first in (samples[OPERATIONS[lane.op][0]] for lane in lanes):
+        if not first.latencies and ended is None:
+            raise BenchError(f"no {first.op} completed ({first.errors} failed"
+                             + (f", {first.expired} tickets expired: each took longer than the Ticket "
+                                f"Timeout of {_info(lanes[0].session.ini).ticket_timeout_ms} ms"
+                                if first.expired else "")
+                             + ")")
     return Measured(size, samples, seconds, cpu, ended)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..bench import runner
+from ..bench import kpi, runner
 from ..bench.stats import histogram
 from ..initiator import KbtpError, PeerLimit
 from .errors import CONNECTION_ERRORS, Exit, file_trouble, hint, line, local_trouble, reason
@@ -57,12 +57,22 @@ def table(rows: list[dict[str, Any]]) -> str:
                    "direct_load, direct_alloc (DIRECT_ALLOC then FREE).")
 @click.option("-s", "--size", "sizes", multiple=True, callback=_sizes, metavar="OCTETS[,..]",
               help="Block data per request; repeat or list for several runs [default: the Block Size].")
+@click.option("-a", "--all-sizes", is_flag=True,
+              help="Sweep the sizes (perftest's -a): powers of two from 8 to the Block Size, a row each.")
+@click.option("-q", "--qp", "connections", type=click.IntRange(1), default=1, show_default=True,
+              help="Sessions at once (perftest's -q), each with its own Initiator ID and --in-flight "
+                   "requests; the rows sum them.")
+@click.option("-b", "--bidirectional", is_flag=True,
+              help="Loads and stores at once (perftest's -b: both directions of block data), half "
+                   "of --in-flight each, both reported.")
 @click.option("-t", "--in-flight", type=click.IntRange(1), default=1, show_default=True,
               help="Requests in flight at once (perftest's -t), each on a handle of its own.")
 @click.option("-D", "--duration", type=click.FloatRange(0.1), default=None, metavar="SECONDS",
               help="Run each size this long [default: 5 s, unless --iterations].")
 @click.option("-n", "--iterations", type=click.IntRange(1), default=None,
               help="Run each size for this many iterations instead (perftest's -n).")
+@click.option("--trials", type=click.IntRange(1), default=1, show_default=True,
+              help="Run each size this many times (a row each), for --kpi's spread over trials.")
 @click.option("--inline/--no-inline", default=None,
               help="Stores: data in the request, or RDMA-Read by the target [default: when it fits].")
 @click.option("--local", default=None, metavar="ADDR", help="RoCEv2: local address to send from.")
@@ -76,18 +86,23 @@ def table(rows: list[dict[str, Any]]) -> str:
 @click.option("--csv", "csv_file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               metavar="FILE", help="Also write the results as CSV to FILE, one row per operation and size "
                                    "('-': stdout instead of the table).")
+@click.option("--kpi", "kpi_file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              metavar="FILE", help="Also write the KV block transfer latency KPI as JSON to FILE: "
+                                   "P50/P95/P99/P99.9 per trial, their mean, min and max over the "
+                                   "trials ('-': stdout instead of the table).")
 @click.option("--histogram/--no-histogram", "show_histogram", default=True, show_default=True,
               help="A latency histogram in the terminal after the table.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="PNG or SVG of the latency distribution and throughput over time "
                    "(needs matplotlib, the checkout's [plot] extra: pip install '.[plot]').")
-def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float | None,
-          iterations: int | None, inline: bool | None, local: str | None, io: str, iface: str | None,
+def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int, bidirectional: bool,
+          in_flight: int, duration: float | None, iterations: int | None, trials: int, inline: bool | None,
+          local: str | None, io: str, iface: str | None,
           raw_addr: str | None, device: str | None, timeout: float, max_block_size: int, max_blocks: int,
-          pcap: str | None, as_json: bool, csv_file: str | None, show_histogram: bool,
+          pcap: str | None, as_json: bool, csv_file: str | None, kpi_file: str | None, show_histogram: bool,
           plot: str | None) -> None:
     """Benchmark the KBTP target at URL (roce://HOST[:PORT] or iwarp://HOST:PORT) in
-    perftest's manner: one session, --in-flight requests at a time, each timed from posting
+    perftest's manner: one session (or --qp N), --in-flight requests at a time in each, each timed from posting
     to completion; ops/s, MB/s, latency min/p50/p90/p99/p99.9/max in microseconds, and the
     client's own CPU per operation (CPU/op, and cpu_percent in --json: near 100% the client,
     not the target, is the bottleneck).
@@ -104,12 +119,21 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
       kbtp bench iwarp://127.0.0.1:5420 --op direct_load -t 4 --duration 2 --no-histogram
       kbtp bench roce://127.0.0.1 --op store -t 16 --duration 2 --pcap bench.pcap
       kbtp bench roce://127.0.0.1 -s 512,4096 -n 2000 --csv bench.csv
+      kbtp bench roce://127.0.0.1 -a -n 50 --no-histogram
+      kbtp bench roce://127.0.0.1 -q 2 -t 4 --bidirectional -n 50 --no-histogram
+      kbtp bench roce://127.0.0.1 --trials 3 -n 50 --kpi -
     """
     transport = url.split("://", 1)[0] if "://" in url else ""
     if transport not in ("iwarp", "roce"):
         raise click.BadParameter("must start with roce:// or iwarp://", param_hint="URL")
     if duration is not None and iterations is not None:
         raise click.UsageError("give --duration or --iterations, not both")
+    if sizes and all_sizes:
+        raise click.UsageError("give --size or --all-sizes, not both")
+    if bidirectional and op != "load":
+        raise click.UsageError("--bidirectional runs load and store; leave --op out")
+    if csv_file == "-" and kpi_file == "-":
+        raise click.UsageError("only one of --csv and --kpi can write to stdout ('-')")
     if io == "verbs" and pcap:
         raise click.UsageError("--pcap records the soft RNIC's frames; with --io verbs capture "
                                "with tcpdump on the device's interface")
@@ -122,7 +146,9 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
     if local:
         options["local"] = local
     plan = runner.Plan(str(target), op, sizes, in_flight, None if iterations else duration or 5.0,
-                       iterations, inline, options, limits(max_block_size, max_blocks, timeout))
+                       iterations, inline, options, limits(max_block_size, max_blocks, timeout),
+                       all_sizes=all_sizes, connections=connections, bidirectional=bidirectional,
+                       trials=trials)
     sink = None
     if pcap:
         from ..rnic.pcap import PcapSink
@@ -152,10 +178,22 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
     if not runs and plan.interrupted:
         raise Exit(130, "bench: interrupted (Ctrl-C) before any request was measured")
     cut = runs[-1].cut
+    what = "load+store" if bidirectional else op
+    report = kpi.report(runs, str(target), {"op": what, "in_flight": in_flight,
+                                            "connections": connections, "trials": trials,
+                                            "iterations": iterations, "duration_s": plan.duration})
     if csv_file == "-":
         _write_csv(sys.stdout, runs)
+    elif kpi_file == "-":
+        click.echo(json.dumps(report, indent=1))
     else:
-        _report(runs, target, op, in_flight, as_json, show_histogram, cut)
+        _report(runs, target, what, in_flight, connections, as_json, show_histogram, cut)
+    if kpi_file and kpi_file != "-":
+        try:
+            with open(kpi_file, "w") as out:
+                json.dump(report, out, indent=1)
+        except OSError as exc:
+            raise file_trouble(kpi_file, exc, option="--kpi") from None
     if csv_file and csv_file != "-":
         try:
             with open(csv_file, "w", newline="") as out:
@@ -165,7 +203,8 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
     if plot:
         from ..bench.plot import write
         try:
-            write(plot, runs, f"kbtp bench {op} {target}, {in_flight} in flight"
+            write(plot, runs, f"kbtp bench {what} {target}, {in_flight} in flight"
+                  + (f" in each of {connections} sessions" if connections > 1 else "")
                   + (" (partial)" if cut is not None else ""))
         except ImportError as exc:
             raise click.ClickException(str(exc)) from None
@@ -183,7 +222,7 @@ def bench(url: str, op: str, sizes: list[int], in_flight: int, duration: float |
 #: the CSV's columns: the JSON row's, latencies flattened (lat_p50_us), and partial
 CSV_COLUMNS = ("op", "bytes", "iterations", "errors", "seconds", "ops_per_s", "mb_per_s", "gbit_per_s",
                "lat_min_us", "lat_p50_us", "lat_p90_us", "lat_p99_us", "lat_p99.9_us", "lat_max_us",
-               "lat_mean_us", "cpu_us_per_op", "cpu_percent", "partial")
+               "lat_mean_us", "cpu_us_per_op", "cpu_percent", "partial", "trial")
 
 
 def _write_csv(out: Any, runs: list[runner.Measured]) -> None:
@@ -204,12 +243,13 @@ def _ended(cut: BaseException | None) -> str | None:
         f"the connection ended: {reason(cut)}"
 
 
-def _report(runs: list[runner.Measured], target: Any, op: str, in_flight: int, as_json: bool,
+def _report(runs: list[runner.Measured], target: Any, op: str, in_flight: int, connections: int, as_json: bool,
             show_histogram: bool, cut: BaseException | None) -> None:
     """The table and histograms, or the JSON document; a run cut short says so in both."""
     rows = [row for run in runs for row in run.rows()]
     if as_json:
-        doc = {"target": str(target), "op": op, "in_flight": in_flight, "results": rows}
+        doc = {"target": str(target), "op": op, "in_flight": in_flight, "connections": connections,
+               "results": rows}
         if cut is not None:
             doc.update(partial=True, ended=_ended(cut))
         click.echo(json.dumps(doc, indent=1))
