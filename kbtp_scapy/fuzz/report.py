@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import words
 from .cases import Case, Step
+from .corpus import Corpus
 from .findings import Finding
 from .tally import Tally
 
@@ -44,6 +45,7 @@ class Summary:
     interrupted: bool = False
     gone_at: str = ""             # the case during which the target went away (the last time)
     restarts: int = 0             # times --restart-cmd brought the target back
+    corpus: Corpus | None = None  # --seed-corpus
 
     @property
     def exit_code(self) -> int:
@@ -88,6 +90,8 @@ def as_json(summary: Summary) -> str:
         "findings": [finding_document(summary, s) for s in summary.saved],
         "error": summary.error, "stopped": summary.stopped, "interrupted": summary.interrupted,
         "gone_at": summary.gone_at or None, "restarts": summary.restarts,
+        "seed_corpus": {"digest": summary.corpus.digest, "requests": len(summary.corpus.seeds)}
+        if summary.corpus else None,
         "exit_code": summary.exit_code,
     }, indent=2, default=str) + "\n"
 
@@ -98,6 +102,8 @@ def table(summary: Summary) -> str:
     stopped = summary.stopped or ("interrupted (Ctrl-C)" if summary.interrupted else "")
     lines = [f"kbtp fuzz {summary.url} seed {summary.seed}: {summary.cases} cases in "
              f"{summary.seconds:.1f} s ({rate:.0f}/s), {summary.reconnects} reconnects"
+             + (f", seed corpus {summary.corpus.digest} ({words.count(len(summary.corpus.seeds), 'request')})"
+                if summary.corpus else "")
              + (f", the target restarted {words.count(summary.restarts, 'time')}" if summary.restarts else "")
              + (f", stopped: {stopped}" if stopped else ""), "",
              f"{'step family':28} {'count':>8}", f"{'-' * 28} {'-' * 8}"]
