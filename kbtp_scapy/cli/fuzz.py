@@ -12,6 +12,8 @@ from .. import words
 from ..fuzz import report
 from ..fuzz.campaign import Control, Run, campaign, load_case, replay_case
 from ..fuzz.cases import parse_name
+from ..fuzz.corpus import CorpusError, load
+from ..fuzz.restart import Restart
 from ..initiator.limits import MAX_BLOCK_SIZE, MAX_BLOCKS
 from ..wire.address import parse_url
 from .errors import Exit
@@ -86,13 +88,23 @@ def _pace(done: int, total: int, elapsed: float, time_limit: float | None) -> st
               help="Most replays spent minimizing one finding.")
 @click.option("--max-findings", type=click.IntRange(min=0), default=0, show_default=True,
               help="Stop after this many cases with findings (0: never).")
+@click.option("--seed-corpus", "corpus_paths", multiple=True, metavar="CAPTURE",
+              help="A pcap/pcapng (or a folder of them; repeatable) whose KBTP requests mutated cases "
+                   "start from, besides the built-in ones; case names carry the corpus's digest.")
+@click.option("--restart-cmd", metavar="CMD",
+              help="When the target goes away (a gone finding, saved as without it), run CMD through the "
+                   "shell to start it again, wait until it answers a HELLO, and go on with the next case.")
+@click.option("--restart-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              metavar="SECONDS", help="How long to wait for the target to answer after --restart-cmd.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress, only the summary.")
 @click.argument("program", nargs=-1, type=click.UNPROCESSED)
 def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | None, local: str | None,
          io: str, iface: str | None, raw_addr: str | None, count: int, seed: int,
          start: int, time_limit: float | None, timeout: float, max_block_size: int, max_blocks: int, out: str,
          as_json: bool, json_file: str | None,
-         replay: str | None, minimize_budget: int, max_findings: int, quiet: bool) -> None:
+         replay: str | None, minimize_budget: int, max_findings: int, corpus_paths: tuple[str, ...],
+         restart_cmd: str | None,
+         restart_timeout: float, quiet: bool) -> None:
     """Fuzz a KBTP target statefully, judging only what it sends back.
 
     Two sessions go through HELLO, ALLOC_STORE, STORE, LOAD, FREE, BIND (DIRECT_ALLOC),
@@ -117,9 +129,18 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
     stalls and disconnects. The program must neither crash nor hang, never report as
     valid data the target did not serve as valid, and never write outside its grant.
 
+    With --seed-corpus, the KBTP requests of the user's own captures are seeds too: half the
+    mutated requests start from one (its opcode, flags, handle relative to the session's
+    Handle Base, data size) before their family mutates it. Case names then end in the
+    corpus's digest (roce-7-000123-c1a2b3c4d), which a replay by name must match.
+
     A target that stops answering or goes away during the run is a finding too (kind gone,
     as a crash is to AFL): the last cases' frames are saved as its pcap, with the replay
-    line, and the summary is printed.
+    line, and the summary is printed. With --restart-cmd the run goes on instead, as with
+    AFL or boofuzz: CMD (a shell command that starts the target again, in the background or
+    as itself, left running) is run, and once the target answers a HELLO within
+    --restart-timeout the next case follows; the summary counts the restarts. A target that
+    does not come back in time ends the run as without the option.
 
     Exit status: 0 no finding, 1 the target misbehaved (or went away), 2 usage or harness
     error (including a target that refuses the fuzzer's sessions from the start), 130
@@ -130,6 +151,8 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
       kbtp fuzz --target roce://127.0.0.1 --local 127.0.0.2 --cases 10000 --seed 7
       kbtp fuzz --target iwarp://127.0.0.1:5420 --time-limit 600 --json-file fuzz.json
       kbtp fuzz --target roce://127.0.0.1 --local 127.0.0.2 --replay roce-7-000123
+      kbtp fuzz --target iwarp://127.0.0.1:5420 --cases 20 --seed-corpus pcaps/roce_session.pcap
+      kbtp fuzz --target iwarp://127.0.0.1:5420 --cases 20 --restart-cmd 'systemctl restart kbtp-target'
     """
     if role == "initiator":
         from .fuzz_initiator import fuzz_initiator
@@ -157,15 +180,21 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
         if value != default]
     if json_file == "-":
         as_json, json_file = True, None
+    try:
+        corpus = load(list(corpus_paths)) if corpus_paths else None
+    except CorpusError as exc:
+        raise Exit(2, str(exc)) from None
+    replay_args += [arg for path in corpus_paths for arg in ("--seed-corpus", path)]
     case = None
     if replay:
         try:
-            case = load_case(replay)
+            case = load_case(replay, corpus)
         except (ValueError, KeyError, OSError) as exc:
             raise click.UsageError(f"--replay {replay}: {exc}") from None
         if parse_name(case.name)[0] != transport:
             raise click.UsageError(f"case {case.name} is a {parse_name(case.name)[0]} case, the target is {url}")
-    run = Run(url, options, timeout, replay_args, minimize_budget)
+    run = Run(url, options, timeout, replay_args, minimize_budget,
+              Restart(restart_cmd, restart_timeout) if restart_cmd else None, corpus)
     bar = _Progress(not quiet)
 
     started = time.monotonic()
@@ -206,4 +235,5 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
     if summary.exit_code == report.EXIT_FINDING:
         raise Exit(1, f"{words.count(len(summary.saved), 'case')} with findings"
                     + (f" (saved in {out_dir})" if not replay else "")
-                    + (f"; the target went away at case {summary.gone_at}" if summary.gone_at else ""))
+                    + (f"; the target went away at case {summary.gone_at}" if summary.gone_at else "")
+                    + (f", restarted {words.count(summary.restarts, 'time')}" if summary.restarts else ""))

@@ -20,9 +20,11 @@ from ..initiator.presence import absent
 from ..rnic.pcap import PcapSink
 from ..wire.address import parse_url
 from . import report
-from .cases import Case, make_case, parse_name
+from .cases import Case, corpus_digest, make_case, parse_name
+from .corpus import Corpus
 from .findings import Finding
 from .recent import Recent
+from .restart import Restart, restart
 from .runner import Runner, minimize
 from .state import SetupFault
 from .trouble import TRANSPORT_ERRORS, describe
@@ -37,6 +39,8 @@ class Run:
     timeout: float
     replay_args: list[str]   # the command-line options that give ``options`` and ``timeout``
     budget: int = 24
+    restart: Restart | None = None   # --restart-cmd: start a target that went away again
+    corpus: Corpus | None = None     # --seed-corpus: captured requests the cases start from
 
     def runner(self, frame_listeners: list | None = None) -> Runner:
         return Runner(self.url, self.options, self.timeout, frame_listeners)
@@ -149,7 +153,7 @@ async def _guarded(run: Run, control: Control, summary: report.Summary, runner: 
 async def campaign(run: Run, control: Control, seed: int, count: int, start: int,
                    time_limit: float | None, out: Path | None, max_findings: int) -> report.Summary:
     transport = parse_url(run.url).transport
-    summary = report.Summary(run.url, seed, run.replay_args)
+    summary = report.Summary(run.url, seed, run.replay_args, corpus=run.corpus)
     recent = Recent()
     runner = run.runner([recent])
     t0 = time.monotonic()
@@ -190,40 +194,62 @@ async def campaign(run: Run, control: Control, seed: int, count: int, start: int
         try:
             _, done = await control.run(runner.start())
         except SetupFault as fault:          # before any case: a finding without steps
-            first = make_case(transport, seed, start)
+            first = make_case(transport, seed, start, run.corpus)
             saved = report.Saved(Case(first.name, seed, start, []), [fault.finding], [], True)
             if out:
                 report.save(out, summary, saved)
             summary.saved.append(saved)
             done = await resumed(first)
-        try:
-            await each_case(done)
-        except (HarnessError, *TRANSPORT_ERRORS):    # it answered at the start: gone since?
-            why = await gone(run) if at else None
-            if why is None:
-                raise
-            vanished(at[0], [], why)
+        index = start
+        while True:
+            try:
+                went = await each_case(done, index)
+            except (HarnessError, *TRANSPORT_ERRORS):    # it answered at the start: gone since?
+                why = await gone(run) if at else None
+                if why is None:
+                    raise
+                vanished(at[0], [], why)
+                went = True
+            if not went or not await restarted():
+                return
+            index = at[0].index + 1
+            done = await resumed(at[0])
+
+    async def restarted() -> bool:
+        """The target went away: with --restart-cmd, start it again and go on."""
+        if run.restart is None:
+            return False
+        why, done = await control.run(restart(run.restart, run.url, run.options, run.timeout))
+        if not done:
+            return False
+        if why is not None:
+            summary.stopped = f"the target went away at case {summary.gone_at} and did not come back: {why}"
+            return False
+        summary.restarts += 1
+        summary.stopped = ""
+        return True
 
     at: list[Case] = []               # the case running, once the sessions began
 
-    async def each_case(done: bool) -> None:
-        for index in range(start, start + count):
+    async def each_case(done: bool, first: int) -> bool:
+        """Cases from ``first`` on; True when the target went away (during ``at[0]``)."""
+        for index in range(first, start + count):
             if not done:
-                return
+                return False
             if time_limit is not None and time.monotonic() - t0 > time_limit:
                 summary.stopped = f"--time-limit {time_limit:g} s reached"
-                return
-            case = make_case(transport, seed, index)
+                return False
+            case = make_case(transport, seed, index, run.corpus)
             at[:] = [case]
             recent.begin(case.name)
             res, done = await control.run(runner.run_case(case))
             if not done:
-                return
+                return False
             summary.cases += 1
             kinds = {f.kind for f in res.findings}
             if kinds & SILENT and (why := await gone(run)):
                 vanished(case, res.findings, why)
-                return
+                return True
             if res.findings:
                 saved = await _finding(run, control, case, res.findings, out)
                 if out:
@@ -231,26 +257,32 @@ async def campaign(run: Run, control: Control, seed: int, count: int, start: int
                 summary.saved.append(saved)
                 if max_findings and len(summary.saved) >= max_findings:
                     summary.stopped = f"--max-findings {max_findings} reached"
-                    return
+                    return False
                 done = await resumed(case)
             control.on_case(index - start + 1, summary)
+        return False
     return await _guarded(run, control, summary, runner, cases)
 
 
-def load_case(what: str) -> Case:
-    """A case by name (regenerated) or from a saved finding's JSON (its minimized steps)."""
+def load_case(what: str, corpus: Corpus | None = None) -> Case:
+    """A case by name (regenerated, from the same seed corpus only) or from a saved
+    finding's JSON (its minimized steps)."""
     path = Path(what)
     if path.suffix == ".json" and path.exists():
         doc = json.loads(path.read_text())
         _, seed, index = parse_name(doc["case"])
         return Case(doc["case"], seed, index, doc["minimized_steps"] or doc["steps"])
     transport, seed, index = parse_name(what)
-    return make_case(transport, seed, index)
+    made, given = corpus_digest(what), corpus.digest if corpus else None
+    if made != given:
+        raise ValueError(f"the case was made {f'from seed corpus {made}' if made else 'without a seed corpus'}, "
+                         f"{f'--seed-corpus gives {given}' if given else 'no --seed-corpus is given'}")
+    return make_case(transport, seed, index, corpus)
 
 
 async def replay_case(run: Run, control: Control, case: Case) -> report.Summary:
     """One case on fresh sessions, with no minimization."""
-    summary = report.Summary(run.url, case.seed, run.replay_args)
+    summary = report.Summary(run.url, case.seed, run.replay_args, corpus=run.corpus)
     runner = run.runner()
 
     async def one() -> None:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..tables.enums import OPCODES
-from ..vocab import Opcode
+from ..vocab import Opcode, RequestFlag
+
+if TYPE_CHECKING:
+    from .corpus import Corpus
 
 Step = dict[str, Any]
 
@@ -26,7 +29,8 @@ VALID_OPS = ("alloc_store", "store", "load", "free", "direct_load", "direct_allo
 RDMA_KINDS = ("random_stag", "peer_stag", "read_only_write", "out_of_bounds", "head_wrong_add")
 SCRATCH = 8          # own handles the valid operations play with, after the guards
 QUOTA_P, ABANDON_P = 1 / 50, 1 / 1000     # cases that end with a quota fill, an abandoned ticket
-_NAME = re.compile(r"^(iwarp|roce)-(\d+)-(\d+)$")
+SEEDED_P = 1 / 2      # mutated requests that start from a request of the seed corpus
+_NAME = re.compile(r"^(iwarp|roce)-(\d+)-(\d+)(?:-c([0-9a-f]{8}))?$")
 
 
 @dataclass
@@ -37,16 +41,27 @@ class Case:
     steps: list[Step] = field(default_factory=list)
 
 
-def case_name(transport: str, seed: int, index: int) -> str:
-    return f"{transport}-{seed}-{index:06d}"
+def case_name(transport: str, seed: int, index: int, digest: str | None = None) -> str:
+    """``roce-42-007315``, or ``roce-42-007315-c1a2b3c4d`` from the corpus of that digest."""
+    return f"{transport}-{seed}-{index:06d}" + (f"-c{digest}" if digest else "")
+
+
+def _match(name: str) -> re.Match:
+    m = _NAME.match(name)
+    if not m:
+        raise ValueError(f"{name!r} is not a case name like roce-42-007315")
+    return m
 
 
 def parse_name(name: str) -> tuple[str, int, int]:
     """``roce-42-007315`` -> ("roce", 42, 7315); ValueError for anything else."""
-    m = _NAME.match(name)
-    if not m:
-        raise ValueError(f"{name!r} is not a case name like roce-42-007315")
+    m = _match(name)
     return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def corpus_digest(name: str) -> str | None:
+    """The digest of the seed corpus a case name was made from (None: the built-in cases)."""
+    return _match(name).group(4)
 
 
 def _handle(rng: random.Random) -> list:
@@ -77,8 +92,8 @@ def _rdma(rng: random.Random) -> Step:
             "verb": rng.choice(["read", "write", "fetch_add"]), "seed": rng.getrandbits(32)}
 
 
-def make_case(transport: str, seed: int, index: int) -> Case:
-    """The case ``index`` of run ``seed``: the same steps every time."""
+def make_case(transport: str, seed: int, index: int, corpus: Corpus | None = None) -> Case:
+    """The case ``index`` of run ``seed`` (and seed corpus): the same steps every time."""
     rng = random.Random(f"kbtp-fuzz/{seed}/{index}")
     steps = []
     for _ in range(rng.choice([1, 2, 2, 3, 4])):
@@ -94,7 +109,21 @@ def make_case(transport: str, seed: int, index: int) -> Case:
         else:
             steps.append({"kind": "reconnect"})
     _model_steps(random.Random(f"kbtp-fuzz/{seed}/{index}/model"), steps)
-    return Case(case_name(transport, seed, index), seed, index, steps)
+    if corpus:
+        _seeded(random.Random(f"kbtp-fuzz/{seed}/{index}/corpus/{corpus.digest}"), steps, corpus.seeds)
+    return Case(case_name(transport, seed, index, corpus.digest if corpus else None), seed, index, steps)
+
+
+def _seeded(rng: random.Random, steps: list[Step], seeds: tuple[dict, ...]) -> None:
+    """Mutated requests that start from a captured request, drawn from a stream of their own
+    (the built-in steps keep their values): its opcode, flags, handle (relative to the
+    session's Handle Base) and data size, before the family mutates them."""
+    for step in steps:
+        if step["kind"] == "mutate" and step["family"] != "bind_forged" and rng.random() < SEEDED_P:
+            src = rng.choice(seeds)
+            step.update(op=src["op"], inline=bool(src["flags"] & RequestFlag.INLINE), start=src)
+            if src["offset"] is not None and step["family"] != "handle_edge":
+                step["handle"] = ["base", src["offset"]]
 
 
 def _model_steps(rng: random.Random, steps: list[Step]) -> None:

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import words
 from .cases import Case, Step
+from .corpus import Corpus
 from .findings import Finding
 from .tally import Tally
 
@@ -41,7 +43,9 @@ class Summary:
     error: str | None = None
     stopped: str = ""
     interrupted: bool = False
-    gone_at: str = ""             # the case during which the target went away
+    gone_at: str = ""             # the case during which the target went away (the last time)
+    restarts: int = 0             # times --restart-cmd brought the target back
+    corpus: Corpus | None = None  # --seed-corpus
 
     @property
     def exit_code(self) -> int:
@@ -85,7 +89,9 @@ def as_json(summary: Summary) -> str:
         "finding_kinds": dict(kinds), "oracle": summary.oracle.as_dict(),
         "findings": [finding_document(summary, s) for s in summary.saved],
         "error": summary.error, "stopped": summary.stopped, "interrupted": summary.interrupted,
-        "gone_at": summary.gone_at or None,
+        "gone_at": summary.gone_at or None, "restarts": summary.restarts,
+        "seed_corpus": {"digest": summary.corpus.digest, "requests": len(summary.corpus.seeds)}
+        if summary.corpus else None,
         "exit_code": summary.exit_code,
     }, indent=2, default=str) + "\n"
 
@@ -96,6 +102,9 @@ def table(summary: Summary) -> str:
     stopped = summary.stopped or ("interrupted (Ctrl-C)" if summary.interrupted else "")
     lines = [f"kbtp fuzz {summary.url} seed {summary.seed}: {summary.cases} cases in "
              f"{summary.seconds:.1f} s ({rate:.0f}/s), {summary.reconnects} reconnects"
+             + (f", seed corpus {summary.corpus.digest} ({words.count(len(summary.corpus.seeds), 'request')})"
+                if summary.corpus else "")
+             + (f", the target restarted {words.count(summary.restarts, 'time')}" if summary.restarts else "")
              + (f", stopped: {stopped}" if stopped else ""), "",
              f"{'step family':28} {'count':>8}", f"{'-' * 28} {'-' * 8}"]
     lines += [f"{k:28} {v:>8}" for k, v in sorted(summary.steps.items())]

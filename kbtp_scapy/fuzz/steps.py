@@ -114,6 +114,8 @@ class Steps(Exchanger):
             return self.world.scratch[arg]
         if role == "guard":
             return own.base + arg
+        if role == "base":                  # a captured request's handle, moved to this session
+            return (own.base + arg) & U64
         if role == "peer":
             return peer.base + arg
         f = own.info.fields
@@ -139,7 +141,9 @@ class Steps(Exchanger):
         regions = []
         values: dict[str, Any] = {"opcode": op, "request_id": self.rid(), "handle": handle,
                                   "generation": 0, "flags": 0}
-        data = rng.randbytes(rng.choice([1, 8, 64, 512]))
+        src = step.get("start")             # a request of the seed corpus
+        size = min(src["size"], info.block_size) if src else rng.choice([1, 8, 64, 512])
+        data = rng.randbytes(size)
         if op == Opcode.LOAD:
             r, offset = fences.fenced(ini.memory, info.block_size)
             regions.append(r)
@@ -155,6 +159,8 @@ class Steps(Exchanger):
                 values.update({"flags": flags, "dd.stag": r.stag, "dd.offset": 0, "dd.length": len(data)})
         if step["record"] and op != Opcode.BIND:
             regions.append(self._record(s, values))
+        if src:                             # its flags; RECORD only with the descriptor added
+            values["flags"] = src["flags"] & ~RequestFlag.RECORD | values["flags"] & RequestFlag.RECORD
         taken: tuple[int, int] | None = None
         found: list[Finding] = []
         if op == Opcode.BIND:
