@@ -11,9 +11,10 @@ import time
 import pytest
 
 from kbtp_scapy.initiator import Initiator, KbtpError
+from kbtp_scapy.rnic import ConnectionLost
 
 from . import attack as a
-from .hostile import TargetProc
+from .hostile import SLACK, RssWatch, TargetProc
 from .kbtp_harness import fresh_hosts
 
 POOL = ["-F", "64", "-S", "4096"]
@@ -172,3 +173,180 @@ def test_one_untrusted_source_with_busy_sessions_gives_way_to_newcomers(transpor
     assert admitted >= PROBES - 1, (admitted, attackers, log[-3000:])
     assert "Traceback" not in log, log[-3000:]
     assert metrics['kbtp_sessions_total{event="displaced"}'] >= admitted - 1, metrics
+
+
+# -- T8: chains under peers that stall the target's answers ---------------------------------
+
+STALLERS = 24
+LOADS = 20
+#: --backlog-timeout and --probe-timeout: how long a stalled answer may hold a connection
+STALL = 2.0
+STALL_OPTIONS = ["--backlog-timeout", str(STALL), "--probe-interval", str(STALL),
+                 "--probe-timeout", str(STALL)]
+
+
+async def stall(url: str, local: str, seconds: float) -> tuple[int, bool]:
+    """A RoCEv2 peer that HELLOs, then posts no receive buffer again (every answer meets
+    an RNR NAK) and sends a LOAD every 10 ms for ``seconds``: (RNR NAKs, ended by the
+    target)."""
+    conn = await a.connect(url, local)
+    conn.say(a.hello(credits=32))               # the default: 64 chains to build
+    ack = await conn.message(60)                # late under the old chains: not judged here
+    assert ack["status"] == "OK", ack
+    conn.receive_buffers = 0
+    await a.keep_saying(conn, lambda n: a.load(n, ack["handle_base"]), 1, 0.01, seconds)
+    await conn.end()
+    return conn.rnr_naks, conn.closed
+
+
+async def served_through_stalls(url: str, good: str, stallers: list[str], newcomer: str) -> dict:
+    """A client already in session LOADs its block LOADS times while ``stallers`` connect
+    at once and stall; a newcomer connects once they have gone: each LOAD's seconds, the
+    newcomer's connect + HELLO seconds, the stallers' (RNR NAKs, ended)."""
+    loop = asyncio.get_running_loop()
+    ini = await Initiator.connect(url, features=0, local=good)
+    handle, data = ini.target.handle_base, secrets.token_bytes(BLOCK)
+    await ini.alloc_store(handle, data, seal=True)
+    attack = [asyncio.create_task(stall(url, s, 3 * STALL)) for s in stallers]
+    await asyncio.sleep(0.2)                 # their connects and HELLOs on the way
+    loads, lost = [], None
+    try:
+        for _ in range(LOADS):
+            start = loop.time()
+            got = await asyncio.wait_for(ini.load(handle), 60)
+            loads.append(loop.time() - start)
+            assert got.data == data
+            await asyncio.sleep(3 * STALL / LOADS)      # spread over the attack
+        await ini.goodbye(release=True)
+    except (ConnectionLost, TimeoutError) as exc:       # the client was not served
+        lost = repr(exc)
+    stalled = await asyncio.gather(*attack)
+    start = loop.time()
+    try:
+        late = await asyncio.wait_for(Initiator.connect(url, features=0, local=newcomer), 60)
+    except (ConnectionLost, TimeoutError) as exc:       # no CM reply (or no HELLO_ACK)
+        after: float | str = repr(exc)
+    else:
+        after = loop.time() - start
+        await late.goodbye(release=True)
+    return {"loads": loads, "lost": lost, "after": after, "stalled": stalled}
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("execution", ["software", "chains"])
+def test_roce_peers_that_stall_answers_leave_a_good_client_served(execution):
+    """T8: 24 RoCEv2 peers connect at once, HELLO, then take no answer (RNR NAK to every
+    Send) while sending LOADs. A client already in session keeps being served: each of its
+    20 LOADs completes within the stall bounds (--backlog-timeout, --probe-timeout: 2 s)
+    plus slack, and once the attack is over a newcomer's connect + HELLO is answered within
+    the same bound. Chains used to build each connection's chains (0.4 s of CPU each) in one
+    turn of the loop: 24 of them held every other connection's work for seconds."""
+    host, good, newcomer, *stallers = fresh_hosts(3 + STALLERS)
+    t = TargetProc("roce", host, "-F", "256", "-S", str(BLOCK), "--max-initiators", "32",
+                   "--features", "none", "--execution", execution, *STALL_OPTIONS)
+    try:
+        r = asyncio.run(asyncio.wait_for(served_through_stalls(t.url, good, stallers, newcomer), 240))
+    finally:
+        log = t.stop()
+    assert "Traceback" not in log, log[-3000:]
+    assert r["lost"] is None and len(r["loads"]) == LOADS, r
+    # no LOAD of the good client waits longer than the target gives a stalled peer
+    # (0.5 s at most measured on a loaded machine; 2.7 s and lost connections before)
+    assert max(r["loads"]) < STALL, r["loads"]
+    assert isinstance(r["after"], float) and r["after"] < STALL + SLACK, r["after"]
+    assert sum(naks for naks, _ in r["stalled"]) >= STALLERS, r["stalled"]    # they did stall
+
+
+async def spoof_cm(host: str, sources: list[str], seconds: float) -> tuple[int, int]:
+    """The CM attacks of round 2 from ``sources`` for ``seconds`` each: REQs at about
+    1,500 a second, then REQ and RTU with no HELLO, 64 a second: (REQs sent, set-ups held)."""
+    floods = [a.CmFlooder(s, host) for s in sources]
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while loop.time() < end:
+        for f in floods:
+            f.flood(2)
+        await asyncio.sleep(0.01)
+    sent = sum(f.sent for f in floods)
+    for f in floods:
+        f.close()
+    held = []
+    end = loop.time() + seconds
+    while loop.time() < end:
+        for source in sources:
+            try:
+                held.append(await a.RcSession.open(source, host, timeout=1))
+            except (TimeoutError, ConnectionRefusedError):
+                pass
+        await asyncio.sleep(0.125)
+    for conn in held:
+        await conn.end()
+    return sent, len(held)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("execution", ["software", "chains"])
+def test_roce_cm_spoofing_keeps_the_targets_memory_bounded(execution):
+    """T8's memory: spoofed CM REQs and set-ups that never HELLO build no session, so no
+    chains: the chains target's resident memory grows as little as software's (measured:
+    +2 MB either way over 20 s of each attack). The 38 to 109 MB reported came with
+    sessions (about 3.4 MB of chains each, bounded by --max-initiators)."""
+    host, *sources = fresh_hosts(9)
+    t = TargetProc("roce", host, "-F", "96", "--features", "none", "--execution", execution,
+                   "--max-half-open", "64", "--max-half-open-per-source", "8")
+    try:
+        time.sleep(0.5)
+        base, watch = t.rss_mb(), RssWatch(t)
+        sent, held = asyncio.run(asyncio.wait_for(spoof_cm(host, sources, 8), 120))
+        peak = watch.stop()
+    finally:
+        log = t.stop()
+    assert "Traceback" not in log, log[-3000:]
+    assert sent > 1000 and held >= 64, (sent, held)
+    assert peak - base < 16, (base, peak)
+
+
+ROUNDS = 10
+CHURN = ["--max-initiators", "8", "--idle-timeout", "1", "--min-retention", "0.1", "--retention", "0.5"]
+
+
+async def vanishing_sessions(t: TargetProc, host: str, sources: list[str]) -> tuple[int, list[float]]:
+    """ROUNDS times: a RoCEv2 session from each of ``sources`` (a HELLO at the default 32
+    credits), then silence, as peers that spoof a set-up and vanish; the target's RSS
+    once the idle rule has ended them: (sessions admitted, RSS after each round)."""
+    admitted, rss = 0, []
+    for _ in range(ROUNDS):
+        for source in sources:
+            try:
+                conn = await a.RcSession.open(source, host, timeout=3)
+                conn.say(a.hello(credits=32))
+                admitted += (await conn.message(30))["status"] == "OK"
+            except (TimeoutError, ConnectionRefusedError):
+                continue
+            conn.frozen = True               # gone: answers nothing, acknowledges nothing
+            conn.port.drop(conn)
+        await asyncio.sleep(3)               # --idle-timeout, the probe, --retention
+        rss.append(t.rss_mb())
+    return admitted, rss
+
+
+@pytest.mark.slow
+def test_roce_chains_sessions_that_vanish_keep_the_targets_memory_bounded():
+    """T8's memory with sessions: 80 chains sessions, 8 at a time (--max-initiators),
+    that HELLO and vanish. Each holds about 3.4 MB of chains until the idle rule ends it;
+    the allocator keeps what they freed for the next ones, so the RSS rises for the
+    first rounds (31 to about 130-160 MB measured) and then stays: after the first five
+    rounds it grows by less than 64 MB (a session that kept its chains would add 27 MB a
+    round, 136 MB over the last five)."""
+    host, *sources = fresh_hosts(9)
+    t = TargetProc("roce", host, "-F", "96", "--features", "none", "--execution", "chains", *CHURN)
+    try:
+        admitted, rss = asyncio.run(asyncio.wait_for(vanishing_sessions(t, host, sources[:8]), 240))
+        metrics = t.metrics()
+    finally:
+        log = t.stop()
+    assert "Traceback" not in log, log[-3000:]
+    assert admitted >= ROUNDS * 8 - 8, (admitted, rss)
+    assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= admitted - 8, metrics
+    assert rss[-1] - max(rss[:5]) < 64, rss
