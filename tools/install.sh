@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the project needs on Debian 12 (as root) into ./.venv, idempotently:
 # tshark, python3-venv, the C dissector's build tools (gcc, pkg-config, Wireshark's and
-# GLib's headers) and the Wireshark GUI under Xvfb from Debian's packages, the package and its test and plot extras from PyPI.
+# GLib's headers), headless Chromium and the Wireshark GUI under Xvfb from Debian's packages, the package and its test and plot extras from PyPI.
 # Fast when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,8 @@ command -v gcc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 [ -f /usr/include/wireshark/epan/packet.h ] || missing+=(libwireshark-dev)
 [ -f /usr/include/glib-2.0/glib.h ] || missing+=(libglib2.0-dev)
+# headless Chromium, which renders kbtp conform --html in the suite (tests/test_conform_browser.py)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 # the Wireshark GUI under a virtual display, for the screenshot test (tests/test_dissector_gui.py)
 for tool in wireshark:wireshark-qt Xvfb:xvfb xdotool:xdotool xclip:xclip xwd:x11-apps xwdtopnm:netpbm; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool#*:}")
