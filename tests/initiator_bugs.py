@@ -1002,11 +1002,6 @@ def plant_retry_unsealed() -> None:
     patch(Initiator, "load", make)
 
 
-def _free_invalidate(values: dict) -> None:
-    if values["opcode"] == Opcode.FREE:
-        values["flags"] = values.get("flags", 0) | RequestFlag.INVALIDATE
-
-
 def plant_goodbye_early_fuzz() -> None:
     """The operations of a statement waited for 50 ms only: GOODBYE may overtake answers."""
     async def run(self, script):
@@ -1023,17 +1018,6 @@ def plant_goodbye_early_fuzz() -> None:
                               for op, t in zip(statement, tasks)])
         return None
     driver.Runner.run = run
-
-
-def plant_credit_from_unknown() -> None:
-    """A COMPLETION that answers no request gives a credit back all the same."""
-    def make(original):
-        def dispatch(self, msg, arrived=0):
-            if results.match_completion(msg, dict(self._pending), self.addr_le) is None and self._credits:
-                self._credits.release()
-            original(self, msg, arrived)
-        return dispatch
-    patch(Initiator, "_dispatch", make)
 
 
 def plant_bind_before_write() -> None:
@@ -1071,7 +1055,7 @@ CORPUS += [
         lambda: setattr(Initiator, "_record", lambda self, record: False), ("roce",)),
     Bug("goodbye_early_fuzz", "GOODBYE ends the session", "fuzz:7-000005", plant_goodbye_early_fuzz),
     Bug("credit_from_unknown", "A target pre-posts, for each request credit, a receive buffer",
-        "fuzz:7-000015", plant_credit_from_unknown),
+        "fuzz:7-000015", plant_stray_returns_credit),
     Bug("bind_before_write_fuzz", "RDMA-writes the data into the block, and then sends BIND",
         "fuzz:7-000198", plant_bind_before_write),
     Bug("entries_big_endian", "the receive scatter list places the request's Data Descriptor and "
