@@ -361,11 +361,9 @@ class _Page(HTMLParser):
             self.cell.append(data)
 
 
-@pytest.mark.slow
-def test_html_report_has_each_case_and_links_its_capture(monkeypatch, tmp_path):
-    """--html FILE: a page with one row per case (verdict, requirement as quoted, expected,
-    seen) and, for a case that did not pass, a link to its capture that leads to it from
-    the page's folder."""
+def html_report(monkeypatch, tmp_path) -> tuple[Path, dict]:
+    """``--html`` of two cases against a target that does not clear freed blocks (one WARN
+    with a capture, one PASS): the page and the JSON report."""
     bug = BY_NAME["no_clear_on_free"]
     t = start("roce", hosts(), bug)
     page = tmp_path / "report" / "conform.html"
@@ -376,6 +374,15 @@ def test_html_report_has_each_case_and_links_its_capture(monkeypatch, tmp_path):
                          "--html", str(page), "--pcap-dir", str(tmp_path / "failed"))
     finally:
         t.stop()
+    return page, doc
+
+
+@pytest.mark.slow
+def test_html_report_has_each_case_and_links_its_capture(monkeypatch, tmp_path):
+    """--html FILE: a page with one row per case (verdict, requirement as quoted, expected,
+    seen) and, for a case that did not pass, a link to its capture that leads to it from
+    the page's folder."""
+    page, doc = html_report(monkeypatch, tmp_path)
     parser = _Page()
     parser.feed(page.read_text())
     rows = {r["id"]: r for r in parser.rows}

@@ -8,8 +8,7 @@ import subprocess
 
 import pytest
 
-from .planted_bugs import BY_NAME, start
-from .test_conform import _Page, conform, hosts
+from .test_conform import _Page, html_report
 
 CHROMIUM = shutil.which("chromium")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (tools/install.sh installs it)")
@@ -26,16 +25,7 @@ def chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
 @needs_chromium
 @pytest.mark.slow
 def test_the_html_report_renders_in_chromium(monkeypatch, tmp_path):
-    bug = BY_NAME["no_clear_on_free"]
-    t = start("roce", hosts(), bug)
-    page = tmp_path / "report" / "conform.html"
-    page.parent.mkdir()
-    try:
-        bug.plant(t, monkeypatch)
-        _, doc = conform(t, tmp_path, "--only", "security.clear_freed", "--only", "completion.order",
-                         "--html", str(page), "--pcap-dir", str(tmp_path / "failed"))
-    finally:
-        t.stop()
+    page, doc = html_report(monkeypatch, tmp_path)
     dom = chromium(tmp_path, "--dump-dom", page.as_uri())
     assert dom.returncode == 0, dom.stderr[-2000:]
     parsed = _Page()

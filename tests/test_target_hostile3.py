@@ -33,6 +33,20 @@ async def _load_after(url: str, ident: bytes, handle: int) -> tuple[str, bytes]:
         await ini.goodbye(release=True)
 
 
+def _store_refused(t, attack) -> dict:
+    """Run a T5 attack on ``t``: the target read the data, the store did not complete OK,
+    its log has no traceback, and the handle holds nothing afterwards; what it saw."""
+    try:
+        got, (status, data) = asyncio.run(asyncio.wait_for(attack(), 60))
+    finally:
+        log = t.stop()
+    assert "Traceback" not in log, log[-3000:]
+    assert got["read"], got
+    assert got["completion"] is None or got["completion"]["status"] != "OK", got
+    assert status == "NOT_VALID" and data == b"", (status, len(data))
+    return got
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("execution", ["software", "chains"])
 @pytest.mark.parametrize("answer", [BLOCK // 2, BLOCK + 1024], ids=["short", "long"])
@@ -52,15 +66,8 @@ def test_iwarp_read_response_not_of_the_requested_length_fails_the_store(executi
         got = await a.iwarp_store_answered(s, 1, ack["handle_base"], BLOCK, answer)
         await s.end()
         return got, await _load_after(t.url, ident, ack["handle_base"])
-    try:
-        got, (status, data) = asyncio.run(asyncio.wait_for(attack(), 60))
-    finally:
-        log = t.stop()
-    assert "Traceback" not in log, log[-3000:]
-    assert got["read"], got
-    assert got["completion"] is None or got["completion"]["status"] != "OK", got
+    got = _store_refused(t, attack)
     assert got["terminate"] and got["ended"], got
-    assert status == "NOT_VALID" and data == b"", (status, len(data))
 
 
 @pytest.mark.slow
@@ -81,15 +88,8 @@ def test_roce_read_response_not_of_the_requested_length_fails_the_store(executio
         got = await a.roce_store_answered(s, 1, ack["handle_base"], BLOCK)
         await s.end()
         return got, await _load_after(t.url, ident, ack["handle_base"])
-    try:
-        got, (status, data) = asyncio.run(asyncio.wait_for(attack(), 60))
-    finally:
-        log = t.stop()
-    assert "Traceback" not in log, log[-3000:]
-    assert got["read"], got
-    assert got["completion"] is None or got["completion"]["status"] != "OK", got
+    got = _store_refused(t, attack)
     assert got["ended"], got
-    assert status == "NOT_VALID" and data == b"", (status, len(data))
 
 
 # -- T6: busy sessions and the fair share -------------------------------------------------

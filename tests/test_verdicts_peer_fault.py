@@ -108,19 +108,25 @@ def _target(transport: str) -> tuple[TargetProc, list[str]]:
     return target, ["--local", initiator] if transport == "roce" else []
 
 
+def _killed_under(target, served: int, *args: str) -> tuple[subprocess.Popen, str, str]:
+    """Run ``kbtp ARGS`` against ``target`` and SIGKILL the target once it has served
+    ``served`` operations; the finished process and its output."""
+    proc = subprocess.Popen([*KBTP, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _kill_when_busy(target, proc, served)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        target.stop()
+    return proc, stdout, stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_conform_against_a_target_that_dies(transport, tmp_path):
     target, local = _target(transport)
     out = tmp_path / "r.json"
-    proc = subprocess.Popen([*KBTP, "conform", "--target", target.url, *local, "--quick", "--timeout", "2",
-                             "--json-file", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        _kill_when_busy(target, proc, 100)
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        target.stop()
+    proc, stdout, stderr = _killed_under(target, 100, "conform", "--target", target.url, *local, "--quick",
+                                         "--timeout", "2", "--json-file", str(out))
     assert proc.returncode == 1, stderr
     assert "please report" not in stdout + stderr and "Traceback" not in stderr
     [line] = [x for x in stdout.splitlines() if "could not run" in x]
@@ -140,14 +146,8 @@ def test_conform_against_a_target_that_dies(transport, tmp_path):
 def test_fuzz_against_a_target_that_dies(transport, tmp_path):
     target, local = _target(transport)
     found, summary = tmp_path / "found", tmp_path / "s.json"
-    proc = subprocess.Popen([*KBTP, "fuzz", "--target", target.url, *local, "--cases", "100000", "-q",
-                             "--timeout", "2", "--out", str(found), "--json-file", str(summary)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _kill_when_busy(target, proc, 300)
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        target.stop()
+    proc, stdout, stderr = _killed_under(target, 300, "fuzz", "--target", target.url, *local, "--cases", "100000",
+                                         "-q", "--timeout", "2", "--out", str(found), "--json-file", str(summary))
     assert proc.returncode == 1, stderr
     assert "harness error" not in stdout + stderr and "Traceback" not in stderr
     doc = json.loads(summary.read_text())
