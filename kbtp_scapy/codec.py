@@ -206,6 +206,12 @@ def looks_like_kbtp(data: bytes) -> bool:
     return data[_OPCODE_AT] in BY_OPCODE or data[_OPCODE_AT] in _PRIVATE_OPCODES
 
 
+def opcode_of(buf: bytes) -> int | None:
+    """The Opcode octet of whatever ``buf`` holds, None when it is too short: a look at a
+    message without decoding it (a checker watching for one kind)."""
+    return buf[_OPCODE_AT] if len(buf) > _OPCODE_AT else None
+
+
 _RID_AT = HEADER.offset("request_id")
 _RID_END = _RID_AT + HEADER.item("request_id").size
 

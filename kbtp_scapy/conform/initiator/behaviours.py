@@ -438,7 +438,7 @@ class BindSnapshot(Behaviour):
         self.snapshots: list[tuple[int, bytes]] = []     # (Block Offset, octets)
 
     def placed(self, conn: CheckedConnection, payload: bytes) -> None:
-        if payload[1:2] != bytes([Opcode.BIND]):
+        if codec.opcode_of(payload) != Opcode.BIND:
             return
         try:
             bind = codec.decode(payload, conn.addr_le)

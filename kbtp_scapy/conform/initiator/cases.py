@@ -32,7 +32,7 @@ DIRECT, QUOTAS, SECURITY = "Direct Modes", "Allocation Quotas", "Security Consid
 async def hello_header(ctx: ICtx) -> None:
     await ctx.run_ok("")
     s = ctx.record.sessions[0]
-    ctx.check(bool(s.messages) and s.messages[0].payload[1:2] == bytes([Opcode.HELLO]),
+    ctx.check(bool(s.messages) and codec.opcode_of(s.messages[0].payload) == Opcode.HELLO,
               "HELLO as the first message", s.message_opcodes()[:1])
     raw = s.hello_raw
     ctx.check(len(raw) == codec.message_length(Opcode.HELLO, 0), "a HELLO of 44 octets", f"{len(raw)} octets")

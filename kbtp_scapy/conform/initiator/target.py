@@ -144,7 +144,7 @@ def _observe(qp: QueuePair, conn: CheckedConnection) -> None:
     def note(msg: Any) -> Any:
         if msg is not None and not msg.write_imm:
             taken = session.taken(msg.payload)
-            if session.hello is None and taken.payload[1:2] == bytes([Opcode.HELLO]):
+            if session.hello is None and codec.opcode_of(taken.payload) == Opcode.HELLO:
                 session.hello_raw = taken.payload
                 session.hello = taken.decoded or {}
         return msg
