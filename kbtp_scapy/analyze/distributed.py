@@ -60,7 +60,7 @@ def analyze(files: list[Path], out: Path, dask: Any,
     targets = [r[0] for r in con.execute("SELECT DISTINCT target FROM m").fetchall()]
     opcodes = [r[0] for r in con.execute(
         "SELECT DISTINCT opcode_name FROM m WHERE opcode_name IN "
-        "('LOAD', 'STORE', 'ALLOC_STORE', 'FREE', 'BIND')").fetchall()]
+        f"{Q.REQUEST_NAMES}").fetchall()]
     captures = con.execute("SELECT count(DISTINCT capture) FROM m").fetchone()[0]
     first, interval = Q.span(con)
     con.close()

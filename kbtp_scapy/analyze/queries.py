@@ -17,9 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import tables as T
+from .rows import REQUESTS
+
 MIN_SAMPLES = 20            # answers of an opcode below which no slow bound is derived
 NO_BOUND_S = 1.0            # how long an unanswered request must wait without a bound
 LISTED = 20                 # findings listed per checker; the rest are counted
+
+#: the SQL list of the request opcodes, from the tables
+REQUEST_NAMES = "(" + ", ".join(f"'{T.BY_OPCODE[o].name}'" for o in sorted(REQUESTS)) + ")"
 
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99, "p999": 0.999}
 
@@ -106,7 +112,7 @@ def statistics(con: Any) -> list[dict[str, Any]]:
         SELECT opcode_name AS opcode,
                coalesce(answer_status_name, CASE WHEN recorded THEN 'RECORD' ELSE 'UNANSWERED' END) AS status,
                count(*) AS count, {cols}, max(latency_s) AS max
-        FROM m WHERE opcode_name IN ('LOAD', 'STORE', 'ALLOC_STORE', 'FREE', 'BIND')
+        FROM m WHERE opcode_name IN {REQUEST_NAMES}
         GROUP BY ALL ORDER BY opcode, status""")
 
 
@@ -129,19 +135,19 @@ def timeline(con: Any, first: float, interval: float) -> list[dict[str, Any]]:
                count(*) AS requests,
                sum(CASE WHEN opcode_name = 'LOAD' THEN coalesce(answer_data_length, 0)
                         ELSE coalesce(dd_length, bind_data_length, 0) END) AS octets
-        FROM m WHERE opcode_name IN ('LOAD', 'STORE', 'ALLOC_STORE', 'FREE', 'BIND')
+        FROM m WHERE opcode_name IN {REQUEST_NAMES}
         GROUP BY ALL ORDER BY bin, opcode, status""")
 
 
 def sessions(con: Any) -> list[dict[str, Any]]:
     """Per session: who, to which target, its requests, failures and latency."""
-    return _all(con, """
+    return _all(con, f"""
         SELECT session, any_value(initiator) AS initiator, any_value(target) AS target,
                count(*) AS requests, count(*) FILTER (WHERE answer_status = 0) AS ok,
                count(*) FILTER (WHERE answer_status != 0) AS refused,
                count(*) FILTER (WHERE answer_frame IS NULL) AS unanswered,
                quantile_cont(latency_s, 0.5) AS p50, quantile_cont(latency_s, 0.99) AS p99
-        FROM m WHERE opcode_name IN ('LOAD', 'STORE', 'ALLOC_STORE', 'FREE', 'BIND')
+        FROM m WHERE opcode_name IN {REQUEST_NAMES}
         GROUP BY session ORDER BY session""")
 
 

@@ -27,7 +27,8 @@ Row = dict[str, Any]
 #: given up as unanswered, so a capture of a peer that never answers stays in bounded memory
 MAX_PENDING = 1 << 16
 
-REQUESTS = frozenset({Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND})
+#: the requests a COMPLETION answers, as the tables say
+REQUESTS = frozenset(Opcode(m.opcode) for m in T.MESSAGES if m.answer == T.BY_OPCODE[Opcode.COMPLETION].name)
 _OPCODE_NAMES = {v.value: v.name for v in T.OPCODES.values}
 _STATUS_NAMES = {v.value: v.name for v in T.STATUS.values}
 
