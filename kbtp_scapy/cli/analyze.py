@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from ..analyze.rows import CaptureError
+from ..decode import capture_files
 from .errors import Exit
 
 
@@ -25,7 +26,7 @@ def _captures(inputs: tuple[str, ...]) -> tuple[list[Path], list[Path]]:
             if any(path.glob("*/*.parquet")):
                 datasets.append(path)
                 continue
-            found = sorted(p for p in path.rglob("*") if p.suffix in (".pcap", ".pcapng") and p.is_file())
+            found = capture_files(path)
             if not found:
                 raise click.BadParameter(f"{text}: no .pcap or .pcapng file and no dataset in it",
                                          param_hint="CAPTURE")

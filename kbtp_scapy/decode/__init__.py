@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from ..wire.message import RdmaMessage
 from .frames import ROCE, SUPPORTED, TCP, locate
 from .iwarp import IwarpStreams
-from .pcapfile import CaptureError, Reader
+from .pcapfile import CaptureError, Reader, capture_files
 from .roce import RoceSends
 
-__all__ = ["CaptureError", "Reader", "Stats", "rdma_messages"]
+__all__ = ["CaptureError", "Reader", "Stats", "capture_files", "rdma_messages"]
 
 
 @dataclass

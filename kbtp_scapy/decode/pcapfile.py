@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import BinaryIO
 
 CHUNK = 1 << 20
@@ -22,6 +23,15 @@ _PCAPNG_SHB = b"\x0a\x0d\x0d\x0a"
 _BYTE_ORDER_MAGIC = 0x1A2B3C4D
 _EPB, _SPB, _OPB, _IDB, _SHB = 6, 3, 2, 1, 0x0A0D0D0A
 _OPT_TSRESOL, _OPT_TSOFFSET = 9, 14
+
+
+#: what a capture file's name ends in, for the tools that take a folder of them
+SUFFIXES = (".pcap", ".pcapng", ".cap")
+
+
+def capture_files(folder: Path) -> list[Path]:
+    """The capture files in ``folder`` and the folders below it, in name order."""
+    return sorted(p for p in folder.rglob("*") if p.suffix in SUFFIXES and p.is_file())
 
 
 class CaptureError(Exception):

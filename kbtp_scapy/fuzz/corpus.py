@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..capture import kbtp_messages
-from ..decode import CaptureError, Reader, rdma_messages
+from ..decode import CaptureError, Reader, capture_files, rdma_messages
 from ..vocab import Opcode, RequestFlag
 from .cases import REQUEST_OPS
-
-SUFFIXES = (".pcap", ".pcapng", ".cap")
 
 
 class CorpusError(Exception):
@@ -32,7 +30,7 @@ class Corpus:
 
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
-        found = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES and p.is_file())
+        found = capture_files(path)
         if not found:
             raise CorpusError(f"--seed-corpus {path}: no .pcap or .pcapng file in the folder")
         return found
