@@ -20,6 +20,7 @@ from kbtp_scapy.bench.runner import sweep
 from kbtp_scapy.bench.stats import Samples, histogram, percentile
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.operations import Executor
+from kbtp_scapy.vocab import Opcode
 
 from .kbtp_harness import TargetThread
 from .tshark import TSHARK, needs_tshark
@@ -134,7 +135,7 @@ def test_direct_alloc_slower_than_the_ticket_timeout_goes_on_in_a_new_session(tr
         if binds[0] % 10 == 0:
             await asyncio.sleep(0.012)
         return await bind(self, conn, req, fetch)
-    monkeypatch.setattr(Executor, "bind", slow_bind)
+    monkeypatch.setitem(Executor._handlers, Opcode.BIND, slow_bind)   # the dispatch's own table
     net = f"127.48.{secrets.randbelow(250) + 1}"
     t = TargetThread(transport, TargetConfig(blocks=256, block_size=4096, max_initiators=8,
                                              ticket_timeout_ms=1), hosts=[f"{net}.{i}" for i in range(1, 8)])
@@ -143,6 +144,7 @@ def test_direct_alloc_slower_than_the_ticket_timeout_goes_on_in_a_new_session(tr
     finally:
         t.stop()
     assert proc.returncode == 0, proc.stderr
+    assert binds[0] >= 200, binds                 # the slow BIND is the one the target ran
     alloc, free = json.loads(proc.stdout)["results"]
     assert alloc["expired"] > 0 and alloc["errors"] == 0, alloc
     assert alloc["iterations"] == 200 - max(0, alloc["expired"] - 200), alloc    # each taken again once
