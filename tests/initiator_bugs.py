@@ -710,6 +710,23 @@ class _Credits:
             self.semaphore.release()
 
 
+class _SlowSender:
+    """A credit semaphore after which requests go out one every ``gap`` seconds: the
+    initiator as a busy host runs it."""
+
+    def __init__(self, semaphore: asyncio.Semaphore, gap: float) -> None:
+        self.semaphore, self.gap = semaphore, gap
+        self.turn = asyncio.Lock()
+
+    async def __aenter__(self) -> None:
+        await self.semaphore.acquire()
+        async with self.turn:
+            await asyncio.sleep(self.gap)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.semaphore.release()
+
+
 def _without_credit(method: str) -> Plant:
     """Requests of ``method`` sent without taking a credit (the others take one)."""
     def plant() -> None:
@@ -925,6 +942,10 @@ CORPUS = [
     Bug("credits_request_only", "Completion Credits is the number of receive buffers the initiator has "
         "posted for COMPLETION messages.", "credits.completion_buffers",
         after_hello(lambda self: setattr(self, "_credits", asyncio.Semaphore(self.target.request_credits)))),
+    Bug("credits_request_only_slow", "Completion Credits is the number of receive buffers the initiator "
+        "has posted for COMPLETION messages.", "credits.completion_buffers",
+        after_hello(lambda self: setattr(self, "_credits", _SlowSender(
+            asyncio.Semaphore(self.target.request_credits), 0.02)))),
     Bug("quota_tickets_uncounted", "plus the number of tickets it has taken and not yet bound",
         "quota.concurrent", plant_tickets_uncounted),
     Bug("quota_failed_free_counted", "the target releases one unit of usage when a FREE completes",

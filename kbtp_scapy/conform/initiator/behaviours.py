@@ -68,10 +68,12 @@ class Strays(Grant):
 
 
 class Burst(Behaviour):
-    """Grant ``extra`` Request Credits more than the Completion Credits the HELLO
-    announced, and hold completions until as many requests wait as the initiator has
-    receive buffers, or until no request came for ``SETTLE`` seconds: then send them
-    all at once."""
+    """Grant ``extra`` Request Credits more than the Completion Credits C the HELLO
+    announced, and hold completions: once C requests wait, until one more comes (the
+    initiator broke its promise: sent at once, they need C + 1 buffers) or none came for
+    a quiet spell; then send them all at once. The spell is ``SETTLE`` or four times the
+    longest gap between the requests held, whichever is longer: on a busy host an
+    initiator that keeps more than C in flight still shows it, however slowly it sends."""
 
     def __init__(self, extra: int) -> None:
         self.extra = extra
@@ -80,6 +82,8 @@ class Burst(Behaviour):
         self.no_buffer = 0          # COMPLETIONs the initiator's RNIC had no buffer for (RNR NAKs)
         self._timer: asyncio.TimerHandle | None = None
         self._conn: CheckedConnection | None = None
+        self._last = 0.0            # when the last request held came
+        self._gap = 0.0             # the longest gap between two requests held together
 
     def hello_ack(self, conn: CheckedConnection, body: HelloAck) -> None:
         credits = (conn.session.hello or {}).get("hello.completion_credits", 1)
@@ -87,21 +91,25 @@ class Burst(Behaviour):
 
     def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
                  send: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
         self._conn = conn
+        if self.held:
+            self._gap = max(self._gap, loop.time() - self._last)
+        self._last = loop.time()
         self.held.append(send)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if len(self.held) >= (conn.session.hello or {}).get("hello.completion_credits", 1):
+        if len(self.held) > (conn.session.hello or {}).get("hello.completion_credits", 1):
             self._flush()
         else:
-            self._timer = asyncio.get_running_loop().call_later(SETTLE, self._flush)
+            self._timer = loop.call_later(max(SETTLE, 4 * self._gap), self._flush)
 
     def _flush(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        held, self.held = self.held, []
+        held, self.held, self._gap = self.held, [], 0.0
         self.bursts.append(len(held))
         for send in held:
             send()

@@ -187,8 +187,8 @@ async def credits_strays(ctx: ICtx) -> None:
        receive buffers the initiator has posted for COMPLETION messages.""")
 async def credits_completion_buffers(ctx: ICtx) -> None:
     """A first run learns the Completion Credits C of the HELLO. The second is granted
-    C + 8 Request Credits, and its completions are held until C requests wait (or none
-    came for a while), then sent at once. Rounds of up to 64 FREEs issued together, more
+    C + 8 Request Credits, and its completions are held until C + 1 requests wait, or
+    none more came for a while (``behaviours.Burst``), then sent at once. Rounds of up to 64 FREEs issued together, more
     in all than C: never more than C requests in flight (each one's COMPLETION needs a
     buffer; judged where C is below 57), and every buffer posted again, so that every
     COMPLETION finds one."""
