@@ -23,18 +23,32 @@ Run = Callable[[], Awaitable[Outcome]]
 
 
 class Grant(Behaviour):
-    """Grant ``credits`` Request Credits and hold every completion ``hold`` seconds, so
-    that an initiator that sends past its credits shows it while they are held."""
+    """Grant ``credits`` Request Credits and hold every completion ``hold`` seconds, or
+    four times the longest gap seen between two requests in flight together if longer
+    (an initiator on a busy host sends slowly): an initiator that sends past its credits
+    shows it while they are held."""
 
     def __init__(self, credits: int, hold: float = SETTLE) -> None:
         self.credits, self.hold = credits, hold
+        self._held = 0
+        self._last = 0.0
+        self._gap = 0.0
 
     def hello_ack(self, conn: CheckedConnection, body: HelloAck) -> None:
         body["hello_ack.request_credits"] = self.credits
 
     def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
                  send: Callable[[], None]) -> None:
-        asyncio.get_running_loop().call_later(self.hold, send)
+        loop = asyncio.get_running_loop()
+        if self._held:
+            self._gap = max(self._gap, loop.time() - self._last)
+        self._last = loop.time()
+        self._held += 1
+
+        def sent() -> None:
+            self._held -= 1
+            send()
+        loop.call_later(max(self.hold, 4 * self._gap), sent)
 
 
 class Strays(Grant):
