@@ -518,6 +518,12 @@ def main() -> int:
         return asyncio.run(judge_conform(args.judge_conform, args.local, args.timeout))
     if args.judge_fuzz:
         return asyncio.run(judge_fuzz(args.judge_fuzz, args.local, args.timeout, args.fuzz_cases, args.seed))
+    try:
+        import cosmic_ray  # noqa: F401 - its operators make the mutants
+    except ImportError:
+        print("mutants.py: Cosmic Ray is not installed; run: .venv/bin/pip install -e '.[mutation]'",
+              file=sys.stderr)
+        return 2
     population = enumerate_mutants(role)
     judge_role = judge if role.name == "target" else judge_initiator
     if args.list:
