@@ -39,6 +39,7 @@ __all__ = [
     "CompletionRecord",
     "AnyStruct",
     "StructRecord",
+    "REQUESTS",
 ]
 
 
@@ -136,6 +137,16 @@ class EntryFlag(WireFlag):
     VALID = 0x0001
     #: The block will not change until it is freed
     SEALED = 0x0002
+
+
+#: The requests: the messages a COMPLETION answers, each with a credit.
+REQUESTS: frozenset[Opcode] = frozenset({
+    Opcode.LOAD,
+    Opcode.STORE,
+    Opcode.ALLOC_STORE,
+    Opcode.FREE,
+    Opcode.BIND,
+})
 
 
 # ---- Messages: the header's fields and the body's, every conditional item optional

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from ..initiator.direct import ABANDONED_AFTER
 from ..initiator.results import TargetInfo
 from ..tables.enums import OPCODES, STATUS
-from ..vocab import AnyMessage, Feature, Opcode, RequestFlag, Status
+from ..vocab import REQUESTS, AnyMessage, Feature, Opcode, RequestFlag, Status
 from .findings import Finding
 from .tally import (
     FOREIGN,
@@ -49,7 +49,6 @@ from .tally import (
     Tally,
 )
 
-REQUESTS = (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND)
 FLAGGED = (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE)  # the request flags apply to these
 MEANINGLESS: dict[int, int] = {
     Opcode.LOAD: RequestFlag.INLINE | RequestFlag.SEAL, Opcode.STORE: RequestFlag.ALLOW_UNSEALED,

@@ -23,7 +23,6 @@ from ..tables.enums import OPCODES
 from ..vocab import AnyMessage, Feature, Opcode
 from ..wire.message import RdmaMessage
 
-REQUESTS = {Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND}
 DIRECT_REGIONS = ("table", "pool", "partition", "ring", "head")
 MAX_BLOCK = 1 << 24    # the largest Block Size replay makes buffers for (16 MiB)
 

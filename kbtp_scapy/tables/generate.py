@@ -101,7 +101,9 @@ def vocab_source() -> str:
     msgs = messages.MESSAGES
     names = ([enum_class(e) for e in enums.ENUMERATIONS] + [flag_class(f) for f in enums.FLAG_SETS]
              + [message_record(m) for m in msgs] + ["AnyMessage", "MessageRecord"]
-             + [struct_record(s) for s in STRUCTS] + ["AnyStruct", "StructRecord"])
+             + [struct_record(s) for s in STRUCTS] + ["AnyStruct", "StructRecord", "REQUESTS"])
+    completion = next(m for m in msgs if m.opcode == enums.OPCODES.by_name()["COMPLETION"])
+    requests = [m.name for m in msgs if m.answer == completion.name]
     lines = [
         '"""KBTP\'s vocabulary as Python types: enumerations, flag sets and records.',
         "",
@@ -126,6 +128,9 @@ def vocab_source() -> str:
         lines += ["", "", *_enum_source(e)]
     for f in enums.FLAG_SETS:
         lines += ["", "", *_flag_source(f)]
+    lines += ["", "", "#: The requests: the messages a COMPLETION answers, each with a credit.",
+              "REQUESTS: frozenset[Opcode] = frozenset({",
+              *(f"    Opcode.{name}," for name in requests), "})"]
     lines += ["", "", "# ---- Messages: the header's fields and the body's, every conditional item optional"]
     for m in msgs:
         lines += ["", "", *_typed_dict(message_record(m), f"{m.name}: {m.title} (kbtp-draft, {m.body.section})",

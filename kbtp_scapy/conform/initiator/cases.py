@@ -12,7 +12,7 @@ from ... import codec
 from ...ring import add_mask
 from ...tables import RING_COUNTER, memory as M
 from ...tables.enums import OPCODES
-from ...vocab import AnyMessage, EntryFlag, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
+from ...vocab import REQUESTS, AnyMessage, EntryFlag, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
 from ..registry import MUST, MUST_NOT, RULE, SHOULD
 from . import behaviours as B
 from .context import ICtx, icase
@@ -698,8 +698,7 @@ async def request_ids(ctx: ICtx) -> None:
             r = m.decoded
             ctx.check(r["version"] == 1 and r["status"] == 0, "requests with Version 1 and Status 0",
                       f"{OPCODES.describe(r['opcode'])} Version {r['version']} Status {r['status']}")
-    requests = [m for m in s.messages if m.decoded and m.decoded["opcode"] in
-                (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND)]
+    requests = [m for m in s.messages if m.decoded and m.decoded["opcode"] in REQUESTS]
     for r, r2 in _together(s, requests):
         ctx.check(r["request_id"] != r2["request_id"], "a Request ID of its own for each request in "
                   "flight", f"{OPCODES.describe(r['opcode'])} and {OPCODES.describe(r2['opcode'])} "

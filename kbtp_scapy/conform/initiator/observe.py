@@ -14,10 +14,9 @@ from enum import Enum
 from typing import Any
 
 from ... import codec
-from ...vocab import AnyMessage, HelloAck, Opcode
+from ...vocab import REQUESTS, AnyMessage, HelloAck, Opcode
 from ..registry import Skip
 
-REQUESTS = (Opcode.LOAD, Opcode.STORE, Opcode.ALLOC_STORE, Opcode.FREE, Opcode.BIND)
 REGIONS = ("table", "pool", "partition", "ring", "head")
 
 
