@@ -16,6 +16,7 @@ from ...vocab import REQUESTS, AnyMessage, EntryFlag, Feature, GoodbyeFlag, Opco
 from ..registry import MUST, MUST_NOT, RULE, SHOULD
 from . import behaviours as B
 from .context import ICtx, icase
+from .model import weak_id
 
 RECORD = RequestFlag.RECORD
 BLOCK = 4096
@@ -47,14 +48,6 @@ async def hello_header(ctx: ICtx) -> None:
               hello.get("hello.completion_credits"))
 
 
-def _weak(ident: bytes) -> str | None:
-    if not any(ident):
-        return "all zero"
-    if len(set(ident)) <= 2:
-        return f"{len(set(ident))} distinct octet values"
-    return None
-
-
 @icase("hello.id_entropy", SESSION, MUST, """Because it gives access to those bindings, the
        Initiator ID MUST be generated with at least 128 bits of entropy and kept secret""")
 async def hello_id_entropy(ctx: ICtx) -> None:
@@ -68,7 +61,7 @@ async def hello_id_entropy(ctx: ICtx) -> None:
     ctx.check(len(set(ids)) == 4, "4 distinct Initiator IDs from 4 fresh initiators",
               " ".join(i.hex() for i in ids))
     for ident in ids:
-        why = _weak(ident)
+        why = weak_id(ident)
         ctx.check(why is None, "an Initiator ID of random octets", f"{ident.hex()} ({why})")
     values = sorted(int.from_bytes(i, "big") for i in ids)
     for a, b in zip(values, values[1:]):

@@ -44,8 +44,8 @@ from ...ring import add_mask
 from ...tables import RING_COUNTER, memory as M
 from ...tables.enums import OPCODES
 from ...tally import Tally
-from ...vocab import AnyMessage, AnyStruct, EntryFlag, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
-from .observe import REQUESTS, Access, Altered, Session
+from ...vocab import REQUESTS, AnyMessage, AnyStruct, EntryFlag, Feature, GoodbyeFlag, Opcode, RequestFlag, Status
+from .observe import Access, Altered, Session
 from .program import Run
 
 #: the operation each opcode may answer (DIRECT_LOAD may go by LOAD where it cannot read)
