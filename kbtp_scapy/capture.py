@@ -20,6 +20,7 @@ from .codec import looks_like_kbtp
 from .decode.pcapfile import CaptureError
 from .vocab import AnyMessage, Feature
 from .wire.message import RdmaMessage
+from .words import count
 
 if TYPE_CHECKING:
     from scapy.packet import Packet
@@ -28,6 +29,8 @@ __all__ = ["CaptureError", "Found", "ResponseTimes", "kbtp_messages", "rdma_mess
            "session_key", "to_json", "where_it_ends"]
 
 SEND_KINDS = {"send", "send_inv"}
+#: requests kept waiting for their answer (``ResponseTimes``)
+MAX_PENDING = 1 << 16
 _HELLO_ACK = T.BY_NAME["HELLO_ACK"].opcode
 
 
@@ -71,11 +74,14 @@ class ResponseTimes:
     """Request-to-answer times of a capture, per request opcode and per opcode and status
     of the answer: what tshark's ``-z kbtp,srt`` gives, without the C plugin. A request is
     answered by the next message of its answer's opcode with its Request ID on its
-    connection (a HELLO by the HELLO_ACK)."""
+    connection (a HELLO by the HELLO_ACK). At most ``MAX_PENDING`` requests wait for
+    their answer; past that the oldest is given up as unanswered, so a capture of a peer
+    that never answers is read in bounded memory."""
 
     pending: dict[tuple, Found] = field(default_factory=dict)
     by_opcode: dict[int, list[float]] = field(default_factory=dict)
     by_status: dict[int, dict[int, list[float]]] = field(default_factory=dict)
+    given_up: int = 0
 
     def add(self, found: Found) -> None:
         msg = T.BY_OPCODE.get(found.fields.get("opcode", -1))
@@ -84,6 +90,9 @@ class ResponseTimes:
         key = (found.transport, found.connection, found.fields.get("request_id"))
         if msg.answer:
             self.pending[(*key, msg.answer)] = found
+            if len(self.pending) > MAX_PENDING:
+                del self.pending[next(iter(self.pending))]
+                self.given_up += 1
             return
         request = self.pending.pop((*key, msg.name), None)
         if request is None or request.time is None:
@@ -111,7 +120,7 @@ class ResponseTimes:
         return {"by_opcode": {op: self.summary(t) for op, t in by_opcode[1].items()},
                 "by_opcode_status": {column.removesuffix(" status"): {st: self.summary(t) for st, t in rows.items()}
                                      for column, rows in by_status},
-                "unanswered": len(self.pending)}
+                "unanswered": self.unanswered}
 
     def text(self) -> list[str]:
         """tshark's SRT tables, in seconds: per opcode, then each opcode per status."""
@@ -125,7 +134,11 @@ class ResponseTimes:
                 out.append(f"{name:<22} {s['calls']:>6} {s['min']:>10.6f} {s['max']:>10.6f} "
                            f"{s['avg']:>10.6f} {s['sum']:>10.6f}")
         answered = sum(len(t) for t in self.by_opcode.values())
-        return [*out, "", f"{answered:,} requests answered, {len(self.pending):,} unanswered"]
+        return [*out, "", f"{count(answered, 'request')} answered, {self.unanswered:,} unanswered"]
+
+    @property
+    def unanswered(self) -> int:
+        return len(self.pending) + self.given_up
 
 
 def where_it_ends(path: str | Path) -> str | None:

@@ -19,7 +19,7 @@ from kbtp_scapy.builders.iwarp import IwarpConversation
 from kbtp_scapy.builders.roce import RcConnection, RoceEndpoint
 from kbtp_scapy.capture import kbtp_messages, rdma_messages, read_packets, to_json
 from kbtp_scapy.decode import Reader, Stats, rdma_messages as stream_messages
-from kbtp_scapy.vocab import Feature, Opcode
+from kbtp_scapy.vocab import REQUESTS, Feature, Opcode
 from tests.test_dissector import EXTRA, fields as tshark_fields
 from tests.tshark import needs_tshark
 
@@ -558,6 +558,24 @@ def test_stats_are_the_dissectors_response_times(name):
     mixed = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--stats", "--opcode", "LOAD", str(pcap)],
                            capture_output=True, text=True, timeout=120)
     assert mixed.returncode == 2 and len(mixed.stderr.splitlines()) == 1, mixed.stderr
+
+
+def test_response_times_keep_a_bounded_number_of_requests_waiting(monkeypatch):
+    """A capture whose requests are never answered (here: every answer left out of a real
+    capture) keeps at most MAX_PENDING requests waiting; the ones given up still count as
+    unanswered."""
+    import kbtp_scapy.capture as capture
+    pcap = ROOT / "pcaps" / "roce_session.pcap"
+    found = [f for f in kbtp_messages(stream_messages(Reader(pcap.open("rb"), str(pcap))))
+             if f.fields.get("opcode") != Opcode.COMPLETION]
+    requests = sum(1 for f in found if f.fields.get("opcode") in REQUESTS)
+    assert requests > 4
+    monkeypatch.setattr(capture, "MAX_PENDING", 3)
+    times = capture.ResponseTimes()
+    for f in found:
+        times.add(f)
+    assert len(times.pending) == 3 and times.as_json()["unanswered"] == requests
+    assert times.text()[-1] == f"1 request answered, {requests} unanswered"      # the HELLO
 
 
 @pytest.mark.parametrize("name", ["roce_session.pcap", "iwarp_session.pcap"])
