@@ -727,6 +727,16 @@ class _SlowSender:
         self.semaphore.release()
 
 
+def plant_mpa_revision_1() -> None:
+    """An MPA Request of revision 1 (RFC 5044's, no IRD or ORD), as an old stack sends."""
+    from kbtp_scapy.rnic import iwarp as rnic_iwarp
+    real = rnic_iwarp.w.build_startup
+
+    def build(request: bool, flags: int, rev: int, *args: Any, **kwargs: Any) -> bytes:
+        return real(request, flags, 1) if request else real(request, flags, rev, *args, **kwargs)
+    rnic_iwarp.w.build_startup = build
+
+
 def _without_credit(method: str) -> Plant:
     """Requests of ``method`` sent without taking a credit (the others take one)."""
     def plant() -> None:
@@ -946,6 +956,8 @@ CORPUS = [
         "has posted for COMPLETION messages.", "credits.completion_buffers",
         after_hello(lambda self: setattr(self, "_credits", _SlowSender(
             asyncio.Semaphore(self.target.request_credits), 0.02)))),
+    Bug("mpa_revision_1", "Peers SHOULD use the enhanced connection establishment of .",
+        "binding.mpa.enhanced", plant_mpa_revision_1, ("iwarp",)),
     Bug("quota_tickets_uncounted", "plus the number of tickets it has taken and not yet bound",
         "quota.concurrent", plant_tickets_uncounted),
     Bug("quota_failed_free_counted", "the target releases one unit of usage when a FREE completes",

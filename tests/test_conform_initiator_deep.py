@@ -37,7 +37,7 @@ def test_reference_initiator_passes_the_deeper_cases(transport):
 PLANTED = [("id_uuid4", "iwarp"), ("id_half_repeated", "roce"), ("id_fixed_prefix", "iwarp"),
            ("stray_returns_credit", "roce"), ("recv_not_reposted", "roce"),
            ("recv_not_reposted", "iwarp"), ("credits_request_only", "iwarp"),
-           ("credits_request_only_slow", "roce"),
+           ("credits_request_only_slow", "roce"), ("mpa_revision_1", "iwarp"),
            ("quota_tickets_uncounted", "roce"), ("quota_failed_free_counted", "iwarp"),
            ("addr_le_entries_ignored", "roce"), ("allow_unsealed_always", "iwarp"),
            ("unsealed_retry", "roce"), ("invalidate_on_free", "iwarp"),

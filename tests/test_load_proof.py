@@ -5,20 +5,10 @@ verdicts they get on a quiet host, PASS, or SKIP where the checker itself could 
 (never FAIL: the issue's rule; ``test_conform.py`` and
 ``test_conform_initiator.py`` run the whole suites quiet).
 
-The selection is the cases whose verdicts hang on time, not a whole run per binding
-(four of those under this load would take the suite past its half hour on two cores):
-
-- target side: every case that judges tickets before the Ticket Timeout
-  (``direct.quota.tickets`` takes many; ``direct.ticket.within_timeout`` sleeps part of it
-  on purpose; ``direct.bind.verify`` and ``direct.alloc.atomics`` bind after several round
-  trips), one that waits for an abandonment (``direct.ticket.abandoned``), and two that hold
-  the target's RDMA Read and watch what must not happen meanwhile (``completion.order``,
-  ``session.credits.request``);
-- initiator side, against ``kbtp initiator`` as a separate program: the Ticket Timeout
-  from the initiator's end (``direct_alloc.ticket_timeout``, ``direct_alloc.abandoned``),
-  completions held back by the checking target (``credits.one``), answers the program must
-  wait past (``completion.duplicate``, ``completion.unknown_id``), and a plain one
-  (``hello.header``), each run a program that starts slowly on a busy host.
+The selection is the cases whose verdicts hang on time (``tools/load_proof.py`` names them
+and says why), not a whole run per binding (four of those under this load would take the
+suite past its half hour on two cores). One run per setup here, and five runs for one setup
+of each role; the tool runs five of every setup and writes docs/LOAD_PROOF.md.
 
 Every process is separate, as in use: ``kbtp target``, ``kbtp conform`` and the programs
 the initiator checker starts. The busy loops end by themselves and are killed at the end.
@@ -26,59 +16,19 @@ the initiator checker starts. The busy loops end by themselves and are killed at
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from .kbtp_harness import fresh_hosts
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import load_proof as tool  # noqa: E402 - a tool, not a package
+
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
-LOOPS_PER_CORE = 8
-TARGET_CASES = ["direct.quota.tickets", "direct.ticket.within_timeout", "direct.bind.verify",
-                "direct.alloc.atomics", "direct.ticket.abandoned", "completion.order",
-                "session.credits.request"]
-INITIATOR_CASES = ["direct_alloc.ticket_timeout", "direct_alloc.abandoned", "credits.one",
-                   "completion.duplicate", "completion.unknown_id", "hello.header"]
-#: seconds the busy loops run at most, should the test be stopped before its finally
-BOUND = 900
-
-
-@contextmanager
-def busy_loops() -> Iterator[None]:
-    """``LOOPS_PER_CORE`` busy loops per core, each ending by itself after ``BOUND`` s."""
-    loop = f"import time\nend = time.monotonic() + {BOUND}\nwhile time.monotonic() < end: pass\n"
-    procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(LOOPS_PER_CORE * (os.cpu_count() or 1))]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
-
-
-@contextmanager
-def reference_target(transport: str, execution: str) -> Iterator[tuple[str, list[str]]]:
-    """``kbtp target`` on an address of its own: its URL and the checker's --local option."""
-    host, local = fresh_hosts(2)
-    url = f"{transport}://{host}:{5420 if transport == 'iwarp' else 4791}"
-    proc = subprocess.Popen([*KBTP, "target", "--transport", transport, "--listen", url.split("//")[1],
-                             "--execution", execution], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()          # its start-up line, once it listens
-        assert "listening" in first, first
-        yield url, (["--local", local] if transport == "roce" else [])
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def verdicts(doc_path: Path) -> dict[str, tuple[str, str, str, str]]:
@@ -91,20 +41,20 @@ def verdicts(doc_path: Path) -> dict[str, tuple[str, str, str, str]]:
 @pytest.mark.parametrize("transport", ["iwarp", "roce"])
 def test_the_reference_target_passes_the_timing_cases_under_load(transport, execution, tmp_path):
     out = tmp_path / "conform.json"
-    with reference_target(transport, execution) as (url, local), busy_loops():
+    with tool.reference_target(transport, execution, *fresh_hosts(2)) as (url, local), tool.busy_loops():
         started = time.monotonic()
         proc = subprocess.run([*KBTP, "conform", "--target", url, *local, "-q", "--json-file", str(out),
-                               *(arg for c in TARGET_CASES for arg in ("--only", c))],
-                              capture_output=True, text=True, timeout=BOUND)
+                               *(arg for c in tool.TARGET_CASES for arg in ("--only", c))],
+                              capture_output=True, text=True, timeout=tool.BOUND)
         took = time.monotonic() - started
     seen = verdicts(out)
-    assert set(seen) == set(TARGET_CASES), seen
+    assert set(seen) == set(tool.TARGET_CASES), seen
     # PASS, or SKIP because the checker itself could not keep up (conform/pace.py): on a
     # host this busy beside the rest of the suite that is the honest verdict; never FAIL
     bad = {case: v for case, v in seen.items()
-           if v[0] != "PASS" and not (v[0] == "SKIP" and "took the checker" in v[3])}
+           if v[0] != "PASS" and not (v[0] == "SKIP" and tool.PACE in v[3])}
     assert proc.returncode == 0 and not bad, (f"{took:.0f} s", bad, proc.stderr)
-    assert sum(v[0] == "PASS" for v in seen.values()) >= len(TARGET_CASES) - 1, seen
+    assert sum(v[0] == "PASS" for v in seen.values()) >= len(tool.TARGET_CASES) - 1, seen
 
 
 @pytest.mark.slow
@@ -115,12 +65,12 @@ def test_the_reference_initiator_passes_the_timing_cases_under_load(transport, t
     listen = f"{transport}://{host}:{5430 if transport == 'iwarp' else 4791}"
     program = [*KBTP, "initiator", "{url}", "--timeout", "{timeout}", "--local", "{local}",
                "--id-file", "{state}/id", "script", "--ops", "{ops}", "--in", "{in}", "--out", "{out}"]
-    with busy_loops():
+    with tool.busy_loops():
         proc = subprocess.run([*KBTP, "conform", "--role", "initiator", "--listen", listen, "-q",
-                               "--json-file", str(out), *(arg for c in INITIATOR_CASES for arg in ("--only", c)),
-                               "--", *program], capture_output=True, text=True, timeout=BOUND)
+                               "--json-file", str(out), *(arg for c in tool.INITIATOR_CASES for arg in ("--only", c)),
+                               "--", *program], capture_output=True, text=True, timeout=tool.BOUND)
     seen = verdicts(out)
-    assert set(seen) == set(INITIATOR_CASES), seen
+    assert set(seen) == set(tool.INITIATOR_CASES), seen
     bad = {case: v for case, v in seen.items() if v[0] != "PASS"}
     assert proc.returncode == 0 and not bad, (bad, proc.stderr)
 
@@ -141,3 +91,17 @@ def test_a_program_slow_to_start_is_judged_not_called_hung(tmp_path):
                           capture_output=True, text=True, timeout=300)
     [case] = json.loads(proc.stdout)["cases"]
     assert (proc.returncode, case["verdict"]) == (0, "PASS"), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", ["target:iwarp:software", "initiator:roce"])
+def test_five_runs_under_load_give_the_quiet_verdicts(setup):
+    """The issue's proof, for one setup of each role (``tools/load_proof.py`` runs all six
+    and writes docs/LOAD_PROOF.md): five runs of the timing cases with the busy loops
+    beside them, each with the verdicts of the quiet run, or a SKIP where the checker
+    says its own pace was the reason; never a FAIL or ERROR."""
+    result = tool.prove(setup, 5, 8, tool.TARGET_CASES if setup.startswith("target") else tool.INITIATOR_CASES,
+                   tuple(fresh_hosts(2)))
+    assert all(v == "PASS" for v, _ in result.quiet.values()), result.quiet
+    assert not result.failed(), result.failed()
+    assert result.same() + result.paced() == 5, result.runs

@@ -149,8 +149,6 @@ NOT_CHECKED: dict[str, str] = {
     "Direct Modes: This costs two round trips but no target processing.": REASONING,
     "Status Codes: 10 INTERNAL Target failure": "a target failure cannot be provoked from outside on purpose",
     "RDMAP Binding: KBTP runs over an RDMAP Stream on DDP and MPA": "below KBTP: every case runs over it",
-    "RDMAP Binding: Peers SHOULD use the enhanced connection establishment":
-        "negotiated by the RDMA layer (MPA), below what the checker judges",
     "RDMAP Binding: The security of the binding is that of": "a deployment requirement below the RDMA layer",
     "InfiniBand and RoCEv2: The InfiniBand specification defines an unmasked Fetch and Add":
         "a statement about InfiniBand, not about KBTP targets",

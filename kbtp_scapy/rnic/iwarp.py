@@ -153,6 +153,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._phase = "startup"          # startup -> rtr (responder, peer-to-peer) -> fpdu
         self._rtr: Op | None = None      # the RTR the responder waits for (RFC 6581 s4)
+        self.peer_startup: w.Startup | None = None   # the peer's MPA Request or Reply, as it came
         self._rx = bytearray()
         self._rx_pos = self._tx_pos = 0  # FPDU stream positions, for markers
         self._txbuf = bytearray()
@@ -299,7 +300,7 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         frame = bytes(self._rx[:size])
         del self._rx[:size]
         self._received_unit(frame)
-        st = w.parse_startup(frame)
+        st = self.peer_startup = w.parse_startup(frame)
         if st is None or st.request == self._active:
             self._abort_setup("not an MPA " + ("Reply" if self._active else "Request"))
         elif self._active:

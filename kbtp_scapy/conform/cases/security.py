@@ -77,8 +77,20 @@ untestable(SECTION, SHOULD, "Connections SHOULD be confined to a trusted network
            "a deployment recommendation")
 untestable("RDMAP Binding", MUST, "when the network is not trusted, IPsec MUST be used as specified there.",
            "a deployment requirement below the RDMA layer")
-untestable("RDMAP Binding", SHOULD, "Peers SHOULD use the enhanced connection establishment of .",
-           "negotiated by the RDMA layer (MPA), below what the checker judges")
 untestable("Operational Considerations", SHOULD, """Implementations SHOULD expose counters per
            operation and status, ring occupancy, and quota use per initiator.""",
            "counters are exposed out of band, not over KBTP")
+
+
+@case("binding.mpa.enhanced", "RDMAP Binding", SHOULD, "Peers SHOULD use the enhanced connection "
+      "establishment of .", transport="iwarp")
+async def mpa_enhanced(ctx: Ctx) -> None:
+    """The checker's MPA Request is revision 2 with the IRD and ORD of RFC 6581: the
+    target's Reply answers in kind."""
+    a = await ctx.connect(features=0)
+    reply = getattr(a.qp, "peer_startup", None)
+    if reply is None:
+        ctx.skip("the MPA exchange was the RDMA device's own (verbs), not seen by the checker")
+        return
+    ctx.check(reply.rev == 2 and reply.enhanced, "an MPA Reply of revision 2 with RFC 6581's IRD and ORD",
+              f"revision {reply.rev}" + ("" if reply.enhanced else ", without IRD and ORD"))

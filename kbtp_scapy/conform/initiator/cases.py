@@ -48,6 +48,19 @@ async def hello_header(ctx: ICtx) -> None:
               hello.get("hello.completion_credits"))
 
 
+@icase("binding.mpa.enhanced", "RDMAP Binding", SHOULD, "Peers SHOULD use the enhanced connection "
+       "establishment of .", transport="iwarp")
+async def mpa_enhanced(ctx: ICtx) -> None:
+    """The initiator's MPA Request: revision 2 with the IRD and ORD of RFC 6581."""
+    await ctx.run_ok("")
+    request = ctx.record.sessions[0].mpa
+    if request is None:
+        ctx.skip("the MPA exchange was an RDMA device's own, not seen by the checking target")
+        return
+    ctx.check(request.rev == 2 and request.enhanced, "an MPA Request of revision 2 with RFC 6581's IRD "
+              "and ORD", f"revision {request.rev}" + ("" if request.enhanced else ", without IRD and ORD"))
+
+
 @icase("hello.id_entropy", SESSION, MUST, """Because it gives access to those bindings, the
        Initiator ID MUST be generated with at least 128 bits of entropy and kept secret""")
 async def hello_id_entropy(ctx: ICtx) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ... import codec
 from ...vocab import REQUESTS, AnyMessage, HelloAck, Opcode
+from ...wire.iwarp import Startup
 from ..registry import Skip
 
 REGIONS = ("table", "pool", "partition", "ring", "head")
@@ -72,6 +73,8 @@ class Session:
     hidden: str = ""
     in_flight: int = 0
     max_in_flight: int = 0
+    #: the initiator's MPA Request (iWARP; None where an RDMA device's CM took it)
+    mpa: Startup | None = None
     closed: float | None = None
     #: the Generation each answer carried, by Request ID (what the initiator was shown)
     generations: dict[int, int] = field(default_factory=dict)

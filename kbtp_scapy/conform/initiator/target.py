@@ -88,6 +88,7 @@ class CheckedConnection(Connection):
         super().__init__(target, qp)
         assert isinstance(target, CheckingTarget)
         self.session = target.record.new()
+        self.session.mpa = getattr(qp, "peer_startup", None)
         self.behaviour = target.behaviour
         self.read_hold: Any = None        # a ReadHold of this connection, made when a case needs one
         _observe(qp, self)
