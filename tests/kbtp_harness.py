@@ -16,8 +16,11 @@ from typing import Any
 from kbtp_scapy.target import Target, TargetConfig
 from kbtp_scapy.wire.address import Address
 
-#: each pytest-xdist worker (gw0, gw1, ...) counts in a range of its own: 15,000 addresses
-_hosts = itertools.count(1 + 15000 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]))
+#: each pytest-xdist worker (gw0, gw1, ...) counts in a range of its own: 15,000 addresses,
+#: the first four workers' in 127.44/16, each further worker's in 127.(200 + worker)/16
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+_NET = 44 if _WORKER < 4 else 200 + _WORKER
+_hosts = itertools.count(1 + 15000 * (_WORKER if _WORKER < 4 else 0))
 
 
 def fresh_hosts(count: int = 2) -> list[str]:
@@ -25,7 +28,7 @@ def fresh_hosts(count: int = 2) -> list[str]:
     out = []
     for _ in range(count):
         n = next(_hosts)
-        out.append(f"127.44.{n // 250}.{n % 250 + 1}")
+        out.append(f"127.{_NET}.{n // 250}.{n % 250 + 1}")
     return out
 
 
