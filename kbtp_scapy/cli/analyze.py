@@ -174,7 +174,7 @@ def _here(files: list[Path], out: Path | None, quiet: bool) -> Any:
             progress = _Progress(len(files), not quiet and sys.stderr.isatty())
             def damaged(path: Path, why: str) -> None:
                 progress.clear()
-                click.echo(f"kbtp analyze: {path}: {why}; its messages before that are analysed", err=True)
+                _damaged(path, why)
             try:
                 dataset.write(files, out, progress, damaged)
             except CaptureError as exc:
@@ -184,6 +184,11 @@ def _here(files: list[Path], out: Path | None, quiet: bool) -> Any:
             finally:
                 progress.clear()
         return queries.analyze(out)
+
+
+def _damaged(path: Path, why: str) -> None:
+    """The one line of a capture that ends early, on either path."""
+    click.echo(f"kbtp analyze: {path}: {why}; its messages before that are analysed", err=True)
 
 
 def _on_dask(files: list[Path], out: Path | None, scheduler: str, workers: int, quiet: bool) -> Any:
@@ -211,9 +216,14 @@ def _cluster(files: list[Path], out: Path, scheduler: str, workers: int, quiet: 
     def progress(done: int, total: int) -> None:
         if show:
             click.echo(f"\rdecoded {done}/{total} captures on the cluster", err=True, nl=False)
+
+    def damaged(path: Path, why: str) -> None:
+        if show:
+            click.echo("\r" + " " * 60 + "\r", err=True, nl=False)
+        _damaged(path, why)
     with client:
         try:
-            return distributed.analyze(files, out, client, progress)
+            return distributed.analyze(files, out, client, progress, damaged)
         except CaptureError as exc:
             raise Exit(2, f"{exc}; give a pcap or pcapng capture") from None
         finally:
