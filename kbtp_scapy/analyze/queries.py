@@ -201,7 +201,7 @@ WITH reads AS (
            rdma_offset, handle, entry_flags, entry_generation, entry_block_offset,
            lead(rdma_region) OVER w AS next_region, lead(handle) OVER w AS next_handle,
            lead(entry_generation) OVER w AS next_generation, lead(answer_frame) OVER w AS next_frame,
-           lead(answer_time) OVER w AS next_time
+           lead(answer_time) OVER w AS next_time, lead(rdma_region, 2) OVER w AS then_region
     FROM m WHERE rdma_op = 'READ' AND rdma_region IN ('table', 'pool') AND answer_frame IS NOT NULL
     WINDOW w AS (PARTITION BY capture, conn ORDER BY time, frame)),
 entries AS (SELECT * FROM reads WHERE rdma_region = 'table' AND entry_generation IS NOT NULL
@@ -210,10 +210,11 @@ blocks AS (SELECT * FROM reads WHERE rdma_region = 'pool')
 SELECT b.capture, b.frame AS block_frame, b.time AS block_time, b.answer_time AS block_answer_time,
        b.target, b.initiator, e.handle, e.entry_generation AS used, e.answer_frame AS entry_frame,
        e.answer_time AS entry_time,
-       CASE WHEN b.next_region = 'table' AND b.next_handle = e.handle THEN b.next_generation END AS confirmed,
-       CASE WHEN b.next_region = 'table' AND b.next_handle = e.handle THEN b.next_frame END AS confirm_frame,
-       CASE WHEN b.next_region = 'table' AND b.next_handle = e.handle THEN b.next_time END AS confirm_time
-FROM blocks b ASOF JOIN entries e
+       CASE WHEN b.confirms AND b.next_handle = e.handle THEN b.next_generation END AS confirmed,
+       CASE WHEN b.confirms AND b.next_handle = e.handle THEN b.next_frame END AS confirm_frame,
+       CASE WHEN b.confirms AND b.next_handle = e.handle THEN b.next_time END AS confirm_time
+FROM (SELECT *, next_region = 'table' AND then_region IS DISTINCT FROM 'pool' AS confirms FROM blocks) b
+ASOF JOIN entries e
   ON b.capture = e.capture AND b.conn = e.conn AND b.rdma_offset = e.entry_block_offset
   AND b.time >= e.answer_time
 """
@@ -224,7 +225,9 @@ def _direct_loads(con: Any) -> list[Finding]:
     again) judged against the handle's history: a block read after the handle changed, on
     the word of an entry read before the change and never confirmed by a second one, is
     the initiator's stale read; an entry that both reads show with another Generation than
-    the last store's, with nothing changing meanwhile, is the target's."""
+    the last store's, with nothing changing meanwhile, is the target's. The read of the
+    session after the block read confirms it when it reads that handle's entry and is not
+    itself followed by a block read (then it began the next Direct Load)."""
     out = []
     con.execute("CREATE TEMP TABLE dl AS " + _DIRECT_LOADS.replace("$valid", str(int(EntryFlag.VALID))))
     for r in _all(con, """
