@@ -88,7 +88,8 @@ def test_the_rdma_that_carried_each_request_on_a_real_session(binding, tmp_path)
     assert [(r["handle"], r["entry_generation"]) for r in entries] == [(done["handle"], done["direct"].generation)] * 2
     assert all(r["entry_flags"] & EntryFlag.VALID and r["entry_flags"] & EntryFlag.SEALED for r in entries)
     blocks = [r for r in rows if r.get("rdma_region") == "pool"]
-    assert len(blocks) == 1 and blocks[0]["rdma_offset"] == entries[0]["entry_block_offset"] == done["direct"].block_offset
+    assert len(blocks) == 1
+    assert blocks[0]["rdma_offset"] == entries[0]["entry_block_offset"] == done["direct"].block_offset
     # the DIRECT_ALLOC: the ticket its FetchAdd on the Head took is the one its BIND names
     tickets = [r for r in rows if r.get("rdma_op") == "FETCH_ADD"]
     assert len(tickets) == 1 and tickets[0]["rdma_region"] == "head"

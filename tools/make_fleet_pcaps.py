@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kbtp_scapy.initiator import Initiator, KbtpError  # noqa: E402
-from kbtp_scapy.tables import memory as M  # noqa: E402
 from kbtp_scapy.rnic.pcap import PcapSink  # noqa: E402
+from kbtp_scapy.tables import memory as M  # noqa: E402
 from kbtp_scapy.target import Target, TargetConfig  # noqa: E402
 
 BLOCKS_PER_PRODUCER = 12

@@ -40,10 +40,11 @@ def rdma_messages(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMe
 
 
 def rdma_operations(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMessage]:
-    """What ``rdma_messages`` yields, and every RDMA Write, Read Request, Read Response,
-    Atomic and its answer beside the Sends, with their STags, offsets, lengths and
-    operands (``RoceOperations``, ``IwarpStreams(sends_only=False)``): the one-sided
-    traffic ``kbtp analyze`` follows (DIRECT_LOAD, DIRECT_ALLOC, the data of requests)."""
+    """The Sends (RoCE's that carry KBTP, as ``rdma_messages`` gives them; every iWARP
+    RDMAP message), and every RDMA Write, Read Request, Read Response, Atomic and its
+    answer beside them, with their STags, offsets, lengths and operands
+    (``RoceOperations``, ``IwarpStreams(sends_only=False)``): the one-sided traffic
+    ``kbtp analyze`` follows (DIRECT_LOAD, DIRECT_ALLOC, the data of requests)."""
     return _messages(reader, stats, RoceOperations(), IwarpStreams(sends_only=False))
 
 
