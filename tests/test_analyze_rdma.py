@@ -50,12 +50,14 @@ async def _session(binding: str, out: Path) -> dict[str, Any]:
         loaded = await ini.load(h)                                                # the target Writes it
         direct = await ini.direct_load(h)
         allocated = await ini.direct_alloc(h + 1, b"d" * 100)
+        recorded = await ini.load(h, record=True)                                  # a completion record
         await ini.goodbye()
     finally:
         await ini.close()
         await target.close()
         sink.close()
-    return {"handle": h, "stored": stored, "loaded": loaded, "direct": direct, "allocated": allocated}
+    return {"handle": h, "stored": stored, "loaded": loaded, "direct": direct, "allocated": allocated,
+            "recorded": recorded}
 
 
 @pytest.mark.slow
@@ -69,7 +71,8 @@ def test_the_rdma_that_carried_each_request_on_a_real_session(binding, tmp_path)
     scapy = [m for m in rdma_messages(read_packets(pcap)) if m.kind in ONE_SIDED]
     assert sorted(ours) == sorted((m.kind, m.frames) for m in scapy) and len(ours) >= 12
     rows = list(capture_rows(pcap))
-    requests = {r["opcode_name"]: r for r in rows if r.get("opcode_name") in ("ALLOC_STORE", "LOAD", "BIND")}
+    requests = {r["opcode_name"]: r for r in rows
+                if r.get("opcode_name") in ("ALLOC_STORE", "LOAD", "BIND") and not r.get("recorded")}
 
     def stag(m: Any) -> int:
         return m.info["rkey"] if binding == "roce" else m.info.get("src_stag", m.info.get("stag"))
@@ -96,6 +99,17 @@ def test_the_rdma_that_carried_each_request_on_a_real_session(binding, tmp_path)
     assert len(tickets) == 1 and tickets[0]["rdma_region"] == "head"
     assert tickets[0]["ticket"] == requests["BIND"]["bind_ticket"]
     assert tickets[0]["answer_frame"] < requests["BIND"]["frame"]
+    # the LOAD with RECORD (granted over RoCEv2 only): answered by the RDMA Write with
+    # Immediate of its record into its Completion Descriptor, as Scapy reads it, after the
+    # Write of its data
+    records = [r for r in rows if r.get("recorded")]
+    assert len(records) == (binding == "roce")
+    for record in records:
+        into = [m for m in scapy if m.kind == "write_imm" and stag(m) == record["cd_stag"]]
+        assert len(into) == 1 and record["answer_frame"] == into[0].frames[-1]
+        assert record["data_frames"][-1] < record["answer_frame"] and record["answer_status_name"] == "OK"
+        assert record["answer_generation"] == done["recorded"].generation == done["stored"].generation
+        assert record["latency_s"] > 0
     # and a real session is clean
     code, result = analysis(str(pcap))
     assert code == 0 and result["counts"] == {} and result["messages"] == sum(1 for r in rows if "rdma_op" not in r)

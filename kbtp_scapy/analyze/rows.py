@@ -104,7 +104,7 @@ def capture_rows(path: str | Path, name: str | None = None,
             found = kbtp.decode(msg)
             if found is None:
                 for op in pairing.feed(msg):
-                    yield _operation(_state(sessions, kbtp, op), name, op)
+                    yield from _operation(_state(sessions, kbtp, op), name, op)
                 continue
             if found.connection is None:
                 continue
@@ -117,7 +117,7 @@ def capture_rows(path: str | Path, name: str | None = None,
     if damaged is not None and (reader.cut_short or reader.problem):
         damaged(reader.problem or f"the capture ends in the middle of frame {reader.cut_short}")
     for op in pairing.flush():
-        yield _operation(_state(sessions, kbtp, op), name, op)
+        yield from _operation(_state(sessions, kbtp, op), name, op)
     for state in sessions.values():         # never answered: the capture ended first
         for pending in state.pending.values():
             pending["capture_end"] = last_time
@@ -131,9 +131,10 @@ def _state(sessions: dict[int, _Session], kbtp: KbtpSessions, op: Operation) -> 
     return sessions.setdefault(number, _Session(number))
 
 
-def _operation(state: _Session, name: str, op: Operation) -> Row:
+def _operation(state: _Session, name: str, op: Operation) -> Iterator[Row]:
     """The row of an RDMA operation of the session: what memory it touched, and the
-    request whose data it carried, whose row learns of it."""
+    request whose data it carried, whose row learns of it; the Write of a completion
+    record answers its request, whose row then comes out too."""
     frame = op.frames[-1] if op.frames else 0
     row: Row = {"capture": name, "frame": frame, "time": op.time, "transport": op.transport,
                 "conn": state.number, "src": op.src, "dst": op.dst, "initiator": state.initiator,
@@ -153,7 +154,8 @@ def _operation(state: _Session, name: str, op: Operation) -> Row:
             _entry(row, state, op, region)
         elif region[0] == "head" and op.op == RdmaOp.FETCH_ADD and op.original is not None:
             row["ticket"] = op.original >> RING_COUNTER.ticket_shift & 0xFFFFFFFF
-        return row
+        yield row
+        return
     if op.op in (RdmaOp.WRITE, RdmaOp.READ):
         for request in state.pending.values():
             stag, offset = request.get("dd_stag"), request.get("dd_offset")
@@ -163,7 +165,23 @@ def _operation(state: _Session, name: str, op: Operation) -> Row:
                 request["data_octets"] = (request.get("data_octets") or 0) + op.length
                 row.update(request_frame=request["frame"], request_opcode_name=request["opcode_name"])
                 break
-    return row
+        else:
+            if op.op == RdmaOp.WRITE and len(op.data) == M.COMPLETION_RECORD.size:
+                yield from _record(state, row, op)
+    yield row
+
+
+def _record(state: _Session, row: Row, op: Operation) -> Iterator[Row]:
+    """A Write of a completion record into the Completion Descriptor of the request it
+    names: that request's answer, as a COMPLETION would have been."""
+    record = codec.decode_struct(M.COMPLETION_RECORD, op.data, state.addr_le)
+    request = state.pending.get(record["record.request_id"])
+    if request is None or not request.get("recorded") or (request.get("cd_stag"), request.get("cd_offset")) != (
+            op.stag, op.offset):
+        return
+    del state.pending[record["record.request_id"]]
+    _answered(request, row, record["record.status"], record["record.generation"], record["record.data_length"])
+    yield request
 
 
 def _entry(row: Row, state: _Session, op: Operation, region: tuple[str, int, int]) -> None:
@@ -176,6 +194,17 @@ def _entry(row: Row, state: _Session, op: Operation, region: tuple[str, int, int
     if len(op.data) == M.ENTRY_SIZE:
         for key, value in codec.decode_struct(M.TABLE_ENTRY, op.data, state.addr_le).items():
             row[column(key)] = value
+
+
+def _answered(request: Row, row: Row, status: int, generation: int | None, length: int | None) -> None:
+    """``row`` (a COMPLETION, or the RDMA Write of a completion record) answers ``request``."""
+    request.update(answer_frame=row["frame"], answer_time=row["time"], answer_status=status,
+                   answer_status_name=_STATUS_NAMES.get(status, str(status)),
+                   answer_generation=generation, answer_data_length=length)
+    if request["time"] is not None and row["time"] is not None:
+        request["latency_s"] = row["time"] - request["time"]
+    row.update(request_frame=request["frame"], request_opcode_name=request["opcode_name"],
+               latency_s=request.get("latency_s"))
 
 
 def _ends(found: Found) -> tuple[str, str]:
@@ -225,14 +254,8 @@ def _place(state: _Session, row: Row, found: Found) -> Iterator[Row]:
     if opcode == Opcode.COMPLETION:
         request = state.pending.pop(fields.get("request_id", 0), None)
         if request is not None:
-            request.update(answer_frame=row["frame"], answer_time=row["time"],
-                           answer_status=fields.get("status"), answer_status_name=row["status_name"],
-                           answer_generation=fields.get("generation"),
-                           answer_data_length=fields.get("completion.data_length"))
-            if request["time"] is not None and row["time"] is not None:
-                request["latency_s"] = row["time"] - request["time"]
-            row.update(request_frame=request["frame"], request_opcode_name=request["opcode_name"],
-                       latency_s=request.get("latency_s"))
+            _answered(request, row, fields.get("status", 0), fields.get("generation"),
+                      fields.get("completion.data_length"))
             yield request
         else:                                 # answers nothing in the capture
             row["unsolicited"] = True

@@ -119,8 +119,9 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, repo
     BINDs near or after the Ticket Timeout (from the FetchAdd that took the ticket);
     initiators at their quota; COMPLETIONs that answer nothing. Direct Loads are followed
     through their RDMA Reads: a block read on the word of an entry the handle's free or
-    re-bind made stale, never confirmed, is a stale read too. A store in one host's capture and a load in another's are compared by their
-    capture times. Queries run on DuckDB, embedded.
+    re-bind made stale, never confirmed, is a stale read too; a completion record (RECORD)
+    answers its request as a COMPLETION does. A store in one host's capture and a load in
+    another's are compared by their capture times. Queries run on DuckDB, embedded.
 
     Exit status: 0 analysed (1 with --fail-on-hazard when a hazard is found), 2 usage error
     or a capture that cannot be read.
