@@ -265,3 +265,36 @@ def test_decode_is_untouched_by_the_rdma_rows(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kbtp_scapy", "decode", "--parquet", str(tmp_path / "ds"),
                            str(pcap)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.startswith("4 KBTP messages"), proc.stdout + proc.stderr
+
+
+def test_the_sends_of_rdma_operations_are_kbtp_decodes():
+    """Beside the one-sided traffic, ``rdma_operations`` yields the KBTP Sends exactly as
+    ``rdma_messages`` (what ``kbtp decode`` reads) does, on every sample capture."""
+    from kbtp_scapy.codec import looks_like_kbtp
+    from kbtp_scapy.decode import rdma_messages as decoded
+
+    def sends(path: Path, reader: Any) -> list[tuple]:
+        with open(path, "rb") as stream:
+            return [(m.transport, m.kind, m.frames, m.conn, m.payload, m.time, m.info.get("icrc_bad"))
+                    for m in reader(Reader(stream, str(path)))
+                    if m.kind in ("send", "send_inv") and looks_like_kbtp(m.payload)]
+    for path in sorted((ROOT / "pcaps").glob("*.pcap")):
+        assert sends(path, rdma_operations) == sends(path, decoded) != [], path
+
+
+def test_reads_never_answered_are_given_up_in_bounded_memory():
+    """A peer that never answers its Reads: the oldest waiting one is given up, unanswered,
+    once ``MAX_WAITING`` wait."""
+    from kbtp_scapy.analyze.operations import MAX_WAITING, Pairing
+    from kbtp_scapy.wire.message import RdmaMessage
+    pairing = Pairing()
+    given_up = []
+    for psn in range(MAX_WAITING + 100):
+        given_up += pairing.feed(RdmaMessage("roce", "read_request", [psn + 1], ("10.0.0.1", "10.0.0.2", 7),
+                                             info={"psn": psn, "va": 0, "rkey": 9, "dma_length": 16}))
+    assert [op.frames for op in given_up] == [[n + 1] for n in range(100)]
+    assert all(not op.answer_frames for op in given_up)
+    answered = pairing.feed(RdmaMessage("roce", "read_response", [99999], ("10.0.0.2", "10.0.0.1", 8),
+                                        payload=b"x" * 16, info={"psn": MAX_WAITING + 99}))
+    assert len(answered) == 1 and answered[0].data == b"x" * 16 and answered[0].answer_frames == [99999]
+    assert len(pairing.flush()) == MAX_WAITING - 1
