@@ -147,7 +147,10 @@ def _operation(state: _Session, name: str, op: Operation) -> Iterator[Row]:
         row["answer_frame"], row["answer_time"] = op.answer_frames[-1], op.answer_time
         if op.time is not None and op.answer_time is not None:
             row["latency_s"] = op.answer_time - op.time
-    region = state.regions.get(op.stag)
+    # the descriptors name the target's memory: only what is asked of the target touches it
+    # (an initiator's STag may have the same value in its own RNIC's key space)
+    toward_target = op.dst != state.initiator or op.src == op.dst
+    region = state.regions.get(op.stag) if toward_target else None
     if region is not None:
         row["rdma_region"] = region[0]
         if region[0] == "table" and op.op == RdmaOp.READ:
