@@ -68,7 +68,7 @@ def analyze(files: list[Path], out: Path, dask: Any,
     opcodes = [r[0] for r in con.execute(
         "SELECT DISTINCT opcode_name FROM m WHERE opcode_name IN "
         f"{Q.REQUEST_NAMES}").fetchall()]
-    captures = con.execute("SELECT count(DISTINCT capture) FROM m").fetchone()[0]
+    captures = con.execute("SELECT count(DISTINCT capture) FROM m WHERE rdma_op IS NULL").fetchone()[0]
     first, interval = Q.span(con)
     con.close()
     judged = dask.gather([dask.submit(_judge, str(out), t, pure=False) for t in targets])

@@ -209,7 +209,7 @@ entries AS (SELECT * FROM reads WHERE rdma_region = 'table' AND entry_generation
 blocks AS (SELECT * FROM reads WHERE rdma_region = 'pool')
 SELECT b.capture, b.frame AS block_frame, b.time AS block_time, b.answer_time AS block_answer_time,
        b.target, b.initiator, e.handle, e.entry_generation AS used, e.answer_frame AS entry_frame,
-       e.answer_time AS entry_time,
+       e.time AS entry_sent, e.answer_time AS entry_time,
        CASE WHEN b.confirms AND b.next_handle = e.handle THEN b.next_generation END AS confirmed,
        CASE WHEN b.confirms AND b.next_handle = e.handle THEN b.next_frame END AS confirm_frame,
        CASE WHEN b.confirms AND b.next_handle = e.handle THEN b.next_time END AS confirm_time
@@ -254,7 +254,7 @@ def _direct_loads(con: Any) -> list[Finding]:
                                    f"{where} read the block of Generation {r['used']} after the handle was "
                                    f"bound again with {r['last_gen']}, on the word of an entry read before, "
                                    "and never read the entry again to confirm it", [used, change, block]))
-        elif r["confirmed"] == r["used"] and not r["concurrent"] and r["e_t"] <= r["entry_time"]:
+        elif r["confirmed"] == r["used"] and not r["concurrent"] and r["e_t"] <= r["entry_sent"]:
             confirm = (r["capture"], r["confirm_frame"])
             if r["last_op"] == "FREE":
                 out.append(Finding("freed-block-served", "target",
