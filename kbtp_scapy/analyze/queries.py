@@ -220,6 +220,15 @@ ASOF JOIN entries e
 """
 
 
+def direct_loads(con: Any) -> list[dict[str, Any]]:
+    """The Direct Loads of the dataset (also kept as table ``dl``): each block read with
+    the entry read it relied on (``used``: its Generation) and the one that confirmed it
+    (``confirmed``), with their frames."""
+    con.execute("CREATE OR REPLACE TEMP TABLE dl AS "
+                + _DIRECT_LOADS.replace("$valid", str(int(EntryFlag.VALID))))
+    return _all(con, "SELECT * FROM dl ORDER BY capture, block_time")
+
+
 def _direct_loads(con: Any) -> list[Finding]:
     """Direct Loads (an entry read, the block read at its Block Offset, the entry read
     again) judged against the handle's history: a block read after the handle changed, on
@@ -229,7 +238,7 @@ def _direct_loads(con: Any) -> list[Finding]:
     session after the block read confirms it when it reads that handle's entry and is not
     itself followed by a block read (then it began the next Direct Load)."""
     out = []
-    con.execute("CREATE TEMP TABLE dl AS " + _DIRECT_LOADS.replace("$valid", str(int(EntryFlag.VALID))))
+    direct_loads(con)
     for r in _all(con, """
             SELECT d.*, e.op AS last_op, e.gen AS last_gen, e.capture AS e_capture, e.frame AS e_frame,
                    e.t AS e_t,
