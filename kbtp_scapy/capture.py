@@ -25,7 +25,7 @@ from .words import count
 if TYPE_CHECKING:
     from scapy.packet import Packet
 
-__all__ = ["CaptureError", "Found", "ResponseTimes", "kbtp_messages", "rdma_messages", "read_packets",
+__all__ = ["CaptureError", "Found", "KbtpSessions", "ResponseTimes", "kbtp_messages", "rdma_messages", "read_packets",
            "session_key", "to_json", "where_it_ends"]
 
 SEND_KINDS = {"send", "send_inv"}
@@ -174,17 +174,28 @@ def session_key(msg: RdmaMessage) -> frozenset:
     return frozenset(msg.conn)
 
 
-def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) -> Iterator[Found]:
-    """Decode the KBTP messages among RDMA messages; ``addr_le`` forces the byte order
-    of sessions whose HELLO_ACK is not in the capture (None: follow HELLO_ACK)."""
-    sessions: dict[frozenset, bool] = {}
-    numbers: dict[frozenset, int] = {}
-    for msg in messages:
-        if msg.kind not in SEND_KINDS or not looks_like_kbtp(msg.payload):
-            continue
+class KbtpSessions:
+    """What ``kbtp_messages`` keeps while it reads: each connection's number (from 0, in
+    order of appearance) and each session's ADDR_LE choice from its HELLO_ACK; ``addr_le``
+    forces the byte order of sessions whose HELLO_ACK is not in the capture."""
+
+    def __init__(self, addr_le: bool | None = None) -> None:
+        self.addr_le = addr_le
+        self._le: dict[frozenset, bool] = {}
+        self._numbers: dict[frozenset, int] = {}
+
+    def number(self, msg: RdmaMessage) -> int:
+        """The connection number of any RDMA message of the session."""
         key = session_key(msg)
-        number = numbers.setdefault(key, len(numbers))
-        le = sessions.get(key, False) if addr_le is None else addr_le
+        return self._numbers.setdefault(key, len(self._numbers))
+
+    def decode(self, msg: RdmaMessage) -> Found | None:
+        """The KBTP message a Send carries, or None for anything else."""
+        if msg.kind not in SEND_KINDS or not looks_like_kbtp(msg.payload):
+            return None
+        key = session_key(msg)
+        number = self._numbers.setdefault(key, len(self._numbers))
+        le = self._le.get(key, False) if self.addr_le is None else self.addr_le
         frame = msg.frames[-1] if msg.frames else 0
         try:
             fields = codec.decode(msg.payload, addr_le=le)
@@ -192,9 +203,19 @@ def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) 
         except codec.Malformed as exc:
             fields, error = exc.fields, exc.reason
         if fields.get("opcode") == _HELLO_ACK and not fields.get("status"):
-            sessions[key] = bool(fields.get("hello_ack.features", 0) & Feature.ADDR_LE)
-        yield Found(frame, msg.transport, msg.conn, fields, error, msg.time, number,
-                    msg.payload, le, tuple(msg.info.get("icrc_bad", ())))
+            self._le[key] = bool(fields.get("hello_ack.features", 0) & Feature.ADDR_LE)
+        return Found(frame, msg.transport, msg.conn, fields, error, msg.time, number,
+                     msg.payload, le, tuple(msg.info.get("icrc_bad", ())))
+
+
+def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) -> Iterator[Found]:
+    """Decode the KBTP messages among RDMA messages; ``addr_le`` forces the byte order
+    of sessions whose HELLO_ACK is not in the capture (None: follow HELLO_ACK)."""
+    decode = KbtpSessions(addr_le).decode
+    for msg in messages:
+        found = decode(msg)
+        if found is not None:
+            yield found
 
 
 @cache

@@ -13,6 +13,9 @@ import pytest
 
 from kbtp_scapy import codec, tables as T
 from kbtp_scapy.builders.recorder import recorder
+from kbtp_scapy.capture import read_packets
+from kbtp_scapy.layers.roce import AETH, BTH, RETH
+from kbtp_scapy.tables import memory as M
 from kbtp_scapy.vocab import Opcode, RequestFlag, Status
 
 from .kbtp_harness import fresh_hosts
@@ -133,6 +136,10 @@ def test_an_unanswered_request_against_a_bound_of_the_capture_itself(tmp_path):
 
 # --- a real fleet: the reference target, two producers and two consumers -------------------
 
+def _bth(packet: Any) -> Any:
+    return packet[BTH]
+
+
 def fleet(out: Path, clean: bool) -> Path:
     hosts = fresh_hosts(5)
     proc = subprocess.run([sys.executable, "tools/make_fleet_pcaps.py", "--out", str(out),
@@ -155,6 +162,28 @@ def test_the_buggy_consumers_stale_reads_are_found_across_the_hosts_captures(tmp
     for f in stale:
         captures = [e["capture"] for e in f["evidence"]]
         assert captures[:2] == ["consumer2", "consumer2"] and captures[2] in ("producer1", "producer2")
+    # the buggy consumer's one Direct Load on the word of an entry read before the re-bind:
+    # that entry read (consumer2), the re-bind's COMPLETION (producer2), the block read
+    direct = [f for f in result["findings"] if "Direct Load" in f["message"]]
+    assert [(f["kind"], f["severity"]) for f in direct] == [("stale-generation", "initiator")]
+    assert [e["capture"] for e in direct[0]["evidence"]] == ["consumer2", "producer2", "consumer2"]
+    used, change, block = (e["frame"] for e in direct[0]["evidence"])
+    packets = {name: read_packets(out / f"{name}.pcap") for name in ("consumer2", "producer2")}
+    assert used < block and _bth(packets["consumer2"][used - 1]).opcode == 0x10      # RC READ RESPONSE ONLY
+    assert _bth(packets["consumer2"][block - 1]).opcode == 0x0C                       # RC READ REQUEST
+    entry = codec.decode_struct(M.TABLE_ENTRY, bytes(packets["consumer2"][used - 1][AETH].payload)[:16])
+    assert packets["consumer2"][block - 1][RETH].va == entry["entry.block_offset"]
+    rebound = codec.decode(bytes(_bth(packets["producer2"][change - 1]).payload))
+    assert rebound["opcode"] == Opcode.COMPLETION and rebound["generation"] != entry["entry.generation"]
+    assert packets["consumer2"][used - 1].time < packets["producer2"][change - 1].time
+    assert packets["producer2"][change - 1].time < packets["consumer2"][block - 1].time
+    # the first producer's BIND 0.8 of the Ticket Timeout after the FetchAdd took its ticket
+    late = [f for f in result["findings"] if f["kind"].startswith("ticket")]
+    assert [f["kind"] for f in late] == ["ticket-near-timeout"]
+    taken, bound = (e["frame"] for e in late[0]["evidence"])
+    p1 = read_packets(out / "producer1.pcap")
+    assert _bth(p1[taken - 1]).opcode == 0x12 and _bth(p1[bound - 1]).opcode == 0x04   # ATOMIC ACK, SEND ONLY
+    assert 0.75 * 2 < float(p1[bound - 1].time - p1[taken - 1].time) < 2
     # the careful consumer's loads of an old Generation were refused: no finding of it but
     # slow answers (this machine's own load makes real ones)
     assert not any("consumer1" in e["capture"] for f in result["findings"] if f["kind"] != "slow"
@@ -207,9 +236,10 @@ def test_what_cannot_be_read_is_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.slow
 def test_a_hundred_captures_on_a_dask_cluster_as_on_duckdb(tmp_path):
-    """100 sessions' captures, two of each planted kind among them, decoded and judged on a
-    real local Dask cluster (a scheduler and two worker processes): the same analysis as
-    DuckDB's in this process, and only the planted hazards."""
+    """100 sessions' captures, two of each planted kind among them, and one cut short,
+    decoded and judged on a real local Dask cluster (a scheduler and two worker processes):
+    the same analysis as DuckDB's in this process, only the planted hazards, and the cut
+    capture reported in the same one line."""
     kinds_ = sorted(CASES)
     folder = tmp_path / "captures"
     folder.mkdir()
@@ -218,11 +248,21 @@ def test_a_hundred_captures_on_a_dask_cluster_as_on_duckdb(tmp_path):
         bad, clean = CASES[kind]
         credits = 2 if kind == "over-credits" else 16
         capture(folder / f"host{i:03d}.pcap", bad if i < 2 * len(kinds_) else clean, credits, initiator=i)
-    code, on_dask = analysis("--dask", "local", "--workers", "2", "--parquet", str(tmp_path / "ds"), str(folder))
-    assert code == 1 and on_dask["counts"] == {kind: 2 for kind in kinds_}, on_dask["counts"]
-    assert on_dask["captures"] == 100 and on_dask["sessions"] == 100
-    code, here = analysis(str(folder))
-    assert here == on_dask
+    # and one more, cut short in the middle of its last frame
+    whole = capture(tmp_path / "whole.pcap", CASES[kinds_[0]][1], initiator=100)
+    last = len(read_packets(whole))
+    (folder / "host100.pcap").write_bytes(whole.read_bytes()[:-10])
+    proc = kbtp("--json", "--fail-on-hazard", "--dask", "local", "--workers", "2", "--parquet",
+                str(tmp_path / "ds"), str(folder))
+    assert proc.returncode == 1, proc.stderr
+    on_dask = json.loads(proc.stdout)
+    assert on_dask["counts"] == {kind: 2 for kind in kinds_}, on_dask["counts"]
+    assert on_dask["captures"] == 101 and on_dask["sessions"] == 101
+    said = [line for line in proc.stderr.splitlines() if "host100" in line]
+    assert said == [f"kbtp analyze: {folder / 'host100.pcap'}: the capture ends in the middle of frame "
+                    f"{last}; its messages before that are analysed"], proc.stderr
+    proc = kbtp("--json", "--fail-on-hazard", str(folder))
+    assert json.loads(proc.stdout) == on_dask and said[0] in proc.stderr.splitlines()
 
 
 def test_decode_parquet_and_the_html_report(tmp_path):

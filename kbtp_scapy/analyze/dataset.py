@@ -20,17 +20,19 @@ def _partition(out: Path, name: str) -> Path:
 
 
 def write_capture(rows: Iterable[Row], out: Path, name: str) -> int:
-    """Write one capture's rows under ``out``; the number of rows."""
+    """Write one capture's rows under ``out``; the number of KBTP messages among them (the
+    rest are RDMA operations)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     schema = arrow_schema()
     folder = _partition(out, name)
     folder.mkdir(parents=True, exist_ok=True)
-    written = 0
+    written = messages = 0
     with pq.ParquetWriter(folder / "part-0.parquet", schema) as writer:
         batch: list[Row] = []
         for row in rows:
             batch.append(row)
+            messages += "rdma_op" not in row
             if len(batch) >= BATCH:
                 writer.write_batch(pa.RecordBatch.from_pylist(batch, schema=schema))
                 written += len(batch)
@@ -38,7 +40,7 @@ def write_capture(rows: Iterable[Row], out: Path, name: str) -> int:
         if batch or not written:
             writer.write_batch(pa.RecordBatch.from_pylist(batch, schema=schema))
             written += len(batch)
-    return written
+    return messages
 
 
 def names(paths: list[Path]) -> list[str]:
@@ -55,7 +57,7 @@ def write(paths: list[Path], out: Path, progress: Callable[[int, Path, int], Non
           damaged: Callable[[Path, str], None] | None = None) -> int:
     """Every capture's rows as a dataset under ``out``; the number of rows. ``progress``
     hears (captures done, the capture being read, octets of it read), ``damaged`` (a
-    capture, why it ended early)."""
+    capture, why it ended early); the number of KBTP messages."""
     total = 0
     for i, (path, name) in enumerate(zip(paths, names(paths), strict=True)):
         def report(position: int, i: int = i, path: Path = path) -> None:

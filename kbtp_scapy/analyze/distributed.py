@@ -18,9 +18,12 @@ from typing import Any
 from . import dataset as D, queries as Q
 
 
-def _decode(path: str, out: str, name: str) -> int:
+def _decode(path: str, out: str, name: str) -> str | None:
+    """Decode one capture into the dataset; why it ended early, if it did."""
     from .rows import capture_rows
-    return D.write_capture(capture_rows(path, name), Path(out), name)
+    why: list[str] = []
+    D.write_capture(capture_rows(path, name, damaged=why.append), Path(out), name)
+    return why[0] if why else None
 
 
 def _judge(out: str, target: str | None) -> tuple[list[Q.Finding], dict, dict[str, int], list]:
@@ -45,15 +48,19 @@ def client(scheduler: str | None, workers: int) -> Any:
 
 
 def analyze(files: list[Path], out: Path, dask: Any,
-            progress: Callable[[int, int], None] | None = None) -> Q.Analysis:
+            progress: Callable[[int, int], None] | None = None,
+            damaged: Callable[[Path, str], None] | None = None) -> Q.Analysis:
     """Decode ``files`` into ``out`` on the cluster (none: ``out`` is already a dataset),
-    then judge it there."""
+    then judge it there. ``damaged`` hears each capture that ended early and why, as
+    ``dataset.write`` says it: its messages before the damage are in the dataset."""
     from distributed import as_completed
     if files:
-        futures = [dask.submit(_decode, str(p), str(out), n, pure=False)
-                   for p, n in zip(files, D.names(files), strict=True)]
+        futures = {dask.submit(_decode, str(p), str(out), n, pure=False): p
+                   for p, n in zip(files, D.names(files), strict=True)}
         for done, future in enumerate(as_completed(futures), 1):
-            future.result()
+            why = future.result()
+            if why is not None and damaged is not None:
+                damaged(futures[future], why)
             if progress is not None:
                 progress(done, len(futures))
     con = Q.connect(out)
@@ -61,7 +68,7 @@ def analyze(files: list[Path], out: Path, dask: Any,
     opcodes = [r[0] for r in con.execute(
         "SELECT DISTINCT opcode_name FROM m WHERE opcode_name IN "
         f"{Q.REQUEST_NAMES}").fetchall()]
-    captures = con.execute("SELECT count(DISTINCT capture) FROM m").fetchone()[0]
+    captures = con.execute("SELECT count(DISTINCT capture) FROM m WHERE rdma_op IS NULL").fetchone()[0]
     first, interval = Q.span(con)
     con.close()
     judged = dask.gather([dask.submit(_judge, str(out), t, pure=False) for t in targets])

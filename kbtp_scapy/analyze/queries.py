@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import tables as T
+from ..vocab import EntryFlag
 from .rows import REQUESTS
 
+NEAR_TIMEOUT = 0.75         # of the Ticket Timeout: a BIND later than this after its FetchAdd is near it
 MIN_SAMPLES = 20            # answers of an opcode below which no slow bound is derived
 NO_BOUND_S = 1.0            # how long an unanswered request must wait without a bound
 LISTED = 20                 # findings listed per checker; the rest are counted
@@ -163,7 +165,6 @@ def bounds(con: Any) -> dict[tuple[str, str], float]:
 
 
 def _stale(con: Any) -> list[Finding]:
-    con.execute(_EVENTS)
     con.execute(_LOADS)
     out = []
     for r in _all(con, "SELECT * FROM loads WHERE NOT concurrent ORDER BY answer_time"):
@@ -191,6 +192,89 @@ def _stale(con: Any) -> list[Finding]:
                                f"earlier (Generation {r['served']} served): the loader cannot tell whose "
                                "data it got; pass the Generation it expects",
                                proof + [(change["capture"], change["frame"])]))
+    return out
+
+
+_DIRECT_LOADS = """
+WITH reads AS (
+    SELECT capture, conn, frame, answer_frame, time, answer_time, target, initiator, rdma_region,
+           rdma_offset, handle, entry_flags, entry_generation, entry_block_offset,
+           lead(rdma_region) OVER w AS next_region, lead(handle) OVER w AS next_handle,
+           lead(entry_generation) OVER w AS next_generation, lead(answer_frame) OVER w AS next_frame,
+           lead(answer_time) OVER w AS next_time, lead(rdma_region, 2) OVER w AS then_region
+    FROM m WHERE rdma_op = 'READ' AND rdma_region IN ('table', 'pool') AND answer_frame IS NOT NULL
+    WINDOW w AS (PARTITION BY capture, conn ORDER BY time, frame)),
+entries AS (SELECT * FROM reads WHERE rdma_region = 'table' AND entry_generation IS NOT NULL
+            AND entry_flags & $valid != 0),
+blocks AS (SELECT * FROM reads WHERE rdma_region = 'pool')
+SELECT b.capture, b.frame AS block_frame, b.time AS block_time, b.answer_time AS block_answer_time,
+       b.target, b.initiator, e.handle, e.entry_generation AS used, e.answer_frame AS entry_frame,
+       e.time AS entry_sent, e.answer_time AS entry_time,
+       CASE WHEN b.confirms AND b.next_handle = e.handle THEN b.next_generation END AS confirmed,
+       CASE WHEN b.confirms AND b.next_handle = e.handle THEN b.next_frame END AS confirm_frame,
+       CASE WHEN b.confirms AND b.next_handle = e.handle THEN b.next_time END AS confirm_time
+FROM (SELECT *, next_region = 'table' AND then_region IS DISTINCT FROM 'pool' AS confirms FROM blocks) b
+ASOF JOIN entries e
+  ON b.capture = e.capture AND b.conn = e.conn AND b.rdma_offset = e.entry_block_offset
+  AND b.time >= e.answer_time
+"""
+
+
+def direct_loads(con: Any) -> list[dict[str, Any]]:
+    """The Direct Loads of the dataset (also kept as table ``dl``): each block read with
+    the entry read it relied on (``used``: its Generation) and the one that confirmed it
+    (``confirmed``), with their frames."""
+    con.execute("CREATE OR REPLACE TEMP TABLE dl AS "
+                + _DIRECT_LOADS.replace("$valid", str(int(EntryFlag.VALID))))
+    return _all(con, "SELECT * FROM dl ORDER BY capture, block_time")
+
+
+def _direct_loads(con: Any) -> list[Finding]:
+    """Direct Loads (an entry read, the block read at its Block Offset, the entry read
+    again) judged against the handle's history: a block read after the handle changed, on
+    the word of an entry read before the change and never confirmed by a second one, is
+    the initiator's stale read; an entry that both reads show with another Generation than
+    the last store's, with nothing changing meanwhile, is the target's. The read of the
+    session after the block read confirms it when it reads that handle's entry and is not
+    itself followed by a block read (then it began the next Direct Load)."""
+    out = []
+    direct_loads(con)
+    for r in _all(con, """
+            SELECT d.*, e.op AS last_op, e.gen AS last_gen, e.capture AS e_capture, e.frame AS e_frame,
+                   e.t AS e_t,
+                   EXISTS (SELECT 1 FROM ev c WHERE c.target = d.target AND c.handle = d.handle
+                           AND c.t > d.entry_time AND c.t < coalesce(d.confirm_time, d.block_answer_time))
+                     AS concurrent
+            FROM dl d ASOF LEFT JOIN ev e ON d.target = e.target AND d.handle = e.handle
+                                         AND d.block_time >= e.t
+            WHERE e.op IS NOT NULL ORDER BY d.block_time"""):
+        where = f"Direct Load of handle {_hex(r['handle'])} on {r['target']} by {r['initiator']}"
+        change = (r["e_capture"], r["e_frame"])
+        used = (r["capture"], r["entry_frame"])
+        block = (r["capture"], r["block_frame"])
+        if r["confirmed"] is None and r["e_t"] > r["entry_time"]:
+            if r["last_op"] == "FREE":
+                out.append(Finding("freed-block-served", "initiator",
+                                   f"{where} read the block after the handle was freed, on the word of an "
+                                   f"entry read before the free (Generation {r['used']}), and never read the "
+                                   "entry again to confirm it", [used, change, block]))
+            elif r["last_gen"] != r["used"]:
+                out.append(Finding("stale-generation", "initiator",
+                                   f"{where} read the block of Generation {r['used']} after the handle was "
+                                   f"bound again with {r['last_gen']}, on the word of an entry read before, "
+                                   "and never read the entry again to confirm it", [used, change, block]))
+        elif r["confirmed"] == r["used"] and not r["concurrent"] and r["e_t"] <= r["entry_sent"]:
+            confirm = (r["capture"], r["confirm_frame"])
+            if r["last_op"] == "FREE":
+                out.append(Finding("freed-block-served", "target",
+                                   f"{where}: the table showed the entry VALID (Generation {r['used']}) "
+                                   "after the handle was freed and before it was bound again",
+                                   [used, block, confirm, change]))
+            elif r["last_gen"] != r["used"]:
+                out.append(Finding("stale-generation", "target",
+                                   f"{where}: the table showed Generation {r['used']} where the last store "
+                                   f"under that handle completed with {r['last_gen']}",
+                                   [used, block, confirm, change]))
     return out
 
 
@@ -234,14 +318,41 @@ def _credits(con: Any) -> list[Finding]:
 
 
 def _tickets(con: Any) -> list[Finding]:
-    return [Finding("ticket-timeout", "initiator",
-                    f"BIND of ticket {r['bind_ticket']} to handle {_hex(r['handle'])} came after the "
-                    f"ticket was abandoned (Ticket Timeout {r['ticket_timeout_s']:g} s)",
-                    [(r["capture"], r["frame"]), (r["capture"], r["answer_frame"])])
-            for r in _all(con, """SELECT capture, frame, answer_frame, bind_ticket, handle,
-                                         coalesce(ticket_timeout_s, 0) AS ticket_timeout_s
-                                  FROM m WHERE opcode_name = 'BIND'
-                                  AND answer_status_name = 'TICKET_ABANDONED' ORDER BY time""")]
+    """BINDs answered TICKET_ABANDONED, and BINDs sent later than ``NEAR_TIMEOUT`` of the
+    Ticket Timeout (or later than all of it) after the answer of the FetchAdd on the
+    session's Head that took their ticket."""
+    out = []
+    for r in _all(con, """
+            WITH fa AS (SELECT capture, conn, ticket, answer_frame, answer_time FROM m
+                        WHERE rdma_op = 'FETCH_ADD' AND rdma_region = 'head' AND ticket IS NOT NULL
+                        AND answer_time IS NOT NULL),
+                 b AS (SELECT * FROM m WHERE opcode_name = 'BIND')
+            SELECT b.capture, b.frame, b.answer_frame, b.bind_ticket, b.handle, b.time,
+                   b.ticket_timeout_s, b.answer_status_name, fa.answer_frame AS fa_frame,
+                   fa.answer_time AS fa_time
+            FROM b ASOF LEFT JOIN fa ON b.capture = fa.capture AND b.conn = fa.conn
+                                    AND b.bind_ticket = fa.ticket AND b.time >= fa.answer_time
+            ORDER BY b.time"""):
+        timeout = r["ticket_timeout_s"] or 0.0
+        taken = [(r["capture"], r["fa_frame"])] if r["fa_frame"] is not None else []
+        proof = taken + [(r["capture"], r["frame"])]
+        what = f"BIND of ticket {r['bind_ticket']} to handle {_hex(r['handle'])}"
+        late = None if r["fa_time"] is None else r["time"] - r["fa_time"]
+        after = "" if late is None else f" {late:.3g} s after the FetchAdd that took it,"
+        if r["answer_status_name"] == "TICKET_ABANDONED":
+            out.append(Finding("ticket-timeout", "initiator",
+                               f"{what} came{after} after the ticket was abandoned (Ticket Timeout {timeout:g} s)",
+                               proof + [(r["capture"], r["answer_frame"])]))
+        elif late is not None and timeout and late > timeout:
+            out.append(Finding("ticket-timeout", "initiator",
+                               f"{what} came{after} past the Ticket Timeout of {timeout:g} s (answered "
+                               f"{r['answer_status_name'] or 'never'}: the target may reclaim such a ticket)",
+                               proof))
+        elif late is not None and timeout and late > NEAR_TIMEOUT * timeout:
+            out.append(Finding("ticket-near-timeout", "initiator",
+                               f"{what} came{after} more than {NEAR_TIMEOUT:g} of the Ticket Timeout of "
+                               f"{timeout:g} s: a little slower and the ticket is abandoned", proof))
+    return out
 
 
 def _quota(con: Any) -> list[Finding]:
@@ -264,20 +375,22 @@ def _unsolicited(con: Any) -> list[Finding]:
 
 
 KINDS = ("wrong-generation", "freed-block-served", "stale-generation", "unpinned-reused-load",
-         "unanswered", "slow", "over-credits", "ticket-timeout", "at-quota", "unsolicited-completion")
+         "unanswered", "slow", "over-credits", "ticket-timeout", "ticket-near-timeout", "at-quota",
+         "unsolicited-completion")
 
 
 def totals(con: Any) -> dict[str, int]:
     return _all(con, """SELECT count(*) AS messages, count(DISTINCT capture) AS captures,
                                count(DISTINCT session) AS sessions,
-                               count(DISTINCT target) AS targets FROM m""")[0]
+                               count(DISTINCT target) AS targets FROM m WHERE rdma_op IS NULL""")[0]
 
 
 def findings(con: Any) -> tuple[list[Finding], dict[tuple[str, str], float]]:
     """Every checker's findings, and the slow bounds they used. Each checker looks only at
     the rows of one target at a time, so a dataset cut by target gives the same findings."""
     limits = bounds(con)
-    return (_stale(con) + _unanswered(con, limits) + _slow(con, limits) + _credits(con)
+    con.execute(_EVENTS)
+    return (_stale(con) + _direct_loads(con) + _unanswered(con, limits) + _slow(con, limits) + _credits(con)
             + _tickets(con) + _quota(con) + _unsolicited(con)), limits
 
 

@@ -2,7 +2,8 @@
 
 Every field of every KBTP message is a column named by its display-filter key
 (``column()``), an unsigned integer as wide as the field; the Initiator ID, 128 bits, is
-hex text. Inline Data is left out: the data is no question a query asks, and its
+hex text; the fields of a table entry a Direct Load read (``entry_generation``) follow.
+Inline Data is left out: the data is no question a query asks, and its
 length is ``dd_length``. The derived columns follow (``DERIVED``).
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 from .. import tables as T
+from ..tables import memory as M
 from .rows import column
 
 if TYPE_CHECKING:
@@ -49,6 +51,17 @@ DERIVED: tuple[tuple[str, str, str], ...] = (
     ("request_frame", "int64", "COMPLETION: the frame of the request it answers"),
     ("request_opcode_name", "string", "COMPLETION: the opcode of the request it answers"),
     ("unsolicited", "bool", "COMPLETION: answers no request of the capture"),
+    ("data_frames", "list<int64>", "request: frames of the RDMA Writes and Reads that carried its data"),
+    ("data_octets", "uint64", "request: the octets those Writes and Reads moved"),
+    ("rdma_op", "string", "RDMA operation: WRITE, READ, FETCH_ADD, SWAP or CMP_SWAP (no opcode)"),
+    ("rdma_region", "string", "RDMA operation: the HELLO_ACK descriptor its STag is (table, pool, ring, ...)"),
+    ("rdma_stag", "uint32", "RDMA operation: the STag (R_Key) it named"),
+    ("rdma_offset", "uint64", "RDMA operation: the Tagged Offset (VA) it named"),
+    ("rdma_length", "uint32", "RDMA operation: octets written or read"),
+    ("rdma_operand", "uint64", "Atomic: the Add Data or Swap Data"),
+    ("rdma_compare", "uint64", "CMP_SWAP: the Compare Data"),
+    ("rdma_original", "uint64", "Atomic: the value before it, from its answer"),
+    ("ticket", "uint32", "FETCH_ADD on a Head: the ticket it took"),
 )
 
 _UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
@@ -62,11 +75,14 @@ def field_columns() -> tuple[tuple[str, str], ...]:
         if key in LEFT_OUT:
             continue
         out.append((column(key), _UINT.get(f.size, "string")))
+    out += [(column(f"{M.TABLE_ENTRY.prefix}.{f.name}"), _UINT[f.size]) for f in M.TABLE_ENTRY.items]
     return tuple(out)
 
 
 def arrow_schema() -> pa.Schema:
     import pyarrow as pa
-    fields = [pa.field(name, pa.type_for_alias(kind)) for name, kind in field_columns()]
-    fields += [pa.field(name, pa.type_for_alias(kind)) for name, kind, _ in DERIVED]
+    def arrow(kind: str) -> pa.DataType:
+        return pa.list_(pa.int64()) if kind == "list<int64>" else pa.type_for_alias(kind)
+    fields = [pa.field(name, arrow(kind)) for name, kind in field_columns()]
+    fields += [pa.field(name, arrow(kind)) for name, kind, _ in DERIVED]
     return pa.schema(fields)

@@ -116,9 +116,12 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, repo
     one last stored or with a freed block (stale reads); a LOAD of a freed or re-bound
     handle that did not pin its Generation; requests never answered; answers slower than a
     bound derived from the dataset; more requests in flight than the credits granted;
-    BINDs after the Ticket Timeout; initiators at their quota; COMPLETIONs that answer
-    nothing. A store in one host's capture and a load in another's are compared by their
-    capture times. Queries run on DuckDB, embedded.
+    BINDs near or after the Ticket Timeout (from the FetchAdd that took the ticket);
+    initiators at their quota; COMPLETIONs that answer nothing. Direct Loads are followed
+    through their RDMA Reads: a block read on the word of an entry the handle's free or
+    re-bind made stale, never confirmed, is a stale read too; a completion record (RECORD)
+    answers its request as a COMPLETION does. A store in one host's capture and a load in
+    another's are compared by their capture times. Queries run on DuckDB, embedded.
 
     Exit status: 0 analysed (1 with --fail-on-hazard when a hazard is found), 2 usage error
     or a capture that cannot be read.
@@ -174,7 +177,7 @@ def _here(files: list[Path], out: Path | None, quiet: bool) -> Any:
             progress = _Progress(len(files), not quiet and sys.stderr.isatty())
             def damaged(path: Path, why: str) -> None:
                 progress.clear()
-                click.echo(f"kbtp analyze: {path}: {why}; its messages before that are analysed", err=True)
+                _damaged(path, why)
             try:
                 dataset.write(files, out, progress, damaged)
             except CaptureError as exc:
@@ -184,6 +187,11 @@ def _here(files: list[Path], out: Path | None, quiet: bool) -> Any:
             finally:
                 progress.clear()
         return queries.analyze(out)
+
+
+def _damaged(path: Path, why: str) -> None:
+    """The one line of a capture that ends early, on either path."""
+    click.echo(f"kbtp analyze: {path}: {why}; its messages before that are analysed", err=True)
 
 
 def _on_dask(files: list[Path], out: Path | None, scheduler: str, workers: int, quiet: bool) -> Any:
@@ -211,9 +219,14 @@ def _cluster(files: list[Path], out: Path, scheduler: str, workers: int, quiet: 
     def progress(done: int, total: int) -> None:
         if show:
             click.echo(f"\rdecoded {done}/{total} captures on the cluster", err=True, nl=False)
+
+    def damaged(path: Path, why: str) -> None:
+        if show:
+            click.echo("\r" + " " * 60 + "\r", err=True, nl=False)
+        _damaged(path, why)
     with client:
         try:
-            return distributed.analyze(files, out, client, progress)
+            return distributed.analyze(files, out, client, progress, damaged)
         except CaptureError as exc:
             raise Exit(2, f"{exc}; give a pcap or pcapng capture") from None
         finally:

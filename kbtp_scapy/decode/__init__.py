@@ -17,9 +17,9 @@ from ..wire.message import RdmaMessage
 from .frames import ROCE, SUPPORTED, TCP, locate
 from .iwarp import IwarpStreams
 from .pcapfile import CaptureError, Reader, capture_files
-from .roce import RoceSends
+from .roce import RoceOperations, RoceSends
 
-__all__ = ["CaptureError", "Reader", "Stats", "capture_files", "rdma_messages"]
+__all__ = ["CaptureError", "Reader", "Stats", "capture_files", "rdma_messages", "rdma_operations"]
 
 
 @dataclass
@@ -36,8 +36,21 @@ class Stats:
 def rdma_messages(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMessage]:
     """RoCE Sends that carry KBTP and every iWARP Send, as their last frame is read
     (messages left incomplete come out at the end)."""
+    return _messages(reader, stats, RoceSends(), IwarpStreams(sends_only=True))
+
+
+def rdma_operations(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMessage]:
+    """The Sends (RoCE's that carry KBTP, as ``rdma_messages`` gives them; every iWARP
+    RDMAP message), and every RDMA Write, Read Request, Read Response, Atomic and its
+    answer beside them, with their STags, offsets, lengths and operands
+    (``RoceOperations``, ``IwarpStreams(sends_only=False)``): the one-sided traffic
+    ``kbtp analyze`` follows (DIRECT_LOAD, DIRECT_ALLOC, the data of requests)."""
+    return _messages(reader, stats, RoceOperations(), IwarpStreams(sends_only=False))
+
+
+def _messages(reader: Reader, stats: Stats | None, roce: RoceSends, iwarp: IwarpStreams
+              ) -> Iterator[RdmaMessage]:
     stats = stats if stats is not None else Stats()
-    roce, iwarp = RoceSends(), IwarpStreams(sends_only=True)
     unsupported = stats.unsupported
     for number, time, linktype, data in reader:
         stats.frames = number

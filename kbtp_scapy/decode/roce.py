@@ -140,3 +140,133 @@ class RoceSends:
         info.update(opcode=name, dqpn=dqpn, complete=complete)
         return RdmaMessage("roce", "send_inv" if inv else "send", frames,
                            (address(src), address(dst), dqpn), payload, info)
+
+
+#: RC and UC RDMA Write opcodes -> (position, carries a RETH, carries ImmDt)
+_WRITES: dict[int, tuple[int, bool, bool]] = {}
+for _base in (0x00, 0x20):
+    _WRITES.update({_base | W.WRITE_FIRST: (_FIRST, True, False), _base | W.WRITE_MIDDLE: (_MIDDLE, False, False),
+                    _base | W.WRITE_LAST: (_LAST, False, False), _base | W.WRITE_LAST_IMM: (_LAST, False, True),
+                    _base | W.WRITE_ONLY: (_ONLY, True, False), _base | W.WRITE_ONLY_IMM: (_ONLY, True, True)})
+_RESPONSES = {W.READ_RESP_FIRST: _FIRST, W.READ_RESP_MIDDLE: _MIDDLE, W.READ_RESP_LAST: _LAST,
+              W.READ_RESP_ONLY: _ONLY}
+_ATOMICS = {W.FETCH_ADD: "FETCH_ADD", W.COMPARE_SWAP: "COMPARE_SWAP"}
+
+#: octets of a Write or Read Response kept as its payload: a table entry, a ring slot or a
+#: completion record fits; a block's data is counted (``info["length"]``), not kept
+KEPT = 256
+
+
+class _Run:
+    """An RDMA Write or Read Response being put together: its octets counted, the first
+    ``KEPT`` of them kept."""
+
+    __slots__ = ("chunks", "complete", "first_psn", "frames", "info", "kind", "psn", "size", "time")
+
+    def __init__(self, kind: str, psn: int, complete: bool, info: dict) -> None:
+        self.kind, self.first_psn = kind, psn
+        self.psn, self.complete, self.info = psn, complete, info
+        self.chunks: list[bytes] = []
+        self.frames: list[int] = []
+        self.size, self.time = 0, 0.0
+
+
+class RoceOperations(RoceSends):
+    """Every RDMA operation of a RoCE capture: the KBTP Sends exactly as ``RoceSends``
+    gives them, and RDMA Writes, Read Requests, Read Responses, Atomics and Atomic
+    Acknowledgements with their STag (R_Key), offset (VA), length and operands, named as
+    ``builders.roce`` names them. Read Responses and Atomic Acknowledgements name no
+    STag: their ``psn`` is that of the request they answer, on the opposite direction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._runs: dict[tuple, _Run] = {}
+
+    def packet(self, frame: int, time: float, src: bytes, dst: bytes, data: bytes,
+               start: int, end: int, net: int | None = None) -> list[RdmaMessage] | None:
+        opcode = data[start]
+        if opcode in SENDS:
+            return super().packet(frame, time, src, dst, data, start, end, net)
+        if end - start < 16:
+            return None
+        head = data[start + 4:start + 12]
+        dqpn = (head[1] << 16) | (head[2] << 8) | head[3]
+        psn = (head[5] << 16) | (head[6] << 8) | head[7]
+        key = (src, dst, dqpn)
+        body, high = start + 12, end - 4 - (data[start + 1] >> 4 & 3)
+        if opcode == W.READ_REQUEST and high >= body + 16:
+            va, rkey, length = W.RETH.unpack_from(data, body)
+            return [self._op(key, "read_request", [frame], time, b"",
+                             {"opcode": "RC_RDMA_READ_REQUEST", "psn": psn, "va": va, "rkey": rkey,
+                              "dma_length": length})]
+        if opcode in _ATOMICS and high >= body + 28:
+            va, rkey, swap_add, compare = W.ATOMIC_ETH.unpack_from(data, body)
+            return [self._op(key, "atomic_request", [frame], time, b"",
+                             {"opcode": f"RC_{_ATOMICS[opcode]}", "psn": psn, "va": va, "rkey": rkey,
+                              "swap_add": swap_add, "compare": compare})]
+        if opcode == W.ATOMIC_ACKNOWLEDGE and high >= body + 12:
+            syndrome, original = W.U32.unpack_from(data, body)[0] >> 24, W.U64.unpack_from(data, body + 4)[0]
+            return [self._op(key, "atomic_response", [frame], time, b"",
+                             {"opcode": "RC_ATOMIC_ACKNOWLEDGE", "psn": psn, "syndrome": syndrome,
+                              "orig_data": original})]
+        write = _WRITES.get(opcode)
+        if write is not None:
+            position, reth, imm = write
+            low = body + (16 if reth else 0)
+            info = {}
+            if reth and high >= low:
+                va, rkey, length = W.RETH.unpack_from(data, body)
+                info = {"opcode": "RC_RDMA_WRITE", "va": va, "rkey": rkey, "dma_length": length}
+            if imm:
+                low += 4
+            return self._run(("write", *key), "write_imm" if imm else "write", position, psn, frame, time,
+                             data[low:high] if high >= low else b"", info)
+        position_ = _RESPONSES.get(opcode)
+        if position_ is not None:
+            low = body + (0 if position_ == _MIDDLE else 4)
+            return self._run(("read", *key), "read_response", position_, psn, frame, time,
+                             data[low:high] if high >= low else b"",
+                             {"opcode": "RC_RDMA_READ_RESPONSE"})
+        return None
+
+    def _run(self, key: tuple, kind: str, position: int, psn: int, frame: int, time: float,
+             chunk: bytes, info: dict) -> list[RdmaMessage] | None:
+        """A packet of a Write or Read Response: their messages end as Sends do."""
+        done: list[RdmaMessage] = []
+        run = self._runs.pop(key, None)
+        if run is not None and (position in (_FIRST, _ONLY) or psn != (run.psn + 1) & W.MASK24):
+            done.append(self._ended(key, run, False))
+            run = None
+        if run is None:
+            run = _Run(kind, psn, position in (_FIRST, _ONLY), info)
+        run.psn, run.time, run.kind = psn, time, kind   # a LAST packet may say "with Immediate"
+        run.frames.append(frame)
+        if run.size < KEPT:
+            run.chunks.append(chunk)
+        run.size += len(chunk)
+        if position in (_LAST, _ONLY):
+            done.append(self._ended(key, run, run.complete))
+        else:
+            self._runs[key] = run
+        return done or None
+
+    def _ended(self, key: tuple, run: _Run, complete: bool) -> RdmaMessage:
+        payload = b"".join(run.chunks) if run.size <= KEPT else b""
+        info = {**run.info, "psn": run.first_psn, "last_psn": run.psn, "packets": len(run.frames),
+                "length": run.size}
+        info.setdefault("opcode", "RC_RDMA_WRITE" if run.kind != "read_response" else "RC_RDMA_READ_RESPONSE")
+        return self._op(key[1:], run.kind, run.frames, run.time, payload, info, complete)
+
+    @staticmethod
+    def _op(key: tuple, kind: str, frames: list[int], time: float, payload: bytes, info: dict,
+            complete: bool = True) -> RdmaMessage:
+        src, dst, dqpn = key
+        info.update(dqpn=dqpn, complete=complete)
+        return RdmaMessage("roce", kind, frames, (address(src), address(dst), dqpn), payload, info, time)
+
+    def flush(self) -> list[RdmaMessage]:
+        """Sends, Writes and Read Responses still open at the capture's end, incomplete."""
+        out = super().flush()
+        out += [self._ended(key, run, False) for key, run in self._runs.items()]
+        self._runs.clear()
+        return out
