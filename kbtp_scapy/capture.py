@@ -29,7 +29,9 @@ __all__ = ["CaptureError", "Found", "KbtpSessions", "ResponseTimes", "kbtp_messa
            "session_key", "to_json", "where_it_ends"]
 
 SEND_KINDS = {"send", "send_inv"}
-#: requests kept waiting for their answer (``ResponseTimes``)
+#: requests of one capture (``ResponseTimes``) or connection (``kbtp analyze``) kept waiting
+#: for their answer; past this the oldest is given up as unanswered, so a capture of a peer
+#: that never answers is read in bounded memory
 MAX_PENDING = 1 << 16
 _HELLO_ACK = T.BY_NAME["HELLO_ACK"].opcode
 

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import tables as T
-from ..vocab import EntryFlag
-from .rows import REQUESTS
+from ..vocab import REQUESTS, EntryFlag
 
 NEAR_TIMEOUT = 0.75         # of the Ticket Timeout: a BIND later than this after its FetchAdd is near it
 MIN_SAMPLES = 20            # answers of an opcode below which no slow bound is derived

@@ -22,22 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from .. import codec, tables as T
-from ..capture import Found, KbtpSessions, endpoints
+from ..capture import MAX_PENDING, Found, KbtpSessions, endpoints
 from ..decode import CaptureError, Reader, Stats, rdma_operations
 from ..tables import RING_COUNTER, memory as M
-from ..vocab import Feature, Opcode, RequestFlag
+from ..vocab import REQUESTS, Feature, Opcode, RequestFlag
 from .operations import Operation, Pairing, RdmaOp
 
 __all__ = ["CaptureError", "MAX_PENDING", "Row", "capture_rows", "column"]
 
 Row = dict[str, Any]
 
-#: requests of one connection kept waiting for their answer; past this the oldest is
-#: given up as unanswered, so a capture of a peer that never answers stays in bounded memory
-MAX_PENDING = 1 << 16
 
-#: the requests a COMPLETION answers, as the tables say
-REQUESTS = frozenset(Opcode(m.opcode) for m in T.MESSAGES if m.answer == T.BY_OPCODE[Opcode.COMPLETION].name)
 _OPCODE_NAMES = {v.value: v.name for v in T.OPCODES.values}
 _STATUS_NAMES = {v.value: v.name for v in T.STATUS.values}
 #: the HELLO_ACK's direct-mode descriptors, by name (table, pool, partition, ring, head)
