@@ -155,8 +155,8 @@ def where_it_ends(path: str | Path) -> str | None:
                 pass
     except (OSError, CaptureError):
         return None                              # read_packets says what is wrong with it
-    if reader.problem:
-        return reader.problem
+    if reader.damage:
+        return reader.damage
     return f"the capture ends in the middle of frame {reader.cut_short}" if reader.cut_short else None
 
 

@@ -195,6 +195,80 @@ def test_truncated_captures_equal_the_scapy_path_on_the_whole_frames(tmp_path):
                         "the frames before it were decoded")
 
 
+def _offsets(data: bytes) -> list[int]:
+    """Where each record header of a little-endian pcap starts, read here apart from the
+    decoder under test."""
+    out, at = [], 24
+    while at + 16 <= len(data):
+        out.append(at)
+        at += 16 + struct.unpack_from("<I", data, at + 8)[0]
+    return out
+
+
+def _renumbered(objs: list[dict], lost: int) -> list[dict]:
+    """The messages after record ``lost`` (1-based) numbered as if it were not there."""
+    return [{**o, "frame": o["frame"] - (o["frame"] > lost)} for o in objs if o["frame"] != lost]
+
+
+@pytest.mark.parametrize("damage", ["header", "inserted"])
+def test_a_damaged_pcap_yields_every_message_before_and_after_the_damage(tmp_path, damage):
+    """A record header whose length no capture has (its record lost), or 37 octets of
+    garbage between two records (nothing lost): decode goes on at the next record, so every
+    message before and after the damage comes out, the same as from the whole capture; the
+    last line says what was skipped, exit 1."""
+    original = ROOT / "pcaps" / "roce_session.pcap"
+    whole = original.read_bytes()
+    starts = _offsets(whole)
+    objs = streamed(original)
+    frames = {o["frame"] for o in objs}
+    n = next(i for i in range(len(starts) // 2, len(starts)) if i + 1 not in frames)   # a frame, no message
+    at = starts[n]
+    if damage == "header":
+        bad = bytearray(whole)
+        bad[at + 8:at + 12] = (0xFFFFFFF0).to_bytes(4, "little")
+        want, skipped = _renumbered(objs, n + 1), starts[n + 1] - at
+    else:
+        bad = bytearray(whole[:at] + bytes(range(200, 237)) + whole[at:])
+        want, skipped = objs, 37
+    path = tmp_path / "damaged.pcap"
+    path.write_bytes(bytes(bad))
+    assert streamed(path) == want and len(want) > 20
+    proc = kbtp("decode", "--json", str(path), check=False)
+    assert proc.returncode == 1 and [json.loads(line) for line in proc.stdout.splitlines()] == want
+    claimed = 0xFFFFFFF0 if damage == "header" else int.from_bytes(bytes(range(208, 212)), "little")
+    assert proc.stderr.decode().splitlines()[-1] == (
+        f"kbtp: {path}: record {n + 1} claims {claimed} octets: the file is corrupt; {skipped:,} octets "
+        f"skipped, reading went on at octet {at + skipped:,}; the frames before and after it were decoded")
+
+
+def test_a_damaged_pcapng_block_is_skipped_to_the_next_block(tmp_path):
+    """pcapng: a block whose length field is broken is skipped to the next block whose
+    trailing length repeats its leading one; the messages of every other block come out."""
+    from tests.tshark import TSHARK
+    editcap = Path(TSHARK).with_name("editcap")
+    if not editcap.exists():
+        pytest.skip("editcap (Wireshark's) is not installed")
+    original = tmp_path / "session.pcapng"
+    subprocess.run([str(editcap), "-F", "pcapng", str(ROOT / "pcaps" / "roce_session.pcap"), str(original)],
+                   check=True, timeout=60)
+    data = bytearray(original.read_bytes())
+    blocks, at = [], 0
+    while at + 8 <= len(data):
+        kind, length = struct.unpack_from("<II", data, at)
+        blocks.append((at, kind))
+        at += length
+    objs = streamed(original)
+    frames = {o["frame"] for o in objs}
+    packets = [b for b in blocks if b[1] == 6]                     # Enhanced Packet Blocks
+    n = next(i for i in range(len(packets) // 2, len(packets)) if i + 1 not in frames)
+    data[packets[n][0] + 4:packets[n][0] + 8] = (7).to_bytes(4, "little")      # not a multiple of 4
+    path = tmp_path / "damaged.pcapng"
+    path.write_bytes(bytes(data))
+    assert streamed(path) == _renumbered(objs, n + 1)
+    proc = kbtp("decode", "--json", str(path), check=False)
+    assert proc.returncode == 1 and "claims 7 octets: the file is corrupt;" in proc.stderr.decode()
+
+
 def _compare_with_tshark(pcap: Path, objs: list[dict]) -> None:
     from tests.test_dissector import ALL_KEYS
     got = {n: v for n, v in tshark_fields(pcap, ALL_KEYS).items() if v}   # less fragments

@@ -402,7 +402,8 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
              name)
     if not stopped and (reader.cut_short or reader.problem):
         why = reader.problem or f"the capture ends in the middle of frame {reader.cut_short}"
-        raise click.ClickException(f"{name}: {why}; the frames before it were decoded")
+        raise click.ClickException(f"{name}: {why}; the frames before "
+                                   f"{'and after it' if reader.resumed else 'it'} were decoded")
 
 
 def _times(times: ResponseTimes, as_json: bool) -> None:

@@ -6,6 +6,12 @@ Interface Description (link type, ``if_tsresol``, ``if_tsoffset``), Enhanced, Si
 obsolete Packet Blocks; other blocks are skipped. Memory stays at one read chunk plus one
 record, whatever the size of the capture, and a pipe is read as data arrives
 (``read1``), so ``tcpdump -w - | kbtp decode -`` shows messages while tcpdump runs.
+
+A damaged capture is read past its damage: where a record or block claims a length no
+capture has, the reader looks octet by octet for the next one that a second one follows
+(pcap: a header of sane length and time, then another or the end; pcapng: a block whose
+trailing length repeats its leading one) and goes on from there, so every record before
+and after the damage is read; ``problem`` says what was skipped.
 """
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ _PCAPNG_SHB = b"\x0a\x0d\x0d\x0a"
 _BYTE_ORDER_MAGIC = 0x1A2B3C4D
 _EPB, _SPB, _OPB, _IDB, _SHB = 6, 3, 2, 1, 0x0A0D0D0A
 _OPT_TSRESOL, _OPT_TSOFFSET = 9, 14
+_BLOCKS = frozenset((_IDB, _OPB, _SPB, 4, 5, _EPB, 9, 10, _SHB))    # 4 NRB, 5 ISB, 9 SJE, 10 DSB
+#: seconds between a record found after damage and the last one before it, at most
+_RESYNC_SPAN = 30 * 86400
 
 
 #: what a capture file's name ends in, for the tools that take a folder of them
@@ -54,6 +63,9 @@ class Reader:
         self._base = 0                            # octets of the stream before self._buf
         self.cut_short: int | None = None
         self.problem: str | None = None
+        self.resumed = False                      # reading went on after the damage
+        self.damage: str | None = None            # the first damage, where a reader that stops stopped
+        self._places = self._skipped = 0
         self.linktype: int | None = None          # of a classic pcap, once its header is read
         self._read = getattr(stream, "read1", stream.read)
         self._before_wait = before_wait or (lambda: None)
@@ -74,6 +86,7 @@ class Reader:
             endian, self._unit = _PCAP_MAGIC[self._magic]
             self._rec = struct.Struct(endian + "IIII")
             self.linktype = struct.unpack_from(endian + "I", self._buf, self._at + 20)[0] & 0xFFFF
+            self._snaplen = struct.unpack_from(endian + "I", self._buf, self._at + 16)[0]
             self._at += 24
 
     # -- buffer ------------------------------------------------------------------------------
@@ -109,9 +122,27 @@ class Reader:
         """Octets of the capture consumed so far."""
         return self._base + self._at
 
+    def _damaged(self, what: str, resync: Callable[[], bool]) -> bool:
+        """Say what is wrong at the reading position, then look for the next record
+        (``resync``); whether one was found and reading goes on there."""
+        start = self.position
+        self.damage = self.damage or f"{what}: the file is corrupt"
+        if not resync():
+            self.problem = f"{what}: the file is corrupt, and no record follows it"
+            return False
+        self._places += 1
+        self._skipped += self.position - start
+        self.problem = (f"{what}: the file is corrupt; {self.position - start:,} octets skipped, "
+                        f"reading went on at octet {self.position:,}" if self._places == 1 else
+                        f"{self.damage}; {self._places} damaged places, {self._skipped:,} octets "
+                        "skipped in all, reading went on after each")
+        self.resumed = True
+        return True
+
     def _pcap(self) -> Iterator[tuple[float, int, bytes]]:
         rec, unit, linktype = self._rec, self._unit, self.linktype
         assert linktype is not None              # read with the pcap header
+        last = None                              # the seconds of the last record read
         while True:
             at = self._need(16)
             if at is None:
@@ -119,14 +150,46 @@ class Reader:
                 return
             sec, frac, caplen, _wirelen = rec.unpack_from(self._buf, at)
             if caplen > MAX_RECORD:
-                self.problem = f"record {self._count + 1} claims {caplen} octets: the file is corrupt"
-                return
+                what = f"record {self._count + 1} claims {caplen} octets"
+                if not self._damaged(what, lambda: self._resync_pcap(last)):
+                    return
+                continue
             at = self._need(16 + caplen)
             if at is None:
                 self._cut()
                 return
             self._at = at + 16 + caplen
+            last = sec
             yield sec + frac * unit, linktype, self._buf[at + 16:at + 16 + caplen]
+
+    def _pcap_header_ok(self, at: int, last: int | None) -> int | None:
+        """The captured length of a plausible record header at ``at``, else None."""
+        sec, frac, caplen, wirelen = self._rec.unpack_from(self._buf, at)
+        if (caplen > MAX_RECORD or caplen > wirelen or not caplen or frac >= round(1 / self._unit)
+                or (self._snaplen and caplen > self._snaplen)
+                or (last is not None and abs(sec - last) > _RESYNC_SPAN)):
+            return None
+        return caplen
+
+    def _resync_pcap(self, last: int | None) -> bool:
+        """Move to the next record header that another one (or the end) follows."""
+        while True:
+            self._at += 1
+            at = self._need(16)
+            if at is None:
+                return False
+            caplen = self._pcap_header_ok(at, last)
+            if caplen is None:
+                continue
+            follower = self._need(16 + caplen + 16)
+            if follower is None:                  # the last record: it ends the file exactly
+                at = self._need(16 + caplen)
+                if at is not None and len(self._buf) - at == 16 + caplen:
+                    return True
+                continue
+            sec = self._rec.unpack_from(self._buf, follower)[0]
+            if self._pcap_header_ok(follower + 16 + caplen, sec) is not None:
+                return True
 
     def _pcapng(self) -> Iterator[tuple[float, int, bytes]]:
         endian = "<"
@@ -141,14 +204,17 @@ class Reader:
                 magic = buf[at + 8:at + 12]
                 endian = "<" if magic == b"\x4d\x3c\x2b\x1a" else ">"
                 if struct.unpack_from(endian + "I", magic)[0] != _BYTE_ORDER_MAGIC:
-                    self.problem = f"pcapng section at octet {self._base + at} has no byte-order magic"
-                    return
+                    what = f"pcapng section at octet {self._base + at} has no byte-order magic"
+                    if not self._damaged(what, lambda: self._resync_pcapng(endian)):
+                        return
+                    continue
                 interfaces = []
             kind, length = struct.unpack_from(endian + "II", buf, at)
             if length < 12 or length % 4 or length > MAX_RECORD:
-                self.problem = (f"pcapng block at octet {self._base + at} claims {length} "
-                                "octets: the file is corrupt")
-                return
+                what = f"pcapng block at octet {self._base + at} claims {length} octets"
+                if not self._damaged(what, lambda: self._resync_pcapng(endian)):
+                    return
+                continue
             at = self._need(length)
             if at is None:
                 self._cut()
@@ -173,6 +239,27 @@ class Reader:
                     yield 0.0, interfaces[0][0], buf[body + 4:body + 4 + caplen]
             elif kind == _IDB:
                 interfaces.append(_interface(buf, body, at + length - 4, endian))
+
+
+    def _resync_pcapng(self, endian: str) -> bool:
+        """Move to the next block of a known type whose trailing length repeats its
+        leading one (a Section Header also with its byte-order magic)."""
+        head = struct.Struct(endian + "II")
+        while True:
+            self._at += 1
+            at = self._need(12)
+            if at is None:
+                return False
+            kind, length = head.unpack_from(self._buf, at)
+            if kind not in _BLOCKS or length < 12 or length % 4 or length > MAX_RECORD:
+                continue
+            whole = self._need(length)
+            if whole is None:
+                continue
+            if struct.unpack_from(endian + "I", self._buf, whole + length - 4)[0] != length:
+                continue
+            if kind != _SHB or self._buf[whole + 8:whole + 12] in (b"\x4d\x3c\x2b\x1a", b"\x1a\x2b\x3c\x4d"):
+                return True
 
 
 def _interface(buf: bytes, at: int, end: int, endian: str) -> tuple[int, float, float]:
