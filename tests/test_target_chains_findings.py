@@ -183,6 +183,35 @@ def test_an_alloc_store_chain_past_tickets_the_watch_has_not_seen_yet_is_refused
 
 
 @pytest.mark.slow
+def test_the_watchdog_counts_the_handles_chains_bound_before_it_answers(transport):
+    """conform's ``direct.quota.tickets`` on a busy host, where it takes few tickets: the
+    quota's other handles are bound by ALLOC_STORE chains, one ticket is taken, and an
+    ALLOC_STORE sent at once passes the chain's quota guard and waits for a slot. The
+    watchdog must count the handles the chains bound, which the runner books only when it
+    refills: no request comes to make it, so the watchdog used to see the session below
+    its quota and leave the chain waiting until the ticket was abandoned (then OK)."""
+    t = direct_alloc_target(transport)
+
+    async def main() -> str:
+        ini = await Initiator.connect(t.url, credits=4, **t.connect_options(0))
+        h, quota = ini.target.handle_base, ini.target.quota
+        await asyncio.gather(*(ini.alloc_store(h + i, b"bound by a chain") for i in range(quota - 1)))
+        await ini.take_ticket()
+        try:
+            await asyncio.wait_for(ini.alloc_store(h + quota, b"over the quota"), 1.5)
+        except KbtpError as refused:
+            return refused.name
+        except TimeoutError:
+            return "no answer"
+        return "OK"
+    try:
+        assert run(main()) == "NO_SPACE"
+        assert t.target.metrics.chain[Opcode.ALLOC_STORE] >= 1
+    finally:
+        t.stop()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("execution, transport", [("software", "iwarp"), ("chains", "iwarp"),
                                                   ("chains", "roce")])
 def test_an_alloc_store_whose_slot_never_fills_is_answered_internal(execution, transport):

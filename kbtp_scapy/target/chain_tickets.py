@@ -94,7 +94,8 @@ class Watchdog:
         if self.seen is None or self.seen[0] != k:
             self.seen = (k, now)
         state = r.conn.state
-        if state.watch is not None:
+        r.account()                     # the handles chains bound count now: no request may
+        if state.watch is not None:     # come to make the runner book them before the answer
             state.watch.poll()          # the initiator's own tickets count now
         if state.usage >= state.quota:
             status = Status.NO_SPACE

@@ -476,7 +476,7 @@ class ChainRunner:
     def _received(self) -> int:
         """Requests the RNIC has received on this connection (its receive completions). The
         idle rule asks before it weighs the session's usage: the handles chains bound count."""
-        self._account()
+        self.account()
         return self.recv_cq.count
 
     def _polled(self, cq: CompletionQueue) -> None:
@@ -499,7 +499,7 @@ class ChainRunner:
         wqe = Wqe.decode(self.rq.slot(k), self.little)
         return self.engine.requester.gather(wqe.sges)[:length]
 
-    def _account(self) -> None:
+    def account(self) -> None:
         """Count the finished chains' requests, and bind in the session's books the handles
         ALLOC_STORE chains bound (the slot's buffer holds them until the slot is rebuilt)."""
         entries = self.done_cq.entries
@@ -525,7 +525,7 @@ class ChainRunner:
         """Account for the chains that finished and build their successors (one batch);
         in a DIRECT_ALLOC session, look at the initiator's Head too (``_fold``)."""
         done = self.done_cq.count
-        self._account()
+        self.account()
         if self.watch is not None:
             self.watch.poll()
         if done <= self.refilled:
@@ -547,7 +547,7 @@ class ChainRunner:
             # the counters of the last, partial batch; no rebuild: a failed work request's
             # error completion counts on the done CQ, and rebuilding its slot would wipe
             # what chain_tickets.recover reads
-            self._account()
+            self.account()
 
     async def _serve(self) -> bool:
         # A chain takes milliseconds to build, a connection's tens of them a few tenths of
