@@ -94,7 +94,7 @@ def test_a_program_slow_to_start_is_judged_not_called_hung(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setup", ["target:iwarp:software", "initiator:roce"])
+@pytest.mark.parametrize("setup", ["target:iwarp:chains", "initiator:roce"])
 def test_five_runs_under_load_give_the_quiet_verdicts(setup):
     """The issue's proof, for one setup of each role (``tools/load_proof.py`` runs all six
     and writes docs/LOAD_PROOF.md): five runs of the timing cases with the busy loops

@@ -13,7 +13,7 @@ run's and the runs with a SKIP of that kind.
 
     .venv/bin/python tools/load_proof.py --runs 5                       # the timing cases
     .venv/bin/python tools/load_proof.py --runs 5 --cases all --setup target:iwarp:software
-    .venv/bin/python tools/load_proof.py --runs 5 --markdown docs/LOAD_PROOF.md
+    .venv/bin/python tools/load_proof.py --runs 5 --markdown table.md   # docs/LOAD_PROOF.md has its table
 
 ``--cases timing`` (the default) runs the cases whose verdicts hang on time
 (``TARGET_CASES``, ``INITIATOR_CASES``); ``--cases all`` runs every case (minutes a run
