@@ -390,6 +390,15 @@ async def _write_then_check(self, conn, req, entry, original, fetch):
     return await original(self, conn, req, fetch)
 
 
+def plant_mpa_revision_1(t, mp):
+    """The target answers every MPA Request as one of revision 1 (RFC 5044's, no IRD/ORD)."""
+    from dataclasses import replace
+
+    from kbtp_scapy.rnic.iwarp import IwarpQP
+    real = IwarpQP._on_request
+    mp.setattr(IwarpQP, "_on_request", lambda self, req: real(self, replace(req, rev=1, enhanced=False)))
+
+
 def plant_corrupt_data(t, mp):
     ex = t.target.executor
     original = ex._data
@@ -1162,6 +1171,8 @@ CORPUS: list[Bug] = [
             if req["opcode"] in STORES else req))),
     Bug("load_data_late", "receipt of the completion implies that the loaded data is in the "
         "initiator's buffer", "completion.load_data", plant_late_data),
+    Bug("mpa_revision_1", "Peers SHOULD use the enhanced connection establishment of .",
+        "binding.mpa.enhanced", plant_mpa_revision_1, transports=("iwarp",)),
     Bug("record_over_rdmap", "a target MUST NOT advertise RECORD_COMPLETION in the RDMAP binding",
         "completion.record.rdmap", lambda t, mp: mp.setattr(
             Target, "offered_features", lambda self, qp: self.config.features), transports=("iwarp",)),

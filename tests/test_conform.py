@@ -398,19 +398,3 @@ def test_html_report_has_each_case_and_links_its_capture(monkeypatch, tmp_path):
     assert (page.parent / warn["links"][0]).resolve() == Path(pcaps["security.clear_freed"]).resolve()
     assert rows["completion.order"]["links"] == []
 
-
-def test_a_target_that_answers_with_mpa_revision_1_is_warned(monkeypatch, tmp_path):
-    """Peers SHOULD use RFC 6581's enhanced connection establishment: a target whose MPA
-    Reply is of revision 1 (as if the Request were) gets a WARN naming it; exit 0."""
-    from dataclasses import replace
-
-    from kbtp_scapy.rnic.iwarp import IwarpQP
-    real = IwarpQP._on_request
-    monkeypatch.setattr(IwarpQP, "_on_request", lambda self, req: real(self, replace(req, rev=1, enhanced=False)))
-    t = start("iwarp", hosts())
-    try:
-        code, doc = conform(t, tmp_path, "--only", "binding.mpa.enhanced")
-    finally:
-        t.stop()
-    [c] = doc["cases"]
-    assert (code, c["verdict"], c["seen"]) == (0, "WARN", "revision 1, without IRD and ORD"), c
