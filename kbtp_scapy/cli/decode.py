@@ -17,7 +17,7 @@ import click
 
 from .. import codec, tables as T
 from ..capture import Found, ResponseTimes, endpoints, kbtp_messages, to_json
-from ..decode import CaptureError, Reader, Stats, rdma_messages
+from ..decode import CaptureError, Reader, Stats, core, rdma_messages
 from ..decode.frames import SUPPORTED, linktype_name
 from ..summary import describe
 
@@ -137,13 +137,17 @@ class _Output:
     """Where lines go: stdout (text or JSON), and JSON Lines to a file with --json-file."""
 
     def __init__(self, as_json: bool, json_file: TextIO | None, layers: bool,
-                 progress: _Progress, origin: float) -> None:
+                 progress: _Progress, origin: float, skip: int = 0) -> None:
         self.as_json, self.json_file, self.layers = as_json, json_file, layers
         self.progress, self.origin = progress, origin
         self.clear = progress.enabled and sys.stdout.isatty()
         self.write = sys.stdout.write
+        self.skip = skip                  # messages the compiled core already wrote
 
     def __call__(self, found: Found) -> None:
+        if self.skip:
+            self.skip -= 1
+            return
         if self.clear:
             self.progress.clear()
         if self.as_json:
@@ -337,13 +341,17 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
     name = "standard input" if file == "-" else file
     progress = _Progress(not quiet and sys.stderr.isatty() and (size is None or size >= PROGRESS_MIN_SIZE),
                          size)
-    stats, shown, total, malformed, conns = Stats(), 0, 0, 0, set()
+    stats, totals, shown, conns = Stats(), core.Totals(), 0, set()
     reader = None
+    # the compiled core: plain --json of a file (decode/core.py says what it hands back)
+    fast = (core.wanted() and as_json and json_file is None and count is None and not any(filters)
+            and not where and times is None and addr_le is None and size is not None)
+    skip = 0
 
     def waiting() -> None:
         sys.stdout.flush()
         if reader is not None:
-            progress.update(reader.position, total)
+            progress.update(reader.position, totals.messages)
 
     try:
         reader = Reader(stream, name, before_wait=waiting)
@@ -353,12 +361,22 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
                 "Ethernet, Linux cooked, loopback and raw IP captures")
         out = None
         stopped = False
-        for found in kbtp_messages(rdma_messages(reader, stats), addr_le):
+        if fast:
+            try:
+                _core_run(reader, stream, progress, stats, totals)
+                shown = totals.messages
+            except core.Fallback as fell:
+                skip, fast = fell.lines, False
+                stream.seek(0)
+                stats, totals = Stats(), core.Totals()
+                reader = Reader(stream, name, before_wait=waiting)
+        for found in () if fast else kbtp_messages(rdma_messages(reader, stats), addr_le):
             if out is None:
-                out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0)
-            total += 1
-            malformed += found.error is not None
+                out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0, skip)
+            totals.messages += 1
+            totals.malformed += found.error is not None
             conns.add((found.transport, found.connection))
+            totals.conns = len(conns)
             if where and not where.matches(found, stats.first_time or 0.0):
                 continue
             if times is not None:
@@ -379,7 +397,7 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
             json_file.flush()
         if times is not None:
             _times(times, as_json)
-        _summary(stats, total, shown, malformed, len(conns), any(filters) or bool(where), None, name)
+        _summary(stats, totals, totals.messages if fast else shown, any(filters) or bool(where), None, name)
         click.echo(f"kbtp: decode of {name} interrupted (Ctrl-C): the lines above are the "
                    "messages found until then", err=True)
         raise click.exceptions.Exit(130) from None
@@ -398,11 +416,37 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
                    "kbtp decode reads Ethernet, Linux cooked, loopback and raw IP frames", err=True)
     if times is not None:
         _times(times, as_json)
-    _summary(stats, total, shown, malformed, len(conns), any(filters) or bool(where), count if stopped else None,
-             name)
+    _summary(stats, totals, shown, any(filters) or bool(where), count if stopped else None, name)
     if not stopped and (reader.cut_short or reader.problem):
         why = reader.problem or f"the capture ends in the middle of frame {reader.cut_short}"
         raise click.ClickException(f"{name}: {why}; the frames before it were decoded")
+
+
+def _core_run(reader: Reader, stream: BinaryIO, progress: _Progress, stats: Stats, totals: core.Totals) -> None:
+    """The records of ``reader`` through the compiled core, its lines to stdout."""
+    sys.stdout.flush()
+    binary = getattr(sys.stdout, "buffer", None)
+    clear = progress.enabled and sys.stdout.isatty()
+
+    def sink(lines: bytes) -> None:
+        if clear:
+            progress.clear()
+        if binary is not None:
+            binary.write(lines)
+        else:
+            sys.stdout.write(lines.decode())
+
+    core.run(reader, stream, sink, progress.update if progress.enabled else None, _malformed_line, stats, totals)
+
+
+def _malformed_line(payload: bytes, le: bool, frame: int, time: float, transport: str, conn: tuple,
+                    number: int, icrc_bad: tuple[int, ...]) -> str:
+    """The JSON line of a message the codec finds malformed, for the compiled core."""
+    try:
+        fields, error = codec.decode(payload, addr_le=le), None
+    except codec.Malformed as exc:
+        fields, error = exc.fields, exc.reason
+    return json.dumps(to_json(Found(frame, transport, conn, fields, error, time, number, payload, le, icrc_bad)))
 
 
 def _times(times: ResponseTimes, as_json: bool) -> None:
@@ -410,17 +454,17 @@ def _times(times: ResponseTimes, as_json: bool) -> None:
     click.echo(json.dumps(times.as_json(), indent=1) if as_json else "\n".join(times.text()))
 
 
-def _summary(stats: Stats, total: int, shown: int, malformed: int, conns: int, filtered: bool,
-             stopped: int | None, name: str) -> None:
+def _summary(stats: Stats, totals: core.Totals, shown: int, filtered: bool, stopped: int | None,
+             name: str) -> None:
     """The one line on stderr: what was found in how many frames."""
     frames = _plural(stats.frames, "frame")
     where = f"the first {frames}" if stopped else frames
-    if not total:
+    if not totals.messages:
         text = f"no KBTP message in {where}"
     else:
-        text = f"{_plural(total, 'KBTP message')} in {where}, {_plural(conns, 'connection')}"
-        if malformed:
-            text += f", {malformed:,} malformed"
+        text = f"{_plural(totals.messages, 'KBTP message')} in {where}, {_plural(totals.conns, 'connection')}"
+        if totals.malformed:
+            text += f", {totals.malformed:,} malformed"
         if filtered:
             text += f", {shown:,} shown"
     if stats.cut:

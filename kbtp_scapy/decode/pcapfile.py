@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 CHUNK = 1 << 20
 MAX_RECORD = 1 << 26            # no link type has frames this large: the file is corrupt
@@ -23,6 +23,13 @@ _PCAPNG_SHB = b"\x0a\x0d\x0d\x0a"
 _BYTE_ORDER_MAGIC = 0x1A2B3C4D
 _EPB, _SPB, _OPB, _IDB, _SHB = 6, 3, 2, 1, 0x0A0D0D0A
 _OPT_TSRESOL, _OPT_TSOFFSET = 9, 14
+
+
+#: What stops reading early, by kind, in the words of ``Reader.problem``; the compiled core
+#: (``decode/core.py``) reports the kind and its numbers, worded here too.
+PROBLEMS = {"record": "record {} claims {} octets: the file is corrupt",
+            "section": "pcapng section at octet {} has no byte-order magic",
+            "block": "pcapng block at octet {} claims {} octets: the file is corrupt"}
 
 
 #: what a capture file's name ends in, for the tools that take a folder of them
@@ -97,6 +104,15 @@ class Reader:
         if len(self._buf) > self._at:
             self.cut_short = self._count + 1
 
+    def handover(self) -> dict[str, Any]:
+        """What another reader of the records after the header needs (the compiled core):
+        the octets read and not consumed, their offset in the stream, the format, and for
+        a classic pcap its byte order, time unit and link type."""
+        pcap = self._magic in _PCAP_MAGIC
+        return {"head": bytes(self._buf[self._at:]), "base": self.position, "pcapng": not pcap,
+                "big": pcap and self._rec.format.startswith(">"), "unit": self._unit if pcap else 1e-6,
+                "linktype": self.linktype or 0}
+
     # -- records -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[int, float, int, bytes]]:
         records = self._pcap() if self._magic in _PCAP_MAGIC else self._pcapng()
@@ -119,7 +135,7 @@ class Reader:
                 return
             sec, frac, caplen, _wirelen = rec.unpack_from(self._buf, at)
             if caplen > MAX_RECORD:
-                self.problem = f"record {self._count + 1} claims {caplen} octets: the file is corrupt"
+                self.problem = PROBLEMS["record"].format(self._count + 1, caplen)
                 return
             at = self._need(16 + caplen)
             if at is None:
@@ -141,13 +157,12 @@ class Reader:
                 magic = buf[at + 8:at + 12]
                 endian = "<" if magic == b"\x4d\x3c\x2b\x1a" else ">"
                 if struct.unpack_from(endian + "I", magic)[0] != _BYTE_ORDER_MAGIC:
-                    self.problem = f"pcapng section at octet {self._base + at} has no byte-order magic"
+                    self.problem = PROBLEMS["section"].format(self._base + at)
                     return
                 interfaces = []
             kind, length = struct.unpack_from(endian + "II", buf, at)
             if length < 12 or length % 4 or length > MAX_RECORD:
-                self.problem = (f"pcapng block at octet {self._base + at} claims {length} "
-                                "octets: the file is corrupt")
+                self.problem = PROBLEMS["block"].format(self._base + at, length)
                 return
             at = self._need(length)
             if at is None:

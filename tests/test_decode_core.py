@@ -1,0 +1,177 @@
+"""The compiled core of ``kbtp decode --json`` (``decode/_core.c``) against the pure-Python
+decoder it ports: byte-identical stdout, stderr and exit status on every capture the suite
+has (pcaps/, the fleet's, the real ones, the dissector's fuzz corpus and RDMA sessions) and
+on cut, corrupted and re-encoded ones; the core is what ``kbtp decode`` runs when built."""
+from __future__ import annotations
+
+import random
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings, strategies as st
+
+from kbtp_scapy.cli import main
+from kbtp_scapy.decode import core
+from tests import test_decode as dec, test_dissector_fuzz as fuzz, test_dissector_rdma as rdma
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = Path("/work/shared/captures")
+COMMITTED = sorted({*(ROOT / "pcaps").rglob("*.pcap"), *(ROOT / "tests" / "data" / "captures").glob("*.pcap"),
+                    *SHARED.glob("*.pcap")})
+
+needs_core = pytest.mark.skipif(not core.BUILT, reason="the extension is not built (pip install -e .)")
+
+
+def kbtp_json(path: Path, pure: bool) -> tuple[int, bytes, bytes]:
+    """(exit status, stdout, stderr) of ``kbtp decode --json -q path``, in this process,
+    with the core or with KBTP_DECODE=python."""
+    with CliRunner().isolation(env={core.ENV: "python" if pure else ""}) as (out, err, _):
+        code = main(["decode", "--json", "-q", str(path)])
+        sys.stdout.flush()
+        return code, out.getvalue(), err.getvalue()
+
+
+def identical(path: Path) -> tuple[int, bytes, bytes]:
+    fast, pure = kbtp_json(path, False), kbtp_json(path, True)
+    assert fast == pure, path
+    return fast
+
+
+@needs_core
+@pytest.mark.parametrize("pcap", COMMITTED, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_committed_captures_decode_identically(pcap):
+    code, out, err = identical(pcap)
+    assert code == 0 and err
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> dict[str, Path]:
+    """The captures other tests build: variants of test_decode (markers, multi-segment
+    Sends, several QPs), the RDMA sessions, the dissector fuzz corpus, re-encoded forms."""
+    tmp = tmp_path_factory.mktemp("core")
+    out = {"multi": dec.multi_connection(tmp / "multi.pcap"), "interleaved": dec.interleaved(tmp / "mixed.pcap")}
+    for transport, addr_le in rdma.CASES:
+        path = tmp / f"rdma_{transport}{'_le' if addr_le else ''}.pcap"
+        rdma.build(transport, path, addr_le)
+        out[path.stem] = path
+    for name in fuzz.build(tmp / "fuzz", scale=0.25):
+        out[f"fuzz_{name}"] = tmp / "fuzz" / f"{name}.pcap"
+    for src in ("roce_session", "iwarp_session"):
+        for fmt in ("pcapng", "nsecpcap"):
+            out[f"{src}_{fmt}"] = tmp / f"{src}.{fmt}"
+            subprocess.run(["editcap", "-F", fmt, str(ROOT / "pcaps" / f"{src}.pcap"), str(out[f"{src}_{fmt}"])],
+                           check=True, timeout=60)
+    frames = dec.records(ROOT / "pcaps" / "iwarp_session.pcap")
+    out["big_endian"] = tmp / "be.pcap"
+    with open(out["big_endian"], "wb") as f:
+        f.write(struct.pack(">IHHiIII", 0xA1B2C3D4, 2, 4, 0, 0, 65535, 1))
+        for ts, data in frames:
+            f.write(struct.pack(">IIII", int(ts), round(ts % 1 * 1e6), len(data), len(data)) + data)
+    frame = dec.records(ROOT / "pcaps" / "roce_session.pcap")[0][1]
+    out["link_types"] = dec._pcapng(tmp / "mixed.pcapng", [(197, bytes(80)), (1, frame), (247, bytes(40))])
+    out["erf"] = dec.write_pcap(tmp / "ib.erf.pcap", [(1.0, bytes(80))] * 3, linktype=197)
+    return out
+
+
+GENERATED = ["multi", "interleaved", *(f"rdma_{t}{'_le' if le else ''}" for t, le in rdma.CASES),
+             "fuzz_raw_roce", "fuzz_raw_iwarp", "fuzz_reframed_roce", "fuzz_reframed_iwarp",
+             "roce_session_pcapng", "roce_session_nsecpcap", "iwarp_session_pcapng", "iwarp_session_nsecpcap",
+             "big_endian", "link_types", "erf"]
+
+
+@needs_core
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GENERATED)
+def test_generated_captures_decode_identically(generated, name):
+    identical(generated[name])
+
+
+def _damaged(whole: bytes, rng: random.Random, flips: int) -> bytes:
+    """``whole`` with ``flips`` random octets after the file header changed."""
+    data = bytearray(whole)
+    for _ in range(flips):
+        data[rng.randrange(24, len(data))] ^= 1 << rng.randrange(8)
+    return bytes(data)
+
+
+@needs_core
+@needs_core
+@pytest.mark.slow
+@pytest.mark.parametrize("src", ["roce_session.pcap", "iwarp_session.pcap", "rxe_kernel_session.pcap",
+                                 "siw_kernel_session.pcap", "fleet/consumer1.pcap"])
+def test_cut_and_corrupted_captures_decode_identically(tmp_path, src):
+    """Cut anywhere (in a record header, in a frame), octets flipped anywhere (frames, record
+    lengths: the file is corrupt from there), a record length made huge: the same lines,
+    the same summary and the same one-line error either way."""
+    whole = (ROOT / "pcaps" / src).read_bytes()
+    rng = random.Random(src)
+    cases = {f"cut{n}": whole[:n] for n in sorted(rng.sample(range(25, len(whole)), 6))}
+    cases |= {f"flip{i}": _damaged(whole, rng, 1 + i) for i in range(8)}
+    huge = bytearray(whole)
+    huge[24 + 16 + len(dec.records(ROOT / "pcaps" / src)[0][1]) + 8:][:4] = struct.pack("<I", 1 << 30)
+    cases["huge_record"] = bytes(huge)
+    codes = set()
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.pcap"
+        path.write_bytes(data)
+        codes.add(identical(path)[0])
+    assert codes == {0, 1}                 # some read to their end, some say where they stop
+
+
+_FRAMES = st.lists(st.tuples(st.sampled_from([1, 101, 113, 276, 0, 197]), dec._frames), max_size=12)
+
+
+@needs_core
+@settings(max_examples=150, deadline=None)
+@given(frames=_FRAMES)
+def test_any_frames_decode_identically(tmp_path_factory, frames):
+    """Frames of any content and link type, in a pcapng file: the core reads them as the
+    Python decoder does (and never crashes)."""
+    path = tmp_path_factory.mktemp("any") / "any.pcapng"
+    dec._pcapng(path, frames)
+    identical(path)
+
+
+@needs_core
+def test_the_core_is_what_decode_json_runs(monkeypatch, tmp_path):
+    """Built with the package, the core decodes plain --json; KBTP_DECODE=python, a filter or
+    the text output run the Python decoder, which still works on its own."""
+    assert core.BUILT and core.wanted()
+    calls = []
+    real = core.run
+    monkeypatch.setattr(core, "run", lambda *a: calls.append(a[0]) or real(*a))
+    pcap = ROOT / "pcaps" / "roce_session.pcap"
+    fast = kbtp_json(pcap, False)
+    assert len(calls) == 1 and fast[0] == 0
+    pure = kbtp_json(pcap, True)
+    assert len(calls) == 1 and pure == fast and len(pure[1].splitlines()) == 36
+    with CliRunner().isolation() as (out, _, _):
+        assert main(["decode", "--json", "--opcode", "LOAD", str(pcap)]) == 0
+    assert len(calls) == 1
+
+
+@needs_core
+def test_streams_it_does_not_port_go_back_to_python(generated):
+    """The markers connection of the multi variant: the core stops there and says how many
+    lines it wrote; kbtp decode then decodes again in Python, skipping them."""
+    from kbtp_scapy.cli.decode import _malformed_line
+    from kbtp_scapy.decode import Reader, Stats
+    path = generated["multi"]
+    with open(path, "rb") as stream:
+        lines: list[bytes] = []
+        with pytest.raises(core.Fallback) as fell:
+            core.run(Reader(stream), stream, lines.append, None, _malformed_line, Stats(), core.Totals())
+    written = b"".join(lines).splitlines()
+    assert "markers" in str(fell.value) and fell.value.lines == len(written)
+    code, out, _ = identical(path)
+    assert code == 0 and out.splitlines()[:len(written)] == written
+
+
+def test_committed_core_tables_are_fresh():
+    """The stale-file check without the CLI (test_dissector runs ``--check`` with an edit)."""
+    from kbtp_scapy.dissector.generate_core import CORE_TABLES, header_source
+    assert CORE_TABLES.read_text() == header_source(), "run 'kbtp dissector generate'"
