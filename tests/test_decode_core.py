@@ -4,6 +4,7 @@ has (pcaps/, the fleet's, the real ones, the dissector's fuzz corpus and RDMA se
 on cut, corrupted and re-encoded ones; the core is what ``kbtp decode`` runs when built."""
 from __future__ import annotations
 
+import os
 import random
 import struct
 import subprocess
@@ -17,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 from kbtp_scapy.cli import main
 from kbtp_scapy.decode import core
 from tests import test_decode as dec, test_dissector_fuzz as fuzz, test_dissector_rdma as rdma
+from tests.test_dissector_c import SANITIZER
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path("/work/shared/captures")
@@ -99,7 +101,6 @@ def _damaged(whole: bytes, rng: random.Random, flips: int) -> bytes:
 
 
 @needs_core
-@needs_core
 @pytest.mark.slow
 @pytest.mark.parametrize("src", ["roce_session.pcap", "iwarp_session.pcap", "rxe_kernel_session.pcap",
                                  "siw_kernel_session.pcap", "fleet/consumer1.pcap"])
@@ -175,3 +176,63 @@ def test_committed_core_tables_are_fresh():
     """The stale-file check without the CLI (test_dissector runs ``--check`` with an edit)."""
     from kbtp_scapy.dissector.generate_core import CORE_TABLES, header_source
     assert CORE_TABLES.read_text() == header_source(), "run 'kbtp dissector generate'"
+
+
+#: The sanitized core runs each capture as kbtp decode --json does (Fallback included).
+_SANITIZED_RUN = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_core", sys.argv[1])
+sanitized = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sanitized)
+from kbtp_scapy.cli.decode import _malformed_line
+from kbtp_scapy.decode import CaptureError, Reader, Stats, core
+core._core = sanitized
+for path in sys.argv[2:]:
+    with open(path, "rb") as stream:
+        try:
+            core.run(Reader(stream), stream, len, None, _malformed_line, Stats(), core.Totals())
+        except (core.Fallback, CaptureError):
+            pass
+print("done", len(sys.argv) - 2)
+"""
+
+
+def _sanitized_core(tmp: Path) -> Path:
+    """_core.c built as the package builds it, with AddressSanitizer and UBSan, and each
+    frame in an allocation of its own (KBTP_CORE_CHECKED)."""
+    import sysconfig
+
+    from kbtp_scapy.dissector.build import SANITIZERS
+    out = tmp / f"_core{sysconfig.get_config_var('EXT_SUFFIX')}"
+    src = ROOT / "kbtp_scapy" / "decode" / "_core.c"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-g", "-Wall", "-Wextra", "-Werror", *SANITIZERS, "-DKBTP_CORE_CHECKED",
+                    f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(out), "-lm"],
+                   check=True, capture_output=True, timeout=300)
+    return out
+
+
+@needs_core
+@pytest.mark.slow
+def test_core_under_address_and_undefined_behaviour_sanitizers(generated, tmp_path):
+    """The core built with -fsanitize=address,undefined (Python's own build is not; the
+    runtimes are preloaded, as for the C plugin) over the fuzz corpus, the generated
+    captures and cut and corrupted ones: no report."""
+    from kbtp_scapy.dissector.build import sanitizer_preload
+    module = _sanitized_core(tmp_path)
+    runtimes = " ".join(sanitizer_preload(module).split()[:-1])
+    rng = random.Random(33)
+    damaged = []
+    for src in ("roce_session.pcap", "iwarp_session.pcap", "fleet/producer1.pcap"):
+        whole = (ROOT / "pcaps" / src).read_bytes()
+        for i in range(12):
+            path = tmp_path / f"{Path(src).stem}_{i}.pcap"
+            path.write_bytes(_damaged(whole, rng, 1 + 4 * i)[:rng.randrange(25, len(whole) + 1)])
+            damaged.append(path)
+    paths = [*map(str, generated.values()), *map(str, COMMITTED), *map(str, damaged)]
+    env = dict(os.environ, LD_PRELOAD=runtimes, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
+               UBSAN_OPTIONS="print_stacktrace=1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _SANITIZED_RUN, str(module), *paths], capture_output=True,
+                          text=True, timeout=600, env=env)
+    reports = [line for line in proc.stderr.splitlines() if any(s in line for s in SANITIZER)]
+    assert not reports, reports[:5]
+    assert proc.returncode == 0 and proc.stdout.split() == ["done", str(len(paths))], proc.stderr[-2000:]
