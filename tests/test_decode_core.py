@@ -205,8 +205,8 @@ def _sanitized_core(tmp: Path) -> Path:
     from kbtp_scapy.dissector.build import SANITIZERS
     out = tmp / f"_core{sysconfig.get_config_var('EXT_SUFFIX')}"
     src = ROOT / "kbtp_scapy" / "decode" / "_core.c"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-g", "-Wall", "-Wextra", "-Werror", *SANITIZERS, "-DKBTP_CORE_CHECKED",
-                    f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(out), "-lm"],
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-g", "-Wall", "-Wextra", "-Werror", *SANITIZERS,
+                    "-DKBTP_CORE_CHECKED", f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(out), "-lm"],
                    check=True, capture_output=True, timeout=300)
     return out
 
