@@ -236,3 +236,43 @@ def test_core_under_address_and_undefined_behaviour_sanitizers(generated, tmp_pa
     reports = [line for line in proc.stderr.splitlines() if any(s in line for s in SANITIZER)]
     assert not reports, reports[:5]
     assert proc.returncode == 0 and proc.stdout.split() == ["done", str(len(paths))], proc.stderr[-2000:]
+
+
+def _iwarp_sessions(path: Path, cut_last: int = 0) -> Path:
+    """Two iWARP connections without markers (CRC on, and off with MPA revision 1) whose
+    STOREs carry inline data over several DDP segments, interleaved; with ``cut_last``, the
+    capture stops that many frames early, inside a Send."""
+    from kbtp_scapy.builders.iwarp import IwarpConversation
+    frames = []
+    for i, kw in enumerate([{}, {"crc": False, "revision": 1}]):
+        conv = IwarpConversation(("10.0.0.1", 40001 + i), ("10.0.0.9", 5420 + i), start=1_700_000_000.0 + 3e-5 * i,
+                                 gap=0.0001, **kw)
+
+        def send(ini, payload, conv=conv):
+            conv.send_message("Send", payload, from_initiator=ini)
+
+        def write(data, stag, to, conv=conv):
+            conv.send_message("RDMA Write", data, from_initiator=False, stag=stag, to=to)
+        dec._session(send, write, addr_le=False, rid0=100 * (i + 1))
+        conv.close()
+        frames += [(float(p.time), bytes(p)) for p in conv.packets]
+    frames.sort(key=lambda f: f[0])
+    return dec.write_pcap(path, frames[:len(frames) - cut_last])
+
+
+@needs_core
+def test_sends_of_several_ddp_segments_are_put_together_by_the_core(tmp_path):
+    """In order, a Send of several DDP segments is the core's, complete or left incomplete
+    by a capture that stops inside it (no hand-back to Python)."""
+    from kbtp_scapy.cli.decode import _malformed_line
+    from kbtp_scapy.decode import Reader, Stats
+    whole = _iwarp_sessions(tmp_path / "whole.pcap")
+    stores = [i for i, line in enumerate(kbtp_json(whole, True)[1].splitlines()) if b'"kbtp.opcode": 17' in line]
+    assert len(stores) == 2
+    cut_inside = 0
+    for cut in (0, 3, 17, 20):
+        path = whole if not cut else _iwarp_sessions(tmp_path / f"cut{cut}.pcap", cut)
+        with open(path, "rb") as stream:
+            core.run(Reader(stream), stream, len, None, _malformed_line, Stats(), core.Totals())
+        cut_inside += identical(path)[1].count(b"inline data is")    # a STORE cut short
+    assert cut_inside == 3

@@ -273,11 +273,17 @@ typedef struct Flow {
     int state, has_startup, st_request, st_flags, markers, fin, forgotten;
     struct Flow *peer, *next_dead;
     Buf skip;                   /* (QN, MSN) pairs of Sends that are not KBTP, 8 octets each */
+    /* the one Send of several DDP segments being put together, in order (the Assembler) */
+    int pending;
+    uint8_t pend_key[8];        /* its QN and MSN */
+    Buf pend;
+    unsigned long long pend_frame, order;
+    double pend_time;
 } Flow;
 
 typedef struct {
     /* configuration from decode/core.py */
-    unsigned long chunk, max_record, max_message, max_closed;
+    unsigned long chunk, max_record, max_message, max_closed, max_pending;
     int roce_port, ddp_untagged_len, flag_m, flag_r, mpa_startup_len;
     int send_pos[256], send_ext[256], send_inv[256];   /* RoCE Send opcodes; pos -1: not one */
     int iw_sends[16];
@@ -759,6 +765,7 @@ static void flow_free(void *v)
     if (f) {
         buf_free(&f->buf);
         buf_free(&f->skip);
+        buf_free(&f->pend);
         free(f);
     }
 }
@@ -783,8 +790,20 @@ static int forget(Core *c, Flow *f)
     return 0;
 }
 
+static int emit_pending(Core *c, Flow *f)
+{
+    Conn m = {1, f->src, f->dst, 0, f->sport, f->dport};
+    f->pending = 0;
+    int rc = message(c, &m, f->pend_frame, f->pend_time, f->pend.p, f->pend.len, NULL, 0);
+    f->pend.len = 0;
+    return rc;
+}
+
+/* The direction ends: a Send still being put together comes out incomplete. */
 static int close_flow(Core *c, Flow *f)
 {
+    if (f->state == ST_FPDU && f->pending && emit_pending(c, f) < 0)
+        return -1;
     f->state = ST_DEAD;
     f->buf.len = 0;
     return forget(c, f);
@@ -806,6 +825,7 @@ static Flow *open_flow(Core *c, const uint8_t *key, size_t kl, const Addr *src, 
     f->dport = (uint16_t)dport;
     f->seq = seq;
     f->markers = -1;
+    f->order = ++c->order;
     Node *x = map_put(&c->flows, key, kl);
     if (x == NULL) {
         free(f);
@@ -866,10 +886,17 @@ static int send_fpdu(Core *c, Flow *f, const uint8_t *w, size_t ulen, unsigned l
             }
             return 0;
         }
+        if (f->pending && !memcmp(f->pend_key, pair, 8))
+            return unsupported("an iWARP Send begun again while being put together");
         if (ctrl & 0x40) {
             Conn m = {1, f->src, f->dst, 0, f->sport, f->dport};
             return message(c, &m, frame, time, data, dlen, NULL, 0);
         }
+        if (f->pending)
+            return unsupported("two iWARP Sends put together at once");
+        f->pending = 1;
+        memcpy(f->pend_key, pair, 8);
+        f->pend.len = 0;
     } else {
         size_t have = f->skip.len / 8;
         for (size_t i = 0; i < have; i++)
@@ -880,8 +907,18 @@ static int send_fpdu(Core *c, Flow *f, const uint8_t *w, size_t ulen, unsigned l
                 }
                 return 0;
             }
+        if (!f->pending || memcmp(f->pend_key, pair, 8) || mo != f->pend.len)
+            return unsupported("an iWARP Send whose DDP segments are not in order");
     }
-    return unsupported("an iWARP Send of more than one DDP segment");
+    if (buf_put(&f->pend, data, dlen) < 0)
+        return -1;
+    f->pend_frame = frame;
+    f->pend_time = time;
+    if (ctrl & 0x40 && mo != 0)
+        return emit_pending(c, f);
+    if (f->pend.len > c->max_pending)
+        return unsupported("an iWARP Send larger than MAX_PENDING");
+    return 0;
 }
 
 /* FPDUs of w[0:n] (no markers); returns the octets framed, or -1. */
@@ -998,6 +1035,39 @@ static int tcp_segment(Core *c, unsigned long long frame, double time, const Add
     } else if (f->state == ST_DEAD && forget(c, f) < 0)
         return -1;
     return 0;
+}
+
+static int flow_order(const void *a, const void *b)
+{
+    const Flow *x = *(Flow *const *)a, *y = *(Flow *const *)b;
+    return x->order < y->order ? -1 : x->order > y->order;
+}
+
+/* The capture ends: Sends still being put together, in the order their flows opened. */
+static int iwarp_flush(Core *c)
+{
+    size_t n = 0, k = 0;
+    for (size_t i = 0; i < c->flows.nb; i++)
+        for (Node *x = c->flows.b[i]; x; x = x->next)
+            n += ((Flow *)x->val)->pending;
+    if (!n)
+        return 0;
+    Flow **open = malloc(n * sizeof *open);
+    if (open == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t i = 0; i < c->flows.nb; i++)
+        for (Node *x = c->flows.b[i]; x; x = x->next)
+            if (((Flow *)x->val)->pending)
+                open[k++] = x->val;
+    qsort(open, n, sizeof *open, flow_order);
+    int rc = 0;
+    for (size_t i = 0; i < n && rc == 0; i++)
+        if (open[i]->state == ST_FPDU)
+            rc = emit_pending(c, open[i]);
+    free(open);
+    return rc;
 }
 
 static void free_dead(Core *c)
@@ -1379,6 +1449,7 @@ static int config(Core *c, PyObject *cfg)
     INT("max_record", max_record);
     INT("max_message", max_message);
     INT("max_closed", max_closed);
+    INT("max_pending", max_pending);
     INT("roce_port", roce_port);
     INT("ddp_untagged_len", ddp_untagged_len);
     INT("flag_m", flag_m);
@@ -1464,6 +1535,8 @@ static PyObject *run(PyObject *self, PyObject *args, PyObject *kw)
         rc = c.pcapng ? pcapng_records(&c) : pcap_records(&c);
     if (rc == 0)
         rc = roce_flush(&c);
+    if (rc == 0)
+        rc = iwarp_flush(&c);
     PyObject *exc = NULL, *val = NULL, *tb = NULL;
     if (rc < 0)
         PyErr_Fetch(&exc, &val, &tb);

@@ -44,7 +44,8 @@ ENV = "KBTP_DECODE"
 
 _CONFIG = {
     "chunk": pcapfile.CHUNK, "max_record": pcapfile.MAX_RECORD, "max_message": roce.MAX_MESSAGE,
-    "max_closed": iwarp.MAX_CLOSED, "roce_port": ROCE_PORT, "ddp_untagged_len": D.DDP_UNTAGGED_LEN,
+    "max_closed": iwarp.MAX_CLOSED, "max_pending": iwarp.MAX_PENDING, "roce_port": ROCE_PORT,
+    "ddp_untagged_len": D.DDP_UNTAGGED_LEN,
     "flag_m": IW.FLAG_M, "flag_r": IW.FLAG_R, "mpa_startup_len": D.MPA_STARTUP_LEN,
     "mpa_req_key": D.MPA_REQ_KEY, "mpa_rep_key": D.MPA_REP_KEY,
     "roce_sends": {op: (pos, ext, inv) for op, (pos, ext, inv, _) in roce.SENDS.items()},
