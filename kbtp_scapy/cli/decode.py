@@ -345,7 +345,7 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
     reader = None
     # the compiled core: plain --json of a file (decode/core.py says what it hands back)
     fast = (core.wanted() and as_json and json_file is None and count is None and not any(filters)
-            and not where and times is None and addr_le is None and size is not None)
+            and not where and times is None and addr_le is None and file != "-" and size is not None)
     skip = 0
 
     def waiting() -> None:

@@ -9,9 +9,10 @@
  * What the core does not reproduce itself goes back to Python (decode/core.py says so):
  * a malformed KBTP message is rendered by the `malformed` callback (codec and to_json),
  * and an iWARP stream that needs what is not ported (a segment after a hole, MPA
- * markers, a Send of more than one DDP segment, more than MAX_CLOSED closed
- * connections) raises Unsupported, after which the caller decodes the capture again in
- * Python and skips the lines already written.
+ * markers, a Send whose DDP segments are out of order or interleaved with another's or
+ * outgrow MAX_PENDING, more than MAX_CLOSED closed connections) raises Unsupported,
+ * after which the caller decodes the capture again in Python and skips the lines
+ * already written.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -13,9 +13,10 @@ to the Python code, so that output is the same by construction there:
 * a malformed KBTP message: its line comes from the ``malformed`` callback (the codec
   and ``to_json``), with the session state the core keeps;
 * an iWARP stream that needs what is not ported (a TCP segment after a hole, MPA
-  markers, a Send of more than one DDP segment, more than ``MAX_CLOSED`` closed TCP
-  connections): ``run`` raises ``Fallback`` with the number of lines already written, and
-  the caller decodes the capture again in Python, skipping them;
+  markers, a Send whose DDP segments come out of order or interleaved with another's,
+  or that outgrows ``MAX_PENDING``, more than ``MAX_CLOSED`` closed TCP connections):
+  ``run`` raises ``Fallback`` with the number of lines already written, and the caller
+  decodes the capture again in Python, skipping them;
 * standard input (it cannot be read twice), and every option of ``kbtp decode`` other
   than ``--json`` and ``-q``: the caller runs Python throughout.
 """
