@@ -8,11 +8,11 @@
  *
  * What the core does not reproduce itself goes back to Python (decode/core.py says so):
  * a malformed KBTP message is rendered by the `malformed` callback (codec and to_json),
- * and an iWARP stream that needs what is not ported (a segment after a hole, MPA
- * markers, a Send whose DDP segments are out of order or interleaved with another's or
- * outgrow MAX_PENDING, more than MAX_CLOSED closed connections) raises Unsupported,
- * after which the caller decodes the capture again in Python and skips the lines
- * already written.
+ * and an iWARP stream that needs what is not ported (a segment after a hole, a Send
+ * whose DDP segments are out of order or interleaved with another's or outgrow
+ * MAX_PENDING, more than MAX_CLOSED closed connections) raises Unsupported, after which
+ * the caller decodes the capture again in Python and skips the lines already written.
+ * MPA markers and CRC, MPA revisions 1 and 2 are the core's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,6 +27,7 @@
 #include "_core_tables.h"
 
 static PyObject *Unsupported;
+static uint64_t c_marker_interval = 512, c_marker_len = 4;     /* from decode/core.py's config */
 
 /* ---- growable octet buffers ------------------------------------------------------- */
 
@@ -269,7 +270,7 @@ typedef struct Flow {
     Addr src, dst;
     uint16_t sport, dport;
     uint32_t seq;
-    uint64_t off, base;
+    uint64_t off, base, fpdu_at;  /* fpdu_at: offset of the first FPDU, where markers count from */
     Buf buf;
     int state, has_startup, st_request, st_flags, markers, fin, forgotten;
     struct Flow *peer, *next_dead;
@@ -284,7 +285,7 @@ typedef struct Flow {
 
 typedef struct {
     /* configuration from decode/core.py */
-    unsigned long chunk, max_record, max_message, max_closed, max_pending;
+    unsigned long chunk, max_record, max_message, max_closed, max_pending, marker_interval, marker_len;
     int roce_port, ddp_untagged_len, flag_m, flag_r, mpa_startup_len;
     int send_pos[256], send_ext[256], send_inv[256];   /* RoCE Send opcodes; pos -1: not one */
     int iw_sends[16];
@@ -305,7 +306,7 @@ typedef struct {
     Map sessions, parts, flows, closed;
     unsigned long long order;
     Flow *dead;
-    Buf out;
+    Buf out, scratch;           /* JSON lines to write; an FPDU without its markers */
 } Core;
 
 /* ---- output --------------------------------------------------------------------------- */
@@ -922,16 +923,66 @@ static int send_fpdu(Core *c, Flow *f, const uint8_t *w, size_t ulen, unsigned l
     return 0;
 }
 
-/* FPDUs of w[0:n] (no markers); returns the octets framed, or -1. */
+/* Octets an FPDU of clean_len takes at stream position pos, markers included
+ * (wire/iwarp.py's fpdu_wire_length). */
+static uint64_t wire_length(uint64_t clean_len, uint64_t pos)
+{
+    uint64_t wire = clean_len;
+    for (;;) {
+        uint64_t first = (c_marker_interval - pos % c_marker_interval) % c_marker_interval;
+        uint64_t count = first >= wire ? 0 : 1 + (wire - 1 - first) / c_marker_interval;
+        if (clean_len + c_marker_len * count == wire)
+            return wire;
+        wire = clean_len + c_marker_len * count;
+    }
+}
+
+/* The FPDU w[0:n] at stream position pos without its markers (wire/mpa_markers.py). */
+static int strip_markers(Buf *out, const uint8_t *w, size_t n, uint64_t pos)
+{
+    out->len = 0;
+    size_t i = 0;
+    while (i < n) {
+        size_t next = i + (size_t)((c_marker_interval - (pos + i) % c_marker_interval) % c_marker_interval);
+        if (buf_put(out, w + i, (next < n ? next : n) - i) < 0)
+            return -1;
+        if (next >= n)
+            break;
+        i = next + c_marker_len;
+    }
+    return 0;
+}
+
+/* FPDUs of w[0:n], whose first octet is at the flow's base; returns the octets framed,
+ * or -1 (iwarp.py's _length and _frame). */
 static long frame_fpdus(Core *c, Flow *f, const uint8_t *w, size_t n, unsigned long long frame, double time)
 {
     size_t i = 0;
-    while (n - i >= 2) {
-        size_t ulen = be16(w + i), clean = 2 + ulen;
-        size_t size = clean + ((4 - clean % 4) % 4) + 4;
-        if (n - i < size)
+    for (;;) {
+        size_t avail = n - i, ulen, size;
+        uint64_t pos = f->base + i - f->fpdu_at;
+        if (!f->markers) {
+            if (avail < 2)
+                break;
+            ulen = be16(w + i);
+            size = 2 + ulen + ((4 - (2 + ulen) % 4) % 4) + 4;
+        } else {
+            uint64_t ahead = (c_marker_interval - pos % c_marker_interval) % c_marker_interval;
+            size_t a = ahead == 0 ? 4 : 0, b = ahead <= 1 ? 5 : 1;
+            if (avail <= b)
+                break;
+            ulen = (size_t)w[i + a] << 8 | w[i + b];
+            size = (size_t)wire_length(2 + ulen + ((4 - (2 + ulen) % 4) % 4) + 4, pos);
+        }
+        if (avail < size)
             break;
-        if (send_fpdu(c, f, w + i, ulen, frame, time) < 0)
+        const uint8_t *clean = w + i;
+        if (f->markers) {
+            if (strip_markers(&c->scratch, w + i, size, pos) < 0)
+                return -1;
+            clean = c->scratch.p;
+        }
+        if (send_fpdu(c, f, clean, ulen, frame, time) < 0)
             return -1;
         i += size;
     }
@@ -944,7 +995,7 @@ static int append(Core *c, Flow *f, const uint8_t *data, size_t n, unsigned long
     f->seq += (uint32_t)n;
     if (f->state == ST_DEAD)
         return 0;
-    if (f->state == ST_FPDU && f->markers == 0 && f->buf.len == 0) {     /* the usual case: no copy */
+    if (f->state == ST_FPDU && f->markers >= 0 && f->buf.len == 0) {     /* the usual case: no copy */
         long used = frame_fpdus(c, f, data, n, frame, time);
         if (used < 0)
             return -1;
@@ -969,6 +1020,7 @@ static int append(Core *c, Flow *f, const uint8_t *data, size_t n, unsigned long
         f->st_flags = f->buf.p[16];
         buf_drop(&f->buf, need);
         f->base += need;
+        f->fpdu_at = f->base;
         f->state = ST_FPDU;
     }
     if (f->state == ST_FPDU) {
@@ -978,8 +1030,6 @@ static int append(Core *c, Flow *f, const uint8_t *data, size_t n, unsigned long
             f->state = ST_DEAD;
             return 0;
         }
-        if (f->markers)
-            return unsupported("MPA markers");
         long used = frame_fpdus(c, f, f->buf.p, f->buf.len, frame, time);
         if (used < 0)
             return -1;
@@ -1451,12 +1501,20 @@ static int config(Core *c, PyObject *cfg)
     INT("max_message", max_message);
     INT("max_closed", max_closed);
     INT("max_pending", max_pending);
+    INT("marker_interval", marker_interval);
+    INT("marker_len", marker_len);
     INT("roce_port", roce_port);
     INT("ddp_untagged_len", ddp_untagged_len);
     INT("flag_m", flag_m);
     INT("flag_r", flag_r);
     INT("mpa_startup_len", mpa_startup_len);
 #undef INT
+    if (!c->marker_interval || !c->marker_len) {
+        PyErr_SetString(PyExc_ValueError, "config: marker interval and length must not be zero");
+        return -1;
+    }
+    c_marker_interval = c->marker_interval;
+    c_marker_len = c->marker_len;
     for (int i = 0; i < 256; i++)
         c->send_pos[i] = -1;
     PyObject *sends = PyDict_GetItemString(cfg, "roce_sends");
@@ -1562,6 +1620,7 @@ static PyObject *run(PyObject *self, PyObject *args, PyObject *kw)
     map_free(&c.sessions, sessions_free);
     buf_free(&c.in);
     buf_free(&c.out);
+    buf_free(&c.scratch);
     Py_XDECREF(c.unsupported);
     Py_XDECREF(c.problem);
     if (rc < 0)
