@@ -8,11 +8,10 @@
  *
  * What the core does not reproduce itself goes back to Python (decode/core.py says so):
  * a malformed KBTP message is rendered by the `malformed` callback (codec and to_json),
- * and an iWARP stream that needs what is not ported (a segment after a hole, a Send
- * whose DDP segments are out of order or interleaved with another's or outgrow
- * MAX_PENDING, more than MAX_CLOSED closed connections) raises Unsupported, after which
- * the caller decodes the capture again in Python and skips the lines already written.
- * MPA markers and CRC, MPA revisions 1 and 2 are the core's.
+ * and an iWARP Send whose DDP segments are out of order, interleaved with another's or
+ * outgrow MAX_PENDING raises Unsupported, after which the caller decodes the capture
+ * again in Python and skips the lines already written. TCP holes, reordering and
+ * retransmissions, resynchronisation after a hole, MPA markers and CRC are ported.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -261,7 +260,13 @@ typedef struct {
     unsigned long long order;   /* of its last update, for the end's flush */
 } Part;
 
-enum { ST_STARTUP, ST_FPDU, ST_DEAD };
+enum { ST_STARTUP, ST_FPDU, ST_RESYNC, ST_DEAD };
+
+/* A TCP segment held after a hole, by stream offset. */
+typedef struct { uint64_t at; Buf data; unsigned long long frame; double time; } Held;
+
+/* A closed connection, in the order it was closed. */
+typedef struct { unsigned long long seq; uint8_t klen; uint8_t key[KEY_MAX]; } Closed;
 
 /* One direction of a TCP connection (iwarp.py's _Flow), sends_only. */
 typedef struct Flow {
@@ -271,8 +276,11 @@ typedef struct Flow {
     uint16_t sport, dport;
     uint32_t seq;
     uint64_t off, base, fpdu_at;  /* fpdu_at: offset of the first FPDU, where markers count from */
-    Buf buf;
-    int state, has_startup, st_request, st_flags, markers, fin, forgotten;
+    Buf buf, spans;             /* unframed octets from base; the segments that carried them */
+    Held *held;                 /* segments after a hole, by offset */
+    size_t nheld, cap_held;
+    uint64_t held_size;
+    int state, has_startup, st_request, st_flags, markers, crc, fin, forgotten;
     struct Flow *peer, *next_dead;
     Buf skip;                   /* (QN, MSN) pairs of Sends that are not KBTP, 8 octets each */
     /* the one Send of several DDP segments being put together, in order (the Assembler) */
@@ -286,7 +294,8 @@ typedef struct Flow {
 typedef struct {
     /* configuration from decode/core.py */
     unsigned long chunk, max_record, max_message, max_closed, max_pending, marker_interval, marker_len;
-    int roce_port, ddp_untagged_len, flag_m, flag_r, mpa_startup_len;
+    unsigned long max_out_of_order, max_unframed;
+    int roce_port, ddp_untagged_len, ddp_tagged_len, flag_m, flag_c, flag_r, mpa_startup_len;
     int send_pos[256], send_ext[256], send_inv[256];   /* RoCE Send opcodes; pos -1: not one */
     int iw_sends[16];
     uint8_t req_key[16], rep_key[16];
@@ -304,7 +313,9 @@ typedef struct {
     PyObject *unsupported, *problem;
     /* state */
     Map sessions, parts, flows, closed;
-    unsigned long long order;
+    Buf closed_order;           /* Closed entries from closed_head on, some stale */
+    size_t closed_head;
+    unsigned long long order, closed_seq;
     Flow *dead;
     Buf out, scratch;           /* JSON lines to write; an FPDU without its markers */
 } Core;
@@ -761,15 +772,66 @@ static size_t flow_key(uint8_t *k, const Addr *src, int sport, const Addr *dst, 
     return n + endpoint_key(k + n, dst, dport, 1);
 }
 
+static void drop_held(Flow *f)
+{
+    for (size_t i = 0; i < f->nheld; i++)
+        buf_free(&f->held[i].data);
+    free(f->held);
+    f->held = NULL;
+    f->nheld = f->cap_held = 0;
+    f->held_size = 0;
+}
+
 static void flow_free(void *v)
 {
     Flow *f = v;
     if (f) {
         buf_free(&f->buf);
+        buf_free(&f->spans);
         buf_free(&f->skip);
         buf_free(&f->pend);
+        drop_held(f);
         free(f);
     }
+}
+
+/* ``_closed``: connections that are not iWARP or are over, the oldest forgotten first
+ * past MAX_CLOSED (a dict's insertion order: a key set again keeps its place). */
+static int closed_add(Core *c, const uint8_t *key, size_t kl)
+{
+    Node *x = map_put(&c->closed, key, kl);
+    if (x == NULL)
+        return -1;
+    if (x->val != NULL)
+        return 0;
+    x->val = (void *)(uintptr_t)++c->closed_seq;
+    Closed entry = {c->closed_seq, (uint8_t)kl, {0}};
+    memcpy(entry.key, key, kl);
+    if (buf_put(&c->closed_order, &entry, sizeof entry) < 0)
+        return -1;
+    Closed *q = (Closed *)c->closed_order.p;
+    size_t n = c->closed_order.len / sizeof entry;
+    while (c->closed.n > c->max_closed) {
+        Closed *old = &q[c->closed_head++];
+        Node *y = map_get(&c->closed, old->key, old->klen);
+        if (y != NULL && (uintptr_t)y->val == old->seq)
+            map_del(&c->closed, old->key, old->klen);
+    }
+    if (n - c->closed_head > 2 * c->closed.n + 4096) {  /* keep the entries still closed */
+        size_t kept = 0;
+        for (size_t i = c->closed_head; i < n; i++) {
+            Node *y = map_get(&c->closed, q[i].key, q[i].klen);
+            if (y != NULL && (uintptr_t)y->val == q[i].seq)
+                q[kept++] = q[i];
+        }
+        c->closed_order.len = kept * sizeof entry;
+        c->closed_head = 0;
+    } else if (c->closed_head > n / 2 + 1024) {      /* forget what was evicted */
+        memmove(q, q + c->closed_head, (n - c->closed_head) * sizeof entry);
+        c->closed_order.len = (n - c->closed_head) * sizeof entry;
+        c->closed_head = 0;
+    }
+    return 0;
 }
 
 static int forget(Core *c, Flow *f)
@@ -777,10 +839,8 @@ static int forget(Core *c, Flow *f)
     Node *x = map_get(&c->flows, f->key, f->klen);
     if (x != NULL && x->val == f) {
         map_del(&c->flows, f->key, f->klen);
-        if (map_put(&c->closed, f->key, f->klen) == NULL)
+        if (closed_add(c, f->key, f->klen) < 0)
             return -1;
-        if (c->closed.n > c->max_closed)
-            return unsupported("more closed TCP connections than MAX_CLOSED");
     }
     if (f->peer != NULL && f->peer->peer == f)
         f->peer->peer = NULL;
@@ -799,16 +859,6 @@ static int emit_pending(Core *c, Flow *f)
     int rc = message(c, &m, f->pend_frame, f->pend_time, f->pend.p, f->pend.len, NULL, 0);
     f->pend.len = 0;
     return rc;
-}
-
-/* The direction ends: a Send still being put together comes out incomplete. */
-static int close_flow(Core *c, Flow *f)
-{
-    if (f->state == ST_FPDU && f->pending && emit_pending(c, f) < 0)
-        return -1;
-    f->state = ST_DEAD;
-    f->buf.len = 0;
-    return forget(c, f);
 }
 
 static Flow *open_flow(Core *c, const uint8_t *key, size_t kl, const Addr *src, int sport, const Addr *dst,
@@ -859,6 +909,7 @@ static int negotiated(Core *c, Flow *f)
     int req_flags = req < 0 ? 0 : req, rep_flags = rep < 0 ? 0 : rep;
     if (rep_flags & c->flag_r)
         return 0;
+    f->crc = ((req_flags | rep_flags) & c->flag_c) != 0;
     f->markers = ((f->st_request ? rep_flags : req_flags) & c->flag_m) != 0;
     return 1;
 }
@@ -899,6 +950,7 @@ static int send_fpdu(Core *c, Flow *f, const uint8_t *w, size_t ulen, unsigned l
         f->pending = 1;
         memcpy(f->pend_key, pair, 8);
         f->pend.len = 0;
+        f->pend_frame = 0;
     } else {
         size_t have = f->skip.len / 8;
         for (size_t i = 0; i < have; i++)
@@ -914,8 +966,10 @@ static int send_fpdu(Core *c, Flow *f, const uint8_t *w, size_t ulen, unsigned l
     }
     if (buf_put(&f->pend, data, dlen) < 0)
         return -1;
-    f->pend_frame = frame;
-    f->pend_time = time;
+    if (frame > f->pend_frame) {                  /* the message's latest frame, and its time */
+        f->pend_frame = frame;
+        f->pend_time = time;
+    }
     if (ctrl & 0x40 && mo != 0)
         return emit_pending(c, f);
     if (f->pend.len > c->max_pending)
@@ -953,35 +1007,59 @@ static int strip_markers(Buf *out, const uint8_t *w, size_t n, uint64_t pos)
     return 0;
 }
 
-/* FPDUs of w[0:n], whose first octet is at the flow's base; returns the octets framed,
- * or -1 (iwarp.py's _length and _frame). */
-static long frame_fpdus(Core *c, Flow *f, const uint8_t *w, size_t n, unsigned long long frame, double time)
+/* ULPDU Length and wire size of the FPDU at w[0:avail], stream octet at, or 0 until
+ * enough octets are there (iwarp.py's _length). */
+static int fpdu_length(Flow *f, const uint8_t *w, size_t avail, uint64_t at, size_t *ulen, size_t *size)
 {
-    size_t i = 0;
-    for (;;) {
-        size_t avail = n - i, ulen, size;
-        uint64_t pos = f->base + i - f->fpdu_at;
-        if (!f->markers) {
-            if (avail < 2)
-                break;
-            ulen = be16(w + i);
-            size = 2 + ulen + ((4 - (2 + ulen) % 4) % 4) + 4;
-        } else {
-            uint64_t ahead = (c_marker_interval - pos % c_marker_interval) % c_marker_interval;
-            size_t a = ahead == 0 ? 4 : 0, b = ahead <= 1 ? 5 : 1;
-            if (avail <= b)
-                break;
-            ulen = (size_t)w[i + a] << 8 | w[i + b];
-            size = (size_t)wire_length(2 + ulen + ((4 - (2 + ulen) % 4) % 4) + 4, pos);
+    if (!f->markers) {
+        if (avail < 2)
+            return 0;
+        *ulen = be16(w);
+        *size = 2 + *ulen + ((4 - (2 + *ulen) % 4) % 4) + 4;
+        return 1;
+    }
+    uint64_t pos = at - f->fpdu_at;
+    uint64_t ahead = (c_marker_interval - pos % c_marker_interval) % c_marker_interval;
+    size_t a = ahead == 0 ? 4 : 0, b = ahead <= 1 ? 5 : 1;
+    if (avail <= b)
+        return 0;
+    *ulen = (size_t)w[a] << 8 | w[b];
+    *size = (size_t)wire_length(2 + *ulen + ((4 - (2 + *ulen) % 4) % 4) + 4, pos);
+    return 1;
+}
+
+typedef struct { uint64_t start, end; unsigned long long frame; double time; } Span;
+
+/* The latest frame that carried stream octets [a, b) of the flow's buffer, and its time. */
+static void frames_of(Flow *f, uint64_t a, uint64_t b, unsigned long long *frame, double *time)
+{
+    const Span *s = (const Span *)f->spans.p;
+    size_t n = f->spans.len / sizeof *s;
+    unsigned long long latest = 0;
+    for (size_t k = 0; k < n && s[k].start < b; k++)
+        if (s[k].end > a && s[k].frame > latest) {
+            latest = s[k].frame;
+            *time = s[k].time;
         }
-        if (avail < size)
-            break;
+    *frame = latest;
+}
+
+/* FPDUs of w[0:n], whose first octet is the flow's base; frame and time are those of
+ * w when the flow holds no octets before it, else they come from its spans. Returns the
+ * octets framed, or -1 (iwarp.py's _frame). */
+static long frame_fpdus(Core *c, Flow *f, const uint8_t *w, size_t n, int spans, unsigned long long frame,
+                        double time)
+{
+    size_t i = 0, ulen, size;
+    while (fpdu_length(f, w + i, n - i, f->base + i, &ulen, &size) && n - i >= size) {
         const uint8_t *clean = w + i;
         if (f->markers) {
-            if (strip_markers(&c->scratch, w + i, size, pos) < 0)
+            if (strip_markers(&c->scratch, w + i, size, f->base + i - f->fpdu_at) < 0)
                 return -1;
             clean = c->scratch.p;
         }
+        if (spans)
+            frames_of(f, f->base + i, f->base + i + size, &frame, &time);
         if (send_fpdu(c, f, clean, ulen, frame, time) < 0)
             return -1;
         i += size;
@@ -989,20 +1067,123 @@ static long frame_fpdus(Core *c, Flow *f, const uint8_t *w, size_t n, unsigned l
     return (long)i;
 }
 
+static void consume(Flow *f, size_t n)
+{
+    buf_drop(&f->buf, n);
+    f->base += n;
+    Span *s = (Span *)f->spans.p;
+    size_t ns = f->spans.len / sizeof *s, k = 0;
+    while (k < ns && s[k].end <= f->base)
+        k++;
+    if (k) {
+        memmove(s, s + k, (ns - k) * sizeof *s);
+        f->spans.len -= k * sizeof *s;
+    }
+}
+
+enum { V_NO, V_YES, V_NOT_YET };
+
+static uint32_t crc32c_table[256];
+
+static void crc32c_init(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? 0x82F63B78u ^ (c >> 1) : c >> 1;
+        crc32c_table[i] = c;
+    }
+}
+
+static uint32_t crc32c(const uint8_t *p, size_t n)
+{
+    uint32_t crc = 0xFFFFFFFFu;
+    while (n--)
+        crc = crc32c_table[(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+    return ~crc;
+}
+
+/* Whether an FPDU starts at the flow's first buffered octet (iwarp.py's _valid_fpdu). */
+static int valid_fpdu(Core *c, Flow *f)
+{
+    if (f->markers < 0 && !negotiated(c, f)) {
+        f->state = ST_DEAD;
+        return V_NO;
+    }
+    size_t ulen, size;
+    if (!fpdu_length(f, f->buf.p, f->buf.len, f->base, &ulen, &size))
+        return V_NOT_YET;
+    if (f->buf.len < size)
+        return size <= c->max_unframed ? V_NOT_YET : V_NO;
+    const uint8_t *wire = f->buf.p, *clean = wire;
+    if (f->crc) {
+        const uint8_t *s = wire + size - 4;
+        return crc32c(wire, size - 4) == ((uint32_t)s[0] | (uint32_t)s[1] << 8 | (uint32_t)s[2] << 16
+                                          | (uint32_t)s[3] << 24);
+    }
+    if (f->markers) {
+        if (strip_markers(&c->scratch, wire, size, f->base - f->fpdu_at) < 0)
+            return -1;
+        clean = c->scratch.p;
+    }
+    int ctrl = clean[2], rctrl = clean[3];
+    if ((ctrl & 0x3F) != 0x01 || (rctrl & 0xF0) != 0x40)
+        return V_NO;
+    if (ulen < (size_t)(ctrl & 0x80 ? c->ddp_tagged_len : c->ddp_untagged_len))
+        return V_NO;
+    const Span *s = (const Span *)f->spans.p;
+    for (size_t k = 0; k < f->spans.len / sizeof *s; k++)
+        if (s[k].end == f->base + size)
+            return V_YES;
+    return V_NO;
+}
+
+/* After a hole: drop octets until a segment starts with a valid FPDU (iwarp.py's _resync). */
+static int resync(Core *c, Flow *f)
+{
+    while (f->spans.len) {
+        const Span *s = (const Span *)f->spans.p;
+        if (s->start > f->base)
+            consume(f, (size_t)(s->start - f->base));
+        int v = valid_fpdu(c, f);
+        if (v < 0)
+            return -1;
+        s = (const Span *)f->spans.p;
+        if (v == V_NOT_YET) {
+            if (f->buf.len > c->max_unframed) {
+                consume(f, (size_t)(s->end - f->base));
+                continue;
+            }
+            return 0;
+        }
+        if (v == V_YES) {
+            f->state = ST_FPDU;
+            return 0;
+        }
+        consume(f, (size_t)(s->end - f->base));
+    }
+    return 0;
+}
+
 static int append(Core *c, Flow *f, const uint8_t *data, size_t n, unsigned long long frame, double time)
 {
+    uint64_t start = f->off;
     f->off += n;
     f->seq += (uint32_t)n;
     if (f->state == ST_DEAD)
         return 0;
     if (f->state == ST_FPDU && f->markers >= 0 && f->buf.len == 0) {     /* the usual case: no copy */
-        long used = frame_fpdus(c, f, data, n, frame, time);
+        long used = frame_fpdus(c, f, data, n, 0, frame, time);
         if (used < 0)
             return -1;
         f->base += (uint64_t)used;
-        return buf_put(&f->buf, data + used, n - (size_t)used);
+        if ((size_t)used == n)
+            return 0;
+        Span span = {start, f->off, frame, time};
+        return buf_put(&f->buf, data + used, n - (size_t)used) < 0 ? -1 : buf_put(&f->spans, &span, sizeof span);
     }
-    if (buf_put(&f->buf, data, n) < 0)
+    Span span = {start, f->off, frame, time};
+    if (buf_put(&f->buf, data, n) < 0 || buf_put(&f->spans, &span, sizeof span) < 0)
         return -1;
     if (f->state == ST_STARTUP) {
         size_t have = f->buf.len < 16 ? f->buf.len : 16;
@@ -1018,11 +1199,12 @@ static int append(Core *c, Flow *f, const uint8_t *data, size_t n, unsigned long
         f->has_startup = 1;
         f->st_request = !memcmp(f->buf.p, c->req_key, 16);
         f->st_flags = f->buf.p[16];
-        buf_drop(&f->buf, need);
-        f->base += need;
+        consume(f, need);
         f->fpdu_at = f->base;
         f->state = ST_FPDU;
     }
+    if (f->state == ST_RESYNC && resync(c, f) < 0)
+        return -1;
     if (f->state == ST_FPDU) {
         if (!f->buf.len)
             return 0;
@@ -1030,17 +1212,132 @@ static int append(Core *c, Flow *f, const uint8_t *data, size_t n, unsigned long
             f->state = ST_DEAD;
             return 0;
         }
-        long used = frame_fpdus(c, f, f->buf.p, f->buf.len, frame, time);
+        long used = frame_fpdus(c, f, f->buf.p, f->buf.len, 1, frame, time);
         if (used < 0)
             return -1;
-        buf_drop(&f->buf, (size_t)used);
-        f->base += (uint64_t)used;
+        consume(f, (size_t)used);
     }
     return 0;
 }
 
+/* Segments held after a hole that the stream has now reached (iwarp.py's _drain). */
+static int drain(Core *c, Flow *f)
+{
+    while (f->nheld && f->held[0].at <= f->off) {
+        Held h = f->held[0];
+        memmove(f->held, f->held + 1, (f->nheld - 1) * sizeof h);
+        f->nheld--;
+        f->held_size -= h.data.len;
+        int rc = 0;
+        if (h.at + h.data.len > f->off) {
+            size_t skip = (size_t)(f->off - h.at);
+            rc = append(c, f, h.data.p + skip, h.data.len - skip, h.frame, h.time);
+        }
+        buf_free(&h.data);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Octets up to stream offset ``to`` are lost: resume there (iwarp.py's _gap). */
+static int gap(Core *c, Flow *f, uint64_t to)
+{
+    f->seq += (uint32_t)(to - f->off);
+    f->off = f->base = to;
+    f->buf.len = 0;
+    f->spans.len = 0;
+    if (f->state == ST_STARTUP)
+        f->state = ST_DEAD;
+    else if (f->state == ST_FPDU)
+        f->state = ST_RESYNC;
+    return drain(c, f);
+}
+
+/* A segment after a hole waits, the longest copy of each offset kept (iwarp.py's _data). */
+static int hold(Core *c, Flow *f, uint64_t at, const uint8_t *data, size_t n, unsigned long long frame, double time)
+{
+    size_t k = 0;
+    while (k < f->nheld && f->held[k].at < at)
+        k++;
+    size_t old = k < f->nheld && f->held[k].at == at ? f->held[k].data.len : 0;
+    if (n > old) {
+        f->held_size += n - old;
+        if (k < f->nheld && f->held[k].at == at)
+            f->held[k].data.len = 0;
+        else {
+            if (f->nheld == f->cap_held) {
+                size_t cap = f->cap_held ? 2 * f->cap_held : 8;
+                Held *h = realloc(f->held, cap * sizeof *h);
+                if (h == NULL) {
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                f->held = h;
+                f->cap_held = cap;
+            }
+            memmove(f->held + k + 1, f->held + k, (f->nheld - k) * sizeof *f->held);
+            memset(&f->held[k], 0, sizeof *f->held);
+            f->held[k].at = at;
+            f->nheld++;
+        }
+        if (buf_put(&f->held[k].data, data, n) < 0)
+            return -1;
+        f->held[k].frame = frame;
+        f->held[k].time = time;
+    }
+    if (f->held_size > c->max_out_of_order)
+        return gap(c, f, f->held[0].at);
+    return 0;
+}
+
+static int tcp_data(Core *c, Flow *f, uint32_t seq, const uint8_t *data, size_t n, unsigned long long frame,
+                    double time)
+{
+    int64_t d = (int32_t)(seq - f->seq);
+    if (d > 0)
+        return hold(c, f, f->off + (uint64_t)d, data, n, frame, time);
+    if ((uint64_t)-d >= n)
+        return 0;                                  /* a retransmission: nothing new */
+    if (append(c, f, data + (size_t)-d, n - (size_t)-d, frame, time) < 0)
+        return -1;
+    return f->nheld ? drain(c, f) : 0;
+}
+
+/* The receiver acknowledged octets of the reverse direction the capture never showed
+ * while later ones wait: the capture lost them (iwarp.py's _acked). */
+static int acked(Core *c, const Addr *src, int sport, const Addr *dst, int dport, uint32_t ack)
+{
+    uint8_t rev[KEY_MAX];
+    size_t rl = flow_key(rev, dst, dport, src, sport);
+    Node *x = map_get(&c->flows, rev, rl);
+    Flow *r = x ? x->val : NULL;
+    if (r == NULL || !r->nheld)
+        return 0;
+    int64_t d = (int32_t)(ack - r->seq);
+    if (d > 0 && r->held[0].at <= r->off + (uint64_t)d)
+        return gap(c, r, r->held[0].at);
+    return 0;
+}
+
+/* The direction ends: octets after a hole are framed as far as they go, and a Send still
+ * being put together comes out incomplete (iwarp.py's _close). */
+static int close_flow(Core *c, Flow *f)
+{
+    if (f->nheld && (f->state == ST_FPDU || f->state == ST_RESYNC) && gap(c, f, f->held[0].at) < 0)
+        return -1;
+    if ((f->state == ST_FPDU || f->state == ST_RESYNC) && f->pending && emit_pending(c, f) < 0)
+        return -1;
+    f->state = ST_DEAD;
+    f->buf.len = 0;
+    f->spans.len = 0;
+    drop_held(f);
+    return forget(c, f);
+}
+
 static int tcp_segment(Core *c, unsigned long long frame, double time, const Addr *src, const Addr *dst,
-                       int sport, int dport, uint32_t seq, int flags, const uint8_t *payload, size_t plen)
+                       int sport, int dport, uint32_t seq, uint32_t ack, int flags, const uint8_t *payload,
+                       size_t plen)
 {
     uint8_t key[KEY_MAX];
     size_t kl = flow_key(key, src, sport, dst, dport);
@@ -1048,7 +1345,7 @@ static int tcp_segment(Core *c, unsigned long long frame, double time, const Add
     Flow *f = x ? x->val : NULL;
     if (flags & TCP_SYN) {
         if (f != NULL && f->seq == seq + 1)
-            return 0;
+            return 0;                               /* a retransmitted SYN */
         if (f != NULL && close_flow(c, f) < 0)
             return -1;
         map_del(&c->closed, key, kl);
@@ -1057,23 +1354,15 @@ static int tcp_segment(Core *c, unsigned long long frame, double time, const Add
             return -1;
     } else if (f == NULL) {
         if (!plen || map_get(&c->closed, key, kl) != NULL || flags & TCP_RST)
-            return 0;
-        f = open_flow(c, key, kl, src, sport, dst, dport, seq);
+            return flags & TCP_ACK ? acked(c, src, sport, dst, dport, ack) : 0;
+        f = open_flow(c, key, kl, src, sport, dst, dport, seq);   /* a capture that starts mid-connection */
         if (f == NULL)
             return -1;
     }
-    if (plen && f->state != ST_DEAD) {
-        int32_t d = (int32_t)(seq - f->seq);
-        if (d == 0) {
-            if (append(c, f, payload, plen, frame, time) < 0)
-                return -1;
-        } else if (d < 0) {
-            if ((size_t)(-(int64_t)d) < plen
-                && append(c, f, payload + (size_t)(-(int64_t)d), plen - (size_t)(-(int64_t)d), frame, time) < 0)
-                return -1;
-        } else
-            return unsupported("a TCP segment after a hole");
-    }
+    if (plen && f->state != ST_DEAD && tcp_data(c, f, seq, payload, plen, frame, time) < 0)
+        return -1;
+    if (flags & TCP_ACK && acked(c, src, sport, dst, dport, ack) < 0)
+        return -1;
     if (flags & TCP_RST) {
         if (close_flow(c, f) < 0 || (f->peer != NULL && close_flow(c, f->peer) < 0))
             return -1;
@@ -1094,13 +1383,10 @@ static int flow_order(const void *a, const void *b)
     return x->order < y->order ? -1 : x->order > y->order;
 }
 
-/* The capture ends: Sends still being put together, in the order their flows opened. */
+/* The capture ends: every direction closes, in the order the directions opened. */
 static int iwarp_flush(Core *c)
 {
-    size_t n = 0, k = 0;
-    for (size_t i = 0; i < c->flows.nb; i++)
-        for (Node *x = c->flows.b[i]; x; x = x->next)
-            n += ((Flow *)x->val)->pending;
+    size_t n = c->flows.n, k = 0;
     if (!n)
         return 0;
     Flow **open = malloc(n * sizeof *open);
@@ -1110,13 +1396,11 @@ static int iwarp_flush(Core *c)
     }
     for (size_t i = 0; i < c->flows.nb; i++)
         for (Node *x = c->flows.b[i]; x; x = x->next)
-            if (((Flow *)x->val)->pending)
-                open[k++] = x->val;
+            open[k++] = x->val;
     qsort(open, n, sizeof *open, flow_order);
     int rc = 0;
     for (size_t i = 0; i < n && rc == 0; i++)
-        if (open[i]->state == ST_FPDU)
-            rc = emit_pending(c, open[i]);
+        rc = close_flow(c, open[i]);
     free(open);
     return rc;
 }
@@ -1244,8 +1528,8 @@ static int frame_in(Core *c, unsigned long long number, double time, int lt, con
     if (proto == 6 && end >= start + 20) {
         const uint8_t *h = d + start;
         size_t from = start + (size_t)(h[12] >> 4) * 4;
-        return tcp_segment(c, number, time, &src, &dst, (int)be16(h), (int)be16(h + 2), be32(h + 4), h[13],
-                           d + from, from < end ? end - from : 0);
+        return tcp_segment(c, number, time, &src, &dst, (int)be16(h), (int)be16(h + 2), be32(h + 4), be32(h + 8),
+                           h[13], d + from, from < end ? end - from : 0);
     }
     return 0;
 }
@@ -1503,6 +1787,10 @@ static int config(Core *c, PyObject *cfg)
     INT("max_pending", max_pending);
     INT("marker_interval", marker_interval);
     INT("marker_len", marker_len);
+    INT("max_out_of_order", max_out_of_order);
+    INT("max_unframed", max_unframed);
+    INT("ddp_tagged_len", ddp_tagged_len);
+    INT("flag_c", flag_c);
     INT("roce_port", roce_port);
     INT("ddp_untagged_len", ddp_untagged_len);
     INT("flag_m", flag_m);
@@ -1621,6 +1909,7 @@ static PyObject *run(PyObject *self, PyObject *args, PyObject *kw)
     buf_free(&c.in);
     buf_free(&c.out);
     buf_free(&c.scratch);
+    buf_free(&c.closed_order);
     Py_XDECREF(c.unsupported);
     Py_XDECREF(c.problem);
     if (rc < 0)
@@ -1640,6 +1929,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_core", "The compile
 PyMODINIT_FUNC PyInit__core(void)
 {
     crc_init();
+    crc32c_init();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

@@ -12,11 +12,12 @@ to the Python code, so that output is the same by construction there:
 
 * a malformed KBTP message: its line comes from the ``malformed`` callback (the codec
   and ``to_json``), with the session state the core keeps;
-* an iWARP stream that needs what is not ported (a TCP segment after a hole, a Send
-  whose DDP segments come out of order or interleaved with another's, or that outgrows
-  ``MAX_PENDING``, more than ``MAX_CLOSED`` closed TCP connections): ``run`` raises
-  ``Fallback`` with the number of lines already written, and the caller decodes the
-  capture again in Python, skipping them (MPA markers and CRC are the core's);
+* an iWARP Send whose DDP segments come out of order, or interleaved with another
+  Send's of the same direction, or that outgrows ``MAX_PENDING`` (the Assembler's
+  general case): ``run`` raises ``Fallback`` with the number of lines already written,
+  and the caller decodes the capture again in Python, skipping them. TCP holes,
+  reordering, retransmissions, resynchronisation after a hole, MPA markers and CRC
+  are the core's;
 * standard input (it cannot be read twice), and every option of ``kbtp decode`` other
   than ``--json`` and ``-q``: the caller runs Python throughout.
 """
@@ -47,8 +48,9 @@ ENV = "KBTP_DECODE"
 _CONFIG = {
     "chunk": pcapfile.CHUNK, "max_record": pcapfile.MAX_RECORD, "max_message": roce.MAX_MESSAGE,
     "max_closed": iwarp.MAX_CLOSED, "max_pending": iwarp.MAX_PENDING, "roce_port": ROCE_PORT,
-    "ddp_untagged_len": D.DDP_UNTAGGED_LEN, "marker_interval": D.MARKER_INTERVAL, "marker_len": MARKER_LEN,
-    "flag_m": IW.FLAG_M, "flag_r": IW.FLAG_R, "mpa_startup_len": D.MPA_STARTUP_LEN,
+    "ddp_untagged_len": D.DDP_UNTAGGED_LEN, "ddp_tagged_len": D.DDP_TAGGED_LEN, "marker_interval": D.MARKER_INTERVAL,
+    "marker_len": MARKER_LEN, "max_out_of_order": iwarp.MAX_OUT_OF_ORDER, "max_unframed": iwarp.MAX_UNFRAMED,
+    "flag_m": IW.FLAG_M, "flag_c": IW.FLAG_C, "flag_r": IW.FLAG_R, "mpa_startup_len": D.MPA_STARTUP_LEN,
     "mpa_req_key": D.MPA_REQ_KEY, "mpa_rep_key": D.MPA_REP_KEY,
     "roce_sends": {op: (pos, ext, inv) for op, (pos, ext, inv, _) in roce.SENDS.items()},
     "iwarp_sends": sorted(int(op) for op in D.SEND_OPCODES),
