@@ -1,4 +1,4 @@
-"""The compiled core of ``kbtp decode --json`` (``decode/_core.c``) against the pure-Python
+"""The compiled core of ``kbtp decode --json`` (``decode/_core*.c``) against the pure-Python
 decoder it ports: byte-identical stdout, stderr and exit status on every capture the suite
 has (pcaps/, the fleet's, the real ones, the dissector's fuzz corpus and RDMA sessions) and
 on cut, corrupted and re-encoded ones; the core is what ``kbtp decode`` runs when built."""
@@ -278,16 +278,16 @@ print("done", len(sys.argv) - 2)
 
 
 def _sanitized_core(tmp: Path) -> Path:
-    """_core.c built as the package builds it, with AddressSanitizer and UBSan, and each
+    """The core's C built as the package builds it, with AddressSanitizer and UBSan, and each
     frame in an allocation of its own (KBTP_CORE_CHECKED)."""
     import sysconfig
 
     from kbtp_scapy.dissector.build import SANITIZERS
     out = tmp / f"_core{sysconfig.get_config_var('EXT_SUFFIX')}"
-    src = ROOT / "kbtp_scapy" / "decode" / "_core.c"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-g", "-Wall", "-Wextra", "-Werror", *SANITIZERS,
-                    "-DKBTP_CORE_CHECKED", f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(out), "-lm"],
-                   check=True, capture_output=True, timeout=300)
+    sources = sorted(map(str, (ROOT / "kbtp_scapy" / "decode").glob("_core*.c")))
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",
+                    *SANITIZERS, "-DKBTP_CORE_CHECKED", f"-I{sysconfig.get_paths()['include']}", *sources,
+                    "-o", str(out), "-lm"], check=True, capture_output=True, timeout=300)
     return out
 
 

@@ -8,7 +8,7 @@ each, HELLO/HELLO_ACK then LOADs (with the RDMA Write of the block) and inline S
 their COMPLETIONs, the ACKs between them. Per binding, in interleaved rounds (the best
 counts), one run of each:
 
-* ``kbtp decode --json -q``: the compiled core (``kbtp_scapy/decode/_core.c``);
+* ``kbtp decode --json -q``: the compiled core (``kbtp_scapy/decode/_core*.c``);
 * the same with ``KBTP_DECODE=python``: the pure-Python decoder, the reference;
 * ``tshark -Y kbtp -T fields`` with the C plugin (packet-kbtp.c built -O2 and loaded with
   LD_PRELOAD, as ``tools/bench_dissector.py`` does) and ``-e`` for the same fields:

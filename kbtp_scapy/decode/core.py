@@ -1,4 +1,4 @@
-"""The compiled core of ``kbtp decode --json`` (``_core.c``), and when it is used.
+"""The compiled core of ``kbtp decode --json`` (``_core*.c``, ``_core.h``), and when it is used.
 
 A pure-Python message costs 25 to 60 µs; a disk at 100 MB/s brings one every 3 µs, so
 the frame loop and the JSON line are written in C: pcap and pcapng records, ``locate``,
@@ -52,7 +52,7 @@ _CONFIG = {
     "marker_len": MARKER_LEN, "max_out_of_order": iwarp.MAX_OUT_OF_ORDER, "max_unframed": iwarp.MAX_UNFRAMED,
     "flag_m": IW.FLAG_M, "flag_c": IW.FLAG_C, "flag_r": IW.FLAG_R, "mpa_startup_len": D.MPA_STARTUP_LEN,
     "mpa_req_key": D.MPA_REQ_KEY, "mpa_rep_key": D.MPA_REP_KEY,
-    "roce_sends": {op: (pos, ext, inv) for op, (pos, ext, inv, _) in roce.SENDS.items()},
+    "roce_sends": {op: (pos, ext) for op, (pos, ext, _, _) in roce.SENDS.items()},
     "iwarp_sends": sorted(int(op) for op in D.SEND_OPCODES),
 }
 
