@@ -252,6 +252,19 @@ def test_mpa_markers_are_the_cores(generated):
     identical(generated["multi"])
 
 
+@needs_core
+@pytest.mark.slow
+def test_memory_stays_flat_in_the_core(tmp_path):
+    """test_decode's 210 MB capture (RoCE and iWARP, a RoCE Send that never ends, an iWARP
+    direction whose segments all wait behind a lost one) as a file: the core decodes it
+    all itself, and its memory stays flat as the Python decoder's does."""
+    path = tmp_path / "big.pcap"
+    with open(path, "wb") as out:
+        dec._generate(out, 210 << 20)
+    assert len(_core_lines(path)) > 40_000           # no hand-back to Python
+    dec.decoded_flat(["--json", "-q", str(path)])
+
+
 def test_committed_core_tables_are_fresh():
     """The stale-file check without the CLI (test_dissector runs ``--check`` with an edit)."""
     from kbtp_scapy.dissector.generate_core import CORE_TABLES, header_source
