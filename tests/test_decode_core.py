@@ -143,7 +143,7 @@ def _shuffled(frames: list, rng: random.Random, changes: int) -> list:
 @pytest.mark.slow
 def test_reordered_lost_and_repeated_segments_decode_identically(generated, tmp_path):
     """TCP segments of the iWARP captures reordered, lost and repeated: holes, waits,
-    resynchronisation after a hole, in the core or handed back, as Python decodes them."""
+    resynchronisation after a hole, in the core and as Python decodes them."""
     rng = random.Random(3)
     sources = [ROOT / "pcaps" / "iwarp_session.pcap", ROOT / "pcaps" / "siw_kernel_session.pcap",
                ROOT / "pcaps" / "fleet" / "producer1.pcap", generated["multi"], _iwarp_sessions(tmp_path / "s.pcap")]
@@ -184,6 +184,10 @@ def test_the_core_is_what_decode_json_runs(monkeypatch, tmp_path):
     with CliRunner().isolation() as (out, _, _):
         assert main(["decode", "--json", "--opcode", "LOAD", str(pcap)]) == 0
     assert len(calls) == 1
+    with CliRunner().isolation(input=pcap.read_bytes()) as (out, _, _):     # standard input too
+        assert main(["decode", "--json", "-q", "-"]) == 0
+        sys.stdout.flush()
+        assert len(calls) == 2 and out.getvalue() == fast[1]
 
 
 def _reordered(path: Path) -> Path:
@@ -202,7 +206,7 @@ def _reordered(path: Path) -> Path:
 
 
 def _core_lines(path: Path) -> list[bytes]:
-    """The lines the core writes for ``path``; raises Fallback as it does."""
+    """The lines the core writes for ``path``."""
     from kbtp_scapy.cli.decode import _malformed_line
     from kbtp_scapy.decode import Reader, Stats
     lines: list[bytes] = []
@@ -220,36 +224,27 @@ def test_segments_after_a_hole_wait_for_it_in_the_core(tmp_path):
 
 
 @needs_core
-def test_streams_it_does_not_port_go_back_to_python(tmp_path):
-    """A TCP segment lost by the capture in the middle of a Send of several DDP segments
-    (the Assembler keeps the parts around the hole, the core does not): the core stops
-    there and says how many lines it wrote; kbtp decode then decodes again in Python,
-    skipping them."""
+def test_a_lost_segment_anywhere_decodes_identically(tmp_path):
+    """Each frame of two iWARP connections with Sends of several DDP segments lost in turn:
+    Sends with a hole come out incomplete, DDP segments wait for their message, the
+    stream resynchronises, all in the core and as Python decodes it."""
     frames = dec.records(_iwarp_sessions(tmp_path / "whole.pcap"))
-    fell = None
+    incomplete = 0
     for k in range(len(frames)):
         path = dec.write_pcap(tmp_path / f"without{k}.pcap", frames[:k] + frames[k + 1:])
-        try:
-            _core_lines(path)
-        except core.Fallback as exc:
-            fell = exc
-            break
-    assert fell is not None and "not in order" in str(fell) and fell.lines > 0
-    code, out, _ = identical(path)
-    assert code == 0 and len(out.splitlines()) > fell.lines
+        lines = _core_lines(path)
+        assert lines == identical(path)[1].splitlines()
+        incomplete += any(b"inline data is" in line for line in lines)
+    assert incomplete >= 2
 
 
 @needs_core
 def test_mpa_markers_are_the_cores(generated):
     """The multi variant (a connection with markers and MPA revision 2, one without CRC,
-    RoCE QPs, ADDR_LE): all in the core, and as Python decodes it."""
-    from kbtp_scapy.cli.decode import _malformed_line
-    from kbtp_scapy.decode import Reader, Stats
-    totals = core.Totals()
-    with open(generated["multi"], "rb") as stream:
-        core.run(Reader(stream), stream, len, None, _malformed_line, Stats(), totals)
-    assert (totals.messages, totals.conns, totals.malformed) == (35, 4, 5)
-    identical(generated["multi"])
+    RoCE QPs, ADDR_LE): in the core, as Python decodes it."""
+    lines = _core_lines(generated["multi"])
+    assert len(lines) == 35 and sum(b'"malformed"' in line for line in lines) == 5
+    assert lines == identical(generated["multi"])[1].splitlines()
 
 
 @needs_core
@@ -261,7 +256,7 @@ def test_memory_stays_flat_in_the_core(tmp_path):
     path = tmp_path / "big.pcap"
     with open(path, "wb") as out:
         dec._generate(out, 210 << 20)
-    assert len(_core_lines(path)) > 40_000           # no hand-back to Python
+    assert len(_core_lines(path)) > 40_000           # all of it in the core
     dec.decoded_flat(["--json", "-q", str(path)])
 
 
@@ -271,7 +266,7 @@ def test_committed_core_tables_are_fresh():
     assert CORE_TABLES.read_text() == header_source(), "run 'kbtp dissector generate'"
 
 
-#: The sanitized core runs each capture as kbtp decode --json does (Fallback included).
+#: The sanitized core runs each capture as kbtp decode --json does.
 _SANITIZED_RUN = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("_core", sys.argv[1])
@@ -284,7 +279,7 @@ for path in sys.argv[2:]:
     with open(path, "rb") as stream:
         try:
             core.run(Reader(stream), stream, len, None, _malformed_line, Stats(), core.Totals())
-        except (core.Fallback, CaptureError):
+        except CaptureError:
             pass
 print("done", len(sys.argv) - 2)
 """
@@ -358,17 +353,15 @@ def _iwarp_sessions(path: Path, cut_last: int = 0) -> Path:
 
 @needs_core
 def test_sends_of_several_ddp_segments_are_put_together_by_the_core(tmp_path):
-    """In order, a Send of several DDP segments is the core's, complete or left incomplete
-    by a capture that stops inside it (no hand-back to Python)."""
-    from kbtp_scapy.cli.decode import _malformed_line
-    from kbtp_scapy.decode import Reader, Stats
+    """A Send of several DDP segments is the core's, complete or left incomplete by a
+    capture that stops inside it."""
     whole = _iwarp_sessions(tmp_path / "whole.pcap")
-    stores = [i for i, line in enumerate(kbtp_json(whole, True)[1].splitlines()) if b'"kbtp.opcode": 17' in line]
+    stores = [line for line in kbtp_json(whole, True)[1].splitlines() if b'"kbtp.opcode": 17' in line]
     assert len(stores) == 2
     cut_inside = 0
     for cut in (0, 3, 17, 20):
         path = whole if not cut else _iwarp_sessions(tmp_path / f"cut{cut}.pcap", cut)
-        with open(path, "rb") as stream:
-            core.run(Reader(stream), stream, len, None, _malformed_line, Stats(), core.Totals())
-        cut_inside += identical(path)[1].count(b"inline data is")    # a STORE cut short
+        lines = _core_lines(path)
+        assert lines == identical(path)[1].splitlines()
+        cut_inside += sum(b"inline data is" in line for line in lines)     # a STORE cut short
     assert cut_inside == 3

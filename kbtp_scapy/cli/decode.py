@@ -137,17 +137,13 @@ class _Output:
     """Where lines go: stdout (text or JSON), and JSON Lines to a file with --json-file."""
 
     def __init__(self, as_json: bool, json_file: TextIO | None, layers: bool,
-                 progress: _Progress, origin: float, skip: int = 0) -> None:
+                 progress: _Progress, origin: float) -> None:
         self.as_json, self.json_file, self.layers = as_json, json_file, layers
         self.progress, self.origin = progress, origin
         self.clear = progress.enabled and sys.stdout.isatty()
         self.write = sys.stdout.write
-        self.skip = skip                  # messages the compiled core already wrote
 
     def __call__(self, found: Found) -> None:
-        if self.skip:
-            self.skip -= 1
-            return
         if self.clear:
             self.progress.clear()
         if self.as_json:
@@ -343,10 +339,9 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
                          size)
     stats, totals, shown, conns = Stats(), core.Totals(), 0, set()
     reader = None
-    # the compiled core: plain --json of a file (decode/core.py says what it hands back)
+    # the compiled core: plain --json (decode/core.py says what it hands back)
     fast = (core.wanted() and as_json and json_file is None and count is None and not any(filters)
-            and not where and times is None and addr_le is None and file != "-" and size is not None)
-    skip = 0
+            and not where and times is None and addr_le is None)
 
     def waiting() -> None:
         sys.stdout.flush()
@@ -362,17 +357,11 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
         out = None
         stopped = False
         if fast:
-            try:
-                _core_run(reader, stream, progress, stats, totals)
-                shown = totals.messages
-            except core.Fallback as fell:
-                skip, fast = fell.lines, False
-                stream.seek(0)
-                stats, totals = Stats(), core.Totals()
-                reader = Reader(stream, name, before_wait=waiting)
+            _core_run(reader, stream, progress, stats, totals)
+            shown = totals.messages
         for found in () if fast else kbtp_messages(rdma_messages(reader, stats), addr_le):
             if out is None:
-                out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0, skip)
+                out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0)
             totals.messages += 1
             totals.malformed += found.error is not None
             conns.add((found.transport, found.connection))
@@ -429,12 +418,16 @@ def _core_run(reader: Reader, stream: BinaryIO, progress: _Progress, stats: Stat
     clear = progress.enabled and sys.stdout.isatty()
 
     def sink(lines: bytes) -> None:
+        """Lines as the core writes them: before each read, so a pipe's reader sees
+        every message while the capture is still being written."""
         if clear:
             progress.clear()
         if binary is not None:
             binary.write(lines)
+            binary.flush()
         else:
             sys.stdout.write(lines.decode())
+            sys.stdout.flush()
 
     core.run(reader, stream, sink, progress.update if progress.enabled else None, _malformed_line, stats, totals)
 

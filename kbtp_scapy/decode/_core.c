@@ -7,16 +7,10 @@
  * field tables. Hand-written: record, frame and transport arithmetic, no layout. This unit
  * is the module: its configuration, the run, the report; the others are named in _core.h.
  *
- * What the core does not reproduce itself goes back to Python (decode/core.py says so):
- * a malformed KBTP message is rendered by the `malformed` callback (codec and to_json),
- * and an iWARP Send whose DDP segments are out of order, interleaved with another's or
- * outgrow MAX_PENDING raises Unsupported, after which the caller decodes the capture
- * again in Python and skips the lines already written. TCP holes, reordering and
- * retransmissions, resynchronisation after a hole, MPA markers and CRC are ported.
+ * A malformed KBTP message, which the core does not render itself, is rendered by the
+ * `malformed` callback (the codec and to_json), with the session state the core keeps.
  */
 #include "_core.h"
-
-PyObject *kc_unsupported;
 
 static int config(Core *c, PyObject *cfg)
 {
@@ -169,13 +163,5 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_core", "The compile
 PyMODINIT_FUNC PyInit__core(void)
 {
     crc_init();
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
-    kc_unsupported = PyErr_NewException("kbtp_scapy.decode._core.Unsupported", NULL, NULL);
-    if (kc_unsupported == NULL || PyModule_AddObjectRef(m, "Unsupported", kc_unsupported) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModule_Create(&module);
 }

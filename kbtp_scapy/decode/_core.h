@@ -70,9 +70,6 @@ typedef struct {
 /* Where a message was: the RoCE addresses and destination QP, or the iWARP endpoints. */
 typedef struct { int iwarp; Addr src, dst; uint32_t qp; uint16_t sport, dport; } Conn;
 
-/* _core.c: Unsupported, raised where the core hands a capture back to Python */
-extern PyObject *kc_unsupported;
-
 /* _core_kbtp.c: KBTP messages and their JSON lines */
 int looks_like_kbtp(const uint8_t *p, size_t n);
 size_t endpoint_key(uint8_t *k, const Addr *a, int port, int with_port);

@@ -10,6 +10,11 @@ typedef struct { uint64_t at; Buf data; unsigned long long frame; double time; }
 /* A closed connection, in the order it was closed. */
 typedef struct { unsigned long long seq; uint8_t klen; uint8_t key[KEY_MAX]; } Closed;
 
+/* A DDP segment of an untagged Send, and a Send being put together: its QN and MSN, its
+ * segments by MO (iwarp.py's Assembler). */
+typedef struct { uint32_t mo; int last; Buf data; unsigned long long frame; double time; } Piece;
+typedef struct { uint8_t key[8]; Piece *pieces; size_t n, cap; } Untagged;
+
 /* One direction of a TCP connection (iwarp.py's _Flow), sends_only. */
 typedef struct Flow {
     uint8_t key[KEY_MAX];
@@ -25,12 +30,10 @@ typedef struct Flow {
     int state, has_startup, st_request, st_flags, markers, crc, fin, forgotten;
     struct Flow *peer, *next_dead;
     Buf skip;                   /* (QN, MSN) pairs of Sends that are not KBTP, 8 octets each */
-    /* the one Send of several DDP segments being put together, in order (the Assembler) */
-    int pending;
-    uint8_t pend_key[8];        /* its QN and MSN */
-    Buf pend;
-    unsigned long long pend_frame, order;
-    double pend_time;
+    Untagged *sends;            /* Sends being put together, in the order they began (the Assembler) */
+    size_t nsends, cap_sends;
+    int64_t sends_size;          /* as Assembler.size counts it */
+    unsigned long long order;   /* of its opening, for the end's flush */
 } Flow;
 
 typedef struct { uint64_t start, end; unsigned long long frame; double time; } Span;
@@ -39,12 +42,6 @@ typedef struct { uint64_t start, end; unsigned long long frame; double time; } S
 #define TCP_SYN 0x02
 #define TCP_RST 0x04
 #define TCP_ACK 0x10
-
-static int unsupported(const char *why)
-{
-    PyErr_SetString(kc_unsupported, why);
-    return -1;
-}
 
 static size_t flow_key(uint8_t *k, const Addr *src, int sport, const Addr *dst, int dport)
 {
@@ -62,6 +59,23 @@ static void drop_held(Flow *f)
     f->held_size = 0;
 }
 
+static void untagged_free(Untagged *u)
+{
+    for (size_t i = 0; i < u->n; i++)
+        buf_free(&u->pieces[i].data);
+    free(u->pieces);
+}
+
+static void drop_untagged(Flow *f)
+{
+    for (size_t i = 0; i < f->nsends; i++)
+        untagged_free(&f->sends[i]);
+    free(f->sends);
+    f->sends = NULL;
+    f->nsends = f->cap_sends = 0;
+    f->sends_size = 0;
+}
+
 void flow_free(void *v)
 {
     Flow *f = v;
@@ -69,7 +83,7 @@ void flow_free(void *v)
         buf_free(&f->buf);
         buf_free(&f->spans);
         buf_free(&f->skip);
-        buf_free(&f->pend);
+        drop_untagged(f);
         drop_held(f);
         free(f);
     }
@@ -132,13 +146,119 @@ static int forget(Core *c, Flow *f)
     return 0;
 }
 
-static int emit_pending(Core *c, Flow *f)
+/* A Send put together, complete or not: its segments' octets in MO order, its latest
+ * frame and that frame's time (iwarp.py's _merge). */
+static int emit_untagged(Core *c, Flow *f, const Untagged *u)
 {
+    Buf data = {0};
+    unsigned long long frame = 0;
+    double time = 0;
+    for (size_t i = 0; i < u->n; i++) {
+        if (buf_put(&data, u->pieces[i].data.p, u->pieces[i].data.len) < 0) {
+            buf_free(&data);
+            return -1;
+        }
+        if (u->pieces[i].frame > frame) {
+            frame = u->pieces[i].frame;
+            time = u->pieces[i].time;
+        }
+    }
     Conn m = {1, f->src, f->dst, 0, f->sport, f->dport};
-    f->pending = 0;
-    int rc = message(c, &m, f->pend_frame, f->pend_time, f->pend.p, f->pend.len, NULL, 0);
-    f->pend.len = 0;
+    int rc = message(c, &m, frame, time, data.p ? data.p : (const uint8_t *)"", data.len, NULL, 0);
+    buf_free(&data);
     return rc;
+}
+
+/* Whatever is still incomplete, in the order it began (Assembler.flush). */
+static int flush_untagged(Core *c, Flow *f)
+{
+    int rc = 0;
+    for (size_t i = 0; i < f->nsends && rc == 0; i++)
+        rc = emit_untagged(c, f, &f->sends[i]);
+    drop_untagged(f);
+    return rc;
+}
+
+static Untagged *untagged_of(Flow *f, const uint8_t *key)
+{
+    for (size_t i = 0; i < f->nsends; i++)
+        if (!memcmp(f->sends[i].key, key, 8))
+            return &f->sends[i];
+    return NULL;
+}
+
+/* One DDP segment of an untagged Send: the Send when it is complete (Assembler.add),
+ * everything incomplete past MAX_PENDING (iwarp.py's _fpdu). */
+static int add_untagged(Core *c, Flow *f, const uint8_t *key, uint32_t mo, int last, const uint8_t *data,
+                        size_t n, unsigned long long frame, double time)
+{
+    f->sends_size += (int64_t)n;
+    Untagged *u = untagged_of(f, key);
+    if (u == NULL) {
+        if (f->nsends == f->cap_sends) {
+            size_t cap = f->cap_sends ? 2 * f->cap_sends : 4;
+            Untagged *a = realloc(f->sends, cap * sizeof *a);
+            if (a == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            f->sends = a;
+            f->cap_sends = cap;
+        }
+        u = &f->sends[f->nsends++];
+        memset(u, 0, sizeof *u);
+        memcpy(u->key, key, 8);
+    }
+    size_t k = 0;
+    while (k < u->n && u->pieces[k].mo < mo)
+        k++;
+    if (k == u->n || u->pieces[k].mo != mo) {
+        if (u->n == u->cap) {
+            size_t cap = u->cap ? 2 * u->cap : 4;
+            Piece *p = realloc(u->pieces, cap * sizeof *p);
+            if (p == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            u->pieces = p;
+            u->cap = cap;
+        }
+        memmove(u->pieces + k + 1, u->pieces + k, (u->n - k) * sizeof *u->pieces);
+        memset(&u->pieces[k], 0, sizeof *u->pieces);
+        u->n++;
+    }
+    Piece *p = &u->pieces[k];                   /* a segment of the same MO again replaces it */
+    p->mo = mo;
+    p->last = last;
+    p->frame = frame;
+    p->time = time;
+    p->data.len = 0;
+    if (buf_put(&p->data, data, n) < 0)
+        return -1;
+    uint64_t pos = 0, end = 0;
+    int contiguous = 1, ends = 0;
+    for (size_t i = 0; i < u->n; i++) {
+        if (u->pieces[i].last && !ends) {
+            ends = 1;
+            end = u->pieces[i].mo + u->pieces[i].data.len;
+        }
+        if (contiguous && u->pieces[i].mo != pos)
+            contiguous = 0;
+        pos += u->pieces[i].data.len;
+    }
+    if (contiguous && ends && pos == end) {
+        int rc = emit_untagged(c, f, u);
+        f->sends_size -= (int64_t)pos;
+        untagged_free(u);
+        size_t i = (size_t)(u - f->sends);
+        memmove(f->sends + i, f->sends + i + 1, (f->nsends - i - 1) * sizeof *f->sends);
+        f->nsends--;
+        if (rc < 0)
+            return -1;
+    }
+    if (f->sends_size > (int64_t)c->max_pending)
+        return flush_untagged(c, f);
+    return 0;
 }
 
 static Flow *open_flow(Core *c, const uint8_t *key, size_t kl, const Addr *src, int sport, const Addr *dst,
@@ -219,18 +339,10 @@ static int send_fpdu(Core *c, Flow *f, const uint8_t *w, size_t ulen, unsigned l
             }
             return 0;
         }
-        if (f->pending && !memcmp(f->pend_key, pair, 8))
-            return unsupported("an iWARP Send begun again while being put together");
-        if (ctrl & 0x40) {
+        if (ctrl & 0x40 && untagged_of(f, pair) == NULL) {    /* the usual case: a Send in one FPDU */
             Conn m = {1, f->src, f->dst, 0, f->sport, f->dport};
             return message(c, &m, frame, time, data, dlen, NULL, 0);
         }
-        if (f->pending)
-            return unsupported("two iWARP Sends put together at once");
-        f->pending = 1;
-        memcpy(f->pend_key, pair, 8);
-        f->pend.len = 0;
-        f->pend_frame = 0;
     } else {
         size_t have = f->skip.len / 8;
         for (size_t i = 0; i < have; i++)
@@ -241,20 +353,8 @@ static int send_fpdu(Core *c, Flow *f, const uint8_t *w, size_t ulen, unsigned l
                 }
                 return 0;
             }
-        if (!f->pending || memcmp(f->pend_key, pair, 8) || mo != f->pend.len)
-            return unsupported("an iWARP Send whose DDP segments are not in order");
     }
-    if (buf_put(&f->pend, data, dlen) < 0)
-        return -1;
-    if (frame > f->pend_frame) {                  /* the message's latest frame, and its time */
-        f->pend_frame = frame;
-        f->pend_time = time;
-    }
-    if (ctrl & 0x40 && mo != 0)
-        return emit_pending(c, f);
-    if (f->pend.len > c->max_pending)
-        return unsupported("an iWARP Send larger than MAX_PENDING");
-    return 0;
+    return add_untagged(c, f, pair, mo, ctrl & 0x40, data, dlen, frame, time);
 }
 
 /* Octets an FPDU of clean_len takes at stream position pos, markers included
@@ -585,7 +685,7 @@ static int close_flow(Core *c, Flow *f)
 {
     if (f->nheld && (f->state == ST_FPDU || f->state == ST_RESYNC) && gap(c, f, f->held[0].at) < 0)
         return -1;
-    if ((f->state == ST_FPDU || f->state == ST_RESYNC) && f->pending && emit_pending(c, f) < 0)
+    if ((f->state == ST_FPDU || f->state == ST_RESYNC) && flush_untagged(c, f) < 0)
         return -1;
     f->state = ST_DEAD;
     f->buf.len = 0;

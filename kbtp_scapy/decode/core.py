@@ -7,19 +7,19 @@ tables (``_core_tables.h``, generated), each session's ADDR_LE, and the exact li
 ``json.dumps(capture.to_json(found))`` writes. The Python modules beside it stay the
 reference, and ``KBTP_DECODE=python`` forces them.
 
-The core is a port of the common, well-formed case; what it does not reproduce goes
-to the Python code, so that output is the same by construction there:
+The core ports what the Python decoder does for ``kbtp decode --json``, TCP holes,
+resynchronisation, MPA markers and DDP reassembly included; what it does not render
+goes to the Python code, so that output is the same by construction there:
 
 * a malformed KBTP message: its line comes from the ``malformed`` callback (the codec
   and ``to_json``), with the session state the core keeps;
-* an iWARP Send whose DDP segments come out of order, or interleaved with another
-  Send's of the same direction, or that outgrows ``MAX_PENDING`` (the Assembler's
-  general case): ``run`` raises ``Fallback`` with the number of lines already written,
-  and the caller decodes the capture again in Python, skipping them. TCP holes,
-  reordering, retransmissions, resynchronisation after a hole, MPA markers and CRC
-  are the core's;
-* standard input (it cannot be read twice), and every option of ``kbtp decode`` other
-  than ``--json`` and ``-q``: the caller runs Python throughout.
+* every option of ``kbtp decode`` other than ``--json`` and ``-q`` (filters, ``-c``,
+  ``--addr-le``, ``--stats``, ``--json-file``, the text output): the caller runs Python
+  throughout.
+
+It reads a file or a pipe as the Python reader does, one chunk at a time (``readinto1``),
+and hands its lines to ``sink`` before each read, so a pipe's reader sees them as the
+capture is written.
 """
 from __future__ import annotations
 
@@ -62,14 +62,6 @@ def wanted() -> bool:
     return BUILT and os.environ.get(ENV, "") != "python"
 
 
-class Fallback(Exception):
-    """The core met what only the Python decoder reproduces; ``lines`` were written."""
-
-    def __init__(self, lines: int, why: str) -> None:
-        super().__init__(why)
-        self.lines = lines
-
-
 @dataclass
 class Totals:
     """What ``kbtp decode``'s summary line counts, as far as the core got."""
@@ -88,15 +80,13 @@ def run(reader: Reader, stream: BinaryIO, sink: Callable[[bytes], Any], progress
         malformed: MalformedLine, stats: Stats, totals: Totals) -> None:
     """Decode the records of ``reader`` (its header read) into JSON lines given to ``sink``;
     ``stats``, ``totals`` and the reader's ``cut_short`` and ``problem`` are filled in, also
-    when it stops on an exception (Ctrl-C). Raises ``Fallback``."""
+    when it stops on an exception (Ctrl-C, a closed stdout)."""
     assert _core is not None, "run() needs the built extension"
     got: dict[str, Any] = {}
     read = getattr(stream, "readinto1", None) or cast(Any, stream).readinto
     try:
         _core.run(config=_CONFIG, readinto=read, **reader.handover(), sink=sink, progress=progress,
                   malformed=malformed, stats=got)
-    except _core.Unsupported as exc:
-        raise Fallback(got.get("messages", 0), str(exc)) from None
     finally:
         if got:
             stats.frames, stats.first_time, stats.cut = got["frames"], got["first_time"], got["cut"]
