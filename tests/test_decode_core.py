@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import struct
 import subprocess
 import sys
@@ -258,6 +259,23 @@ def test_memory_stays_flat_in_the_core(tmp_path):
         dec._generate(out, 210 << 20)
     assert len(_core_lines(path)) > 40_000           # all of it in the core
     dec.decoded_flat(["--json", "-q", str(path)])
+
+
+@needs_core
+def test_a_live_pipe_shows_messages_before_the_capture_ends(tmp_path):
+    """`tcpdump -w - | kbtp decode --json -`: the core writes every message it has before
+    it waits for more input, and Ctrl-C then ends it with the summary and status 130."""
+    pcap = (ROOT / "pcaps" / "iwarp_session.pcap").read_bytes()
+    proc = subprocess.Popen([sys.executable, "-m", "kbtp_scapy", "decode", "--json", "-"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdin.write(pcap)                   # and the pipe stays open: more may come
+    proc.stdin.flush()
+    want = kbtp_json(ROOT / "pcaps" / "iwarp_session.pcap", True)[1].splitlines()
+    got = [proc.stdout.readline().rstrip(b"\n") for _ in want]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert got == want
+    assert proc.returncode == 130 and b"interrupted (Ctrl-C)" in err and b"Traceback" not in err, err
 
 
 def test_committed_core_tables_are_fresh():
