@@ -10,6 +10,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -271,7 +272,10 @@ def test_a_live_pipe_shows_messages_before_the_capture_ends(tmp_path):
     proc.stdin.write(pcap)                   # and the pipe stays open: more may come
     proc.stdin.flush()
     want = kbtp_json(ROOT / "pcaps" / "iwarp_session.pcap", True)[1].splitlines()
-    got = [proc.stdout.readline().rstrip(b"\n") for _ in want]
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(proc.stdout.readline().rstrip(b"\n") for _ in want))
+    reader.start()
+    reader.join(60)                          # lines held back would never come: no hang
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert got == want
