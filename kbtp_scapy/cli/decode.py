@@ -359,23 +359,24 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
         if fast:
             _core_run(reader, stream, progress, stats, totals)
             shown = totals.messages
-        for found in () if fast else kbtp_messages(rdma_messages(reader, stats), addr_le):
-            if out is None:
-                out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0)
-            totals.messages += 1
-            totals.malformed += found.error is not None
-            conns.add((found.transport, found.connection))
-            totals.conns = len(conns)
-            if where and not where.matches(found, stats.first_time or 0.0):
-                continue
-            if times is not None:
-                times.add(found)
-            elif _matches(found.fields, *filters):
-                out(found)
-                shown += 1
-                if count is not None and shown >= count:
-                    stopped = True
-                    break
+        else:
+            for found in kbtp_messages(rdma_messages(reader, stats), addr_le):
+                if out is None:
+                    out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0)
+                totals.messages += 1
+                totals.malformed += found.error is not None
+                conns.add((found.transport, found.connection))
+                totals.conns = len(conns)
+                if where and not where.matches(found, stats.first_time or 0.0):
+                    continue
+                if times is not None:
+                    times.add(found)
+                elif _matches(found.fields, *filters):
+                    out(found)
+                    shown += 1
+                    if count is not None and shown >= count:
+                        stopped = True
+                        break
         sys.stdout.flush()
     except CaptureError as exc:
         raise click.ClickException(str(exc)) from None
