@@ -30,18 +30,25 @@ COMMITTED = sorted({*(ROOT / "pcaps").rglob("*.pcap"), *(ROOT / "tests" / "data"
 needs_core = pytest.mark.skipif(not core.BUILT, reason="the extension is not built (pip install -e .)")
 
 
-def kbtp_json(path: Path, pure: bool) -> tuple[int, bytes, bytes]:
-    """(exit status, stdout, stderr) of ``kbtp decode --json -q path``, in this process,
+def kbtp_decode(path: Path, pure: bool, *options: str) -> tuple[int, bytes, bytes]:
+    """(exit status, stdout, stderr) of ``kbtp decode OPTIONS -q path``, in this process,
     with the core or with KBTP_DECODE=python."""
     with CliRunner().isolation(env={core.ENV: "python" if pure else ""}) as (out, err, _):
-        code = main(["decode", "--json", "-q", str(path)])
+        code = main(["decode", *options, "-q", str(path)])
         sys.stdout.flush()
         return code, out.getvalue(), err.getvalue()
 
 
+def kbtp_json(path: Path, pure: bool) -> tuple[int, bytes, bytes]:
+    return kbtp_decode(path, pure, "--json")
+
+
 def identical(path: Path) -> tuple[int, bytes, bytes]:
-    fast, pure = kbtp_json(path, False), kbtp_json(path, True)
-    assert fast == pure, path
+    """``kbtp decode`` of ``path``, JSON and text, the same with the core and without;
+    returns the JSON run's."""
+    for options in ((), ("--json",)):
+        fast, pure = kbtp_decode(path, False, *options), kbtp_decode(path, True, *options)
+        assert fast == pure, (path, options)
     return fast
 
 
@@ -171,9 +178,10 @@ def test_any_frames_decode_identically(tmp_path_factory, frames):
 
 
 @needs_core
-def test_the_core_is_what_decode_json_runs(monkeypatch, tmp_path):
-    """Built with the package, the core decodes plain --json; KBTP_DECODE=python, a filter or
-    the text output run the Python decoder, which still works on its own."""
+def test_the_core_is_what_decode_runs(monkeypatch, tmp_path):
+    """Built with the package, the core decodes --json and the text lines, of a file or
+    standard input; KBTP_DECODE=python or a filter run the Python decoder, which still
+    works on its own."""
     assert core.BUILT and core.wanted()
     calls = []
     real = core.run
@@ -183,13 +191,15 @@ def test_the_core_is_what_decode_json_runs(monkeypatch, tmp_path):
     assert len(calls) == 1 and fast[0] == 0
     pure = kbtp_json(pcap, True)
     assert len(calls) == 1 and pure == fast and len(pure[1].splitlines()) == 36
+    text = kbtp_decode(pcap, False)
+    assert len(calls) == 2 and text == kbtp_decode(pcap, True) and b" HELLO_ACK OK " in text[1]
     with CliRunner().isolation() as (out, _, _):
         assert main(["decode", "--json", "--opcode", "LOAD", str(pcap)]) == 0
-    assert len(calls) == 1
+    assert len(calls) == 2
     with CliRunner().isolation(input=pcap.read_bytes()) as (out, _, _):     # standard input too
         assert main(["decode", "--json", "-q", "-"]) == 0
         sys.stdout.flush()
-        assert len(calls) == 2 and out.getvalue() == fast[1]
+        assert len(calls) == 3 and out.getvalue() == fast[1]
 
 
 def _reordered(path: Path) -> Path:
@@ -209,11 +219,11 @@ def _reordered(path: Path) -> Path:
 
 def _core_lines(path: Path) -> list[bytes]:
     """The lines the core writes for ``path``."""
-    from kbtp_scapy.cli.decode import _malformed_line
+    from kbtp_scapy.cli.decode import _malformed_json
     from kbtp_scapy.decode import Reader, Stats
     lines: list[bytes] = []
     with open(path, "rb") as stream:
-        core.run(Reader(stream), stream, lines.append, None, _malformed_line, Stats(), core.Totals())
+        core.run(Reader(stream), stream, lines.append, None, _malformed_json, Stats(), core.Totals())
     return b"".join(lines).splitlines()
 
 
@@ -294,13 +304,13 @@ import importlib.util, sys
 spec = importlib.util.spec_from_file_location("_core", sys.argv[1])
 sanitized = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sanitized)
-from kbtp_scapy.cli.decode import _malformed_line
+from kbtp_scapy.cli.decode import _malformed_json
 from kbtp_scapy.decode import CaptureError, Reader, Stats, core
 core._core = sanitized
 for path in sys.argv[2:]:
     with open(path, "rb") as stream:
         try:
-            core.run(Reader(stream), stream, len, None, _malformed_line, Stats(), core.Totals())
+            core.run(Reader(stream), stream, len, None, _malformed_json, Stats(), core.Totals())
         except CaptureError:
             pass
 print("done", len(sys.argv) - 2)

@@ -339,8 +339,8 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
                          size)
     stats, totals, shown, conns = Stats(), core.Totals(), 0, set()
     reader = None
-    # the compiled core: plain --json (decode/core.py says what it hands back)
-    fast = (core.wanted() and as_json and json_file is None and count is None and not any(filters)
+    # the compiled core: the lines alone, JSON or text (decode/core.py says what it hands back)
+    fast = (core.wanted() and json_file is None and not layers and count is None and not any(filters)
             and not where and times is None and addr_le is None)
 
     def waiting() -> None:
@@ -357,7 +357,7 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
         out = None
         stopped = False
         if fast:
-            _core_run(reader, stream, progress, stats, totals)
+            _core_run(reader, stream, progress, stats, totals, as_json)
             shown = totals.messages
         else:
             for found in kbtp_messages(rdma_messages(reader, stats), addr_le):
@@ -412,7 +412,8 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
         raise click.ClickException(f"{name}: {why}; the frames before it were decoded")
 
 
-def _core_run(reader: Reader, stream: BinaryIO, progress: _Progress, stats: Stats, totals: core.Totals) -> None:
+def _core_run(reader: Reader, stream: BinaryIO, progress: _Progress, stats: Stats, totals: core.Totals,
+              as_json: bool) -> None:
     """The records of ``reader`` through the compiled core, its lines to stdout."""
     sys.stdout.flush()
     binary = getattr(sys.stdout, "buffer", None)
@@ -430,17 +431,29 @@ def _core_run(reader: Reader, stream: BinaryIO, progress: _Progress, stats: Stat
             sys.stdout.write(lines.decode())
             sys.stdout.flush()
 
-    core.run(reader, stream, sink, progress.update if progress.enabled else None, _malformed_line, stats, totals)
+    core.run(reader, stream, sink, progress.update if progress.enabled else None,
+             _malformed_json if as_json else _malformed_text, stats, totals, not as_json)
 
 
-def _malformed_line(payload: bytes, le: bool, frame: int, time: float, transport: str, conn: tuple,
-                    number: int, icrc_bad: tuple[int, ...]) -> str:
-    """The JSON line of a message the codec finds malformed, for the compiled core."""
+def _malformed(payload: bytes, le: bool, frame: int, time: float, transport: str, conn: tuple, number: int,
+               icrc_bad: tuple[int, ...]) -> Found:
+    """A message the codec finds malformed, as the compiled core found it."""
     try:
         fields, error = codec.decode(payload, addr_le=le), None
     except codec.Malformed as exc:
         fields, error = exc.fields, exc.reason
-    return json.dumps(to_json(Found(frame, transport, conn, fields, error, time, number, payload, le, icrc_bad)))
+    return Found(frame, transport, conn, fields, error, time, number, payload, le, icrc_bad)
+
+
+def _malformed_json(*args: Any) -> str:
+    """The JSON line of a malformed message, for the compiled core (``core.MalformedLine``)."""
+    return json.dumps(to_json(_malformed(*args[:-1])))
+
+
+def _malformed_text(*args: Any) -> str:
+    """The text line of a malformed message, for the compiled core (``core.MalformedLine``:
+    the last argument is the time of the first frame)."""
+    return _line(_malformed(*args[:-1]), args[-1]).rstrip("\n")
 
 
 def _times(times: ResponseTimes, as_json: bool) -> None:

@@ -8,7 +8,8 @@
  * is the module: its configuration, the run, the report; the others are named in _core.h.
  *
  * A malformed KBTP message, which the core does not render itself, is rendered by the
- * `malformed` callback (the codec and to_json), with the session state the core keeps.
+ * `malformed` callback (the codec, and to_json or the text line), with the session state
+ * the core keeps.
  */
 #include "_core.h"
 
@@ -93,15 +94,15 @@ static void sessions_free(void *v) { free(v); }
 static PyObject *run(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"config", "readinto", "head", "base", "pcapng", "big", "unit", "linktype",
-                            "sink", "progress", "malformed", "stats", NULL};
+                            "text", "sink", "progress", "malformed", "stats", NULL};
     PyObject *cfg, *stats;
     Py_buffer head;
     Core c;
     memset(&c, 0, sizeof c);
     unsigned long long base;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!Oy*KppdiOOOO!", names, &PyDict_Type, &cfg, &c.readinto, &head,
-                                     &base, &c.pcapng, &c.big, &c.unit, &c.pcap_linktype, &c.sink, &c.progress,
-                                     &c.malformed, &PyDict_Type, &stats))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!Oy*KppdipOOOO!", names, &PyDict_Type, &cfg, &c.readinto, &head,
+                                     &base, &c.pcapng, &c.big, &c.unit, &c.pcap_linktype, &c.text, &c.sink,
+                                     &c.progress, &c.malformed, &PyDict_Type, &stats))
         return NULL;
     (void)self;
     c.base = base;

@@ -47,6 +47,7 @@ typedef struct {
     int iw_sends[16];
     uint8_t req_key[16], rep_key[16];
     PyObject *readinto, *sink, *progress, *malformed;
+    int text;                   /* kbtp decode's text lines, not JSON */
     /* the record reader */
     Buf in;
     size_t at;

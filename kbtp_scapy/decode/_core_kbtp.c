@@ -200,8 +200,171 @@ static PyObject *conn_tuple(const Conn *m, const char *src, const char *dst)
     return Py_BuildValue("(ssk)", src, dst, (unsigned long)m->qp);
 }
 
-int message(Core *c, const Conn *m, unsigned long long frame, double time, const uint8_t *p,
-                   size_t n, const unsigned long long *bad, size_t nbad)
+/* The JSON line json.dumps(to_json(found)) writes for a well-formed message. Each put
+ * returns 0, or -1 when memory runs out: || keeps them in order and stops at the first. */
+static int json_line(Buf *o, const Conn *m, const Session *s, const char *src, const char *dst,
+                     unsigned long long frame, double time, const uint8_t *p, size_t n, const kbtp_layout *lay,
+                     int le, const unsigned long long *bad, size_t nbad)
+{
+    if (put_str(o, "{\"frame\": ") || put_uint(o, frame) || put_str(o, ", \"time\": ") || put_time(o, time)
+        || put_str(o, m->iwarp ? ", \"transport\": \"iwarp\", \"conn\": " : ", \"transport\": \"roce\", \"conn\": ")
+        || put_uint(o, (unsigned long long)s->number) || put_str(o, ", \"src\": \"") || put_str(o, src))
+        return -1;
+    if (m->iwarp) {
+        if (put_str(o, "\", \"src_port\": ") || put_uint(o, m->sport) || put_str(o, ", \"dst\": \"") || put_str(o, dst)
+            || put_str(o, "\", \"dst_port\": ") || put_uint(o, m->dport))
+            return -1;
+    } else if (put_str(o, "\", \"dst\": \"") || put_str(o, dst) || put_str(o, "\", \"dst_qp\": ") || put_uint(o, m->qp))
+        return -1;
+    for (int i = 0; i < lay->nfields; i++) {
+        const kbtp_field *f = &lay->fields[i];
+        if (put_str(o, ", ") || put_str(o, f->key))
+            return -1;
+        if (f->kind == KF_BYTES) {
+            if (put_hex(o, p + f->at, f->size))
+                return -1;
+            continue;
+        }
+        uint64_t v = field_value(f, p, le);
+        if (put_uint(o, v))
+            return -1;
+        for (int k = 0; k < f->nbits; k++)
+            if (put_str(o, ", ") || put_str(o, f->bits[k].key) || put_str(o, v & f->bits[k].mask ? "1" : "0"))
+                return -1;
+    }
+    if (lay->tail_key != NULL && (put_str(o, ", ") || put_str(o, lay->tail_key) || put_hex(o, p + lay->size, n - lay->size)))
+        return -1;
+    if (nbad) {
+        if (put_str(o, ", \"icrc_bad\": ["))
+            return -1;
+        for (size_t i = 0; i < nbad; i++)
+            if (put_str(o, i ? ", " : "") || put_uint(o, bad[i]))
+                return -1;
+        if (put_str(o, "]"))
+            return -1;
+    }
+    return put_str(o, "}\n");
+}
+
+/* Enumeration.describe: the name of a value, else Private Use or Unknown. */
+static int put_enum(Buf *o, const kbtp_enum *e, uint64_t v)
+{
+    for (int i = 0; i < e->n; i++)
+        if (e->names[i].value == v)
+            return put_str(o, e->names[i].name);
+    char tmp[48];
+    snprintf(tmp, sizeof tmp, v >= e->private_first && v <= e->private_last ? "Private Use (0x%llx)"
+                                                                             : "Unknown (0x%llx)", (unsigned long long)v);
+    return put_str(o, tmp);
+}
+
+/* FlagSet.names, each after sep: the set bits' names, then Private Use and undefined bits. */
+static int put_flags(Buf *o, const kbtp_flagset *f, uint64_t v, const char *sep, int *any)
+{
+    char tmp[48];
+    for (int i = 0; i < f->n; i++)
+        if (v & f->bits[i].value && (put_str(o, (*any)++ ? sep : "") || put_str(o, f->bits[i].name)))
+            return -1;
+    uint64_t rest = v & ~(uint64_t)f->defined;
+    if (rest & f->private_mask) {
+        snprintf(tmp, sizeof tmp, "PRIVATE(0x%llx)", (unsigned long long)(rest & f->private_mask));
+        if (put_str(o, (*any)++ ? sep : "") || put_str(o, tmp))
+            return -1;
+    }
+    if (rest & ~(uint64_t)f->private_mask) {
+        snprintf(tmp, sizeof tmp, "UNDEFINED(0x%llx)", (unsigned long long)(rest & ~(uint64_t)f->private_mask));
+        if (put_str(o, (*any)++ ? sep : "") || put_str(o, tmp))
+            return -1;
+    }
+    return 0;
+}
+
+/* kbtp decode's text line (cli/decode.py's _line, summary.describe) of a well-formed message. */
+static int text_line(Core *c, Buf *o, const Conn *m, const Session *s, const char *src, const char *dst,
+                     unsigned long long frame, double time, const uint8_t *p, const kbtp_opcode *op,
+                     const kbtp_layout *lay, int le, const unsigned long long *bad, size_t nbad)
+{
+    char tmp[160];
+    double origin = c->have_first ? c->first_time : 0.0;
+    char *elapsed = PyOS_double_to_string((time != 0.0 ? time : origin) - origin, 'f', 6, 0, NULL);
+    if (elapsed == NULL)
+        return -1;
+    snprintf(tmp, sizeof tmp, "%7llu %*s", frame, (int)(strlen(elapsed) < 11 ? 11 - strlen(elapsed) : 0), "");
+    int rc = put_str(o, tmp) || put_str(o, elapsed);
+    PyMem_Free(elapsed);
+    snprintf(tmp, sizeof tmp, " %-5s #%-3ld ", m->iwarp ? "iwarp" : "roce", s->number);
+    if (rc || put_str(o, tmp))
+        return -1;
+    if (m->iwarp)
+        snprintf(tmp, sizeof tmp, strchr(src, ':') ? "[%s]:%u -> [%s]:%u" : "%s:%u -> %s:%u", src, m->sport, dst,
+                 m->dport);
+    else
+        snprintf(tmp, sizeof tmp, "%s -> %s QP 0x%06x", src, dst, m->qp);
+    if (put_str(o, tmp) || put_str(o, "  ") || put_str(o, op->name))
+        return -1;
+    for (int i = 0; i < lay->nsummary; i++) {
+        const kbtp_item *item = &lay->summary[i];
+        if (item->field < 0)
+            continue;
+        uint64_t v = field_value(&lay->fields[(int)item->field], p, le);
+        int any = 0;
+        if (put_str(o, " ") || put_str(o, item->label))
+            return -1;
+        if (item->show == KS_ENUM) {
+            if (put_enum(o, item->en, v))
+                return -1;
+        } else if (item->show == KS_FLAGS) {
+            if (put_flags(o, item->flags, v, "+", &any) || (!any && put_str(o, "0")))
+                return -1;
+        } else {
+            snprintf(tmp, sizeof tmp, item->show == KS_HEX ? "0x%llx" : "%llu", (unsigned long long)v);
+            if (put_str(o, tmp))
+                return -1;
+        }
+    }
+    int any = 1;                                 /* each flag name after a space */
+    if (op->flags != NULL && put_flags(o, op->flags, be16(p + KBTP_FLAGS_AT), " ", &any))
+        return -1;
+    if (nbad) {
+        if (put_str(o, " [bad ICRC in frame "))
+            return -1;
+        for (size_t i = 0; i < nbad; i++)
+            if (put_str(o, i ? ", " : "") || put_uint(o, bad[i]))
+                return -1;
+        if (put_str(o, ": the receiving NIC dropped it]"))
+            return -1;
+    }
+    return put_str(o, "\n");
+}
+
+/* The line of a malformed message, from the ``malformed`` callback (the codec's reason). */
+static int malformed_line(Core *c, Buf *o, const Conn *m, const Session *s, const char *src, const char *dst,
+                          unsigned long long frame, double time, const uint8_t *p, size_t n, int le,
+                          const unsigned long long *bad, size_t nbad)
+{
+    PyObject *conn = conn_tuple(m, src, dst);
+    PyObject *frames = PyTuple_New((Py_ssize_t)nbad);
+    if (conn == NULL || frames == NULL) {
+        Py_XDECREF(conn);
+        Py_XDECREF(frames);
+        return -1;
+    }
+    for (size_t i = 0; i < nbad; i++)
+        PyTuple_SET_ITEM(frames, (Py_ssize_t)i, PyLong_FromUnsignedLongLong(bad[i]));
+    double origin = c->have_first ? c->first_time : 0.0;
+    PyObject *line = PyObject_CallFunction(c->malformed, "y#iKdsNlNd", (const char *)p, (Py_ssize_t)n, le, frame,
+                                           time, m->iwarp ? "iwarp" : "roce", conn, s->number, frames, origin);
+    if (line == NULL)
+        return -1;
+    Py_ssize_t size;
+    const char *text = PyUnicode_AsUTF8AndSize(line, &size);
+    int rc = text == NULL ? -1 : buf_put(o, text, (size_t)size);
+    Py_DECREF(line);
+    return rc < 0 ? -1 : put_str(o, "\n");
+}
+
+int message(Core *c, const Conn *m, unsigned long long frame, double time, const uint8_t *p, size_t n,
+            const unsigned long long *bad, size_t nbad)
 {
     if (!looks_like_kbtp(p, n))
         return 0;
@@ -209,81 +372,19 @@ int message(Core *c, const Conn *m, unsigned long long frame, double time, const
     if (s == NULL)
         return -1;
     const char *src = text_of(s, &m->src), *dst = text_of(s, &m->dst);
-    int le = s->le;
     c->messages++;
     const kbtp_opcode *op = kbtp_opcodes[p[KBTP_OPCODE_AT]];
-    const kbtp_layout *lay = layout_of(p, n, le);
-    Buf *o = &c->out;
+    const kbtp_layout *lay = layout_of(p, n, s->le);
+    int rc;
     if (lay == NULL) {
         c->n_malformed++;
-        PyObject *conn = conn_tuple(m, src, dst);
-        PyObject *frames = PyTuple_New((Py_ssize_t)nbad);
-        if (conn == NULL || frames == NULL) {
-            Py_XDECREF(conn);
-            Py_XDECREF(frames);
-            return -1;
-        }
-        for (size_t i = 0; i < nbad; i++)
-            PyTuple_SET_ITEM(frames, (Py_ssize_t)i, PyLong_FromUnsignedLongLong(bad[i]));
-        PyObject *line = PyObject_CallFunction(c->malformed, "y#iKdsNlN", (const char *)p, (Py_ssize_t)n, le, frame,
-                                               time, m->iwarp ? "iwarp" : "roce", conn, s->number, frames);
-        if (line == NULL)
-            return -1;
-        Py_ssize_t size;
-        const char *text = PyUnicode_AsUTF8AndSize(line, &size);
-        int rc = text == NULL ? -1 : buf_put(o, text, (size_t)size);
-        Py_DECREF(line);
-        if (rc < 0 || buf_put(o, "\n", 1) < 0)
-            return -1;
-    } else {
-        int fle = le && op->addr_le_applies;
-        if (put_str(o, "{\"frame\": ") < 0 || put_uint(o, frame) < 0 || put_str(o, ", \"time\": ") < 0
-            || put_time(o, time) < 0)
-            return -1;
-        if (m->iwarp) {
-            if (put_str(o, ", \"transport\": \"iwarp\", \"conn\": ") < 0 || put_uint(o, (unsigned long long)s->number) < 0
-                || put_str(o, ", \"src\": \"") < 0 || put_str(o, src) < 0 || put_str(o, "\", \"src_port\": ") < 0
-                || put_uint(o, m->sport) < 0 || put_str(o, ", \"dst\": \"") < 0 || put_str(o, dst) < 0
-                || put_str(o, "\", \"dst_port\": ") < 0 || put_uint(o, m->dport) < 0)
-                return -1;
-        } else if (put_str(o, ", \"transport\": \"roce\", \"conn\": ") < 0 || put_uint(o, (unsigned long long)s->number) < 0
-                   || put_str(o, ", \"src\": \"") < 0 || put_str(o, src) < 0 || put_str(o, "\", \"dst\": \"") < 0
-                   || put_str(o, dst) < 0 || put_str(o, "\", \"dst_qp\": ") < 0 || put_uint(o, m->qp) < 0)
-            return -1;
-        for (int i = 0; i < lay->nfields; i++) {
-            const kbtp_field *f = &lay->fields[i];
-            if (put_str(o, ", ") < 0 || put_str(o, f->key) < 0)
-                return -1;
-            if (f->kind == KF_BYTES) {
-                if (put_hex(o, p + f->at, f->size) < 0)
-                    return -1;
-                continue;
-            }
-            uint64_t v = field_value(f, p, fle);
-            if (put_uint(o, v) < 0)
-                return -1;
-            for (int k = 0; k < f->nbits; k++)
-                if (put_str(o, ", ") < 0 || put_str(o, f->bits[k].key) < 0
-                    || put_str(o, v & f->bits[k].mask ? "1" : "0") < 0)
-                    return -1;
-        }
-        if (lay->tail_key != NULL
-            && (put_str(o, ", ") < 0 || put_str(o, lay->tail_key) < 0 || put_hex(o, p + lay->size, n - lay->size) < 0))
-            return -1;
-        if (nbad) {
-            if (put_str(o, ", \"icrc_bad\": [") < 0)
-                return -1;
-            for (size_t i = 0; i < nbad; i++)
-                if ((i && put_str(o, ", ") < 0) || put_uint(o, bad[i]) < 0)
-                    return -1;
-            if (put_str(o, "]") < 0)
-                return -1;
-        }
-        if (put_str(o, "}\n") < 0)
-            return -1;
-    }
+        rc = malformed_line(c, &c->out, m, s, src, dst, frame, time, p, n, s->le, bad, nbad);
+    } else if (c->text)
+        rc = text_line(c, &c->out, m, s, src, dst, frame, time, p, op, lay, s->le && op->addr_le_applies, bad, nbad);
+    else
+        rc = json_line(&c->out, m, s, src, dst, frame, time, p, n, lay, s->le && op->addr_le_applies, bad, nbad);
+    if (rc < 0)
+        return -1;
     hello_ack(s, p, n);
-    if (o->len >= (1 << 18))
-        return flush_out(c);
-    return 0;
+    return c->out.len >= (1 << 18) ? flush_out(c) : 0;
 }

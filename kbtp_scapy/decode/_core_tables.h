@@ -18,11 +18,30 @@ enum kbtp_kind { KF_INT, KF_ADDRESS, KF_BYTES };
 typedef struct { const char *key; uint64_t mask; } kbtp_bit;
 typedef struct { const char *key; uint16_t at; uint8_t size; uint8_t kind;
                  const kbtp_bit *bits; uint8_t nbits; } kbtp_field;
+typedef struct { uint32_t value; const char *name; } kbtp_name;
+typedef struct { const kbtp_name *names; uint8_t n; uint32_t private_first, private_last; } kbtp_enum;
+typedef struct { const kbtp_name *bits; uint8_t n; uint32_t defined, private_mask; } kbtp_flagset;
+enum kbtp_show { KS_DEC, KS_HEX, KS_ENUM, KS_FLAGS };
+typedef struct { const char *label; int8_t field; uint8_t show; const kbtp_enum *en;
+                 const kbtp_flagset *flags; } kbtp_item;
 typedef struct { uint16_t size; uint8_t nfields; const kbtp_field *fields;
-                 const char *tail_key; int8_t tail_length; } kbtp_layout;
+                 const char *tail_key; int8_t tail_length;
+                 const kbtp_item *summary; uint8_t nsummary; } kbtp_layout;
 typedef struct { uint8_t features; uint16_t mask; } kbtp_cond;
-typedef struct { uint8_t addr_le_applies; uint8_t nconds; kbtp_cond conds[4];
-                 uint16_t features_at; uint8_t features_size; const kbtp_layout *layouts; } kbtp_opcode;
+typedef struct { const char *name; const kbtp_flagset *flags; uint8_t addr_le_applies; uint8_t nconds;
+                 kbtp_cond conds[4]; uint16_t features_at; uint8_t features_size;
+                 const kbtp_layout *layouts; } kbtp_opcode;
+
+static const kbtp_name kbtp_names_opcode[] = { { 0x1, "HELLO" }, { 0x2, "HELLO_ACK" }, { 0x10, "LOAD" }, { 0x11, "STORE" }, { 0x12, "ALLOC_STORE" }, { 0x13, "FREE" }, { 0x14, "BIND" }, { 0x20, "COMPLETION" }, { 0x30, "GOODBYE" } };
+static const kbtp_enum kbtp_enum_opcode = { kbtp_names_opcode, 9, 0xc0, 0xff };
+static const kbtp_name kbtp_names_status[] = { { 0x0, "OK" }, { 0x1, "INVALID_HANDLE" }, { 0x2, "STALE_GENERATION" }, { 0x3, "NOT_VALID" }, { 0x4, "ALREADY_BOUND" }, { 0x5, "NO_SPACE" }, { 0x6, "SEALED" }, { 0x7, "NOT_SEALED" }, { 0x8, "TOO_LARGE" }, { 0x9, "MALFORMED" }, { 0xa, "INTERNAL" }, { 0xb, "TICKET_ABANDONED" } };
+static const kbtp_enum kbtp_enum_status = { kbtp_names_status, 12, 0xc000, 0xffff };
+static const kbtp_name kbtp_names_request_flags[] = { { 0x1, "INLINE" }, { 0x2, "SEAL" }, { 0x4, "RECORD" }, { 0x8, "INVALIDATE" }, { 0x10, "ALLOW_UNSEALED" } };
+static const kbtp_flagset kbtp_flags_request_flags = { kbtp_names_request_flags, 5, 0x1f, 0xf000 };
+static const kbtp_name kbtp_names_goodbye_flags[] = { { 0x1, "RELEASE" } };
+static const kbtp_flagset kbtp_flags_goodbye_flags = { kbtp_names_goodbye_flags, 1, 0x1, 0xf000 };
+static const kbtp_name kbtp_names_features[] = { { 0x1, "DIRECT_LOAD" }, { 0x2, "DIRECT_ALLOC" }, { 0x4, "RECORD_COMPLETION" }, { 0x8, "ADDR_LE" } };
+static const kbtp_flagset kbtp_flags_features = { kbtp_names_features, 4, 0xf, 0xf000 };
 
 static const kbtp_bit kbtp_hello_0_bits_7[] = { { "\"kbtp.hello.requested_features.direct_load\": ", 0x1 }, { "\"kbtp.hello.requested_features.direct_alloc\": ", 0x2 }, { "\"kbtp.hello.requested_features.record_completion\": ", 0x4 }, { "\"kbtp.hello.requested_features.addr_le\": ", 0x8 } };
 static const kbtp_field kbtp_hello_0_fields[] = {
@@ -37,10 +56,11 @@ static const kbtp_field kbtp_hello_0_fields[] = {
     { "\"kbtp.hello.completion_credits\": ", 26, 2, KF_INT, NULL, 0 },
     { "\"kbtp.hello.initiator_id\": ", 28, 16, KF_BYTES, NULL, 0 },
 };
+static const kbtp_item kbtp_hello_0_summary[] = { { "features=", 7, KS_FLAGS, NULL, &kbtp_flags_features }, { "credits=", 8, KS_DEC, NULL, NULL } };
 static const kbtp_layout kbtp_hello_layouts[] = {
-    { 44, 10, kbtp_hello_0_fields, NULL, -1 },
+    { 44, 10, kbtp_hello_0_fields, NULL, -1, kbtp_hello_0_summary, 2 },
 };
-static const kbtp_opcode kbtp_hello = { 0, 0, { { 0, 0 } }, 0, 0, kbtp_hello_layouts };
+static const kbtp_opcode kbtp_hello = { "HELLO", NULL, 0, 0, { { 0, 0 } }, 0, 0, kbtp_hello_layouts };
 static const kbtp_bit kbtp_hello_ack_0_bits_7[] = { { "\"kbtp.hello_ack.features.direct_load\": ", 0x1 }, { "\"kbtp.hello_ack.features.direct_alloc\": ", 0x2 }, { "\"kbtp.hello_ack.features.record_completion\": ", 0x4 }, { "\"kbtp.hello_ack.features.addr_le\": ", 0x8 } };
 static const kbtp_field kbtp_hello_ack_0_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -59,6 +79,7 @@ static const kbtp_field kbtp_hello_ack_0_fields[] = {
     { "\"kbtp.hello_ack.handle_count\": ", 48, 4, KF_INT, NULL, 0 },
     { "\"kbtp.hello_ack.ticket_timeout\": ", 52, 4, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_hello_ack_0_summary[] = { { "", 6, KS_ENUM, &kbtp_enum_status, NULL }, { "features=", 7, KS_FLAGS, NULL, &kbtp_flags_features }, { "bs=", 9, KS_DEC, NULL, NULL }, { "handles=", 12, KS_HEX, NULL, NULL } };
 static const kbtp_bit kbtp_hello_ack_1_bits_7[] = { { "\"kbtp.hello_ack.features.direct_load\": ", 0x1 }, { "\"kbtp.hello_ack.features.direct_alloc\": ", 0x2 }, { "\"kbtp.hello_ack.features.record_completion\": ", 0x4 }, { "\"kbtp.hello_ack.features.addr_le\": ", 0x8 } };
 static const kbtp_field kbtp_hello_ack_1_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -85,6 +106,7 @@ static const kbtp_field kbtp_hello_ack_1_fields[] = {
     { "\"kbtp.hello_ack.pool.offset\": ", 92, 8, KF_INT, NULL, 0 },
     { "\"kbtp.hello_ack.pool.count\": ", 100, 4, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_hello_ack_1_summary[] = { { "", 6, KS_ENUM, &kbtp_enum_status, NULL }, { "features=", 7, KS_FLAGS, NULL, &kbtp_flags_features }, { "bs=", 9, KS_DEC, NULL, NULL }, { "handles=", 12, KS_HEX, NULL, NULL } };
 static const kbtp_bit kbtp_hello_ack_2_bits_7[] = { { "\"kbtp.hello_ack.features.direct_load\": ", 0x1 }, { "\"kbtp.hello_ack.features.direct_alloc\": ", 0x2 }, { "\"kbtp.hello_ack.features.record_completion\": ", 0x4 }, { "\"kbtp.hello_ack.features.addr_le\": ", 0x8 } };
 static const kbtp_field kbtp_hello_ack_2_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -112,6 +134,7 @@ static const kbtp_field kbtp_hello_ack_2_fields[] = {
     { "\"kbtp.hello_ack.head.offset\": ", 92, 8, KF_INT, NULL, 0 },
     { "\"kbtp.hello_ack.head.count\": ", 100, 4, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_hello_ack_2_summary[] = { { "", 6, KS_ENUM, &kbtp_enum_status, NULL }, { "features=", 7, KS_FLAGS, NULL, &kbtp_flags_features }, { "bs=", 9, KS_DEC, NULL, NULL }, { "handles=", 12, KS_HEX, NULL, NULL } };
 static const kbtp_bit kbtp_hello_ack_3_bits_7[] = { { "\"kbtp.hello_ack.features.direct_load\": ", 0x1 }, { "\"kbtp.hello_ack.features.direct_alloc\": ", 0x2 }, { "\"kbtp.hello_ack.features.record_completion\": ", 0x4 }, { "\"kbtp.hello_ack.features.addr_le\": ", 0x8 } };
 static const kbtp_field kbtp_hello_ack_3_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -147,13 +170,14 @@ static const kbtp_field kbtp_hello_ack_3_fields[] = {
     { "\"kbtp.hello_ack.head.offset\": ", 140, 8, KF_INT, NULL, 0 },
     { "\"kbtp.hello_ack.head.count\": ", 148, 4, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_hello_ack_3_summary[] = { { "", 6, KS_ENUM, &kbtp_enum_status, NULL }, { "features=", 7, KS_FLAGS, NULL, &kbtp_flags_features }, { "bs=", 9, KS_DEC, NULL, NULL }, { "handles=", 12, KS_HEX, NULL, NULL } };
 static const kbtp_layout kbtp_hello_ack_layouts[] = {
-    { 56, 15, kbtp_hello_ack_0_fields, NULL, -1 },
-    { 104, 23, kbtp_hello_ack_1_fields, NULL, -1 },
-    { 104, 24, kbtp_hello_ack_2_fields, NULL, -1 },
-    { 152, 32, kbtp_hello_ack_3_fields, NULL, -1 },
+    { 56, 15, kbtp_hello_ack_0_fields, NULL, -1, kbtp_hello_ack_0_summary, 4 },
+    { 104, 23, kbtp_hello_ack_1_fields, NULL, -1, kbtp_hello_ack_1_summary, 4 },
+    { 104, 24, kbtp_hello_ack_2_fields, NULL, -1, kbtp_hello_ack_2_summary, 4 },
+    { 152, 32, kbtp_hello_ack_3_fields, NULL, -1, kbtp_hello_ack_3_summary, 4 },
 };
-static const kbtp_opcode kbtp_hello_ack = { 0, 2, { { 1, 0x1 }, { 1, 0x2 } }, 24, 2, kbtp_hello_ack_layouts };
+static const kbtp_opcode kbtp_hello_ack = { "HELLO_ACK", NULL, 0, 2, { { 1, 0x1 }, { 1, 0x2 } }, 24, 2, kbtp_hello_ack_layouts };
 static const kbtp_bit kbtp_load_0_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_load_0_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -167,6 +191,7 @@ static const kbtp_field kbtp_load_0_fields[] = {
     { "\"kbtp.dd.offset\": ", 28, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.dd.length\": ", 36, 4, KF_ADDRESS, NULL, 0 },
 };
+static const kbtp_item kbtp_load_0_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "len=", 9, KS_DEC, NULL, NULL } };
 static const kbtp_bit kbtp_load_1_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_load_1_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -183,11 +208,12 @@ static const kbtp_field kbtp_load_1_fields[] = {
     { "\"kbtp.cd.offset\": ", 44, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.cd.reserved\": ", 52, 4, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_load_1_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "len=", 9, KS_DEC, NULL, NULL } };
 static const kbtp_layout kbtp_load_layouts[] = {
-    { 40, 10, kbtp_load_0_fields, NULL, -1 },
-    { 56, 13, kbtp_load_1_fields, NULL, -1 },
+    { 40, 10, kbtp_load_0_fields, NULL, -1, kbtp_load_0_summary, 3 },
+    { 56, 13, kbtp_load_1_fields, NULL, -1, kbtp_load_1_summary, 3 },
 };
-static const kbtp_opcode kbtp_load = { 1, 1, { { 0, 0x4 } }, 0, 0, kbtp_load_layouts };
+static const kbtp_opcode kbtp_load = { "LOAD", &kbtp_flags_request_flags, 1, 1, { { 0, 0x4 } }, 0, 0, kbtp_load_layouts };
 static const kbtp_bit kbtp_store_0_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_store_0_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -201,6 +227,7 @@ static const kbtp_field kbtp_store_0_fields[] = {
     { "\"kbtp.dd.offset\": ", 28, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.dd.length\": ", 36, 4, KF_ADDRESS, NULL, 0 },
 };
+static const kbtp_item kbtp_store_0_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "len=", 9, KS_DEC, NULL, NULL } };
 static const kbtp_bit kbtp_store_1_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_store_1_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -217,6 +244,7 @@ static const kbtp_field kbtp_store_1_fields[] = {
     { "\"kbtp.cd.offset\": ", 44, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.cd.reserved\": ", 52, 4, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_store_1_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "len=", 9, KS_DEC, NULL, NULL } };
 static const kbtp_bit kbtp_store_2_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_store_2_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -230,6 +258,7 @@ static const kbtp_field kbtp_store_2_fields[] = {
     { "\"kbtp.dd.offset\": ", 28, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.dd.length\": ", 36, 4, KF_ADDRESS, NULL, 0 },
 };
+static const kbtp_item kbtp_store_2_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "len=", 9, KS_DEC, NULL, NULL } };
 static const kbtp_bit kbtp_store_3_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_store_3_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -246,13 +275,14 @@ static const kbtp_field kbtp_store_3_fields[] = {
     { "\"kbtp.cd.offset\": ", 44, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.cd.reserved\": ", 52, 4, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_store_3_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "len=", 9, KS_DEC, NULL, NULL } };
 static const kbtp_layout kbtp_store_layouts[] = {
-    { 40, 10, kbtp_store_0_fields, NULL, -1 },
-    { 56, 13, kbtp_store_1_fields, NULL, -1 },
-    { 40, 10, kbtp_store_2_fields, "\"kbtp.inline_data\": ", 9 },
-    { 56, 13, kbtp_store_3_fields, "\"kbtp.inline_data\": ", 9 },
+    { 40, 10, kbtp_store_0_fields, NULL, -1, kbtp_store_0_summary, 3 },
+    { 56, 13, kbtp_store_1_fields, NULL, -1, kbtp_store_1_summary, 3 },
+    { 40, 10, kbtp_store_2_fields, "\"kbtp.inline_data\": ", 9, kbtp_store_2_summary, 3 },
+    { 56, 13, kbtp_store_3_fields, "\"kbtp.inline_data\": ", 9, kbtp_store_3_summary, 3 },
 };
-static const kbtp_opcode kbtp_store = { 1, 2, { { 0, 0x4 }, { 0, 0x1 } }, 0, 0, kbtp_store_layouts };
+static const kbtp_opcode kbtp_store = { "STORE", &kbtp_flags_request_flags, 1, 2, { { 0, 0x4 }, { 0, 0x1 } }, 0, 0, kbtp_store_layouts };
 static const kbtp_bit kbtp_alloc_store_0_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_alloc_store_0_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -266,6 +296,7 @@ static const kbtp_field kbtp_alloc_store_0_fields[] = {
     { "\"kbtp.dd.offset\": ", 28, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.dd.length\": ", 36, 4, KF_ADDRESS, NULL, 0 },
 };
+static const kbtp_item kbtp_alloc_store_0_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "len=", 9, KS_DEC, NULL, NULL } };
 static const kbtp_bit kbtp_alloc_store_1_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_alloc_store_1_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -282,6 +313,7 @@ static const kbtp_field kbtp_alloc_store_1_fields[] = {
     { "\"kbtp.cd.offset\": ", 44, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.cd.reserved\": ", 52, 4, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_alloc_store_1_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "len=", 9, KS_DEC, NULL, NULL } };
 static const kbtp_bit kbtp_alloc_store_2_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_alloc_store_2_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -295,6 +327,7 @@ static const kbtp_field kbtp_alloc_store_2_fields[] = {
     { "\"kbtp.dd.offset\": ", 28, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.dd.length\": ", 36, 4, KF_ADDRESS, NULL, 0 },
 };
+static const kbtp_item kbtp_alloc_store_2_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "len=", 9, KS_DEC, NULL, NULL } };
 static const kbtp_bit kbtp_alloc_store_3_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_alloc_store_3_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -311,13 +344,14 @@ static const kbtp_field kbtp_alloc_store_3_fields[] = {
     { "\"kbtp.cd.offset\": ", 44, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.cd.reserved\": ", 52, 4, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_alloc_store_3_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "len=", 9, KS_DEC, NULL, NULL } };
 static const kbtp_layout kbtp_alloc_store_layouts[] = {
-    { 40, 10, kbtp_alloc_store_0_fields, NULL, -1 },
-    { 56, 13, kbtp_alloc_store_1_fields, NULL, -1 },
-    { 40, 10, kbtp_alloc_store_2_fields, "\"kbtp.inline_data\": ", 9 },
-    { 56, 13, kbtp_alloc_store_3_fields, "\"kbtp.inline_data\": ", 9 },
+    { 40, 10, kbtp_alloc_store_0_fields, NULL, -1, kbtp_alloc_store_0_summary, 3 },
+    { 56, 13, kbtp_alloc_store_1_fields, NULL, -1, kbtp_alloc_store_1_summary, 3 },
+    { 40, 10, kbtp_alloc_store_2_fields, "\"kbtp.inline_data\": ", 9, kbtp_alloc_store_2_summary, 3 },
+    { 56, 13, kbtp_alloc_store_3_fields, "\"kbtp.inline_data\": ", 9, kbtp_alloc_store_3_summary, 3 },
 };
-static const kbtp_opcode kbtp_alloc_store = { 1, 2, { { 0, 0x4 }, { 0, 0x1 } }, 0, 0, kbtp_alloc_store_layouts };
+static const kbtp_opcode kbtp_alloc_store = { "ALLOC_STORE", &kbtp_flags_request_flags, 1, 2, { { 0, 0x4 }, { 0, 0x1 } }, 0, 0, kbtp_alloc_store_layouts };
 static const kbtp_bit kbtp_free_0_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_free_0_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -328,6 +362,7 @@ static const kbtp_field kbtp_free_0_fields[] = {
     { "\"kbtp.generation\": ", 20, 2, KF_INT, NULL, 0 },
     { "\"kbtp.status\": ", 22, 2, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_free_0_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL } };
 static const kbtp_bit kbtp_free_1_bits_2[] = { { "\"kbtp.flags.inline\": ", 0x1 }, { "\"kbtp.flags.seal\": ", 0x2 }, { "\"kbtp.flags.record\": ", 0x4 }, { "\"kbtp.flags.invalidate\": ", 0x8 }, { "\"kbtp.flags.allow_unsealed\": ", 0x10 } };
 static const kbtp_field kbtp_free_1_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -341,11 +376,12 @@ static const kbtp_field kbtp_free_1_fields[] = {
     { "\"kbtp.cd.offset\": ", 28, 8, KF_ADDRESS, NULL, 0 },
     { "\"kbtp.cd.reserved\": ", 36, 4, KF_INT, NULL, 0 },
 };
+static const kbtp_item kbtp_free_1_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL } };
 static const kbtp_layout kbtp_free_layouts[] = {
-    { 24, 7, kbtp_free_0_fields, NULL, -1 },
-    { 40, 10, kbtp_free_1_fields, NULL, -1 },
+    { 24, 7, kbtp_free_0_fields, NULL, -1, kbtp_free_0_summary, 2 },
+    { 40, 10, kbtp_free_1_fields, NULL, -1, kbtp_free_1_summary, 2 },
 };
-static const kbtp_opcode kbtp_free = { 1, 1, { { 0, 0x4 } }, 0, 0, kbtp_free_layouts };
+static const kbtp_opcode kbtp_free = { "FREE", &kbtp_flags_request_flags, 1, 1, { { 0, 0x4 } }, 0, 0, kbtp_free_layouts };
 static const kbtp_field kbtp_bind_0_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
     { "\"kbtp.opcode\": ", 1, 1, KF_INT, NULL, 0 },
@@ -358,10 +394,11 @@ static const kbtp_field kbtp_bind_0_fields[] = {
     { "\"kbtp.bind.data_length\": ", 28, 4, KF_INT, NULL, 0 },
     { "\"kbtp.bind.block_offset\": ", 32, 8, KF_ADDRESS, NULL, 0 },
 };
+static const kbtp_item kbtp_bind_0_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "handle=", 4, KS_HEX, NULL, NULL }, { "ticket=", 7, KS_DEC, NULL, NULL }, { "off=", 9, KS_HEX, NULL, NULL } };
 static const kbtp_layout kbtp_bind_layouts[] = {
-    { 40, 10, kbtp_bind_0_fields, NULL, -1 },
+    { 40, 10, kbtp_bind_0_fields, NULL, -1, kbtp_bind_0_summary, 4 },
 };
-static const kbtp_opcode kbtp_bind = { 1, 0, { { 0, 0 } }, 0, 0, kbtp_bind_layouts };
+static const kbtp_opcode kbtp_bind = { "BIND", NULL, 1, 0, { { 0, 0 } }, 0, 0, kbtp_bind_layouts };
 static const kbtp_field kbtp_completion_0_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
     { "\"kbtp.opcode\": ", 1, 1, KF_INT, NULL, 0 },
@@ -374,10 +411,11 @@ static const kbtp_field kbtp_completion_0_fields[] = {
     { "\"kbtp.completion.reserved\": ", 28, 4, KF_INT, NULL, 0 },
     { "\"kbtp.completion.block_offset\": ", 32, 8, KF_ADDRESS, NULL, 0 },
 };
+static const kbtp_item kbtp_completion_0_summary[] = { { "rid=", 3, KS_DEC, NULL, NULL }, { "", 6, KS_ENUM, &kbtp_enum_status, NULL }, { "gen=", 5, KS_DEC, NULL, NULL }, { "off=", 9, KS_HEX, NULL, NULL } };
 static const kbtp_layout kbtp_completion_layouts[] = {
-    { 40, 10, kbtp_completion_0_fields, NULL, -1 },
+    { 40, 10, kbtp_completion_0_fields, NULL, -1, kbtp_completion_0_summary, 4 },
 };
-static const kbtp_opcode kbtp_completion = { 1, 0, { { 0, 0 } }, 0, 0, kbtp_completion_layouts };
+static const kbtp_opcode kbtp_completion = { "COMPLETION", NULL, 1, 0, { { 0, 0 } }, 0, 0, kbtp_completion_layouts };
 static const kbtp_bit kbtp_goodbye_0_bits_2[] = { { "\"kbtp.flags.release\": ", 0x1 } };
 static const kbtp_field kbtp_goodbye_0_fields[] = {
     { "\"kbtp.version\": ", 0, 1, KF_INT, NULL, 0 },
@@ -389,9 +427,9 @@ static const kbtp_field kbtp_goodbye_0_fields[] = {
     { "\"kbtp.status\": ", 22, 2, KF_INT, NULL, 0 },
 };
 static const kbtp_layout kbtp_goodbye_layouts[] = {
-    { 24, 7, kbtp_goodbye_0_fields, NULL, -1 },
+    { 24, 7, kbtp_goodbye_0_fields, NULL, -1, NULL, 0 },
 };
-static const kbtp_opcode kbtp_goodbye = { 1, 0, { { 0, 0 } }, 0, 0, kbtp_goodbye_layouts };
+static const kbtp_opcode kbtp_goodbye = { "GOODBYE", &kbtp_flags_goodbye_flags, 1, 0, { { 0, 0 } }, 0, 0, kbtp_goodbye_layouts };
 
 static const kbtp_opcode *const kbtp_opcodes[256] = {
     [0x01] = &kbtp_hello,

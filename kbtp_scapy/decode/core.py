@@ -1,20 +1,20 @@
-"""The compiled core of ``kbtp decode --json`` (``_core*.c``, ``_core.h``), and when it is used.
+"""The compiled core of ``kbtp decode`` (``_core*.c``, ``_core.h``), and when it is used.
 
 A pure-Python message costs 25 to 60 µs; a disk at 100 MB/s brings one every 3 µs, so
 the frame loop and the JSON line are written in C: pcap and pcapng records, ``locate``,
 RoCE Sends by PSN with the ICRC check, iWARP TCP/MPA/DDP Sends, KBTP fields from the
 tables (``_core_tables.h``, generated), each session's ADDR_LE, and the exact line
-``json.dumps(capture.to_json(found))`` writes. The Python modules beside it stay the
-reference, and ``KBTP_DECODE=python`` forces them.
+``json.dumps(capture.to_json(found))`` writes (or the text line ``kbtp decode`` shows).
+The Python modules beside it stay the reference, and ``KBTP_DECODE=python`` forces them.
 
-The core ports what the Python decoder does for ``kbtp decode --json``, TCP holes,
+The core ports what the Python decoder does for ``kbtp decode``, TCP holes,
 resynchronisation, MPA markers and DDP reassembly included; what it does not render
 goes to the Python code, so that output is the same by construction there:
 
-* a malformed KBTP message: its line comes from the ``malformed`` callback (the codec
-  and ``to_json``), with the session state the core keeps;
-* every option of ``kbtp decode`` other than ``--json`` and ``-q`` (filters, ``-c``,
-  ``--addr-le``, ``--stats``, ``--json-file``, the text output): the caller runs Python
+* a malformed KBTP message: its line comes from the ``malformed`` callback (the codec,
+  and ``to_json`` or the text line), with the session state the core keeps;
+* every option of ``kbtp decode`` but ``--json`` and ``-q`` (filters, ``-c``,
+  ``--addr-le``, ``--stats``, ``--json-file``, ``--layers``): the caller runs Python
   throughout.
 
 It reads a file or a pipe as the Python reader does, one chunk at a time (``readinto1``),
@@ -58,7 +58,7 @@ _CONFIG = {
 
 
 def wanted() -> bool:
-    """Whether ``kbtp decode --json`` runs the core: built, and not turned off."""
+    """Whether ``kbtp decode`` runs the core: built, and not turned off."""
     return BUILT and os.environ.get(ENV, "") != "python"
 
 
@@ -72,20 +72,22 @@ class Totals:
 
 
 #: The line of a malformed message: (payload, ADDR_LE, frame, time, transport, conn,
-#: connection number, frames with a bad ICRC) -> the JSON line without its newline.
-MalformedLine = Callable[[bytes, bool, int, float, str, tuple, int, tuple[int, ...]], str]
+#: connection number, frames with a bad ICRC, time of the first frame) -> the line
+#: without its newline.
+MalformedLine = Callable[[bytes, bool, int, float, str, tuple, int, tuple[int, ...], float], str]
 
 
 def run(reader: Reader, stream: BinaryIO, sink: Callable[[bytes], Any], progress: Callable[[int, int], Any] | None,
-        malformed: MalformedLine, stats: Stats, totals: Totals) -> None:
-    """Decode the records of ``reader`` (its header read) into JSON lines given to ``sink``;
-    ``stats``, ``totals`` and the reader's ``cut_short`` and ``problem`` are filled in, also
-    when it stops on an exception (Ctrl-C, a closed stdout)."""
+        malformed: MalformedLine, stats: Stats, totals: Totals, text: bool = False) -> None:
+    """Decode the records of ``reader`` (its header read) into lines given to ``sink``: JSON,
+    or with ``text`` the lines ``kbtp decode`` shows. ``stats``, ``totals`` and the reader's
+    ``cut_short`` and ``problem`` are filled in, also when it stops on an exception
+    (Ctrl-C, a closed stdout)."""
     assert _core is not None, "run() needs the built extension"
     got: dict[str, Any] = {}
     read = getattr(stream, "readinto1", None) or cast(Any, stream).readinto
     try:
-        _core.run(config=_CONFIG, readinto=read, **reader.handover(), sink=sink, progress=progress,
+        _core.run(config=_CONFIG, readinto=read, **reader.handover(), text=text, sink=sink, progress=progress,
                   malformed=malformed, stats=got)
     finally:
         if got:
