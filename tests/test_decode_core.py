@@ -298,21 +298,22 @@ def test_committed_core_tables_are_fresh():
     assert CORE_TABLES.read_text() == header_source(), "run 'kbtp dissector generate'"
 
 
-#: The sanitized core runs each capture as kbtp decode --json does.
+#: The sanitized core runs each capture as kbtp decode and kbtp decode --json do.
 _SANITIZED_RUN = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("_core", sys.argv[1])
 sanitized = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sanitized)
-from kbtp_scapy.cli.decode import _malformed_json
+from kbtp_scapy.cli.decode import _malformed_json, _malformed_text
 from kbtp_scapy.decode import CaptureError, Reader, Stats, core
 core._core = sanitized
 for path in sys.argv[2:]:
-    with open(path, "rb") as stream:
-        try:
-            core.run(Reader(stream), stream, len, None, _malformed_json, Stats(), core.Totals())
-        except CaptureError:
-            pass
+    for text, malformed in ((False, _malformed_json), (True, _malformed_text)):
+        with open(path, "rb") as stream:
+            try:
+                core.run(Reader(stream), stream, len, None, malformed, Stats(), core.Totals(), text)
+            except CaptureError:
+                pass
 print("done", len(sys.argv) - 2)
 """
 
