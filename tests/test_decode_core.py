@@ -292,6 +292,13 @@ def test_a_live_pipe_shows_messages_before_the_capture_ends(tmp_path):
     assert proc.returncode == 130 and b"interrupted (Ctrl-C)" in err and b"Traceback" not in err, err
 
 
+def test_the_core_is_built_where_a_compiler_is():
+    """The extension is optional (an install without gcc still works), so a build that
+    failed would only skip the tests above: with gcc here, it must have been built."""
+    import shutil
+    assert core.BUILT or shutil.which("gcc") is None, "pip install -e . did not build kbtp_scapy.decode._core"
+
+
 def test_committed_core_tables_are_fresh():
     """The stale-file check without the CLI (test_dissector runs ``--check`` with an edit)."""
     from kbtp_scapy.dissector.generate_core import CORE_TABLES, header_source
