@@ -1,11 +1,12 @@
 /*
- * The compiled core of `kbtp decode --json`: pcap and pcapng records, the frame walk of
- * frames.py, RoCE Sends by PSN with the ICRC check (roce.py), iWARP TCP/MPA/DDP Sends
- * (iwarp.py with sends_only), KBTP messages with each session's ADDR_LE (capture.py),
- * and the JSON line json.dumps(to_json(found)) writes. A port of those modules, which
- * stay the reference; the KBTP layouts come from _core_tables.h, generated from the
- * field tables. Hand-written: record, frame and transport arithmetic, no layout. This unit
- * is the module: its configuration, the run, the report; the others are named in _core.h.
+ * The compiled core of `kbtp decode`: pcap and pcapng records, the frame walk of frames.py,
+ * RoCE Sends by PSN with the ICRC check (roce.py), iWARP TCP/MPA/DDP Sends (iwarp.py with
+ * sends_only), KBTP messages with each session's ADDR_LE (capture.py), and the JSON line
+ * json.dumps(to_json(found)) writes or kbtp decode's text line (summary.py's summary). A
+ * port of those modules, which stay the reference; the KBTP layouts come from
+ * _core_tables.h, generated from the field tables. Hand-written: record, frame and
+ * transport arithmetic, no layout. This unit is the module: its configuration, the run,
+ * the report; the others are named in _core.h.
  *
  * A malformed KBTP message, which the core does not render itself, is rendered by the
  * `malformed` callback (the codec, and to_json or the text line), with the session state
@@ -154,7 +155,7 @@ static PyObject *run(PyObject *self, PyObject *args, PyObject *kw)
 
 static PyMethodDef methods[] = {
     {"run", (PyCFunction)(void (*)(void))run, METH_VARARGS | METH_KEYWORDS,
-     "Decode the records after a capture's header into JSON lines; see kbtp_scapy.decode.core."},
+     "Decode the records after a capture's header into lines, JSON or text; see kbtp_scapy.decode.core."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -65,13 +65,13 @@ typedef struct {
     size_t closed_head;
     unsigned long long order, closed_seq;
     struct Flow *dead;          /* directions forgotten during this record, freed after it */
-    Buf out, scratch;           /* JSON lines to write; an FPDU without its markers */
+    Buf out, scratch;           /* lines to write; an FPDU without its markers */
 } Core;
 
 /* Where a message was: the RoCE addresses and destination QP, or the iWARP endpoints. */
 typedef struct { int iwarp; Addr src, dst; uint32_t qp; uint16_t sport, dport; } Conn;
 
-/* _core_kbtp.c: KBTP messages and their JSON lines */
+/* _core_kbtp.c: KBTP messages and their lines, JSON or text */
 int looks_like_kbtp(const uint8_t *p, size_t n);
 size_t endpoint_key(uint8_t *k, const Addr *a, int port, int with_port);
 int message(Core *c, const Conn *m, unsigned long long frame, double time, const uint8_t *p, size_t n,

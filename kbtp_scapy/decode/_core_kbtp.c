@@ -1,5 +1,6 @@
 /* KBTP messages of the decoder core: fields from the generated tables (codec.decode), each
- * session's number and ADDR_LE (capture.kbtp_messages), and the JSON line to_json gives. */
+ * session's number and ADDR_LE (capture.kbtp_messages), and the JSON line to_json gives or
+ * the text line of kbtp decode (cli/decode.py's _line, summary.describe). */
 #include "_core.h"
 #include <arpa/inet.h>
 #include <sys/socket.h>
