@@ -251,6 +251,7 @@ def test_a_lost_segment_anywhere_decodes_identically(tmp_path):
 
 
 @needs_core
+@pytest.mark.slow
 def test_mpa_markers_are_the_cores(generated):
     """The multi variant (a connection with markers and MPA revision 2, one without CRC,
     RoCE QPs, ADDR_LE): in the core, as Python decodes it."""
