@@ -70,13 +70,14 @@ def test_generated_files_are_fresh_and_check_catches_staleness(tmp_path):
     """The committed dissector and Python vocabulary match the tables; an edit to each is caught."""
     run = [sys.executable, "-m", "kbtp_scapy", "dissector", "generate"]
     assert subprocess.run([*run, "--check"], capture_output=True, timeout=120).returncode == 0
-    to_tmp = ["--out", str(tmp_path), "--vocab", str(tmp_path / "vocab.py")]
+    to_tmp = ["--out", str(tmp_path), "--vocab", str(tmp_path / "vocab.py"), "--core", str(tmp_path / "_core_tables.h")]
     assert subprocess.run([*run, *to_tmp], capture_output=True, timeout=120).returncode == 0
     assert subprocess.run([*run, "--check", *to_tmp], capture_output=True, timeout=120).returncode == 0
     edits = {"kbtp.lua": ('"kbtp.dd.stag"', '"kbtp.dd.stag2"'),         # either form stale fails the check
              "packet-kbtp.c": ('"kbtp.dd.stag"', '"kbtp.dd.stag2"'),
              "plugin.c": ("plugin_version", "plugin_versio"),
-             "vocab.py": ("    NOT_VALID = 3\n", "    NOT_VALID = 4\n")}
+             "vocab.py": ("    NOT_VALID = 3\n", "    NOT_VALID = 4\n"),
+             "_core_tables.h": ('"\\"kbtp.dd.stag\\": "', '"\\"kbtp.dd.stag2\\": "')}
     for name, (old, new) in edits.items():
         path = tmp_path / name
         assert old in path.read_text()

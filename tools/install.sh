@@ -31,7 +31,8 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 stamp=.venv/.kbtp-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+# the compiled decoder core's sources too: pip install rebuilds it when they change
+want=$(cat pyproject.toml kbtp_scapy/decode/_core*.[ch] | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "install.sh: installing kbtp_scapy and its test extras into .venv" >&2
   .venv/bin/python -m pip install -q -e '.[test,plot]' 2>&1 | grep -v -e '^WARNING: Location' -e 'BuildBackendWarning' >&2 || true

@@ -17,7 +17,7 @@ import click
 
 from .. import codec, tables as T
 from ..capture import Found, ResponseTimes, endpoints, kbtp_messages, to_json
-from ..decode import CaptureError, Reader, Stats, rdma_messages
+from ..decode import CaptureError, Reader, Stats, core, rdma_messages
 from ..decode.frames import SUPPORTED, linktype_name
 from ..summary import describe
 
@@ -337,13 +337,16 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
     name = "standard input" if file == "-" else file
     progress = _Progress(not quiet and sys.stderr.isatty() and (size is None or size >= PROGRESS_MIN_SIZE),
                          size)
-    stats, shown, total, malformed, conns = Stats(), 0, 0, 0, set()
+    stats, totals, shown, conns = Stats(), core.Totals(), 0, set()
     reader = None
+    # the compiled core: the lines alone, JSON or text (decode/core.py says what it hands back)
+    fast = (core.wanted() and json_file is None and not layers and count is None and not any(filters)
+            and not where and times is None and addr_le is None)
 
     def waiting() -> None:
         sys.stdout.flush()
         if reader is not None:
-            progress.update(reader.position, total)
+            progress.update(reader.position, totals.messages)
 
     try:
         reader = Reader(stream, name, before_wait=waiting)
@@ -353,22 +356,27 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
                 "Ethernet, Linux cooked, loopback and raw IP captures")
         out = None
         stopped = False
-        for found in kbtp_messages(rdma_messages(reader, stats), addr_le):
-            if out is None:
-                out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0)
-            total += 1
-            malformed += found.error is not None
-            conns.add((found.transport, found.connection))
-            if where and not where.matches(found, stats.first_time or 0.0):
-                continue
-            if times is not None:
-                times.add(found)
-            elif _matches(found.fields, *filters):
-                out(found)
-                shown += 1
-                if count is not None and shown >= count:
-                    stopped = True
-                    break
+        if fast:
+            _core_run(reader, stream, progress, stats, totals, as_json)
+            shown = totals.messages
+        else:
+            for found in kbtp_messages(rdma_messages(reader, stats), addr_le):
+                if out is None:
+                    out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0)
+                totals.messages += 1
+                totals.malformed += found.error is not None
+                conns.add((found.transport, found.connection))
+                totals.conns = len(conns)
+                if where and not where.matches(found, stats.first_time or 0.0):
+                    continue
+                if times is not None:
+                    times.add(found)
+                elif _matches(found.fields, *filters):
+                    out(found)
+                    shown += 1
+                    if count is not None and shown >= count:
+                        stopped = True
+                        break
         sys.stdout.flush()
     except CaptureError as exc:
         raise click.ClickException(str(exc)) from None
@@ -379,7 +387,7 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
             json_file.flush()
         if times is not None:
             _times(times, as_json)
-        _summary(stats, total, shown, malformed, len(conns), any(filters) or bool(where), None, name)
+        _summary(stats, totals, totals.messages if fast else shown, any(filters) or bool(where), None, name)
         click.echo(f"kbtp: decode of {name} interrupted (Ctrl-C): the lines above are the "
                    "messages found until then", err=True)
         raise click.exceptions.Exit(130) from None
@@ -398,12 +406,55 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
                    "kbtp decode reads Ethernet, Linux cooked, loopback and raw IP frames", err=True)
     if times is not None:
         _times(times, as_json)
-    _summary(stats, total, shown, malformed, len(conns), any(filters) or bool(where), count if stopped else None,
-             name)
+    _summary(stats, totals, shown, any(filters) or bool(where), count if stopped else None, name)
     if not stopped and (reader.cut_short or reader.problem):
         why = reader.problem or f"the capture ends in the middle of frame {reader.cut_short}"
         raise click.ClickException(f"{name}: {why}; the frames before "
                                    f"{'and after it' if reader.resumed else 'it'} were decoded")
+
+
+def _core_run(reader: Reader, stream: BinaryIO, progress: _Progress, stats: Stats, totals: core.Totals,
+              as_json: bool) -> None:
+    """The records of ``reader`` through the compiled core, its lines to stdout."""
+    sys.stdout.flush()
+    binary = getattr(sys.stdout, "buffer", None)
+    clear = progress.enabled and sys.stdout.isatty()
+
+    def sink(lines: bytes) -> None:
+        """Lines as the core writes them: before each read, so a pipe's reader sees
+        every message while the capture is still being written."""
+        if clear:
+            progress.clear()
+        if binary is not None:
+            binary.write(lines)
+            binary.flush()
+        else:
+            sys.stdout.write(lines.decode())
+            sys.stdout.flush()
+
+    core.run(reader, stream, sink, progress.update if progress.enabled else None,
+             _malformed_json if as_json else _malformed_text, stats, totals, not as_json)
+
+
+def _malformed(payload: bytes, le: bool, frame: int, time: float, transport: str, conn: tuple, number: int,
+               icrc_bad: tuple[int, ...]) -> Found:
+    """A message the codec finds malformed, as the compiled core found it."""
+    try:
+        fields, error = codec.decode(payload, addr_le=le), None
+    except codec.Malformed as exc:
+        fields, error = exc.fields, exc.reason
+    return Found(frame, transport, conn, fields, error, time, number, payload, le, icrc_bad)
+
+
+def _malformed_json(*args: Any) -> str:
+    """The JSON line of a malformed message, for the compiled core (``core.MalformedLine``)."""
+    return json.dumps(to_json(_malformed(*args[:-1])))
+
+
+def _malformed_text(*args: Any) -> str:
+    """The text line of a malformed message, for the compiled core (``core.MalformedLine``:
+    the last argument is the time of the first frame)."""
+    return _line(_malformed(*args[:-1]), args[-1]).rstrip("\n")
 
 
 def _times(times: ResponseTimes, as_json: bool) -> None:
@@ -411,17 +462,17 @@ def _times(times: ResponseTimes, as_json: bool) -> None:
     click.echo(json.dumps(times.as_json(), indent=1) if as_json else "\n".join(times.text()))
 
 
-def _summary(stats: Stats, total: int, shown: int, malformed: int, conns: int, filtered: bool,
-             stopped: int | None, name: str) -> None:
+def _summary(stats: Stats, totals: core.Totals, shown: int, filtered: bool, stopped: int | None,
+             name: str) -> None:
     """The one line on stderr: what was found in how many frames."""
     frames = _plural(stats.frames, "frame")
     where = f"the first {frames}" if stopped else frames
-    if not total:
+    if not totals.messages:
         text = f"no KBTP message in {where}"
     else:
-        text = f"{_plural(total, 'KBTP message')} in {where}, {_plural(conns, 'connection')}"
-        if malformed:
-            text += f", {malformed:,} malformed"
+        text = f"{_plural(totals.messages, 'KBTP message')} in {where}, {_plural(totals.conns, 'connection')}"
+        if totals.malformed:
+            text += f", {totals.malformed:,} malformed"
         if filtered:
             text += f", {shown:,} shown"
     if stats.cut:

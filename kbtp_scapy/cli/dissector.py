@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from ..dissector import REPO_DISSECTOR, lua_path as _lua_path, outputs
+from ..dissector import REPO_DISSECTOR, generate_core, lua_path as _lua_path, outputs
 from ..dissector.build import PLUGIN_NAME, BuildError, build as _build, toolchain_missing, version_folder
 from ..dissector.generate import HEADER_LINE
 from ..tables import generate as vocab
@@ -21,13 +21,14 @@ from .errors import file_trouble
 _C_MARK = b"KV Cache Block Transfer Protocol\0"
 
 
-def _outputs(outdir: Path, vocab_path: Path) -> dict[Path, str]:
-    """Every file generated from the tables: the dissector's and the Python vocabulary."""
-    return {**outputs(outdir), **vocab.outputs(vocab_path)}
+def _outputs(outdir: Path, vocab_path: Path, core_path: Path) -> dict[Path, str]:
+    """Every file generated from the tables: the dissector's, the Python vocabulary and
+    the tables of the compiled decoder core."""
+    return {**outputs(outdir), **vocab.outputs(vocab_path), **generate_core.outputs(core_path)}
 
 
-def _stale(outdir: Path, vocab_path: Path) -> list[Path]:
-    return [p for p, text in _outputs(outdir, vocab_path).items()
+def _stale(outdir: Path, vocab_path: Path, core_path: Path) -> list[Path]:
+    return [p for p, text in _outputs(outdir, vocab_path, core_path).items()
             if not p.exists() or p.read_text() != text]
 
 
@@ -40,7 +41,7 @@ def dissector() -> None:
     \b
     Examples:
       kbtp dissector generate            # rewrite dissector/ (kbtp.lua, packet-kbtp.c, plugin.c,
-                                         # FIELDS.md) and kbtp_scapy/vocab.py
+                                         # FIELDS.md), kbtp_scapy/vocab.py and decode/_core_tables.h
       kbtp dissector generate --check    # exit 1 if the committed files are stale
       kbtp dissector build --out /tmp/kbtp-plugin   # compile the C plugin (gcc, pkg-config, libwireshark-dev)
       kbtp dissector install             # the C plugin if it builds here (kbtp.lua as root)
@@ -61,16 +62,20 @@ def dissector() -> None:
 @click.option("--vocab", "vocab_path", type=click.Path(dir_okay=False, path_type=Path),
               default=vocab.VOCAB_PATH, show_default=True,
               help="The Python vocabulary: enums and message records.")
-def generate(check: bool, outdir: Path, vocab_path: Path) -> None:
-    """Write kbtp.lua, packet-kbtp.c, plugin.c, FIELDS.md and the Python vocabulary from the field tables."""
+@click.option("--core", "core_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=generate_core.CORE_TABLES, show_default=True,
+              help="The KBTP tables of kbtp decode's compiled core (a C header).")
+def generate(check: bool, outdir: Path, vocab_path: Path, core_path: Path) -> None:
+    """Write kbtp.lua, packet-kbtp.c, plugin.c, FIELDS.md, the Python vocabulary and the
+    compiled decoder core's tables from the field tables."""
     if check:
-        stale = _stale(outdir, vocab_path)
+        stale = _stale(outdir, vocab_path, core_path)
         if stale:
             raise click.ClickException("stale: " + ", ".join(str(p) for p in stale)
                                        + " (run 'kbtp dissector generate')")
-        click.echo(f"{outdir}, {vocab_path}: up to date")
+        click.echo(f"{outdir}, {vocab_path}, {core_path}: up to date")
         return
-    for path, text in _outputs(outdir, vocab_path).items():
+    for path, text in _outputs(outdir, vocab_path, core_path).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         click.echo(f"wrote {path}")

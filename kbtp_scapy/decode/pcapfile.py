@@ -18,7 +18,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 CHUNK = 1 << 20
 MAX_RECORD = 1 << 26            # no link type has frames this large: the file is corrupt
@@ -32,6 +32,13 @@ _OPT_TSRESOL, _OPT_TSOFFSET = 9, 14
 _BLOCKS = frozenset((_IDB, _OPB, _SPB, 4, 5, _EPB, 9, 10, _SHB))    # 4 NRB, 5 ISB, 9 SJE, 10 DSB
 #: seconds between a record found after damage and the last one before it, at most
 _RESYNC_SPAN = 30 * 86400
+
+
+#: Damage that stops a reader where it is, by kind, in the words of ``Reader.problem``; the
+#: compiled core (``decode/core.py``) reports the kind and its numbers, worded here.
+DAMAGE = {"record": "record {} claims {} octets",
+          "section": "pcapng section at octet {} has no byte-order magic",
+          "block": "pcapng block at octet {} claims {} octets"}
 
 
 #: what a capture file's name ends in, for the tools that take a folder of them
@@ -65,7 +72,6 @@ class Reader:
         self.problem: str | None = None
         self.resumed = False                      # reading went on after the damage
         self.damage: str | None = None            # the first damage, where a reader that stops stopped
-        self._places = self._skipped = 0
         self.linktype: int | None = None          # of a classic pcap, once its header is read
         self._read = getattr(stream, "read1", stream.read)
         self._before_wait = before_wait or (lambda: None)
@@ -73,6 +79,8 @@ class Reader:
         self._at = 0
         self._eof = False
         self._count = 0
+        self._first: str | None = None            # the first damage met, and since then:
+        self._places = self._skipped = 0          # places read past, octets skipped there
         head = self._need(4)
         if head is None:
             raise CaptureError(f"{name}: empty file, not a pcap or pcapng capture")
@@ -122,22 +130,44 @@ class Reader:
         """Octets of the capture consumed so far."""
         return self._base + self._at
 
+    def handover(self) -> dict[str, Any]:
+        """What another reader of the records after the header needs (the compiled core):
+        the octets read and not consumed, their offset in the stream, the format, and for
+        a classic pcap its byte order, time unit, link type and snap length."""
+        pcap = self._magic in _PCAP_MAGIC
+        return {"head": bytes(self._buf[self._at:]), "base": self.position, "pcapng": not pcap,
+                "big": pcap and self._rec.format.startswith(">"), "unit": self._unit if pcap else 1e-6,
+                "linktype": self.linktype or 0, "snaplen": self._snaplen if pcap else 0}
+
+    def report_damage(self, first: str, last: str, skipped: int, position: int, places: int,
+                      total: int, lost: bool) -> None:
+        """Say what damage was met: the ``first`` and the ``last`` (``DAMAGE``'s words), the
+        octets skipped at the last and the octet reading went on at, how many ``places``
+        reading went on after and the octets skipped in all, and whether no record followed
+        the last (``lost``). The compiled core reports through this too."""
+        self.damage = f"{first}: the file is corrupt"
+        self.resumed = places > 0
+        if lost:
+            self.problem = f"{last}: the file is corrupt, and no record follows it"
+        elif places == 1:
+            self.problem = (f"{last}: the file is corrupt; {skipped:,} octets skipped, reading went "
+                            f"on at octet {position:,}")
+        else:
+            self.problem = (f"{self.damage}; {places} damaged places, {total:,} octets skipped in "
+                            "all, reading went on after each")
+
     def _damaged(self, what: str, resync: Callable[[], bool]) -> bool:
         """Say what is wrong at the reading position, then look for the next record
         (``resync``); whether one was found and reading goes on there."""
         start = self.position
-        self.damage = self.damage or f"{what}: the file is corrupt"
-        if not resync():
-            self.problem = f"{what}: the file is corrupt, and no record follows it"
-            return False
-        self._places += 1
-        self._skipped += self.position - start
-        self.problem = (f"{what}: the file is corrupt; {self.position - start:,} octets skipped, "
-                        f"reading went on at octet {self.position:,}" if self._places == 1 else
-                        f"{self.damage}; {self._places} damaged places, {self._skipped:,} octets "
-                        "skipped in all, reading went on after each")
-        self.resumed = True
-        return True
+        self._first = self._first or what
+        found = resync()
+        if found:
+            self._places += 1
+            self._skipped += self.position - start
+        self.report_damage(self._first, what, self.position - start, self.position, self._places,
+                           self._skipped, not found)
+        return found
 
     def _pcap(self) -> Iterator[tuple[float, int, bytes]]:
         rec, unit, linktype = self._rec, self._unit, self.linktype
@@ -150,7 +180,7 @@ class Reader:
                 return
             sec, frac, caplen, _wirelen = rec.unpack_from(self._buf, at)
             if caplen > MAX_RECORD:
-                what = f"record {self._count + 1} claims {caplen} octets"
+                what = DAMAGE["record"].format(self._count + 1, caplen)
                 if not self._damaged(what, lambda: self._resync_pcap(last)):
                     return
                 continue
@@ -204,14 +234,14 @@ class Reader:
                 magic = buf[at + 8:at + 12]
                 endian = "<" if magic == b"\x4d\x3c\x2b\x1a" else ">"
                 if struct.unpack_from(endian + "I", magic)[0] != _BYTE_ORDER_MAGIC:
-                    what = f"pcapng section at octet {self._base + at} has no byte-order magic"
+                    what = DAMAGE["section"].format(self._base + at)
                     if not self._damaged(what, lambda: self._resync_pcapng(endian)):
                         return
                     continue
                 interfaces = []
             kind, length = struct.unpack_from(endian + "II", buf, at)
             if length < 12 or length % 4 or length > MAX_RECORD:
-                what = f"pcapng block at octet {self._base + at} claims {length} octets"
+                what = DAMAGE["block"].format(self._base + at, length)
                 if not self._damaged(what, lambda: self._resync_pcapng(endian)):
                     return
                 continue
