@@ -124,12 +124,52 @@ def test_cut_and_corrupted_captures_decode_identically(tmp_path, src):
     huge = bytearray(whole)
     huge[24 + 16 + len(dec.records(ROOT / "pcaps" / src)[0][1]) + 8:][:4] = struct.pack("<I", 1 << 30)
     cases["huge_record"] = bytes(huge)
+    starts = _record_starts(whole)
+    middle = starts[len(starts) // 2]
+    cases["garbage_inserted"] = whole[:middle] + bytes(range(200, 237)) + whole[middle:]
+    twice = bytearray(whole)
+    for n in (len(starts) // 3, 2 * len(starts) // 3):
+        twice[starts[n] + 8:starts[n] + 12] = struct.pack("<I", 0xFFFFFFF0)
+    cases["two_damaged_headers"] = bytes(twice)
+    cases["garbage_at_the_end"] = whole + bytes(range(255, 215, -1))
     codes = set()
     for name, data in cases.items():
         path = tmp_path / f"{name}.pcap"
         path.write_bytes(data)
         codes.add(identical(path)[0])
     assert codes == {0, 1}                 # some read to their end, some say where they stop
+
+
+def _record_starts(data: bytes) -> list[int]:
+    """Where each record header of a little-endian pcap starts."""
+    out, at = [], 24
+    while at + 16 <= len(data):
+        out.append(at)
+        at += 16 + struct.unpack_from("<I", data, at + 8)[0]
+    return out
+
+
+@needs_core
+@pytest.mark.parametrize("name", ["roce_session_pcapng", "iwarp_session_pcapng"])
+def test_damaged_pcapng_blocks_decode_identically(generated, name, tmp_path):
+    """Block lengths broken (not a multiple of 4, too large) in two places, and a Section
+    Header's byte-order magic broken: both read past each to the next whole block alike."""
+    data = bytearray(generated[name].read_bytes())
+    blocks, at = [], 0
+    while at + 8 <= len(data):
+        blocks.append(at)
+        at += struct.unpack_from("<I", data, at + 4)[0]
+    for n, length in ((len(blocks) // 3, 7), (2 * len(blocks) // 3, 1 << 30)):
+        data[blocks[n] + 4:blocks[n] + 8] = struct.pack("<I", length)
+    path = tmp_path / "damaged.pcapng"
+    path.write_bytes(bytes(data))
+    code, out, err = identical(path)
+    assert code == 1 and b"2 damaged places" in err and out
+    section = bytearray(generated[name].read_bytes())
+    section[8:12] = b"\0\0\0\0"                        # the first section's magic
+    path.write_bytes(bytes(section))
+    code, out, err = identical(path)
+    assert code == 1 and b"has no byte-order magic: the file is corrupt" in err
 
 
 def _shuffled(frames: list, rng: random.Random, changes: int) -> list:
@@ -360,6 +400,11 @@ def test_core_under_address_and_undefined_behaviour_sanitizers(generated, tmp_pa
         for i in range(8):
             damaged.append(dec.write_pcap(tmp_path / f"{Path(src).stem}_shuffled{i}.pcap",
                                           _shuffled(dec.records(ROOT / "pcaps" / src), rng, 2 + 3 * i)))
+        for n, at in enumerate(rng.sample(_record_starts(whole), 3)):     # read past damage
+            resync = bytearray(whole[:at] + bytes(rng.randrange(256) for _ in range(23 + n)) + whole[at:])
+            resync[at + 8 + 23 + n:][:4] = b"\xff\xff\xff\x0f"
+            damaged.append(tmp_path / f"{Path(src).stem}_resync{n}.pcap")
+            damaged[-1].write_bytes(bytes(resync))
     paths = [*map(str, generated.values()), *map(str, COMMITTED), *map(str, damaged)]
     env = dict(os.environ, LD_PRELOAD=runtimes, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
                UBSAN_OPTIONS="print_stacktrace=1", PYTHONPATH=str(ROOT))
