@@ -55,9 +55,9 @@ def names(paths: list[Path]) -> list[str]:
 
 def write(paths: list[Path], out: Path, progress: Callable[[int, Path, int], None] | None = None,
           damaged: Callable[[Path, str], None] | None = None) -> int:
-    """Every capture's rows as a dataset under ``out``; the number of rows. ``progress``
-    hears (captures done, the capture being read, octets of it read), ``damaged`` (a
-    capture, why it ended early); the number of KBTP messages."""
+    """Every capture's rows (KBTP messages and RDMA operations) as a dataset under ``out``;
+    the number of KBTP messages among them. ``progress`` hears (captures done, the capture
+    being read, octets of it read), ``damaged`` (a capture, why it ended early)."""
     total = 0
     for i, (path, name) in enumerate(zip(paths, names(paths), strict=True)):
         def report(position: int, i: int = i, path: Path = path) -> None:

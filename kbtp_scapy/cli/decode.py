@@ -302,7 +302,8 @@ def _parquet(file: str | None, out: Path) -> None:
         raise click.ClickException(f"{exc}; give a pcap or pcapng capture") from None
     except OSError as exc:
         raise click.ClickException(f"--parquet {out}: {exc.strerror or exc}") from None
-    click.echo(f"{rows} KBTP messages written to {out / dataset.names([Path(file)])[0]}")
+    click.echo(f"{rows} KBTP messages, and the RDMA operations beside them, written to "
+               f"{out / dataset.names([Path(file)])[0]}")
 
 
 def _handle(text: str) -> int:
