@@ -350,3 +350,40 @@ def test_roce_chains_sessions_that_vanish_keep_the_targets_memory_bounded():
     assert admitted >= ROUNDS * 8 - 8, (admitted, rss)
     assert metrics['kbtp_sessions_total{event="ended_idle"}'] >= admitted - 8, metrics
     assert rss[-1] - max(rss[:5]) < 64, rss
+
+
+@pytest.mark.slow
+def test_a_displaced_source_does_not_displace_another_at_once():
+    """Two sources hold the target's two sessions, past --min-tenure; a newcomer from a
+    third displaces the one held longest. That source, reconnecting at once, now holds
+    nothing, but it lost its session less than --min-tenure ago: it is refused NO_SPACE,
+    and the other source keeps its session. It used to displace it in turn, a cascade that
+    on a busy host left every session younger than --min-tenure and the next newcomer
+    refused (test_busy_sessions_from_eight_sources_give_way_to_newcomers, chains, once)."""
+    host, first, second, newcomer = fresh_hosts(4)
+    t = TargetProc("roce", host, "--max-initiators", "2", "--features", "none", "--min-tenure", "1")
+
+    async def main() -> tuple[str, bool, bool]:
+        a = await Initiator.connect(t.url, features=0, local=first)
+        await asyncio.sleep(0.1)
+        b = await Initiator.connect(t.url, features=0, local=second)
+        await asyncio.sleep(1.5)                                   # both past --min-tenure
+        c = await Initiator.connect(t.url, features=0, local=newcomer)    # displaces a's
+        try:
+            again = await Initiator.connect(t.url, features=0, local=first)
+        except KbtpError as exc:
+            answer = exc.name
+        else:
+            answer = "admitted"
+            await again.goodbye(release=True)
+        await asyncio.sleep(0.2)
+        kept = not b.qp.closed
+        await c.goodbye(release=True)
+        if kept:
+            await b.goodbye(release=True)
+        return answer, a.qp.closed, kept
+    try:
+        answer, first_closed, kept = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        t.stop()
+    assert (answer, first_closed, kept) == ("NO_SPACE", True, True)

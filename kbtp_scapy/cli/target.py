@@ -47,7 +47,7 @@ LIMITS = (
     ("--min-tenure", "min_tenure_s", "Seconds an active session keeps its slot however "
      "little it does; after that, when a new initiator finds no room and its source holds "
      "fewer sessions than the source holding the most, that source's longest-held session "
-     "is ended and gives way."),
+     "is ended and gives way (a source that lost one so counts it for this long more)."),
     ("--max-sessions-per-source", "max_sessions_per_source", "Sessions (active or retained) "
      "one source address outside --trust may hold; beyond, its own retained ones give way, "
      "oldest first, and when all are active its HELLO is refused NO_SPACE."),

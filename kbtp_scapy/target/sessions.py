@@ -92,6 +92,10 @@ class Refused(Exception):
         self.status = status
 
 
+#: sources remembered as having lost a session to a newcomer (``Sessions.displace``)
+MAX_LOST = 4096
+
+
 class Sessions:
     """Admission, retention and release of initiators."""
 
@@ -105,6 +109,10 @@ class Sessions:
         self.retained = self.evicted = self.expired = 0   # counters, for the metrics
         self.ended_idle = self.displaced = 0
         self.refused_per_source = 0
+        #: source -> when a session of it was displaced: for --min-tenure it counts the
+        #: session it lost, so it cannot at once displace another in turn (a cascade that
+        #: leaves every session younger than --min-tenure, and the next newcomer refused)
+        self._lost: dict[str, float] = {}
 
     def admit(self, initiator_id: bytes, want_partition: bool, source: str = "",
               claim: InitiatorState | None = None) -> tuple[InitiatorState, bool]:
@@ -236,14 +244,18 @@ class Sessions:
         goes to the newcomer it was made for; ``unclaim`` if the newcomer does not take it.
         None when no session may be displaced, or ``source`` is at its own cap."""
         c = self.config
+        now = asyncio.get_running_loop().time()
+        while self._lost and next(iter(self._lost.values())) <= now - c.min_tenure_s:
+            del self._lost[next(iter(self._lost))]
         counts = Counter(s.source for s in self.by_id.values())
         mine = counts[source]
         if source and not c.trusts(source) and mine >= c.max_sessions_per_source:
             return None
+        mine += source in self._lost
         shared = sum(1 for s in self.by_id.values() if s.partition is None)
         need_shared = (bool(self._free_ranges) and (shared + 1) * c.quota > c.shared_blocks
                        and not (want_partition and self.free_partition() is not None))
-        cutoff = asyncio.get_running_loop().time() - c.min_tenure_s
+        cutoff = now - c.min_tenure_s
         held = [s for s in self.by_id.values() if s.active and s.qp is not None
                 and not s.displaced and s.admitted_at <= cutoff and counts[s.source] > mine
                 and (s.partition is None or not need_shared)]
@@ -253,6 +265,10 @@ class Sessions:
         assert state.qp is not None       # chosen among those that have one
         self.displaced += 1
         state.displaced = True
+        self._lost.pop(state.source, None)      # in time order, for the pruning above
+        self._lost[state.source] = now
+        if len(self._lost) > MAX_LOST:
+            del self._lost[next(iter(self._lost))]
         state.qp.abort(f"displaced for a newcomer after {c.min_tenure_s:g} s: "
                        f"{state.source or 'its source'} holds {counts[state.source]} "
                        f"sessions, {source or 'the newcomer'} {mine}")
