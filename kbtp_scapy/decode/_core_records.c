@@ -91,13 +91,16 @@ static int record(Core *c, double time, int lt, const uint8_t *d, size_t n)
 #endif
 }
 
-/* Damage met at the reading position, described by ``what`` (a new reference: kind and
- * numbers); ``found`` whether the resync found a record to go on at, ``start`` where the
- * damage began (pcapfile.py's Reader._damaged and report_damage). -1 on an error. */
+/* Damage met at the reading position, described by ``what`` (a new reference, taken; NULL
+ * on an error), from ``start``; ``found`` what the resync found (1: a record to go on at, 0:
+ * none, -1: an error). Returns ``found``, with the damage noted (pcapfile.py's
+ * Reader._damaged and report_damage). */
 static int damaged(Core *c, PyObject *what, unsigned long long start, int found)
 {
-    if (what == NULL)
+    if (what == NULL || found < 0) {
+        Py_XDECREF(what);
         return -1;
+    }
     if (c->damage_first == NULL)
         c->damage_first = Py_NewRef(what);
     Py_XSETREF(c->damage_last, what);
@@ -109,7 +112,7 @@ static int damaged(Core *c, PyObject *what, unsigned long long start, int found)
     c->damage_skipped = position - start;
     c->damage_position = position;
     c->damage_lost = !found;
-    return 0;
+    return found;
 }
 
 #define RESYNC_SPAN (30ULL * 86400)   /* seconds from the last record read, at most */
@@ -171,15 +174,9 @@ int pcap_records(Core *c)
         if (caplen > c->max_record) {
             unsigned long long start = c->base + c->at;
             PyObject *what = Py_BuildValue("(sKk)", "record", c->count + 1, (unsigned long)caplen);
-            int found = what == NULL ? -1 : pcap_resync(c, have_last, last);
-            if (found < 0) {
-                Py_XDECREF(what);
-                return -1;
-            }
-            if (damaged(c, what, start, found) < 0)
-                return -1;
-            if (!found)
-                return 0;
+            int on = damaged(c, what, start, what == NULL ? -1 : pcap_resync(c, have_last, last));
+            if (on <= 0)
+                return on;
             continue;
         }
         got = need(c, 16 + (size_t)caplen);
@@ -269,37 +266,27 @@ int pcapng_records(Core *c)
         }
         const uint8_t *b = c->in.p;
         size_t at = c->at;
+        unsigned long long start = c->base + at;
+        int bad = 0;                /* damage here: a section without its magic, a block's length */
+        PyObject *what = NULL;
         if (!memcmp(b + at, "\x0a\x0d\x0d\x0a", 4)) {
             const uint8_t *m = b + at + 8;
             c->big = !(m[0] == 0x4d && m[1] == 0x3c && m[2] == 0x2b && m[3] == 0x1a);
             if (u32(c, m) != 0x1A2B3C4D) {
-                unsigned long long start = c->base + at;
-                PyObject *what = Py_BuildValue("(sK)", "section", start);
-                int found = what == NULL ? -1 : pcapng_resync(c);
-                if (found < 0 || damaged(c, what, start, found) < 0) {
-                    if (found < 0)
-                        Py_XDECREF(what);
-                    rc = -1;
-                    break;
-                }
-                if (!found)
-                    break;
-                continue;
-            }
-            ifaces.len = 0;
+                bad = 1;
+                what = Py_BuildValue("(sK)", "section", start);
+            } else
+                ifaces.len = 0;
         }
         uint32_t kind = u32(c, b + at), length = u32(c, b + at + 4);
-        if (length < 12 || length % 4 || length > c->max_record) {
-            unsigned long long start = c->base + at;
-            PyObject *what = Py_BuildValue("(sKk)", "block", start, (unsigned long)length);
-            int found = what == NULL ? -1 : pcapng_resync(c);
-            if (found < 0 || damaged(c, what, start, found) < 0) {
-                if (found < 0)
-                    Py_XDECREF(what);
-                rc = -1;
-                break;
-            }
-            if (!found)
+        if (!bad && (length < 12 || length % 4 || length > c->max_record)) {
+            bad = 1;
+            what = Py_BuildValue("(sKk)", "block", start, (unsigned long)length);
+        }
+        if (bad) {
+            int on = damaged(c, what, start, what == NULL ? -1 : pcapng_resync(c));
+            rc = on < 0 ? -1 : 0;
+            if (on <= 0)
                 break;
             continue;
         }
