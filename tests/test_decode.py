@@ -195,7 +195,7 @@ def test_truncated_captures_equal_the_scapy_path_on_the_whole_frames(tmp_path):
                         "the frames before it were decoded")
 
 
-def _offsets(data: bytes) -> list[int]:
+def record_starts(data: bytes) -> list[int]:
     """Where each record header of a little-endian pcap starts, read here apart from the
     decoder under test."""
     out, at = [], 24
@@ -218,7 +218,7 @@ def test_a_damaged_pcap_yields_every_message_before_and_after_the_damage(tmp_pat
     last line says what was skipped, exit 1."""
     original = ROOT / "pcaps" / "roce_session.pcap"
     whole = original.read_bytes()
-    starts = _offsets(whole)
+    starts = record_starts(whole)
     objs = streamed(original)
     frames = {o["frame"] for o in objs}
     n = next(i for i in range(len(starts) // 2, len(starts)) if i + 1 not in frames)   # a frame, no message

@@ -124,7 +124,7 @@ def test_cut_and_corrupted_captures_decode_identically(tmp_path, src):
     huge = bytearray(whole)
     huge[24 + 16 + len(dec.records(ROOT / "pcaps" / src)[0][1]) + 8:][:4] = struct.pack("<I", 1 << 30)
     cases["huge_record"] = bytes(huge)
-    starts = _record_starts(whole)
+    starts = dec.record_starts(whole)
     middle = starts[len(starts) // 2]
     cases["garbage_inserted"] = whole[:middle] + bytes(range(200, 237)) + whole[middle:]
     twice = bytearray(whole)
@@ -138,15 +138,6 @@ def test_cut_and_corrupted_captures_decode_identically(tmp_path, src):
         path.write_bytes(data)
         codes.add(identical(path)[0])
     assert codes == {0, 1}                 # some read to their end, some say where they stop
-
-
-def _record_starts(data: bytes) -> list[int]:
-    """Where each record header of a little-endian pcap starts."""
-    out, at = [], 24
-    while at + 16 <= len(data):
-        out.append(at)
-        at += 16 + struct.unpack_from("<I", data, at + 8)[0]
-    return out
 
 
 @needs_core
@@ -400,7 +391,7 @@ def test_core_under_address_and_undefined_behaviour_sanitizers(generated, tmp_pa
         for i in range(8):
             damaged.append(dec.write_pcap(tmp_path / f"{Path(src).stem}_shuffled{i}.pcap",
                                           _shuffled(dec.records(ROOT / "pcaps" / src), rng, 2 + 3 * i)))
-        for n, at in enumerate(rng.sample(_record_starts(whole), 3)):     # read past damage
+        for n, at in enumerate(rng.sample(dec.record_starts(whole), 3)):     # read past damage
             resync = bytearray(whole[:at] + bytes(rng.randrange(256) for _ in range(23 + n)) + whole[at:])
             resync[at + 8 + 23 + n:][:4] = b"\xff\xff\xff\x0f"
             damaged.append(tmp_path / f"{Path(src).stem}_resync{n}.pcap")
