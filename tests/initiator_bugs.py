@@ -57,8 +57,9 @@ def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
     setattr(owner, name, make(getattr(owner, name)))
 
 
-def encoding(change: Callable[[dict], None]) -> Plant:
-    """The initiator's messages encoded after ``change`` rewrote their values."""
+def encoding(change: Callable[[dict], None], addr_le_only: bool = False) -> Plant:
+    """The initiator's messages encoded after ``change`` rewrote their values (with
+    ``addr_le_only``, only those of ADDR_LE sessions)."""
     def plant() -> None:
         real = codec.encode
 
@@ -68,8 +69,9 @@ def encoding(change: Callable[[dict], None]) -> Plant:
 
             @staticmethod
             def encode(values: dict, addr_le: bool = False) -> bytes:
-                values = dict(values)
-                change(values)
+                if addr_le or not addr_le_only:
+                    values = dict(values)
+                    change(values)
                 return real(values, addr_le)
         client.codec = Shim()
     return plant
@@ -242,8 +244,7 @@ def plant_fifo_matching() -> None:
             return None
         rid = next(iter(waiting))
         future, _ = waiting.pop(rid)
-        return future, Result(rid, c["status"], c["generation"], c["completion.data_length"],
-                              c["completion.block_offset"])
+        return future, Result.of_completion(rid, c)
     client.match_completion = match
 
 
@@ -256,8 +257,7 @@ def plant_unmatched_to_oldest() -> None:
             c = codec.decode(msg.payload, addr_le)
             rid = next(iter(waiting))
             future, _ = waiting.pop(rid)
-            return future, Result(rid, c["status"], c["generation"], c["completion.data_length"],
-                                  c["completion.block_offset"])
+            return future, Result.of_completion(rid, c)
         return got
     client.match_completion = match
 
@@ -661,22 +661,11 @@ def plant_goodbye_early() -> None:
     driver.Runner.run = run
 
 
-def plant_record_descriptor_big_endian() -> None:
+def _cd_big_endian(values: dict) -> None:
     """ADDR_LE applied to the Data Descriptor, the Completion Descriptor left in network order."""
-    real = codec.encode
-
-    class Shim:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(codec, name)
-
-        @staticmethod
-        def encode(values: dict, addr_le: bool = False) -> bytes:
-            if addr_le and "cd.stag" in values:
-                values = dict(values)
-                values["cd.stag"] = int.from_bytes(values["cd.stag"].to_bytes(4, "big"), "little")
-                values["cd.offset"] = int.from_bytes(values["cd.offset"].to_bytes(8, "big"), "little")
-            return real(values, addr_le)
-    client.codec = Shim()
+    if "cd.stag" in values:
+        values["cd.stag"] = int.from_bytes(values["cd.stag"].to_bytes(4, "big"), "little")
+        values["cd.offset"] = int.from_bytes(values["cd.offset"].to_bytes(8, "big"), "little")
 
 
 def plant_source_writable() -> None:
@@ -781,8 +770,7 @@ def plant_matched_by_handle() -> None:
             return None
         rid = next(r for r in waiting if handles.get(r) == c["handle"])
         future, _ = waiting.pop(rid)
-        return future, Result(rid, c["status"], c["generation"], c["completion.data_length"],
-                              c["completion.block_offset"])
+        return future, Result.of_completion(rid, c)
     client.codec = Shim()
     client.match_completion = match
 
@@ -995,7 +983,7 @@ CORPUS = [
         "request.ids", after_hello(lambda self: setattr(self, "_ids", itertools.cycle(range(1, 5))))),
     Bug("record_descriptor_big_endian", "the initiator MUST encode ... the STag, Tagged Offset, and "
         "Length fields of the Data and Completion Descriptors in little-endian byte order",
-        "addr_le.record", plant_record_descriptor_big_endian, ("roce",)),
+        "addr_le.record", encoding(_cd_big_endian, addr_le_only=True), ("roce",)),
     Bug("source_writable", "The initiator exposes only the buffers named in its descriptors",
         "descriptor.read_only", plant_source_writable),
     # for the hostile target (``kbtp fuzz --role initiator``): case "fuzz:SEED-INDEX"

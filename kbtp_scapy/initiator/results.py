@@ -10,7 +10,7 @@ from ..rnic.memory import MemoryRegion
 from ..rnic.qp import ENDINGS, ConnectionLost, Received
 from ..tables import memory as M
 from ..tables.enums import STATUS
-from ..vocab import Opcode
+from ..vocab import AnyMessage, Opcode
 
 Waiting = dict[int, tuple[asyncio.Future, MemoryRegion | None]]
 """Requests awaiting their answer: Request ID -> (future, completion-record region)."""
@@ -54,6 +54,12 @@ class Result:
     #: the request-to-completion time a capture shows (kbtp.time), for benchmarks
     sent_ns: int = 0
     answered_ns: int = 0
+
+    @classmethod
+    def of_completion(cls, request_id: int, c: AnyMessage) -> Result:
+        """The result a decoded COMPLETION ``c`` gives the request ``request_id``."""
+        return cls(request_id, c["status"], c["generation"], c["completion.data_length"],
+                   c["completion.block_offset"])
 
     @property
     def status_name(self) -> str:
@@ -108,5 +114,4 @@ def match_completion(msg: Received, waiting: Waiting,
     if c["opcode"] != Opcode.COMPLETION or c["request_id"] not in waiting:
         return None
     future, _ = waiting.pop(c["request_id"])
-    return future, Result(c["request_id"], c["status"], c["generation"],
-                          c["completion.data_length"], c["completion.block_offset"])
+    return future, Result.of_completion(c["request_id"], c)
