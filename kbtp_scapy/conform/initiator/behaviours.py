@@ -22,6 +22,32 @@ from .target import Behaviour, CheckedConnection
 Run = Callable[[], Awaitable[Outcome]]
 
 
+class Pace:
+    """The initiator's own pace: the longest gap between two requests that came while
+    others were held, and the hold that pace asks for (at least ``floor``; four such gaps
+    when longer), so an initiator on a busy host that sends slowly is still given time
+    to show a request too many."""
+
+    def __init__(self, floor: float) -> None:
+        self.floor = floor
+        self._last = 0.0
+        self._gap = 0.0
+
+    def arrived(self, held: int) -> None:
+        """A request came, with ``held`` others held at the time."""
+        now = asyncio.get_running_loop().time()
+        if held:
+            self._gap = max(self._gap, now - self._last)
+        self._last = now
+
+    def restart(self) -> None:
+        self._gap = 0.0
+
+    @property
+    def hold(self) -> float:
+        return max(self.floor, 4 * self._gap)
+
+
 class Grant(Behaviour):
     """Grant ``credits`` Request Credits and hold every completion ``hold`` seconds, or
     four times the longest gap seen between two requests in flight together if longer
@@ -29,26 +55,21 @@ class Grant(Behaviour):
     shows it while they are held."""
 
     def __init__(self, credits: int, hold: float = SETTLE) -> None:
-        self.credits, self.hold = credits, hold
+        self.credits, self.pace = credits, Pace(hold)
         self._held = 0
-        self._last = 0.0
-        self._gap = 0.0
 
     def hello_ack(self, conn: CheckedConnection, body: HelloAck) -> None:
         body["hello_ack.request_credits"] = self.credits
 
     def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
                  send: Callable[[], None]) -> None:
-        loop = asyncio.get_running_loop()
-        if self._held:
-            self._gap = max(self._gap, loop.time() - self._last)
-        self._last = loop.time()
+        self.pace.arrived(self._held)
         self._held += 1
 
         def sent() -> None:
             self._held -= 1
             send()
-        loop.call_later(max(self.hold, 4 * self._gap), sent)
+        asyncio.get_running_loop().call_later(self.pace.hold, sent)
 
 
 class Strays(Grant):
@@ -96,8 +117,7 @@ class Burst(Behaviour):
         self.no_buffer = 0          # COMPLETIONs the initiator's RNIC had no buffer for (RNR NAKs)
         self._timer: asyncio.TimerHandle | None = None
         self._conn: CheckedConnection | None = None
-        self._last = 0.0            # when the last request held came
-        self._gap = 0.0             # the longest gap between two requests held together
+        self._pace = Pace(SETTLE)
 
     def hello_ack(self, conn: CheckedConnection, body: HelloAck) -> None:
         credits = (conn.session.hello or {}).get("hello.completion_credits", 1)
@@ -105,11 +125,8 @@ class Burst(Behaviour):
 
     def complete(self, conn: CheckedConnection, req: AnyMessage, outcome: Outcome,
                  send: Callable[[], None]) -> None:
-        loop = asyncio.get_running_loop()
         self._conn = conn
-        if self.held:
-            self._gap = max(self._gap, loop.time() - self._last)
-        self._last = loop.time()
+        self._pace.arrived(len(self.held))
         self.held.append(send)
         if self._timer is not None:
             self._timer.cancel()
@@ -117,13 +134,14 @@ class Burst(Behaviour):
         if len(self.held) > (conn.session.hello or {}).get("hello.completion_credits", 1):
             self._flush()
         else:
-            self._timer = loop.call_later(max(SETTLE, 4 * self._gap), self._flush)
+            self._timer = asyncio.get_running_loop().call_later(self._pace.hold, self._flush)
 
     def _flush(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        held, self.held, self._gap = self.held, [], 0.0
+        held, self.held = self.held, []
+        self._pace.restart()
         self.bursts.append(len(held))
         for send in held:
             send()
