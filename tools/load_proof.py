@@ -93,27 +93,27 @@ def _verdicts(path: Path) -> Verdicts:
     return {c["id"]: (c["verdict"], c["detail"] or c["seen"]) for c in doc["cases"]}
 
 
-def judge(setup: str, hosts: tuple[str, str], cases: list[str] | None) -> Verdicts:
+def judge(setup: str, hosts: tuple[str, str], cases: list[str] | None) -> tuple[int, Verdicts]:
     """One ``kbtp conform`` run of ``setup`` (``target:T:E`` or ``initiator:T``) over
-    ``cases`` (None: every case), its verdicts by case."""
+    ``cases`` (None: every case): its exit status and its verdicts by case."""
     role, transport, *rest = setup.split(":")
     only = [arg for c in cases or () for arg in ("--only", c)]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "conform.json"
         if role == "target":
             with reference_target(transport, rest[0], *hosts) as (url, local):
-                subprocess.run([*KBTP, "conform", "--target", url, *local, "-q", "--json-file", str(out), *only],
-                               capture_output=True, text=True, timeout=BOUND, check=False)
+                done = subprocess.run([*KBTP, "conform", "--target", url, *local, "-q", "--json-file", str(out),
+                                       *only], capture_output=True, text=True, timeout=BOUND, check=False)
         else:
             port = 5430 if transport == "iwarp" else 4791
             program = [*KBTP, "initiator", "{url}", "--timeout", "{timeout}", "--local", "{local}",
                        "--id-file", "{state}/id", "script", "--ops", "{ops}", "--in", "{in}", "--out", "{out}"]
-            subprocess.run([*KBTP, "conform", "--role", "initiator", "--listen", f"{transport}://{hosts[0]}:{port}",
-                            "-q", "--json-file", str(out), *only, "--", *program],
-                           capture_output=True, text=True, timeout=BOUND, check=False)
+            done = subprocess.run([*KBTP, "conform", "--role", "initiator", "--listen",
+                                   f"{transport}://{hosts[0]}:{port}", "-q", "--json-file", str(out), *only,
+                                   "--", *program], capture_output=True, text=True, timeout=BOUND, check=False)
         if not out.exists():
-            raise RuntimeError(f"{setup}: kbtp conform wrote no report")
-        return _verdicts(out)
+            raise RuntimeError(f"{setup}: kbtp conform wrote no report: {done.stderr.strip()[-300:]}")
+        return done.returncode, _verdicts(out)
 
 
 @dataclass
@@ -144,14 +144,14 @@ def differences(quiet: Verdicts, loaded: Verdicts) -> dict[str, tuple[str, str]]
 def prove(setup: str, runs: int, per_core: int, cases: list[str] | None, hosts: tuple[str, str],
           progress=lambda text: None) -> Result:
     """The quiet run of ``setup``, then ``runs`` runs with the busy loops beside them."""
-    result = Result(setup, judge(setup, hosts, cases))
+    result = Result(setup, judge(setup, hosts, cases)[1])
     bad = {c: v for c, v in result.quiet.items() if v[0] in ("FAIL", "ERROR")}
     if bad:
         raise RuntimeError(f"{setup}: the clean reference fails on a quiet host: {bad}")
     with busy_loops(per_core):
         for i in range(runs):
             started = time.monotonic()
-            result.runs.append(differences(result.quiet, judge(setup, hosts, cases)))
+            result.runs.append(differences(result.quiet, judge(setup, hosts, cases)[1]))
             result.seconds.append(time.monotonic() - started)
             progress(f"{setup}: run {i + 1}/{runs} under load: "
                      f"{', '.join(f'{c} {v}' for c, (v, _) in result.runs[-1].items()) or 'the quiet verdicts'}"
