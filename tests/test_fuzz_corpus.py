@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from kbtp_scapy.cli import main
-from kbtp_scapy.fuzz.cases import make_case
+from kbtp_scapy.fuzz.cases import corpus_digest, make_case
 from kbtp_scapy.fuzz.corpus import load
 from kbtp_scapy.target import TargetConfig
 
@@ -29,6 +29,8 @@ def test_captured_requests_become_seeds():
     started = [s["start"] for c in cases for s in c.steps if "start" in s]
     assert started and all(s in corpus.seeds for s in started)
     assert cases[3].name == f"iwarp-5-000003-c{corpus.digest}"
+    # the digest as the summary prints it names the same case
+    assert corpus_digest(f"iwarp-5-000003-{corpus.digest}") == corpus.digest
     # the built-in steps keep their values: only the seeded ones differ
     plain = make_case("iwarp", 5, 3)
     assert [s["kind"] for s in plain.steps] == [s["kind"] for s in cases[3].steps]

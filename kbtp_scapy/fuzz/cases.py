@@ -30,7 +30,7 @@ RDMA_KINDS = ("random_stag", "peer_stag", "read_only_write", "out_of_bounds", "h
 SCRATCH = 8          # own handles the valid operations play with, after the guards
 QUOTA_P, ABANDON_P = 1 / 50, 1 / 1000     # cases that end with a quota fill, an abandoned ticket
 SEEDED_P = 1 / 2      # mutated requests that start from a request of the seed corpus
-_NAME = re.compile(r"^(iwarp|roce)-(\d+)-(\d+)(?:-c([0-9a-f]{8}))?$")
+_NAME = re.compile(r"^(iwarp|roce)-(\d+)-(\d+)(?:-c?([0-9a-f]{8}))?$")   # the summary shows the bare digest
 
 
 @dataclass
