@@ -68,7 +68,21 @@ def read_packets(path: str | Path) -> list[Packet]:
     except FileNotFoundError:
         raise CaptureError(f"{path}: no such file") from None
     except (Scapy_Exception, EOFError, ValueError, OSError) as exc:
-        raise CaptureError(f"{path}: not a pcap or pcapng capture ({exc})") from None
+        raise CaptureError(_refused(path) or f"{path}: not a pcap or pcapng capture ({exc})") from None
+
+
+def _refused(path: str | Path) -> str | None:
+    """What ``kbtp decode``'s reader says of a file Scapy's refused (a header cut short, an
+    empty file), so every tool words it alike; None where it takes the file."""
+    from .decode.pcapfile import Reader
+    try:
+        with open(path, "rb") as stream:
+            Reader(stream, str(path))
+    except CaptureError as exc:
+        return str(exc)
+    except OSError:
+        pass
+    return None
 
 
 @dataclass

@@ -170,7 +170,12 @@ def test_not_a_capture_is_a_harness_error(capsys, tmp_path):
     _, err = capsys.readouterr()
     assert rc == 2 and err.count("\n") == 1 and "not a pcap" in err
     rc = main(["replay", str(bad), "--target", "tcp://x"])
-    assert rc == 2
+    assert rc == 2 and "--target" in capsys.readouterr().err
+    # a header cut short is said in kbtp decode's words, not Scapy's
+    cut = tmp_path / "cut.pcap"
+    cut.write_bytes((Path(__file__).parents[1] / "pcaps" / "rxe_kernel_session.pcap").read_bytes()[:20])
+    assert main(["replay", str(cut), "--target", "roce://127.52.250.1"]) == 2
+    assert capsys.readouterr().err == f"kbtp: {cut}: the pcap header is cut short\n"
     assert main(["replay", "--help"]) == 0 and "Examples" in capsys.readouterr().out
 
 
