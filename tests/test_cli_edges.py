@@ -337,12 +337,15 @@ def test_host_names_are_resolved_and_said(tmp_path):
         url = f"iwarp://localhost:{t.address.port}"
         hello = run("initiator", url, "--json", "hello", home=tmp_path)
         bench = run("bench", url, "-n", "20", "--json", home=tmp_path)
+        replay = run("replay", str(Path(__file__).parents[1] / "pcaps" / "rxe_kernel_session.pcap"),
+                     "--target", url, "--json", home=tmp_path)
     finally:
         t.stop()
-    for proc in (hello, bench):
+    for proc in (hello, bench, replay):
         assert proc.returncode == 0, proc.stderr
         assert f"kbtp: localhost is {wanted}" in proc.stderr.splitlines()
-    assert json.loads(bench.stdout)["target"] == f"iwarp://{wanted}:{t.address.port}"
+    for report in (bench, replay):      # the reports name the address used
+        assert json.loads(report.stdout)["target"] == f"iwarp://{wanted}:{t.address.port}"
     bad = run("initiator", "iwarp://no-such-host.invalid:5420", "hello", home=tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1, bad.stderr
     assert "cannot resolve 'no-such-host.invalid'" in bad.stderr

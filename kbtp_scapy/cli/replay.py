@@ -137,10 +137,11 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     from ..replay import compare, player, report, sessions
 
     try:
-        transport = parse_url(url).transport
+        target = parse_url(url)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--target") from None
-    say_resolved(url)
+    say_resolved(target)
+    url, transport = str(target), target.transport     # a host name resolved once, and reported so
     ignored = {n.strip().lower() for item in ignore for n in item.split(",") if n.strip()}
     unknown = ignored - set(compare.FIELDS)
     if unknown:
