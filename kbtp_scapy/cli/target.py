@@ -99,7 +99,9 @@ def _metrics_at(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--transport", type=click.Choice(["iwarp", "roce"]), default="roce", show_default=True,
               help="RDMA binding: iwarp (TCP, MPA rev 2) or roce (UDP 4791, RC).")
 @click.option("--listen", "where", default="127.0.0.1", show_default=True, metavar="HOST[:PORT]",
-              help="Address to listen on (iWARP default port 5420, RoCEv2 4791).")
+              help="Address to listen on. PORT is iWARP's TCP port (default 5420) or RoCEv2's "
+                   "rdma_cm port, the service a CM REQ names (default 4791): RoCEv2 packets "
+                   "always use UDP port 4791.")
 @raw_io_options("target listens on and")
 @click.option("--blocks", "-F", type=click.IntRange(1), default=1024, show_default=True,
               help="Number of blocks in the pool.")
