@@ -297,7 +297,9 @@ def test_decode_interrupted_says_so_and_exits_130(tmp_path):
 
 @pytest.mark.slow
 def test_conform_interrupted_writes_the_partial_reports(tmp_path):
-    """D12: Ctrl-C after the first verdicts: exit 130, JUnit and JSON with the cases judged."""
+    """D12: Ctrl-C after the first verdicts: exit 130, said by the JSON too; JUnit and JSON
+    with the cases judged, JUnit's counts those of its testcases; a result line that says
+    how far the run got; --rerun-failed of the report runs the cases it did not reach."""
     t = TargetThread("roce", hosts=[f"127.45.{secrets.randbelow(250) + 1}.{i}" for i in (20, 21)])
     try:
         junit, report = tmp_path / "conform.xml", tmp_path / "conform.json"
@@ -312,10 +314,18 @@ def test_conform_interrupted_writes_the_partial_reports(tmp_path):
     assert "interrupted (Ctrl-C)" in err and "Traceback" not in err, err
     doc = json.loads(report.read_text())
     judged = [c["id"] for c in doc["cases"]]
-    assert judged and doc["error"].startswith("interrupted")
+    assert judged and doc["error"].startswith("interrupted") and doc["exit_code"] == 130
     suite = ElementTree.parse(junit).getroot()
     names = [tc.get("name") for tc in suite.iter("testcase")]
     assert names[:-1] == judged and names[-1] == "harness", names
+    assert int(suite.get("tests")) == len(names)
+    assert int(suite.get("errors")) == len(suite.findall("testcase/error"))
+    total = len(doc["selected"])
+    assert f"result: interrupted (Ctrl-C) after {len(judged)} of {total} cases: " in out, out
+    listed = run("conform", "--list", "--rerun-failed", str(report), home=tmp_path)
+    again = [line.split()[0] for line in listed.stdout.splitlines() if not line.startswith(" ")]
+    stood = {c["id"] for c in doc["cases"] if c["verdict"] in ("PASS", "SKIP")}   # the target's SKIPs
+    assert again and set(again) == set(doc["selected"]) - stood, listed.stderr
 
 
 def test_local_on_iwarp_is_a_usage_error_not_a_traceback():

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import pty
+import re
 import subprocess
 import sys
 import time
@@ -24,9 +25,11 @@ from pathlib import Path
 import pytest
 
 from kbtp_scapy.cli import main
+from kbtp_scapy.conform import report
 from kbtp_scapy.conform.cases import all_cases
+from kbtp_scapy.conform.initiator.runner import all_cases as initiator_cases
 from kbtp_scapy.conform.registry import SHOULD
-from kbtp_scapy.conform.runner import probe, run, run_case
+from kbtp_scapy.conform.runner import Outcome, probe, run, run_case
 from kbtp_scapy.initiator import Initiator, KbtpError
 
 from .planted_bugs import BY_NAME, CORPUS, Bug, start
@@ -316,35 +319,104 @@ def test_the_wait_it_names_is_the_wait_it_made(capsys):
 
 @pytest.mark.slow
 def test_rerun_only_what_failed_last_time(reference, tmp_path):
-    """--rerun-failed REPORT runs the cases an earlier run's JSON has as FAIL, WARN or ERROR,
-    and no other; a report where none failed runs nothing (exit 0, said on stderr); a file
-    that is not such a report is one line, exit 2."""
-    first, second, third = (c.id for c in all_cases()[:3])
+    """--rerun-failed REPORT runs every case of that run's selection that it did not judge
+    for good: FAIL, WARN, ERROR, a SKIP the run could not reach (the target went away) and a
+    case missing from the report (the run stopped); a PASS and a SKIP of the target's own
+    stand. A report where nothing is left runs nothing (exit 0, said on stderr); a file that
+    is not such a report, or a report that does not list its run's cases, is one line, exit 2."""
+    ids = [c.id for c in all_cases()[:7]]
+    verdicts = ["FAIL", "PASS", "ERROR", "WARN", "SKIP", "SKIP"]        # the 7th: not reached
     earlier = tmp_path / "earlier.json"
-    earlier.write_text(json.dumps({"cases": [{"id": first, "verdict": "FAIL"}, {"id": second, "verdict": "PASS"},
-                                             {"id": third, "verdict": "ERROR"}]}))
+    earlier.write_text(json.dumps({"selected": ids, "cases": [
+        {"id": i, "verdict": v, "not_run": n == 5} for n, (i, v) in enumerate(zip(ids, verdicts))]}))
     proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier), "--json")
     assert proc.returncode == 0, proc.stderr
-    assert [c["id"] for c in json.loads(proc.stdout)["cases"]] == [first, third]
-    earlier.write_text(json.dumps({"cases": [{"id": first, "verdict": "PASS"}]}))
+    assert [c["id"] for c in json.loads(proc.stdout)["cases"]] == [ids[0], ids[2], ids[3], ids[5], ids[6]]
+    earlier.write_text(json.dumps({"selected": ids[:2], "cases": [{"id": ids[0], "verdict": "PASS"},
+                                                                  {"id": ids[1], "verdict": "SKIP"}]}))
     proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier))
-    assert proc.returncode == 0 and proc.stdout == "" and "none failed" in proc.stderr
-    earlier.write_text("not json")
-    proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier))
-    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.returncode == 0 and proc.stdout == "" and "no case to run again" in proc.stderr
+    for bad, why in (("not json", "is not the JSON report"), ('{"cases": []}', "does not list the cases"),
+                     ('{"role": "initiator", "selected": [], "cases": []}', "--role initiator run")):
+        earlier.write_text(bad)
+        proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier))
+        assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and why in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_rerun_after_a_run_that_never_reached_the_target(tmp_path):
+    """A run that could not reach the target judged nothing: its rerun is its whole
+    selection (it said "none failed" and exited 0, so CI went green on nothing)."""
+    first = tmp_path / "first.json"
+    only = ["--only", "ops.store.", "--only", "completion.order"]
+    proc = _kbtp("conform", "--target", "iwarp://127.51.250.2:9", "--timeout", "1", *only,
+                 "--json-file", str(first))
+    assert proc.returncode == 2 and json.loads(first.read_text())["cases"] == []
+    t = start("iwarp", hosts())
+    try:
+        proc = _kbtp("conform", "--target", t.url, "--rerun-failed", str(first), "--json")
+    finally:
+        t.stop()
+    assert proc.returncode == 0, proc.stderr
+    ran = [c["id"] for c in json.loads(proc.stdout)["cases"]]
+    assert ran == [c.id for c in all_cases() if c.id.startswith("ops.store.") or c.id == "completion.order"]
+
+
+def test_help_names_every_exit_status():
+    """The README's table gives conform's exit status 130 (Ctrl-C); --help says it too."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    [row] = [line for line in readme.splitlines() if line.startswith("| `conform` |")]
+    codes = [code for code, said in zip((0, 1, 2, 130), row.split("|")[2:-1]) if said.strip()]
+    helped = " ".join(_kbtp("conform", "--help").stdout.split())
+    said = helped[helped.index("Exit status:"):]
+    assert codes == [0, 1, 2, 130] and all(f" {code} " in said for code in codes), said
+
+
+#: what a cross-reference the draft lost leaves in a sentence: "rules 3 and 5 of ),",
+#: "Send with Invalidate ,", "Partition STag ()", "operations of ." (not an ellipsis)
+BLANK = re.compile(r"\(\s*\)|\s[,;)]|\s\.(?!\.)")
+
+
+@pytest.mark.parametrize("role", ["target", "initiator"])
+def test_requirements_read_without_blank_references(role, tmp_path):
+    """Every case's requirement as --list and the HTML report show it: each reference the
+    draft left blank is filled with the document NOTES.md names for it, or marked."""
+    listed = _kbtp("conform", "--role", role, "--list").stdout
+    quotes = [line.strip()[1:-1] for line in listed.splitlines() if line.startswith("    \u201c")]
+    page = tmp_path / "r.html"
+    cases = all_cases() if role == "target" else initiator_cases()
+    page.write_text(report.html("iwarp://127.0.0.1:1", [Outcome(c, "SKIP") for c in cases], None, str(tmp_path)))
+    parser = _Page()
+    parser.feed(page.read_text())
+    shown = [r["cells"][2].split(": ", 1)[1] for r in parser.rows]
+    assert len(quotes) == len(shown) == len(cases)
+    assert [q for q in quotes + shown if BLANK.search(q)] == []
+    notes = (Path(__file__).resolve().parent.parent / "docs" / "NOTES.md").read_text()
+    cross_references = notes[notes.index("## 1."):notes.index("## 2.")]
+    filled = set(re.findall(r"\[(RFC [^]]+)\]", " ".join(quotes)))
+    assert filled and all(ref in cross_references for ref in filled), filled
+    if role == "target":
+        assert "Send with Invalidate [RFC 5040], invalidating" in listed
+        assert "(rules 3 and 5 of [RFC 5040, section 5.5]), so" in listed
 
 
 class _Page(HTMLParser):
-    """The rows of the HTML report: class, cell texts, link targets."""
+    """The rows of the HTML report (class, cell texts, link targets) and the links of the
+    summary above them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.rows: list[dict] = []
         self.cell: list[str] | None = None
+        self.summary: list[str] = []
+        self.nav = False
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
-        if tag == "tr" and a.get("class"):
+        self.nav = self.nav or tag == "nav"
+        if tag == "a" and self.nav:
+            self.summary.append(a["href"])
+        elif tag == "tr" and a.get("class"):
             self.rows.append({"verdict": a["class"], "id": a.get("id"), "cells": [], "links": []})
         elif tag == "td" and self.rows:
             self.cell = []
@@ -352,6 +424,7 @@ class _Page(HTMLParser):
             self.rows[-1]["links"].append(a["href"])
 
     def handle_endtag(self, tag):
+        self.nav = self.nav and tag != "nav"
         if tag == "td" and self.cell is not None:
             self.rows[-1]["cells"].append("".join(self.cell))
             self.cell = None
@@ -397,4 +470,5 @@ def test_html_report_has_each_case_and_links_its_capture(monkeypatch, tmp_path):
     pcaps = {c["id"]: c["pcap"] for c in doc["cases"]}
     assert (page.parent / warn["links"][0]).resolve() == Path(pcaps["security.clear_freed"]).resolve()
     assert rows["completion.order"]["links"] == []
+    assert parser.summary == ["#security.clear_freed"]       # the one case that did not pass
 

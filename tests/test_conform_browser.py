@@ -1,6 +1,7 @@
 """``kbtp conform --html``'s page in a real browser: headless Chromium (Debian's, which
-tools/install.sh installs) renders it, its DOM holds every case's row and the capture link,
-and the screenshot is a drawn page, not a blank one."""
+tools/install.sh installs) renders it, its DOM holds every case's row, the capture link and
+the summary's link to each case that did not pass, and the screenshot is a drawn page, not a
+blank one."""
 from __future__ import annotations
 
 import shutil
@@ -34,6 +35,8 @@ def test_the_html_report_renders_in_chromium(monkeypatch, tmp_path):
     assert {c["id"]: c["verdict"] for c in doc["cases"]} == {i: r["verdict"] for i, r in rows.items()}
     [link] = rows["security.clear_freed"]["links"]
     assert (page.parent / link).resolve().is_file()
+    not_passed = [f"#{c['id']}" for c in doc["cases"] if c["verdict"] != "PASS"]
+    assert parsed.summary == not_passed and all(rows[href[1:]]["id"] == href[1:] for href in not_passed)
     shot = tmp_path / "page.png"
     drawn = chromium(tmp_path, f"--screenshot={shot}", "--window-size=1200,900", page.as_uri())
     assert drawn.returncode == 0 and shot.is_file(), drawn.stderr[-2000:]

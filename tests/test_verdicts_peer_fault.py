@@ -139,6 +139,25 @@ def test_conform_against_a_target_that_dies(transport, tmp_path):
     assert len(not_run) == int(where[1]) > 0 and {c["verdict"] for c in not_run} == {"SKIP"}
     assert doc["gone_at"] == where[2] and doc["summary"]["ERROR"] == 0 and doc["exit_code"] == 1
     assert "result: " in stdout and f"could not run: the target went away at case {where[2]}" in stderr
+    _rerun_runs_what_could_not_run(transport, out, where[2], [c["id"] for c in not_run])
+
+
+def _rerun_runs_what_could_not_run(transport: str, report, gone_at: str, not_run: list[str]) -> None:
+    """--rerun-failed of a run cut short by its target: the case where it went and every
+    case it could not run (it reran the one FAIL, and CI went green on the rest)."""
+    listed = subprocess.run([*KBTP, "conform", "--list", "--rerun-failed", str(report)], capture_output=True,
+                            text=True, timeout=60).stdout
+    assert [line.split()[0] for line in listed.splitlines() if not line.startswith(" ")] == [gone_at, *not_run]
+    target, local = _target(transport)           # restarted: a few of them run, and pass
+    few = [gone_at, *not_run[:2]]
+    try:
+        again = subprocess.run([*KBTP, "conform", "--target", target.url, *local, "--rerun-failed", str(report),
+                                "--json", *(f"--only={i}" for i in few)], capture_output=True, text=True, timeout=300)
+    finally:
+        target.stop()
+    assert again.returncode == 0, again.stderr
+    ran = [c["id"] for c in json.loads(again.stdout)["cases"]]
+    assert ran == [i for i in [gone_at, *not_run] if i.startswith(tuple(few))]      # --only: prefixes
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import click
 from ..conform import report
 from ..conform.cases import all_cases
 from ..conform.registry import ERROR, FAIL, WARN, Case, select
+from ..conform.rerun import ReportError, again
 from ..conform.runner import Listener, Outcome, run
 from ..harness import HarnessError
 from ..initiator.results import TargetInfo
@@ -19,7 +20,7 @@ from .errors import Exit
 from .options import raw_io, say_resolved
 
 
-class _Console(Listener):
+class Console(Listener):
     """The text report, one case at a time as verdicts come, on stdout (unless the JSON
     goes there); on a terminal, one progress line on stderr, rewritten in place and
     cleared before each result is printed."""
@@ -82,8 +83,9 @@ class _Console(Listener):
 @click.option("--only", multiple=True, metavar="PREFIX", help="Run only cases whose id starts so (repeatable).")
 @click.option("--exclude", multiple=True, metavar="PREFIX", help="Leave out cases whose id starts so (repeatable).")
 @click.option("--rerun-failed", "rerun", type=click.Path(dir_okay=False), metavar="REPORT",
-              help="Run only the cases that FAILed, WARNed or were ERROR in REPORT, the JSON of an "
-                   "earlier run (--json-file); with --only/--exclude, those of them.")
+              help="Run again the cases REPORT, the JSON of an earlier run (--json-file), did not "
+                   "judge for good: FAIL, WARN, ERROR, and every case it could not run (the target "
+                   "went away or was never reached, Ctrl-C); with --only/--exclude, those of them.")
 @click.option("--quick", is_flag=True, help="Leave out the slow cases (they are reported as SKIP).")
 @click.option("--strict", is_flag=True, help="A WARN (a SHOULD not met) fails the run too (exit status 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout instead of text.")
@@ -118,7 +120,8 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     depend on one another: each uses fresh Initiator IDs and handles no earlier case used.
 
     Exit status: 0 all good, 1 the target failed a requirement (with --strict, or a
-    SHOULD), 2 usage or harness error, or a case that could not be judged.
+    SHOULD), 2 usage or harness error, or a case that could not be judged, 130
+    interrupted (Ctrl-C: the reports hold the cases judged until then).
 
     With --role initiator the checker is the target instead: it listens on --listen and
     runs the initiator command given after '--' once per case, with the placeholders
@@ -151,14 +154,13 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         if rerun:
             raise click.UsageError("--rerun-failed is for --role target")
         from .conform_initiator import check_initiator
-        console = _Console(listen or "", not (as_json or json_file == "-"), quiet)
+        console = Console(listen or "", not (as_json or json_file == "-"), quiet)
         try:
             code = check_initiator(listen, program, local=local, list_only=list_only, only=only,
                                    exclude=exclude, quick=quick, strict=strict, as_json=as_json,
                                    json_file=json_file, junit_file=junit_file, html_file=html_file,
                                    pcap_dir=pcap_dir,
                                    keep=keep, timeout=timeout, quiet=quiet, console=console,
-                                   judged=console.outcomes,
                                    io=raw_io("", io, None, None, device))   # no --io raw here
         finally:
             console.clear()
@@ -170,11 +172,15 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
         raise click.UsageError("--listen, --keep, --io, --device and a command are for --role initiator")
     cases = select(all_cases(), only, exclude)
     if rerun is not None:
-        again = _failed_in(rerun)
-        cases = [c for c in cases if c.id in again]
+        try:
+            left = again(Path(rerun))
+        except ReportError as exc:
+            raise click.BadParameter(str(exc), param_hint="--rerun-failed") from None
+        cases = [c for c in cases if c.id in left]
         if not cases:
-            click.echo(f"kbtp conform: no case to run again: none failed in {rerun}"
-                       + (" among --only/--exclude" if only or exclude else ""), err=True)
+            click.echo(f"kbtp conform: no case to run again: {rerun} judged every case"
+                       + (" of --only/--exclude" if only or exclude else "")
+                       + " (PASS, or SKIP for a reason of the target's)", err=True)
             return
     if not cases:
         raise click.UsageError("no case matches --only/--exclude (see --list)")
@@ -186,14 +192,14 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     say_resolved(url)
     if json_file == "-":
         as_json, json_file = True, None
-    console = _Console(url, not as_json, quiet)
+    console = Console(url, not as_json, quiet)
     try:
         info, outcomes = asyncio.run(run(url, cases, timeout=timeout, local=local, quick=quick,
                                          pcap_dir=Path(pcap_dir) if pcap_dir else None,
                                          listener=console))
     except HarnessError as exc:
         console.clear()
-        doc = report.as_json(url, None, [], str(exc), strict, quick)
+        doc = report.as_json(url, None, [], str(exc), strict, quick, cases)
         _emit(as_json, json_file, doc)
         _write(junit_file, report.junit(url, [], str(exc)))
         write_html(html_file, url, [], str(exc))
@@ -201,32 +207,24 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     except KeyboardInterrupt:        # a CI timeout kills runs so: keep what was judged
         console.clear()
         done = console.outcomes
-        why = f"interrupted (Ctrl-C) after {count(len(done), 'case')}"
-        _emit(as_json, json_file, report.as_json(url, console.info, done, why, strict, quick))
+        why = report.interrupted(len(done), len(cases))
+        if console.text:
+            click.echo(report.footer(done, why))
+        _emit(as_json, json_file, report.as_json(url, console.info, done, why, strict, quick, cases,
+                                                 report.EXIT_INTERRUPTED))
         _write(junit_file, report.junit(url, done, why))
         write_html(html_file, url, done, why)
-        raise Exit(130, f"conform: {why}; the reports hold the cases judged until then") from None
+        raise Exit(report.EXIT_INTERRUPTED, f"conform: {why}; the reports hold the cases judged until "
+                                            "then") from None
     console.clear()
     if console.text:
         click.echo(report.footer(outcomes))
-    _emit(as_json, json_file, report.as_json(url, info, outcomes, None, strict, quick))
+    _emit(as_json, json_file, report.as_json(url, info, outcomes, None, strict, quick, cases))
     _write(junit_file, report.junit(url, outcomes))
     write_html(html_file, url, outcomes, None)
     code = report.exit_code(outcomes, strict)
     if code:
         raise Exit(code, _summary(outcomes, strict))
-
-
-def _failed_in(path: str) -> set[str]:
-    """The ids of the cases an earlier run's JSON report has as FAIL, WARN or ERROR."""
-    try:
-        doc = json.loads(Path(path).read_text())
-        return {c["id"] for c in doc["cases"] if c["verdict"] in (FAIL, WARN, ERROR)}
-    except OSError as exc:
-        raise click.BadParameter(f"{path}: {exc.strerror or exc}", param_hint="--rerun-failed") from None
-    except (ValueError, KeyError, TypeError):
-        raise click.BadParameter(f"{path} is not the JSON report of a kbtp conform run (--json-file)",
-                                 param_hint="--rerun-failed") from None
 
 
 def _coverage(spec: str | None, as_json: bool) -> None:

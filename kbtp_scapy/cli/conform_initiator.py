@@ -13,11 +13,9 @@ import click
 
 from ..conform import report
 from ..conform.initiator.runner import all_cases, run
-from ..conform.registry import select
-from ..conform.runner import Listener, Outcome
+from ..conform.registry import Case, select
 from ..harness import HarnessError
-from ..words import count
-from .conform import write_html
+from .conform import Console, write_html
 from .errors import Exit
 
 
@@ -25,9 +23,9 @@ def check_initiator(listen: str | None, program: tuple[str, ...], *, local: str 
                     list_only: bool, only: tuple[str, ...], exclude: tuple[str, ...], quick: bool,
                     strict: bool, as_json: bool, json_file: str | None, junit_file: str | None,
                     html_file: str | None, pcap_dir: str | None, keep: str | None, timeout: float, quiet: bool,
-                    console: Listener, judged: list[Outcome], io: dict | None = None) -> int:
-    """Run the initiator cases; returns the exit code (the caller raises it). ``judged``
-    is the list ``console`` fills as verdicts come: on Ctrl-C, the partial report."""
+                    console: Console, io: dict | None = None) -> int:
+    """Run the initiator cases; returns the exit code (the caller raises it). On Ctrl-C
+    the partial report holds the verdicts ``console`` heard."""
     cases = select(all_cases(), only, exclude)
     if not cases:
         raise click.UsageError("no initiator case matches --only/--exclude (see --role initiator --list)")
@@ -48,29 +46,34 @@ def check_initiator(listen: str | None, program: tuple[str, ...], *, local: str 
                                    quick=quick, pcap_dir=Path(pcap_dir) if pcap_dir else None,
                                    listener=console, keep=Path(keep) if keep else None, io=io))
     except HarnessError as exc:
-        doc = _doc(listen, program, [], str(exc), strict, quick)
+        doc = _doc(listen, program, [], str(exc), strict, quick, cases)
         _emit(as_json, json_file, doc)
         _write(junit_file, report.junit(listen, [], str(exc)))
         write_html(html_file, listen, [], str(exc))
         raise Exit(report.EXIT_HARNESS, f"conform: {exc}") from None
     except KeyboardInterrupt:        # as the target's checker: keep what was judged
-        done = list(judged)
-        why = f"interrupted (Ctrl-C) after {count(len(done), 'case')}"
-        _emit(as_json, json_file, _doc(listen, program, done, why, strict, quick))
+        console.clear()
+        done = list(console.outcomes)
+        why = report.interrupted(len(done), len(cases))
+        if not as_json:
+            click.echo(report.footer(done, why))
+        _emit(as_json, json_file, _doc(listen, program, done, why, strict, quick, cases,
+                                       report.EXIT_INTERRUPTED))
         _write(junit_file, report.junit(listen, done, why))
         write_html(html_file, listen, done, why)
-        raise Exit(130, f"conform: {why}; the reports hold the cases judged until then") from None
+        raise Exit(report.EXIT_INTERRUPTED, f"conform: {why}; the reports hold the cases judged until "
+                                            "then") from None
     if not as_json:
         click.echo(report.footer(outcomes))
-    _emit(as_json, json_file, _doc(listen, program, outcomes, None, strict, quick))
+    _emit(as_json, json_file, _doc(listen, program, outcomes, None, strict, quick, cases))
     _write(junit_file, report.junit(listen, outcomes))
     write_html(html_file, listen, outcomes, None)
     return report.exit_code(outcomes, strict)
 
 
 def _doc(listen: str, program: tuple[str, ...], outcomes: list, error: str | None, strict: bool,
-         quick: bool) -> str:
-    doc = json.loads(report.as_json(listen, None, outcomes, error, strict, quick))
+         quick: bool, selected: list[Case], code: int | None = None) -> str:
+    doc = json.loads(report.as_json(listen, None, outcomes, error, strict, quick, selected, code))
     doc.update(role="initiator", listen=doc.pop("target"), program=list(program))
     doc.pop("target_info", None)
     return json.dumps(doc, indent=2)

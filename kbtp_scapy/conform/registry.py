@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from .references import readable
+
 if TYPE_CHECKING:
     from .context import Ctx
 
@@ -83,6 +85,11 @@ class Case:
     def group(self) -> str:
         return self.id.split(".", 1)[0]
 
+    @property
+    def shown(self) -> str:
+        """The requirement as reports show it: the draft's blank references filled or marked."""
+        return readable(self.requirement)
+
 
 @dataclass(frozen=True)
 class Untestable:
@@ -92,6 +99,10 @@ class Untestable:
     level: str
     requirement: str
     reason: str
+
+    @property
+    def shown(self) -> str:
+        return readable(self.requirement)
 
 
 CASES: list[Case] = []

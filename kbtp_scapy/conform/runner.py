@@ -59,6 +59,12 @@ class Outcome:
     broke: Rule | None = None     # FAIL in a set-up step: the rule the target broke there
     gone_at: str = ""             # the target went away at this case (FAIL there, SKIP after)
 
+    @property
+    def not_run(self) -> bool:
+        """SKIP because the run could not reach the case (the target went away before it):
+        no verdict on the target, so ``--rerun-failed`` runs it again."""
+        return self.verdict == SKIP and bool(self.gone_at)
+
 
 class Listener:
     """What a front end hears of a run; every method may be left as it is."""
