@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kbtp_scapy.initiator import Initiator, PeerLimit
-from kbtp_scapy.initiator.limits import MAX_UNMATCHED, Limits
+from kbtp_scapy.initiator.limits import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_UNMATCHED, Limits
 
 from .attack import DIRECT_LOAD, HostileTarget, direct_load_descriptors
 from .kbtp_harness import fresh_hosts
@@ -142,6 +142,17 @@ def test_a_block_size_of_0xfffffff8_is_refused_by_every_tool_in_little_memory(tm
         assert f"Block Size of {HUGE_BLOCK} octets" in runs[tool].stdout, runs[tool].stdout[-500:]
 
 
+def test_conform_takes_raised_limits(tmp_path):
+    """A vendor whose blocks are larger than the default limit raises it for conform too
+    (conform used to keep the defaults, so such a target FAILed every case)."""
+    with hostile(ack={"block_size": MAX_BLOCK_SIZE * 2}) as target:
+        args = ["conform", "--target", target.url, "--timeout", str(TIMEOUT), "--only", "ops.load.not_valid"]
+        refused = run_tool("conform", args, tmp_path)
+        raised = run_tool("conform", [*args, "--max-block-size", str(MAX_BLOCK_SIZE * 2)], tmp_path)
+    assert "within the checker's limits" in refused.stdout, refused.stdout[-500:]
+    assert "checker's limits" not in raised.stdout and raised.code in (0, 1), raised.stdout[-500:]
+
+
 @pytest.mark.slow
 @BINDINGS
 def test_a_hello_never_answered_ends_every_tool(tmp_path, binding):
@@ -155,6 +166,17 @@ def test_a_hello_never_answered_ends_every_tool(tmp_path, binding):
 def test_requests_never_answered_end_every_tool(tmp_path, binding):
     """T2: HELLO_ACK, then silence: every request has its deadline (``kbtp bench`` had none)."""
     attack(tmp_path, FAILED, "ops.load.not_valid", hostile(binding, answer=False))
+
+
+@pytest.mark.slow
+def test_blocks_as_large_as_the_limits_allow_then_silence_stay_in_little_memory(tmp_path):
+    """T1 at the edge: a HELLO_ACK whose Block Size and Max Inline are the default limit
+    itself, and no answer after it. Each tool holds a few blocks at once (a store's data,
+    its Send, the frames queued to a peer that reads nothing), so the default limit is what
+    keeps them under 256 MB: at 64 MiB bench peaked at 347 MB and conform at 376 MB."""
+    target = hostile("iwarp", answer=False,
+                     ack={"block_size": MAX_BLOCK_SIZE, "max_inline": MAX_BLOCK_SIZE, "quota": MAX_BLOCKS})
+    attack(tmp_path, FAILED, "ops.limits.lengths", target)
 
 
 @pytest.mark.slow

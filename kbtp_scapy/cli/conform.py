@@ -14,10 +14,11 @@ from ..conform.registry import ERROR, FAIL, WARN, Case, select
 from ..conform.rerun import ReportError, again
 from ..conform.runner import Listener, Outcome, run
 from ..harness import HarnessError
+from ..initiator.limits import Limits
 from ..initiator.results import TargetInfo
 from ..words import count
 from .errors import Exit
-from .options import raw_io, say_resolved
+from .options import limit_options, raw_io, say_resolved
 
 
 class Console(Listener):
@@ -101,13 +102,14 @@ class Console(Listener):
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="Seconds to wait for any one answer; cases that need longer waits are skipped.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress; print only cases that did not pass.")
+@limit_options
 @click.argument("program", nargs=-1, type=click.UNPROCESSED)
 def conform(role: str, url: str | None, listen: str | None, keep: str | None, local: str | None,
             io: str, device: str | None, list_only: bool, coverage: bool, spec: str | None, only: tuple[str, ...],
             exclude: tuple[str, ...], rerun: str | None, quick: bool, strict: bool, as_json: bool,
             json_file: str | None,
             junit_file: str | None, html_file: str | None, pcap_dir: str | None, timeout: float, quiet: bool,
-            program: tuple[str, ...]) -> None:
+            max_block_size: int, max_blocks: int, program: tuple[str, ...]) -> None:
     """Check a KBTP target against the specification, judging only what it sends back.
 
     One case per testable requirement, each PASS, FAIL, WARN (a SHOULD not met), SKIP (a
@@ -195,6 +197,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     console = Console(url, not as_json, quiet)
     try:
         info, outcomes = asyncio.run(run(url, cases, timeout=timeout, local=local, quick=quick,
+                                         limits=Limits(max_block_size=max_block_size, max_blocks=max_blocks),
                                          pcap_dir=Path(pcap_dir) if pcap_dir else None,
                                          listener=console))
     except HarnessError as exc:

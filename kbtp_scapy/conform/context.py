@@ -21,6 +21,7 @@ from typing import Any
 from .. import codec
 from ..initiator import Initiator, KbtpError, PeerLimit, Result, SessionEnded
 from ..initiator.client import ALL_FEATURES, COMPLETION_BUFFER
+from ..initiator.limits import Limits
 from ..initiator.results import TargetInfo
 from ..rnic import MemoryTable, QueuePair, connect as rdma_connect
 from ..rnic.pcap import PcapSink
@@ -58,10 +59,19 @@ class RunState:
     """What the cases of one run share: the handles given out and the Initiator IDs whose
     sessions ended, so that no case inherits what another left behind."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits      # the checker's own bounds on a HELLO_ACK (--max-block-size)
         self.used: set[int] = set()
         self.retired: list[bytes] = []
         self.crowded = False      # a fresh Initiator ID was refused: try earlier ones first
+
+
+def session_options(local: str | None, state: RunState | None) -> dict[str, Any]:
+    """What every ``Initiator.connect`` of a run passes: ``--local`` and the run's limits."""
+    options: dict[str, Any] = {"local": local} if local else {}
+    if state is not None and state.limits is not None:
+        options["limits"] = state.limits
+    return options
 
 
 def close_all(coros: Iterable[Coroutine]) -> None:
@@ -88,7 +98,7 @@ class Ctx:
         self.url, self.transport, self.info, self.timeout = url, transport, info, timeout
         self.frames = frames
         self.run = run or RunState()
-        self._options: dict[str, Any] = {"local": local} if local else {}
+        self._options = session_options(local, self.run)
         self.sessions: list[Initiator] = []
         self._qps: list[QueuePair] = []
         self._ids: dict[bytes, bool] = {}          # Initiator ID -> released

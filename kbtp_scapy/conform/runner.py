@@ -17,17 +17,17 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError, PeerLimit
 from ..initiator.client import ALL_FEATURES
+from ..initiator.limits import Limits
 from ..initiator.presence import absent
 from ..initiator.results import TargetInfo
 from ..rnic.qp import ConnectionLost, RemoteError
 from ..vocab import Feature
 from ..wire.address import parse_url
-from .context import Ctx, FrameBuffer, RunState, describe
+from .context import Ctx, FrameBuffer, RunState, describe, session_options
 from .registry import (
     ERROR,
     FAIL,
@@ -85,7 +85,7 @@ class Listener:
 async def probe(url: str, local: str | None, timeout: float,
                 state: RunState | None = None) -> TargetInfo:
     """HELLO with every feature requested: what the target offers, for SKIP decisions."""
-    options: dict[str, Any] = {"local": local} if local else {}
+    options = session_options(local, state)
     try:        # the RNIC's own set-up waits as long (not its default), so the reason holds
         ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, connect_timeout=timeout,
                                                        **options), timeout)
@@ -177,14 +177,16 @@ def write_pcap(directory: Path, case_id: str, frames: FrameBuffer) -> str:
 
 async def run(url: str, cases: list[Case], *, timeout: float = 10.0, local: str | None = None,
               pcap_dir: Path | None = None, quick: bool = False,
-              listener: Listener | None = None) -> tuple[TargetInfo, list[Outcome]]:
-    """Probe the target, then run ``cases`` one after the other."""
+              listener: Listener | None = None,
+              limits: Limits | None = None) -> tuple[TargetInfo, list[Outcome]]:
+    """Probe the target, then run ``cases`` one after the other; ``limits`` bound what its
+    HELLO_ACKs may make the checker spend (the initiator's defaults when None)."""
     try:
         transport = parse_url(url).transport
     except ValueError as exc:
         raise HarnessError(str(exc)) from None
     listener = listener or Listener()
-    state = RunState()
+    state = RunState(limits)
     info = await probe(url, local, timeout, state)
     listener.probed(info, len(cases))
     outcomes: list[Outcome] = []

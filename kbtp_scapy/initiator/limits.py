@@ -17,7 +17,7 @@ from .results import KbtpError
 if TYPE_CHECKING:
     from .results import TargetInfo
 
-MAX_BLOCK_SIZE = 64 << 20       # octets: a KV block of a large model is a few MiB at most
+MAX_BLOCK_SIZE = 16 << 20       # octets: a KV block of a large model is a few MiB (DECISIONS)
 MAX_BLOCKS = 1 << 16            # blocks of a quota, a partition or a ring
 WAIT = 60.0                     # seconds for any one answer, where the caller names no --timeout
 MAX_UNMATCHED = 1024            # answers to no request kept for ``Initiator.raw``; older ones dropped
