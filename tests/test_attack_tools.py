@@ -159,6 +159,9 @@ def test_a_hello_never_answered_ends_every_tool(tmp_path, binding):
     """T2: a connection that takes the HELLO and says nothing; ``kbtp bench`` waited forever."""
     runs = attack(tmp_path, UNREACHABLE, "ops.load.not_valid", hostile(binding, hello=False))
     assert runs["bench"].seconds < ENDS_WITHIN
+    for tool, ran in runs.items():      # the connection was up: the HELLO_ACK is what is missing
+        said = ran.stderr + ran.stdout
+        assert f"no HELLO_ACK within {TIMEOUT} s" in said and "listening there" not in said, (tool, said)
 
 
 @pytest.mark.slow

@@ -14,11 +14,10 @@ from ..conform.registry import ERROR, FAIL, WARN, Case, select
 from ..conform.rerun import ReportError, again
 from ..conform.runner import Listener, Outcome, run
 from ..harness import HarnessError
-from ..initiator.limits import Limits
 from ..initiator.results import TargetInfo
 from ..words import count
 from .errors import Exit
-from .options import limit_options, raw_io, say_resolved
+from .options import limit_options, limits, raw_io, say_resolved
 
 
 class Console(Listener):
@@ -197,7 +196,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     console = Console(url, not as_json, quiet)
     try:
         info, outcomes = asyncio.run(run(url, cases, timeout=timeout, local=local, quick=quick,
-                                         limits=Limits(max_block_size=max_block_size, max_blocks=max_blocks),
+                                         limits=limits(max_block_size, max_blocks, timeout),
                                          pcap_dir=Path(pcap_dir) if pcap_dir else None,
                                          listener=console))
     except HarnessError as exc:

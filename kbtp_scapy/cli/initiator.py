@@ -19,6 +19,7 @@ import click
 
 from .. import tables as T
 from ..initiator import Initiator, KbtpError, PeerLimit, Result
+from ..initiator.limits import connect_deadline
 from ..vocab import Feature
 from ..words import count
 from .errors import (
@@ -213,7 +214,7 @@ async def _session(o: dict, name: str, func, kwargs: dict) -> None:
             ini = await asyncio.wait_for(Initiator.connect(
                 url, initiator_id=o["initiator_id"], features=o["features"], credits=o["credits"],
                 invalidate=o["invalidate"], frame_listeners=[sink] if sink else None,
-                limits=o["limits"], **o["options"]), timeout)
+                limits=o["limits"], **o["options"]), connect_deadline(timeout))
         except PeerLimit as exc:
             raise _failure(f"{url}: HELLO_ACK not usable", exc, why=exc.detail,
                            todo=RAISE_LIMITS) from None

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError, PeerLimit
 from ..initiator.client import ALL_FEATURES
-from ..initiator.limits import Limits
+from ..initiator.limits import Limits, connect_deadline
 from ..initiator.presence import absent
 from ..initiator.results import TargetInfo
 from ..rnic.qp import ConnectionLost, RemoteError
@@ -88,7 +88,7 @@ async def probe(url: str, local: str | None, timeout: float,
     options = session_options(local, state)
     try:        # the RNIC's own set-up waits as long (not its default), so the reason holds
         ini = await asyncio.wait_for(Initiator.connect(url, features=ALL_FEATURES, connect_timeout=timeout,
-                                                       **options), timeout)
+                                                       **options), connect_deadline(timeout))
     except PeerLimit as exc:          # every case's HELLO fails on it: FAIL (Ctx.connect)
         return exc.target
     except KbtpError as exc:

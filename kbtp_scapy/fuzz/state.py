@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError, PeerLimit
 from ..initiator.client import ALL_FEATURES
+from ..initiator.limits import NoAnswer as Unanswered, connect_deadline
 from ..initiator.results import TargetInfo
 from .cases import SCRATCH
 from .findings import Finding
@@ -111,7 +112,7 @@ class World:
         try:
             ini = await asyncio.wait_for(Initiator.connect(
                 self.url, initiator_id=initiator_id or secrets.token_bytes(16), features=features,
-                frame_listeners=self.frame_listeners, **self.options), self.timeout)
+                frame_listeners=self.frame_listeners, **self.options), connect_deadline(self.timeout))
         except PeerLimit as exc:      # it asks the fuzzer for more than it spends
             raise SetupFault(Finding("hello-ack", exc.detail, evidence={"hello_ack": exc.hello_ack.hex()})) from None
         except KbtpError as exc:
@@ -136,8 +137,9 @@ class World:
         except KbtpError as exc:
             raise HarnessError(f"{self.url}: {doing}: {self.refusal(exc)}") from None
         except (*TRANSPORT_ERRORS, ValueError) as exc:
-            hint = "; is a KBTP target listening there" + (" (and is --local an address of this host)?"
-                                                           if self.transport == "roce" else "?")
+            hint = ("; the target's log may say why it never answered the HELLO" if isinstance(exc, Unanswered)
+                    else "; is a KBTP target listening there" + (" (and is --local an address of this host)?"
+                                                                 if self.transport == "roce" else "?"))
             raise HarnessError(f"{self.url}: {doing}: {describe(exc, self.timeout)}{hint}") from None
         self._disjoint(self.own, self.peer)
         s = self.own

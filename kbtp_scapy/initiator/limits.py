@@ -33,6 +33,14 @@ class PeerLimit(KbtpError):
         self.target = target
 
 
+def connect_deadline(wait: float) -> float:
+    """The bound on a whole ``Initiator.connect`` whose steps each wait ``wait`` seconds: the
+    RNIC's set-up (its ``connect_timeout``) and then the HELLO_ACK. A bound of ``wait`` alone
+    cut a silent HELLO_ACK short with a bare timeout, said as "is a target listening there?"
+    where the connection was up and only the HELLO_ACK was missing."""
+    return 2 * wait
+
+
 class NoAnswer(TimeoutError):
     """The target did not answer within the initiator's deadline (``Limits.wait``)."""
 

@@ -25,6 +25,7 @@ from typing import Any
 from .. import codec
 from ..harness import HarnessError
 from ..initiator import Initiator, KbtpError, Limits
+from ..initiator.limits import connect_deadline
 from ..initiator.results import Waiting, match_completion
 from ..rnic import Access
 from ..rnic.qp import ConnectionLost, RemoteError
@@ -193,7 +194,7 @@ class Player:
                 self.url, initiator_id=new_id,
                 features=hello.get("hello.requested_features", 0),
                 credits=max(1, hello.get("hello.completion_credits", 32)), limits=self.limits,
-                **options), self.timeout)
+                **options), connect_deadline(self.timeout))
         except KbtpError as exc:
             played.replayed = Outcome(status=exc.status, form="hello_ack")
         except (TimeoutError, OSError, ConnectionLost) as exc:
