@@ -7,6 +7,7 @@ import asyncio
 import csv
 import json
 import math
+import re
 import secrets
 import signal
 import subprocess
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from kbtp_scapy.bench.runner import sweep
+from kbtp_scapy.bench.runner import Measured, sweep
 from kbtp_scapy.bench.stats import Samples, histogram, percentile
+from kbtp_scapy.cli import main
 from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.operations import Executor
 from kbtp_scapy.vocab import Opcode
@@ -349,6 +351,66 @@ def test_kpi_reports_kv_block_transfer_latency_over_trials(target, tmp_path):
     stdout = bench(target, "-n", "30", "--kpi", "-", index=4)
     assert stdout.returncode == 0, stdout.stderr
     assert json.loads(stdout.stdout)["results"][0]["trials"][0]["samples"] == 30
+
+
+@pytest.mark.slow
+def test_the_table_says_which_trial_a_row_is(target):
+    """--trials 2: a trial column after #bytes tells each size's rows apart (the table had
+    none: two rows of one size, unnamed); a single trial has no such column."""
+    two = bench(target, "--trials", "2", "-s", "512,4096", "-n", "20", "--no-histogram", index=5)
+    assert two.returncode == 0, two.stderr
+    header, *rows = [line.split() for line in two.stdout.splitlines() if line and not line.startswith("-")]
+    assert header[:4] == ["op", "#bytes", "trial", "#iterations"]
+    assert [r[:4] for r in rows] == [["LOAD", size, trial, "20"] for size in ("512", "4096") for trial in "12"]
+    one = bench(target, "-n", "20", "--no-histogram", index=5)
+    assert one.returncode == 0 and "trial" not in one.stdout, one.stdout
+
+
+def _spread(lo_us: float, hi_us: float) -> Measured:
+    """A size's run with latencies spread (log-uniformly) from ``lo_us`` to ``hi_us``."""
+    s = Samples("LOAD", 4096)
+    for i in range(400):
+        s.add(round(lo_us * 1000 * (hi_us / lo_us) ** (i / 399)), 0, i * 1_000_000)
+    return Measured(4096, {"LOAD": s}, 0.4, 0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("lo", "hi"), [(150, 900), (200, 3000), (45, 460), (20, 30_000), (8, 5_000_000),
+                                        (100, 101)])
+def test_the_latency_axis_labels_are_plain_numbers_apart(lo, hi):
+    """The plot's latency axis as it is drawn: its labels are plain numbers that do not run
+    into each other. Matplotlib's own log axis labelled minor ticks too under two decades,
+    in scientific notation, over each other ("2×10²3×10²")."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from kbtp_scapy.bench import plot
+    fig = plot.figure([_spread(lo, hi)], "bench")
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    latency = fig.axes[0]
+    low, high = sorted(latency.get_xlim())
+    shown = sorted(((tick.label1.get_window_extent(canvas.get_renderer()), tick.label1.get_text())
+                    for tick in latency.xaxis.get_major_ticks() + latency.xaxis.get_minor_ticks()
+                    if low <= tick.get_loc() <= high and tick.label1.get_visible() and tick.label1.get_text()),
+                   key=lambda label: label[0].x0)
+    texts = [text for _, text in shown]
+    assert len(texts) >= 2 and all(re.fullmatch(r"\d+(\.\d+)?(e\+\d+)?", t) for t in texts), texts
+    assert [float(t) for t in texts] == sorted(float(t) for t in texts), texts
+    assert all(a.x1 < b.x0 for (a, _), (b, _) in zip(shown, shown[1:])), texts
+
+
+def test_bench_help_lists_the_exit_statuses_the_readme_does(capsys):
+    """The README's exit table and ``kbtp bench --help`` say the same of each status."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    head = next(line for line in readme.splitlines() if line.startswith("| command |"))
+    row = next(line for line in readme.splitlines() if line.startswith("| `bench` |"))
+    cells = [c.strip().replace("`", "") for c in row.strip("|").split(" | ")]
+    table = {code.strip(): cell for code, cell in zip(head.strip("|").split(" | ")[1:], cells[1:]) if cell}
+    assert main(["bench", "--help"]) == 0
+    said = " ".join(capsys.readouterr().out.split("Exit status:")[1].split("\n\n")[0].split()).rstrip(".")
+    helped = dict(clause.split(" ", 1) for clause in re.split(r"; (?=\d+ )", said))
+    assert helped == table and "the run could not start" in table["2"]
 
 
 @pytest.mark.slow

@@ -64,37 +64,11 @@ def test_id_file_without_an_id(tmp_path):
     assert f"{bad} does not hold an Initiator ID" in proc.stderr
 
 
-@pytest.mark.parametrize("suffix", [".pcap", ".raw"])
-def test_craft_into_a_missing_folder(tmp_path, suffix):
-    out = tmp_path / "missing" / f"x{suffix}"
-    m = one_error(run("craft", "LOAD", "-o", str(out), home=tmp_path))
-    assert m["what"] == f"cannot write {out} (-o)" and m["why"] == "no such file or directory"
-    assert not out.parent.exists()
-
-
-def test_target_pcap_into_a_missing_folder(tmp_path):
-    out = tmp_path / "missing" / "t.pcap"
-    m = one_error(run("target", "--listen", "127.0.0.1:1", "--pcap", str(out), "--duration", "1",
-                      home=tmp_path))
-    assert m["what"] == f"cannot write {out} (--pcap)"
-
-
 def test_target_pool_that_does_not_fit(tmp_path):
     """F x S beyond any machine's memory: the pool is named, and what to change."""
     m = one_error(run("target", "-F", "100000000", "-S", "1048576", "--duration", "1", home=tmp_path))
     assert m["what"].startswith("the pool of 100000000 blocks x 1048576 octets")
     assert m["why"].startswith("does not fit in memory") and "--blocks" in m["todo"]
-
-
-def test_load_into_a_missing_folder_names_the_path(tmp_path, roce_target):
-    """The block was loaded; the file is what failed, not the URL."""
-    out = tmp_path / "missing" / "x.bin"
-    base = ["initiator", roce_target.url, "--id-file", str(tmp_path / "id"), "--local",
-            roce_target.initiator_hosts[0]]
-    handle = hex(json.loads(run(*base, "--json", "hello", home=tmp_path).stdout)["handle_base"])
-    assert run(*base, "alloc-store", handle, "--text", "kv", "--seal", home=tmp_path).returncode == 0
-    m = one_error(run(*base, "load", handle, "-o", str(out), home=tmp_path))
-    assert m["what"] == f"cannot write {out} (-o)" and roce_target.url not in m["what"]
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
@@ -359,15 +333,3 @@ def test_host_names_are_resolved_and_said(tmp_path):
     bad = run("initiator", "iwarp://no-such-host.invalid:5420", "hello", home=tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1, bad.stderr
     assert "cannot resolve 'no-such-host.invalid'" in bad.stderr
-
-
-@pytest.mark.parametrize("where", ["/proc/nope", "file/x"])
-def test_dissector_build_out_where_no_folder_can_be(tmp_path, where):
-    """--out that cannot be a folder (under /proc, under a file): one line naming it, not
-    a 42-line traceback."""
-    (tmp_path / "file").write_text("")
-    proc = run("dissector", "build", "--out", where, home=tmp_path, cwd=tmp_path)
-    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    if "is not installed" not in proc.stderr:                # the toolchain is here
-        assert proc.stderr.startswith(f"kbtp: cannot write {where} (--out): "), proc.stderr

@@ -52,6 +52,18 @@ def test_a_target_that_never_answers(tmp_path, silent_iwarp):
     assert m["what"] == f"cannot connect to {url}" and "1 s" in m["why"] and "--timeout" in m["todo"]
 
 
+def test_a_bench_that_cannot_start(tmp_path, silent_iwarp):
+    """Nobody at URL, or a listener that never says HELLO_ACK: the run could not start,
+    exit 2 as conform's, fuzz's and replay's (it was 1, which bench's help keeps for a
+    target that failed)."""
+    host = fresh_hosts(1)[0]
+    url = f"iwarp://{host}:{free_port(host)}"
+    m = one_error(run("bench", url, "-n", "1", home=tmp_path), 2)
+    assert m["what"] == f"cannot benchmark {url}" and m["why"].startswith("connection refused")
+    m = one_error(run("bench", silent_iwarp, "--timeout", "1", "-n", "1", home=tmp_path), 2)
+    assert m["what"] == f"cannot benchmark {silent_iwarp}" and "1 s" in m["why"] and "--timeout" in m["todo"]
+
+
 @pytest.mark.parametrize("transport", ["roce", "iwarp"])
 def test_nobody_there(tmp_path, transport):
     host, local = fresh_hosts(2)

@@ -1,12 +1,13 @@
 """``kbtp analyze --report DIR``: the analysis as an HTML page with two PNG plots beside it
 (latency percentiles per opcode, requests per interval over time), readable offline.
-Matplotlib is the optional extra ``kbtp_scapy[plot]``."""
+Matplotlib is the checkout's optional extra ``[plot]``."""
 from __future__ import annotations
 
 import html
 from collections import defaultdict
 from pathlib import Path
 
+from ..extras import Extra, install
 from .queries import Analysis
 
 _PERCENTILES = ("p50", "p95", "p99", "p999")
@@ -17,7 +18,7 @@ def plots(result: Analysis, out: Path) -> list[str]:
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("--report needs matplotlib: pip install 'kbtp_scapy[plot]'") from None
+        raise ImportError(f"--report needs matplotlib: {install(Extra.PLOT)}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     ok = [s for s in result.stats if s["p50"] is not None]

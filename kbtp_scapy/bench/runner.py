@@ -41,6 +41,15 @@ class BenchError(Exception):
     """The benchmark cannot run as asked (a feature not granted, more in flight than the quota)."""
 
 
+class NotStarted(Exception):
+    """No session could begin (no target there, no HELLO_ACK, the connection lost before
+    it): the run never started. ``cause`` is the connection's error, which says why."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 class Interrupted(Exception):
     """The run was asked to stop (Ctrl-C) before its plan ended."""
 
@@ -128,7 +137,10 @@ async def run(plan: Plan, progress: Callable[[str], None] = lambda _: None) -> l
     out: list[Measured] = []
     try:
         for _ in range(plan.connections):               # each with an Initiator ID of its own
-            sessions.append(Session(plan, await _connect(plan)))
+            try:
+                sessions.append(Session(plan, await _connect(plan)))
+            except LOST as exc:
+                raise NotStarted(exc) from exc
             _check(sessions[-1].ini, plan)
         lanes = _lanes(plan, sessions)
         block_size = _info(sessions[0].ini).block_size

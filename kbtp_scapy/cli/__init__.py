@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .errors import OutputClosed
+from .errors import FILE_TODO, OutputClosed, line, reason
 
 #: subcommand -> module of this package defining it; imported only when that command runs,
 #: so ``kbtp target`` does not pay for Scapy's layers in start-up time and memory.
@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())     # nor a second complaint at exit's flush
         return 0
+    except OSError as exc:    # a report's write that failed at the end (disk full): one line
+        what = os.fsdecode(exc.filename) if exc.filename else "the command stopped"
+        click.echo(f"kbtp: {line(what, reason(exc), FILE_TODO.get(exc.errno or 0, ''))}", err=True)
+        return 1
     # a command's ``click.exceptions.Exit(N)`` (decode's 130 on Ctrl-C) comes back as N
     return status if isinstance(status, int) and not isinstance(status, bool) else 0
 

@@ -13,7 +13,9 @@ import click
 
 from ..analyze.rows import CaptureError
 from ..decode import capture_files
+from ..extras import Extra, lacking
 from .errors import Exit
+from .options import Output, needs
 
 
 def _captures(inputs: tuple[str, ...]) -> tuple[list[Path], list[Path]]:
@@ -90,14 +92,14 @@ def _text(result: Any) -> str:
 
 @click.command()
 @click.argument("captures", nargs=-1, required=True, metavar="CAPTURE...")
-@click.option("--parquet", "parquet", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--parquet", "parquet", type=Output(folder=True, path_type=Path),
               help="Keep the decoded messages as a Parquet dataset in this folder (one folder per "
                    "capture); give the folder back to analyze it again without decoding.")
 @click.option("--json", "as_json", is_flag=True, help="The statistics, sessions, timeline and hazards as one "
               "JSON object.")
-@click.option("--report", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--report", type=Output(folder=True, path_type=Path), callback=needs(Extra.PLOT, "matplotlib"),
               help="Also write report.html, latency.png and throughput.png into this folder.")
-@click.option("--dask", "scheduler", metavar="HOST:PORT|local",
+@click.option("--dask", "scheduler", metavar="HOST:PORT|local", callback=needs(Extra.ANALYZE, "distributed"),
               help="Decode and judge on a Dask cluster (its scheduler's address), or on a local one of "
                    "--workers processes: for captures that do not fit one machine. Workers must see "
                    "the captures and the --parquet folder at the same paths (--dask local: a "
@@ -135,11 +137,9 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, repo
       kbtp analyze --report fleet-report pcaps/fleet/      # HTML and PNG plots
       kbtp analyze --dask local --workers 2 pcaps/fleet/   # the same on a Dask cluster
     """
-    try:
-        import duckdb  # noqa: F401
-        import pyarrow  # noqa: F401
-    except ImportError:
-        raise Exit(2, "kbtp analyze needs DuckDB and pyarrow: pip install 'kbtp_scapy[analyze]'") from None
+    missing = lacking("kbtp analyze", Extra.ANALYZE, "duckdb", "pyarrow")
+    if missing:
+        raise Exit(2, missing)
     files, datasets = _captures(captures)
     if datasets and (files or len(datasets) > 1):
         raise click.UsageError("give one Parquet dataset alone, or capture files and folders")
@@ -196,10 +196,6 @@ def _damaged(path: Path, why: str) -> None:
 
 def _on_dask(files: list[Path], out: Path | None, scheduler: str, workers: int, quiet: bool) -> Any:
     """Decode and judge on a Dask cluster (``analyze/distributed.py``)."""
-    try:
-        import distributed as _  # noqa: F401
-    except ImportError:
-        raise Exit(2, "--dask needs Dask distributed: pip install 'kbtp_scapy[analyze]'") from None
     if files and out is None and scheduler != "local":
         raise click.UsageError("--dask HOST:PORT needs --parquet DIR, a folder every worker sees, for the "
                                "decoded captures")

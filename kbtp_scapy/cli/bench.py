@@ -11,10 +11,21 @@ import click
 
 from ..bench import kpi, runner
 from ..bench.stats import histogram
+from ..extras import Extra, install
 from ..initiator import KbtpError, PeerLimit
 from .errors import CONNECTION_ERRORS, Exit, file_trouble, hint, line, local_trouble, reason
 from .interrupt import run_stoppable
-from .options import LOCAL_IS_ROCE, RAISE_LIMITS, address, limit_options, limits, raw_io, raw_io_options
+from .options import (
+    LOCAL_IS_ROCE,
+    RAISE_LIMITS,
+    Output,
+    address,
+    limit_options,
+    limits,
+    needs,
+    raw_io,
+    raw_io_options,
+)
 
 #: perftest-like columns: header, row key, width
 COLUMNS = (("op", "op", 12), ("#bytes", "bytes", 8), ("#iterations", "iterations", 12),
@@ -22,6 +33,8 @@ COLUMNS = (("op", "op", 12), ("#bytes", "bytes", 8), ("#iterations", "iterations
            ("t_min[usec]", "min", 12),
            ("t_p50", "p50", 9), ("t_p90", "p90", 9), ("t_p99", "p99", 9), ("t_p99.9", "p99.9", 9),
            ("t_max", "max", 9), ("CPU/op[usec]", "cpu_us_per_op", 13))
+#: the column of --trials N, after #bytes: which trial of its size a row is
+TRIAL = ("trial", "trial", 5)
 
 
 def _sizes(ctx: click.Context, param: click.Parameter, given: tuple[str, ...]) -> list[int]:
@@ -36,13 +49,15 @@ def _sizes(ctx: click.Context, param: click.Parameter, given: tuple[str, ...]) -
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The rows as perftest prints its results: a rule, the header, one line a row."""
-    rule = "-" * sum(w + 1 for _, _, w in COLUMNS)
-    lines = [rule, " ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, _, w) in enumerate(COLUMNS))]
+    """The rows as perftest prints its results: a rule, the header, one line a row (with a
+    trial column when the sizes were run more than once)."""
+    columns = (*COLUMNS[:2], TRIAL, *COLUMNS[2:]) if any("trial" in row for row in rows) else COLUMNS
+    rule = "-" * sum(w + 1 for _, _, w in columns)
+    lines = [rule, " ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, _, w) in enumerate(columns))]
     for row in rows:
         values = {**row, **row.get("latency_us", {})}
         cells = []
-        for i, (_, key, width) in enumerate(COLUMNS):
+        for i, (_, key, width) in enumerate(columns):
             value = values.get(key)
             text = "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
             cells.append(f"{text:>{width}}" if i else f"{text:<{width}}")
@@ -80,21 +95,21 @@ def table(rows: list[dict[str, Any]]) -> str:
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="How long to wait for the connection and for each answer.")
 @limit_options
-@click.option("--pcap", type=click.Path(dir_okay=False), default=None,
+@click.option("--pcap", type=Output(), default=None,
               help="Write every frame to this pcap (to check the times with tshark: kbtp.time).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout instead of text.")
-@click.option("--csv", "csv_file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+@click.option("--csv", "csv_file", type=Output(dash=True), default=None,
               metavar="FILE", help="Also write the results as CSV to FILE, one row per operation and size "
                                    "('-': stdout instead of the table).")
-@click.option("--kpi", "kpi_file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+@click.option("--kpi", "kpi_file", type=Output(dash=True), default=None,
               metavar="FILE", help="Also write the KV block transfer latency KPI as JSON to FILE: "
                                    "P50/P95/P99/P99.9 per trial, their mean, min and max over the "
                                    "trials ('-': stdout instead of the table).")
 @click.option("--histogram/--no-histogram", "show_histogram", default=True, show_default=True,
               help="A latency histogram in the terminal after the table.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+@click.option("--plot", type=Output(), default=None, metavar="FILE", callback=needs(Extra.PLOT, "matplotlib"),
               help="PNG or SVG of the latency distribution and throughput over time "
-                   "(needs matplotlib, the checkout's [plot] extra: pip install '.[plot]').")
+                   f"(needs matplotlib: {install(Extra.PLOT)}).")
 def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int, bidirectional: bool,
           in_flight: int, duration: float | None, iterations: int | None, trials: int, inline: bool | None,
           local: str | None, io: str, iface: str | None,
@@ -107,10 +122,12 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
     client's own CPU per operation (CPU/op, and cpu_percent in --json: near 100% the client,
     not the target, is the bottleneck).
 
-    Exit status: 0 measured as asked; 1 the target failed during the run (the results
-    until then are printed, marked partial) or refused a request; 2 usage error, or a plan
-    the target cannot serve (a feature not granted, more in flight than its quota, a size
-    over its Block Size); 130 interrupted by Ctrl-C (the results so far, marked partial).
+    Exit status: 0 measured as asked; 1 the target failed: it refused a request, granted
+    more than --max-block-size or --max-blocks allow, or failed during the run (the results
+    until then are printed, marked partial); 2 usage error, the run could not start (no
+    target answered at URL), or a plan the target cannot serve (a feature not granted, more
+    in flight than its quota, a size over its Block Size); 130 interrupted by Ctrl-C (the
+    results so far, marked partial).
 
     \b
     Examples (with kbtp target running):
@@ -132,8 +149,11 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
         raise click.UsageError("give --size or --all-sizes, not both")
     if bidirectional and op != "load":
         raise click.UsageError("--bidirectional runs load and store; leave --op out")
-    if csv_file == "-" and kpi_file == "-":
-        raise click.UsageError("only one of --csv and --kpi can write to stdout ('-')")
+    to_stdout = [name for name, given in (("--json", as_json), ("--csv -", csv_file == "-"),
+                                          ("--kpi -", kpi_file == "-")) if given]
+    if len(to_stdout) > 1:
+        raise click.UsageError(f"{', '.join(to_stdout)}: only one can write to stdout; write the "
+                               "others to files (--csv FILE, --kpi FILE)")
     if io == "verbs" and pcap:
         raise click.UsageError("--pcap records the soft RNIC's frames; with --io verbs capture "
                                "with tcpdump on the device's interface")
@@ -165,6 +185,9 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
                                                 click.echo(f"kbtp bench: {text} ...", err=True)), stop)
     except runner.BenchError as exc:
         raise Exit(2, line(f"bench {target}", str(exc), "see 'kbtp bench --help'")) from None
+    except runner.NotStarted as exc:
+        what = local_trouble(exc.cause, target, local) or f"cannot benchmark {target}"
+        raise Exit(2, line(what, reason(exc.cause, timeout), hint(exc.cause))) from None
     except PeerLimit as exc:
         raise click.ClickException(line(f"bench {target}: HELLO_ACK not usable", exc.detail, RAISE_LIMITS)) from None
     except KbtpError as exc:

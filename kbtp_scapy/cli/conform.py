@@ -17,7 +17,7 @@ from ..harness import HarnessError
 from ..initiator.results import TargetInfo
 from ..words import count
 from .errors import Exit
-from .options import limit_options, limits, raw_io, say_resolved
+from .options import Output, limit_options, limits, raw_io, say_resolved
 
 
 class Console(Listener):
@@ -66,7 +66,7 @@ class Console(Listener):
                    "against a checking target on --listen (docs/INITIATOR_CONFORMANCE.md).")
 @click.option("--target", "url", metavar="URL", help="The target: iwarp://HOST:PORT or roce://HOST[:PORT].")
 @click.option("--listen", metavar="URL", help="--role initiator: where the checking target listens.")
-@click.option("--keep", type=click.Path(file_okay=False), metavar="DIR",
+@click.option("--keep", type=Output(folder=True), metavar="DIR",
               help="--role initiator: keep each run's inputs, outputs and stderr in DIR.")
 @click.option("--local", metavar="ADDR", help="Local address of the checker's initiator (RoCEv2).")
 @click.option("--io", type=click.Choice(["udp", "verbs"]), default="udp", show_default=True,
@@ -89,14 +89,14 @@ class Console(Listener):
 @click.option("--quick", is_flag=True, help="Leave out the slow cases (they are reported as SKIP).")
 @click.option("--strict", is_flag=True, help="A WARN (a SHOULD not met) fails the run too (exit status 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout instead of text.")
-@click.option("--json-file", type=click.Path(dir_okay=False, writable=True, allow_dash=True), metavar="FILE",
+@click.option("--json-file", type=Output(dash=True), metavar="FILE",
               help="Also write the results as JSON to FILE ('-': the same as --json).")
-@click.option("--junit", "junit_file", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
+@click.option("--junit", "junit_file", type=Output(), metavar="FILE",
               help="Write the results as JUnit XML to FILE (a WARN is a failure of type warning).")
-@click.option("--html", "html_file", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--html", "html_file", type=Output(), metavar="FILE",
               help="Write the results as one HTML page to FILE: each case with its requirement, "
                    "expected and seen, and a link to its capture (--pcap-dir).")
-@click.option("--pcap-dir", type=click.Path(file_okay=False), metavar="DIR",
+@click.option("--pcap-dir", type=Output(folder=True), metavar="DIR",
               help="Write a pcap per case that did not pass.")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="Seconds to wait for any one answer; cases that need longer waits are skipped.")

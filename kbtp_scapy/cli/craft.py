@@ -11,6 +11,7 @@ import click
 from .. import tables as T
 from ..layers.kbtp import _write_word, build_packet
 from .errors import file_trouble
+from .options import Output
 
 #: opcodes the target sends: a pcap carries them target-to-initiator unless told otherwise
 RESPONSES = {T.BY_NAME[m.answer].opcode for m in T.MESSAGES if m.answer}
@@ -152,7 +153,7 @@ def _name_lists() -> str:
               help="RDMA binding that carries the message in a pcap.")
 @click.option("--from-target/--from-initiator", "from_target", default=None,
               help="Who sends it in a pcap [default: the target for HELLO_ACK and COMPLETION].")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write here instead of stdout.")
+@click.option("-o", "--output", type=Output(), help="Write here instead of stdout.")
 @_field_options
 def craft(opcode: str, inline_data_file, trailer: str | None, addr_le: bool, fmt: str | None,
           transport: str, from_target: bool | None, output: str | None, **given: str | None) -> None:

@@ -19,7 +19,9 @@ from .. import codec, tables as T
 from ..capture import Found, ResponseTimes, endpoints, kbtp_messages, to_json
 from ..decode import CaptureError, Reader, Stats, core, rdma_messages
 from ..decode.frames import SUPPORTED, linktype_name
+from ..extras import Extra, install
 from ..summary import describe
+from .options import Output, needs
 
 PROGRESS_MIN_SIZE = 4 << 20           # files smaller than this decode before progress matters
 PROGRESS_EVERY = 0.2                  # seconds between progress updates
@@ -199,7 +201,7 @@ def _matches(fields: Mapping[str, Any], opcodes, statuses, handles) -> bool:
 @click.option("--json", "as_json", is_flag=True, help="JSON Lines on stdout: one object per "
               "message with frame, time, transport, conn and endpoints, then the fields keyed by "
               "display-filter names (kbtp.opcode, kbtp.dd.stag, ...).")
-@click.option("--json-file", metavar="FILE", type=click.File("w"), default=None,
+@click.option("--json-file", metavar="FILE", type=Output(dash=True, opened="w"), default=None,
               help="Write the JSON Lines to FILE and the text lines to stdout ('-': as --json).")
 @click.option("--addr-le/--no-addr-le", default=None,
               help="Force the byte order of address fields for sessions whose HELLO_ACK is not "
@@ -228,7 +230,8 @@ def _matches(fields: Mapping[str, Any], opcodes, statuses, handles) -> bool:
               help="Instead of the messages, the response times per request opcode and per opcode "
                    "and status of the answer (calls, min, max, average, sum), as tshark's -z kbtp,srt "
                    "gives them with the C plugin; with --json as one JSON document.")
-@click.option("--parquet", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+@click.option("--parquet", type=Output(folder=True, path_type=Path), metavar="DIR",
+              callback=needs(Extra.ANALYZE, "pyarrow"),
               help="Write the messages as Parquet instead, one row each with typed columns from the "
                    "tables and derived ones (session, answer, latency): DIR/NAME/part-0.parquet, so "
                    "many captures form one dataset (kbtp analyze DIR reads it).")
@@ -297,7 +300,7 @@ def _parquet(file: str | None, out: Path) -> None:
         from ..analyze import dataset
         rows = dataset.write([Path(file)], out)
     except ImportError:
-        raise click.ClickException("--parquet needs pyarrow: pip install 'kbtp_scapy[analyze]'") from None
+        raise click.ClickException(f"--parquet needs pyarrow: {install(Extra.ANALYZE)}") from None
     except CaptureError as exc:
         raise click.ClickException(f"{exc}; give a pcap or pcapng capture") from None
     except OSError as exc:

@@ -27,6 +27,7 @@ from .. import tables as T
 from ..capture import kbtp_messages, rdma_messages, read_packets
 from ..samples import write_samples
 from ..wire.address import ROCE_PORT
+from .options import Output
 
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
 #: (target, initiator) addresses: loopback, away from a ``kbtp target`` on its defaults
@@ -264,7 +265,7 @@ def _crafted(outdir: Path) -> Step:
 
 
 @click.command()
-@click.option("--out", type=click.Path(file_okay=False), default=None,
+@click.option("--out", type=Output(folder=True), default=None,
               help="Folder for the captures and reports (default: a new temporary folder).")
 @click.option("--fuzz-cases", type=click.IntRange(0), default=200, show_default=True,
               help="Fuzz cases per binding.")

@@ -16,6 +16,7 @@ from ..dissector.build import PLUGIN_NAME, BuildError, build as _build, toolchai
 from ..dissector.generate import HEADER_LINE
 from ..tables import generate as vocab
 from .errors import file_trouble
+from .options import Output
 
 #: Marks a compiled plugin as this dissector's: the protocol it registers.
 _C_MARK = b"KV Cache Block Transfer Protocol\0"
@@ -88,7 +89,7 @@ def path() -> None:
 
 
 @dissector.command(name="build")
-@click.option("--out", "outdir", type=click.Path(file_okay=False, path_type=Path), required=True,
+@click.option("--out", "outdir", type=Output(folder=True, path_type=Path), required=True,
               help="Folder to write kbtp.so into.")
 @click.option("--sanitize", is_flag=True, help="With AddressSanitizer and UBSan (for the fuzz test).")
 def build_cmd(outdir: Path, sanitize: bool) -> None:
@@ -171,7 +172,7 @@ def _ours_c(path: Path) -> bool:
 @dissector.command()
 @click.option("--c", "form", flag_value="c", help="The C plugin (builds it; needs gcc, pkg-config, libwireshark-dev).")
 @click.option("--lua", "form", flag_value="lua", help="The Lua plugin.")
-@click.option("--folder", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--folder", type=Output(folder=True, path_type=Path), default=None,
               help="Install here instead of the folder 'tshark -G folders' reports "
                    "(for --c: the folder that holds the epan plugins).")
 @click.option("--global", "system", is_flag=True,

@@ -113,9 +113,13 @@ FILE_TODO = {errno.ENOENT: "check the path (its folder must exist)",
              errno.ENOSPC: "free some space or pick another file system"}
 
 
-def file_trouble(path: str | os.PathLike, exc: OSError, doing: str = "write",
-                 option: str = "") -> click.ClickException:
+def file_line(path: str | os.PathLike, exc: OSError, doing: str = "write", option: str = "") -> str:
     """``cannot write PATH (OPTION): why; what to do``: the path named, not the URL."""
     where = f" ({option})" if option else ""
-    return click.ClickException(line(f"cannot {doing} {os.fspath(path)}{where}", reason(exc),
-                                     FILE_TODO.get(exc.errno or 0, "")))
+    return line(f"cannot {doing} {os.fspath(path)}{where}", reason(exc), FILE_TODO.get(exc.errno or 0, ""))
+
+
+def file_trouble(path: str | os.PathLike, exc: OSError, doing: str = "write",
+                 option: str = "") -> click.ClickException:
+    """``file_line`` as the command's error (exit 1)."""
+    return click.ClickException(file_line(path, exc, doing, option))

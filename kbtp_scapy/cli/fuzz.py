@@ -16,9 +16,9 @@ from ..fuzz.corpus import CorpusError, load
 from ..fuzz.restart import Restart
 from ..initiator.limits import MAX_BLOCK_SIZE, MAX_BLOCKS
 from ..wire.address import parse_url
-from .errors import Exit
+from .errors import Exit, file_line
 from .interrupt import run_stoppable
-from .options import limit_options, limits, raw_io, raw_io_options, say_resolved
+from .options import Output, limit_options, limits, raw_io, raw_io_options, say_resolved
 
 
 class _Progress:
@@ -78,10 +78,10 @@ def _pace(done: int, total: int, elapsed: float, time_limit: float | None) -> st
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
               help="How long to wait for one answer of the target (and for a connection).")
 @limit_options
-@click.option("--out", type=click.Path(file_okay=False), default="fuzz-findings", show_default=True,
+@click.option("--out", type=Output(folder=True), default="fuzz-findings", show_default=True,
               help="Directory for findings: CASE.json and CASE.pcap.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout, and nothing else there.")
-@click.option("--json-file", type=click.Path(dir_okay=False, allow_dash=True), metavar="FILE",
+@click.option("--json-file", type=Output(dash=True), metavar="FILE",
               help="Write the summary as JSON to FILE ('-': stdout, as --json); the text stays on stdout.")
 @click.option("--replay", metavar="CASE", help="Run one case: a name like roce-42-007315, or a finding's JSON file.")
 @click.option("--minimize-budget", type=click.IntRange(min=0), default=24, show_default=True,
@@ -224,7 +224,7 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
         try:
             Path(json_file).write_text(report.as_json(summary))
         except OSError as exc:
-            raise Exit(2, f"--json-file {json_file}: {exc.strerror or exc}; choose a writable path") from None
+            raise Exit(2, file_line(json_file, exc, option="--json-file")) from None
     if summary.error and summary.saved:
         click.echo(f"kbtp: the run ended early after the findings: {summary.error}", err=True)
     if summary.exit_code == report.EXIT_INTERRUPTED:

@@ -35,6 +35,7 @@ from .errors import (
 from .options import (
     LOCAL_IS_ROCE,
     RAISE_LIMITS,
+    Output,
     address,
     feature_names,
     features,
@@ -126,7 +127,7 @@ class _UrlFirst(click.Group):
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
               metavar="SECONDS", help="How long to wait for the connection and for each answer.")
 @limit_options
-@click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
+@click.option("--pcap", type=Output(), default=None,
               help="Write every frame sent and received to this pcap file.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object per result on stdout, also when the request fails.")
@@ -400,7 +401,7 @@ async def hello(ini: Initiator, o: dict) -> None:
 
 @initiator.command()
 @HANDLE
-@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+@click.option("-o", "--output", type=Output(dash=True), default=None,
               help="Write the block's data here (- for standard output).")
 @GENERATION
 @click.option("--allow-unsealed", is_flag=True, help="Load even if the block is not sealed.")
@@ -448,7 +449,7 @@ async def free(ini, o, handle, generation, record):
 
 @initiator.command(name="direct-load")
 @HANDLE
-@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+@click.option("-o", "--output", type=Output(dash=True), default=None,
               help="Write the block's data here (- for standard output).")
 @session
 async def direct_load(ini, o, handle, output):

@@ -15,6 +15,7 @@ from ..initiator import Initiator
 from ..initiator.driver import Runner
 from ..initiator.script import Script, ScriptError, parse
 from .initiator import initiator, session
+from .options import Output
 
 
 def _script(ctx: click.Context, param: click.Parameter, value: str | None) -> Script:
@@ -34,7 +35,7 @@ def _script(ctx: click.Context, param: click.Parameter, value: str | None) -> Sc
                    "(env KBTP_OPS).")
 @click.option("--in", "in_dir", envvar="KBTP_IN", default=".", show_default=True,
               type=click.Path(file_okay=False), help="Directory of the stores' @files (env KBTP_IN).")
-@click.option("--out", "out_dir", envvar="KBTP_OUT", required=True, type=click.Path(file_okay=False),
+@click.option("--out", "out_dir", envvar="KBTP_OUT", required=True, type=Output(folder=True),
               help="Directory for the loads' @files and 'results' (env KBTP_OUT).")
 @session
 async def script(ini: Initiator, o: dict, ops: Script, in_dir: str, out_dir: str) -> bool:

@@ -1,11 +1,19 @@
 """Option parsing shared by ``kbtp target``, ``kbtp initiator`` and the other client tools."""
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
 import click
 
+from ..extras import Extra, lacking
 from ..initiator.limits import MAX_BLOCK_SIZE, MAX_BLOCKS, Limits
 from ..vocab import Feature
 from ..wire.address import Address, parse_url
+from .errors import file_line, line
 
 BINDINGS = {"iwarp": "iWARP", "roce": "RoCEv2"}
 #: the usage error of --local over iWARP (without --io verbs)
@@ -126,3 +134,64 @@ def raw_io(transport: str, io: str, iface: str | None, raw_addr: str | None,
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--addr") from None
     return {"io": "raw", "iface": iface, "addr": raw_addr}
+
+
+class Output(click.Path):
+    """A file the command writes (with ``folder``: a folder it makes as needed and writes
+    into), checked as the command line is read, before any work: a path that cannot be
+    written is a usage error, not a run lost at its end. With ``dash``, ``-`` is standard
+    output; with ``opened`` (a mode), the command gets the file opened lazily, not its path."""
+
+    def __init__(self, *, folder: bool = False, dash: bool = False, opened: str | None = None,
+                 path_type: type | None = None) -> None:
+        super().__init__(file_okay=not folder, dir_okay=folder, allow_dash=dash, path_type=path_type)
+        self.folder, self.opened = folder, opened
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not (self.allow_dash and value == "-"):
+            trouble = unwritable(Path(os.fsdecode(value)), self.folder)
+            if trouble:
+                self.fail(trouble, param, ctx)
+        if self.opened:
+            return click.File(self.opened).convert(value, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def unwritable(path: Path, folder: bool = False) -> str | None:
+    """Why ``path`` cannot be written (a file; with ``folder``, a folder made as needed), or
+    None. Its folder is proved writable by a nameless file made in it and dropped: root passes
+    every permission check, and /proc takes no new file whoever asks."""
+    try:
+        if path.exists():
+            if path.is_dir() != folder:
+                raise OSError(errno.ENOTDIR if folder else errno.EISDIR, "")
+            if not folder:
+                if not os.access(path, os.W_OK):
+                    raise PermissionError(errno.EACCES, "")
+                return None
+            probe = path
+        elif folder:
+            probe = next(p for p in path.absolute().parents if p.exists())
+        else:
+            probe = path.parent
+            if not probe.exists():
+                return line(f"cannot write {path}", f"there is no folder {probe}",
+                            "create it first, or pick a path in a folder that exists")
+        if not probe.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "")
+        with tempfile.TemporaryFile(dir=probe):
+            return None
+    except OSError as exc:
+        return file_line(path, exc)
+
+
+def needs(extra: Extra, *modules: str):
+    """A callback that refuses its option, when given, unless ``modules`` of ``extra`` are
+    installed: found as the command line is read, not after the run."""
+    def check(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is not None:
+            missing = lacking(param.opts[0], extra, *modules)
+            if missing:
+                raise click.UsageError(missing, ctx)
+        return value
+    return check

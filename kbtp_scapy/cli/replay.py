@@ -12,9 +12,9 @@ from ..capture import CaptureError
 from ..harness import HarnessError
 from ..wire.address import parse_url
 from ..words import count
-from .errors import CONNECTION_ERRORS, Exit, describe, hint, local_trouble, reason
+from .errors import CONNECTION_ERRORS, Exit, describe, file_trouble, hint, local_trouble, reason
 from .interrupt import run_stoppable
-from .options import limit_options, limits, say_resolved
+from .options import Output, limit_options, limits, say_resolved
 
 
 class _Failed(click.ClickException):
@@ -80,7 +80,7 @@ def _harness(exc: Exception, url: str, local: str | None, timeout: float) -> _Ha
                    "whatever the capture's).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the report as one JSON document on stdout instead of text.")
-@click.option("--json-file", metavar="FILE", type=click.Path(dir_okay=False, allow_dash=True),
+@click.option("--json-file", metavar="FILE", type=Output(dash=True),
               help="Also write the JSON report to FILE; the text stays on stdout ('-': as --json).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress; only the results and the summary.")
 @click.option("--ignore", "ignore", multiple=True, metavar="FIELD",
@@ -176,7 +176,10 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     document = json.dumps(report.as_json(cap, url, verdicts, sorted(ignored), kept, interrupted),
                           indent=1)
     if json_file:
-        Path(json_file).write_text(document + "\n")
+        try:
+            Path(json_file).write_text(document + "\n")
+        except OSError as exc:
+            raise file_trouble(json_file, exc, option="--json-file") from None
     if as_json:
         click.echo(document)
     else:

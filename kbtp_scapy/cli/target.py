@@ -15,7 +15,7 @@ from ..target.config import LOOPBACK
 from ..vocab import Feature
 from ..wire.address import resolve
 from .errors import file_trouble, hint, line
-from .options import BINDINGS, address, feature_names, features, raw_io, raw_io_options
+from .options import BINDINGS, Output, address, feature_names, features, raw_io, raw_io_options
 
 #: What a peer can make the target hold, bounded: (option, TargetConfig field, help).
 #: Seconds are floats, counts and octets integers; defaults are TargetConfig's.
@@ -142,7 +142,7 @@ def _metrics_at(ctx: click.Context, param: click.Parameter, value: str | None) -
                    "the memory order follows the WQE order (big-endian, or little with --addr-le).")
 @click.option("--no-clear", is_flag=True,
               help="Do not clear freed blocks (all initiators share one trust domain).")
-@click.option("--pcap", type=click.Path(dir_okay=False, writable=True), default=None,
+@click.option("--pcap", type=Output(), default=None,
               help="Write every frame sent and received to this pcap file.")
 @click.option("--metrics", "metrics_at", metavar="[HOST:]PORT", default=None, callback=_metrics_at,
               help="Serve Prometheus metrics over HTTP on HOST:PORT/metrics (HOST 127.0.0.1 when "
