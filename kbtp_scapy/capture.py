@@ -9,7 +9,7 @@ session's ADDR_LE choice from its HELLO_ACK; ``to_json`` gives the JSON object o
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -168,11 +168,13 @@ def rdma_messages(packets: list[Packet]) -> list[RdmaMessage]:
     return sorted(found, key=lambda m: m.frames[-1] if m.frames else 0)
 
 
-def session_key(msg: RdmaMessage) -> frozenset:
-    """Both directions of a connection share ADDR_LE state. On RoCEv2 the two directions
-    name different QPs, so the pair of IP addresses stands for the session."""
+def session_key(msg: RdmaMessage) -> Hashable:
+    """Both directions of a connection share its number and ADDR_LE state. On RoCEv2 the
+    two directions name different QPs: the streaming decoder ties them
+    (``decode.connections``, ``info["connection"]``); without it (the Scapy path) the pair
+    of IP addresses stands for the connection."""
     if msg.transport == "roce":
-        return frozenset(msg.conn[:2])
+        return msg.info.get("connection") or frozenset(msg.conn[:2])
     return frozenset(msg.conn)
 
 
@@ -183,8 +185,8 @@ class KbtpSessions:
 
     def __init__(self, addr_le: bool | None = None) -> None:
         self.addr_le = addr_le
-        self._le: dict[frozenset, bool] = {}
-        self._numbers: dict[frozenset, int] = {}
+        self._le: dict[Hashable, bool] = {}
+        self._numbers: dict[Hashable, int] = {}
 
     def number(self, msg: RdmaMessage) -> int:
         """The connection number of any RDMA message of the session."""

@@ -165,7 +165,7 @@ def test_variants_equal_the_scapy_path_and_find_every_message(variants):
     multi = streamed(variants["multi"])
     assert without_where(multi) == without_where(scapy_path(read_packets(variants["multi"])))
     assert len(multi) == 5 * 7
-    assert len({o["conn"] for o in multi}) == 4          # RoCE sessions: one per address pair
+    assert len({o["conn"] for o in multi}) == 5          # RoCE sessions: one per pair of QPs
     assert sum("malformed" in o for o in multi) == 5
     stores = [o for o in multi if o["kbtp.opcode"] == Opcode.STORE]
     assert sorted(o["kbtp.inline_data"] for o in stores) == sorted(
@@ -346,7 +346,7 @@ def test_summary_counts_messages_connections_and_malformed(variants):
     proc = kbtp("decode", str(variants["multi"]))
     lines = proc.stdout.decode().splitlines()
     frames = len(records(variants["multi"]))
-    assert proc.stderr.decode() == f"35 KBTP messages in {frames:,} frames, 4 connections, 5 malformed\n"
+    assert proc.stderr.decode() == f"35 KBTP messages in {frames:,} frames, 5 connections, 5 malformed\n"
     assert len(lines) == 35 and sum("[malformed:" in line for line in lines) == 5
 
 
