@@ -41,7 +41,8 @@ class Found:
     """One KBTP message: where it was, what it says, and what is wrong with it.
 
     ``conn`` is the RDMA message's connection and direction (see ``RdmaMessage``);
-    ``connection`` numbers the connections (sessions) from 0 in order of appearance.
+    ``connection`` numbers the connections (sessions) from 0 in order of appearance;
+    ``src_qp`` is the RoCE QP it came from, once the decoder has tied the connection's QPs.
     """
 
     frame: int
@@ -54,6 +55,7 @@ class Found:
     payload: bytes = b""
     addr_le: bool = False
     icrc_bad: tuple[int, ...] = ()      # RoCE frames of the message with a wrong ICRC
+    src_qp: int | None = None
 
 
 def read_packets(path: str | Path) -> list[Packet]:
@@ -209,7 +211,7 @@ class KbtpSessions:
         if fields.get("opcode") == _HELLO_ACK and not fields.get("status"):
             self._le[key] = bool(fields.get("hello_ack.features", 0) & Feature.ADDR_LE)
         return Found(frame, msg.transport, msg.conn, fields, error, msg.time, number,
-                     msg.payload, le, tuple(msg.info.get("icrc_bad", ())))
+                     msg.payload, le, tuple(msg.info.get("icrc_bad", ())), msg.info.get("src_qp"))
 
 
 def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) -> Iterator[Found]:

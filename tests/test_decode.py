@@ -691,8 +691,8 @@ def test_where_filters_pick_connections_endpoints_and_a_time_window(name):
     assert all(start - 2e-6 <= at[f] <= end + 2e-6 for f in window)
     assert all(f in window for f, t in at.items() if start + 2e-6 <= t <= end - 2e-6)
     if name.startswith("roce"):
-        qp = every[0]["dst_qp"]
-        assert frames("--qp", hex(qp)) == [m["frame"] for m in every if m["dst_qp"] == qp] != []
+        qp = every[0]["dst_qp"]                         # the connection with it at either end
+        assert frames("--qp", hex(qp)) == [m["frame"] for m in every if m["conn"] == every[0]["conn"]] != []
     else:
         assert frames("--qp", "1") == []                 # iWARP names no QP
     assert frames("--conn", "7") == []

@@ -141,3 +141,60 @@ def test_a_bench_of_two_sessions_is_two_connections(tmp_path):
     if core.BUILT:
         from tests.test_decode_core import identical  # it builds this module's captures
         identical(pcap)
+
+
+def test_a_qp_selects_its_connection_at_either_end(tmp_path):
+    """--qp names a QP at either end of a connection: the listing and --stats have the
+    connection's requests (to B's QP) and their answers (to A's QP) alike, whichever is named."""
+    pcap = two_connections(tmp_path / "two.pcap", with_cm=True, acks=True, crossed=True)
+    every = decoded(pcap)
+    for i, qps in enumerate(QPS):
+        want = [o["frame"] for o in every if o["dst_qp"] in qps]
+        for qp in qps:
+            listed = kbtp("decode", "--json", "-q", "--qp", hex(qp), str(pcap)).stdout.splitlines()
+            assert [json.loads(line)["frame"] for line in listed] == want, (i, hex(qp))
+            stats = json.loads(kbtp("decode", "--stats", "--json", "-q", "--qp", hex(qp), str(pcap)).stdout)
+            assert {op: s["calls"] for op, s in stats["by_opcode"].items()} == {"HELLO": 1, "LOAD": 1}
+            assert stats["unanswered"] == 0
+    text = kbtp("decode", "--stats", "-q", "--qp", hex(QPS[0][0]), str(pcap)).stdout.decode()
+    assert text.splitlines()[-1] == "2 requests answered, 0 unanswered"
+
+
+def test_an_address_or_a_network_matches_either_end(tmp_path):
+    """--addr takes an address or a network (as Wireshark's ip.addr == 192.0.2.0/24), IPv4
+    or IPv6, and matches the source or the destination."""
+    pcap = two_connections(tmp_path / "two.pcap", with_cm=False, acks=True, crossed=False)
+    every = [o["frame"] for o in decoded(pcap)]
+
+    def frames(path: Path, *args: str) -> list[int]:
+        out = kbtp("decode", "--json", "-q", *args, str(path)).stdout.splitlines()
+        return [json.loads(line)["frame"] for line in out]
+    assert frames(pcap, "--addr", B) == frames(pcap, "--addr", A) == frames(pcap, "--addr", "10.7.0.0/24") == every
+    assert frames(pcap, "--addr", "10.7.0.2/31") == every and frames(pcap, "--addr", "10.8.0.0/16") == []
+    v6 = Path(__file__).resolve().parent.parent / "pcaps" / "roce_addr_le_ipv6_session.pcap"
+    all_v6 = [o["frame"] for o in decoded(v6)]
+    src = decoded(v6)[0]["src"]
+    assert all_v6 and frames(v6, "--addr", f"{src}/64") == all_v6 and frames(v6, "--addr", "10.7.0.0/16") == []
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--from", "0.0002", "--to", "0.0001"), "--from 0.0002 is after --to 0.0001"),
+    (("--from", "-1"), "-1 is not a time in the capture"),
+    (("--to", "nan"), "nan is not a time in the capture"),
+    (("--addr", "192.0.2.0/33"), "is not an IP address or network"),
+])
+def test_filters_that_can_match_nothing_are_usage_errors(args, says):
+    pcap = Path(__file__).resolve().parent.parent / "pcaps" / "roce_session.pcap"
+    proc = kbtp("decode", *args, str(pcap), check=False)
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert len(proc.stderr.splitlines()) == 1 and says in proc.stderr.decode(), proc.stderr
+
+
+def test_a_qp_on_a_capture_without_rocev2_says_it_applies_to_rocev2_only():
+    pcaps = Path(__file__).resolve().parent.parent / "pcaps"
+    proc = kbtp("decode", "-q", "--qp", "0x22", str(pcaps / "iwarp_session.pcap"))
+    assert proc.stdout == b""
+    note, summary = proc.stderr.decode().splitlines()
+    assert note == f"kbtp: --qp applies to RoCEv2 only, and {pcaps / 'iwarp_session.pcap'} has no RoCEv2 KBTP message"
+    assert summary.endswith("0 shown")
+    assert "RoCEv2 only" not in kbtp("decode", "-q", "--qp", "0x22", str(pcaps / "roce_session.pcap")).stderr.decode()

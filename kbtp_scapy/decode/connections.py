@@ -102,6 +102,10 @@ class RoceConnections:
             if sent is not None and sent.pop(qp, None) is not None:
                 self._followed -= 1
 
+    def source_qp(self, direction: tuple) -> int | None:
+        """The QP at the source of ``(src, dst, destination QP)``, once known."""
+        return self._peer.get(direction)
+
     def of(self, direction: tuple) -> tuple:
         """The connection of ``(src, dst, destination QP)``: its first direction seen."""
         conn = self._conn.get(direction)

@@ -140,7 +140,8 @@ class RoceSends:
     def _message(self, key: tuple, frames: list[int], payload: bytes, name: str, inv: bool,
                  complete: bool, info: dict) -> RdmaMessage:
         src, dst, dqpn = key
-        info.update(opcode=name, dqpn=dqpn, complete=complete, connection=self.connections.of(key))
+        info.update(opcode=name, dqpn=dqpn, complete=complete, connection=self.connections.of(key),
+                    src_qp=self.connections.source_qp(key))
         return RdmaMessage("roce", "send_inv" if inv else "send", frames,
                            (address(src), address(dst), dqpn), payload, info)
 
@@ -264,7 +265,8 @@ class RoceOperations(RoceSends):
     def _op(self, key: tuple, kind: str, frames: list[int], time: float, payload: bytes, info: dict,
             complete: bool = True) -> RdmaMessage:
         src, dst, dqpn = key
-        info.update(dqpn=dqpn, complete=complete, connection=self.connections.of(key))
+        info.update(dqpn=dqpn, complete=complete, connection=self.connections.of(key),
+                    src_qp=self.connections.source_qp(key))
         return RdmaMessage("roce", kind, frames, (address(src), address(dst), dqpn), payload, info, time)
 
     def flush(self) -> list[RdmaMessage]:
