@@ -9,7 +9,7 @@ import re
 import stat
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -18,8 +18,8 @@ from typing import Any, BinaryIO, TextIO
 import click
 
 from .. import codec, tables as T
-from ..capture import Found, ResponseTimes, endpoints, kbtp_messages, to_json
-from ..decode import CaptureError, Reader, Stats, core, rdma_messages
+from ..capture import Found, KbtpSessions, ResponseTimes, endpoints, kbtp_messages, to_json
+from ..decode import CaptureError, Reader, Stats, core, rdma_messages, rdma_operations
 from ..decode.frames import SUPPORTED, linktype_name
 from ..summary import describe
 
@@ -180,11 +180,15 @@ class _Where:
 
     def matches(self, found: Found, origin: float) -> bool:
         ends = endpoints(found)
-        at = (found.time or origin) - origin
         return ((not self.conns or found.connection in self.conns)
                 and (not self.nets or self._near(ends.get("src")) or self._near(ends.get("dst")))
                 and (not self.qps or self._qp(found, ends.get("dst_qp")))
-                and (self.start is None or at >= self.start) and (self.end is None or at <= self.end))
+                and self.within(found.time, origin))
+
+    def within(self, time: float | None, origin: float) -> bool:
+        """Whether a moment (seconds since the epoch) is in --from and --to."""
+        at = (time or origin) - origin
+        return (self.start is None or at >= self.start) and (self.end is None or at <= self.end)
 
     def _near(self, text: str | None) -> bool:
         return text is not None and any(_ip(text) in net for net in self.nets)
@@ -403,7 +407,7 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
             _core_run(reader, stream, progress, stats, totals, as_json)
             shown = totals.messages
         else:
-            for found in kbtp_messages(rdma_messages(reader, stats), addr_le):
+            for found in _found(reader, stats, addr_le, where, times):
                 if out is None:
                     out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0)
                 totals.messages += 1
@@ -456,6 +460,29 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
         why = reader.problem or f"the capture ends in the middle of frame {reader.cut_short}"
         raise click.ClickException(f"{name}: {why}; the frames before "
                                    f"{'and after it' if reader.resumed else 'it'} were decoded")
+
+
+def _found(reader: Reader, stats: Stats, addr_le: bool | None, where: _Where,
+           times: ResponseTimes | None) -> Iterator[Found]:
+    """The KBTP messages of the capture. With --stats, the RDMA Writes beside them go to
+    ``times`` as well: a completion record answers the request that asked for it, paired
+    as ``kbtp analyze`` pairs it (its operations and ``capture.completion_record``)."""
+    if times is None:
+        yield from kbtp_messages(rdma_messages(reader, stats), addr_le)
+        return
+    from ..analyze.operations import Pairing, RdmaOp
+    sessions, pairing = KbtpSessions(addr_le), Pairing()
+    for msg in rdma_operations(reader, stats):
+        found = sessions.decode(msg)
+        if found is not None:
+            yield found
+            continue
+        number = sessions.numbered(msg)
+        if number is None:                  # no KBTP message on its connection yet
+            continue
+        for op in pairing.feed(msg):
+            if op.op == RdmaOp.WRITE and where.within(op.time, stats.first_time or 0.0):
+                times.written(op.transport, number, op.stag, op.offset, op.data, op.time)
 
 
 def _core_run(reader: Reader, stream: BinaryIO, progress: _Progress, stats: Stats, totals: core.Totals,
