@@ -97,23 +97,27 @@ static int learn(Core *c, const Addr *a, const Addr *b, uint32_t qa, uint32_t qb
 static int follow(Core *c, const Addr *src, const Addr *dst, uint32_t qp, uint32_t psn)
 {
     uint8_t k[KEY_MAX];
-    Buf *spans = buf_at(&c->sent, k, pair_key(k, src, dst));
-    if (spans == NULL)
-        return -1;
-    Span *s = (Span *)spans->p;
-    size_t n = spans->len / sizeof *s;
-    for (size_t j = 0; j < n; j++)
-        if (s[j].qp == qp) {
-            uint32_t d = (psn - s[j].last) & 0xFFFFFF;
-            if (d && d < 0x800000)
-                s[j].last = psn;
-            return 0;
-        }
+    size_t kl = pair_key(k, src, dst);
+    Node *x = c->sent.n ? map_get(&c->sent, k, kl) : NULL;
+    if (x != NULL) {
+        Span *s = (Span *)((Buf *)x->val)->p;
+        size_t n = ((Buf *)x->val)->len / sizeof *s;
+        for (size_t j = 0; j < n; j++)
+            if (s[j].qp == qp) {
+                uint32_t d = (psn - s[j].last) & 0xFFFFFF;
+                if (d && d < 0x800000)
+                    s[j].last = psn;
+                return 0;
+            }
+    }
     if (c->followed >= c->max_followed)
         return 0;
+    Buf *spans = buf_at(&c->sent, k, kl);
     Span add = {qp, psn, psn};
+    if (spans == NULL || buf_put(spans, &add, sizeof add) < 0)
+        return -1;
     c->followed++;
-    return buf_put(spans, &add, sizeof add);
+    return 0;
 }
 
 /* A response from src to QP qp of dst answers the one request from dst to src whose PSNs hold psn. */

@@ -63,14 +63,14 @@ class RoceConnections:
             self._cm(src, dst, data, start + _MAD)
 
     def _follow(self, src: bytes, dst: bytes, qp: int, psn: int) -> None:
-        sent = self._sent.setdefault((src, dst), {})
-        span = sent.get(qp)
-        if span is None:
-            if self._followed < MAX_FOLLOWED:
-                sent[qp] = [psn, psn]
-                self._followed += 1
-        elif W.psn_diff(psn, span[1]) > 0:
-            span[1] = psn
+        sent = self._sent.get((src, dst))
+        span = sent.get(qp) if sent else None
+        if span is not None:
+            if W.psn_diff(psn, span[1]) > 0:
+                span[1] = psn
+        elif self._followed < MAX_FOLLOWED:
+            self._sent.setdefault((src, dst), {})[qp] = [psn, psn]
+            self._followed += 1
 
     def _answer(self, src: bytes, dst: bytes, qp: int, psn: int) -> None:
         """A response from ``src`` to QP ``qp`` of ``dst``: the request it answers went
