@@ -5,7 +5,10 @@ core numbers them as the Python decoder does."""
 from __future__ import annotations
 
 import json
+import random
 import secrets
+import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +201,59 @@ def test_a_qp_on_a_capture_without_rocev2_says_it_applies_to_rocev2_only():
     assert note == f"kbtp: --qp applies to RoCEv2 only, and {pcaps / 'iwarp_session.pcap'} has no RoCEv2 KBTP message"
     assert summary.endswith("0 shown")
     assert "RoCEv2 only" not in kbtp("decode", "-q", "--qp", "0x22", str(pcaps / "roce_session.pcap")).stderr.decode()
+
+
+def _frame(src: str, dst: str, packet: bytes) -> bytes:
+    """Ethernet, IPv4 and UDP to 4791 around a BTH packet (its ICRC zero: not looked at here)."""
+    body = packet + bytes(4)
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 28 + len(body), 0, 0x4000, 64, 17, 0,
+                     socket.inet_aton(src), socket.inet_aton(dst))
+    udp = struct.pack("!HHHH", 0xC000, ROCE_PORT, 8 + len(body), 0)
+    return b"\x02\0\0\0\0\x01\x02\0\0\0\0\x02\x08\x00" + ip + udp + body
+
+
+def _tangle(rng: random.Random) -> list[bytes]:
+    """RoCEv2 frames between three hosts on a few QPs with nearby PSNs: KBTP Sends (HELLO_ACKs
+    with and without ADDR_LE, LOADs), ACKs, Reads, Writes and CM REQs and REPs, in any order,
+    so that the CM, the transport, ambiguity and the address pair all decide somewhere."""
+    hosts, qps = ("10.6.0.1", "10.6.0.2", "10.6.0.3"), (0x11, 0x12, 0x21, 0x22)
+    frames = []
+    for _ in range(rng.randrange(20, 80)):
+        src, dst = rng.sample(hosts[:rng.choice((2, 3))], 2)
+        qp, psn = rng.choice(qps), rng.randrange(100, 112)
+        kind = rng.randrange(7)
+        if kind == 0:
+            le = rng.random() < 0.5
+            fields = rng.choice([{"opcode": Opcode.HELLO_ACK, "hello_ack.features": Feature.ADDR_LE if le else 0},
+                                 {"opcode": Opcode.LOAD, "request_id": 3, "handle": 0x4001, "dd.stag": 0x77,
+                                  "dd.length": 64},
+                                 {"opcode": Opcode.HELLO}])
+            packet = W.BTH.pack(W.SEND_ONLY, 0, W.DEFAULT_PKEY, qp, psn) + codec.encode(fields, le)
+        elif kind in (1, 2):
+            packet = W.BTH.pack(rng.choice((W.ACKNOWLEDGE, W.READ_RESP_ONLY)), 0, W.DEFAULT_PKEY, qp, psn) + bytes(4)
+        elif kind == 3:
+            packet = W.BTH_RETH.pack(rng.choice((W.WRITE_ONLY, W.READ_REQUEST)), 0, W.DEFAULT_PKEY, qp, psn, 0, 7, 8)
+        elif kind == 4:
+            packet = W.BTH.pack(W.FETCH_ADD, 0, W.DEFAULT_PKEY, qp, psn) + bytes(28)
+        else:
+            attr = cm.CmAttr.REQ if kind == 5 else cm.CmAttr.REP
+            msg = cm.CmMessage(attr, 1, local_comm_id=rng.randrange(3), remote_comm_id=rng.randrange(3),
+                               local_qpn=rng.choice(qps))
+            packet = W.BTH_DETH.pack(W.UD_SEND_ONLY, 0, W.DEFAULT_PKEY, W.CM_QPN, 0, W.CM_QKEY, 1) + cm.encode(msg)
+        frames.append(_frame(src, dst, packet))
+    return frames
+
+
+@pytest.mark.skipif(not core.BUILT, reason="the extension is not built (pip install -e .)")
+@pytest.mark.slow
+def test_tangled_connections_are_numbered_alike_by_the_core(tmp_path):
+    """Random tangles of QPs, PSNs, answers and CM messages: the core ties and numbers the
+    connections exactly as the Python decoder does."""
+    from tests.test_decode_core import identical
+    rng = random.Random(34)
+    many = 0
+    for i in range(40):
+        path = write_pcap(tmp_path / f"t{i}.pcap", [(1.0 + n * 1e-5, f) for n, f in enumerate(_tangle(rng))])
+        identical(path)
+        many += len({o["conn"] for o in decoded(path)}) > 2
+    assert many > 10
