@@ -146,6 +146,7 @@ def test_a_bench_of_two_sessions_is_two_connections(tmp_path):
         identical(pcap)
 
 
+@pytest.mark.slow
 def test_a_qp_selects_its_connection_at_either_end(tmp_path):
     """--qp names a QP at either end of a connection: the listing and --stats have the
     connection's requests (to B's QP) and their answers (to A's QP) alike, whichever is named."""
@@ -163,6 +164,7 @@ def test_a_qp_selects_its_connection_at_either_end(tmp_path):
     assert text.splitlines()[-1] == "2 requests answered, 0 unanswered"
 
 
+@pytest.mark.slow
 def test_an_address_or_a_network_matches_either_end(tmp_path):
     """--addr takes an address or a network (as Wireshark's ip.addr == 192.0.2.0/24), IPv4
     or IPv6, and matches the source or the destination."""
