@@ -2,8 +2,9 @@
 
 A pure-Python message costs 25 to 60 µs; a disk at 100 MB/s brings one every 3 µs, so
 the frame loop and the JSON line are written in C: pcap and pcapng records, ``locate``,
-RoCE Sends by PSN with the ICRC check, iWARP TCP/MPA/DDP Sends, KBTP fields from the
-tables (``_core_tables.h``, generated), each session's ADDR_LE, and the exact line
+RoCE Sends by PSN with the ICRC check, RoCEv2 connections by their pair of QPs
+(``connections.py``), iWARP TCP/MPA/DDP Sends, KBTP fields from the tables
+(``_core_tables.h``, generated), each session's ADDR_LE, and the exact line
 ``json.dumps(capture.to_json(found))`` writes (or the text line ``kbtp decode`` shows).
 The Python modules beside it stay the reference, and ``KBTP_DECODE=python`` forces them.
 
