@@ -9,7 +9,7 @@ session's ADDR_LE choice from its HELLO_ACK; ``to_json`` gives the JSON object o
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -18,15 +18,16 @@ from typing import TYPE_CHECKING, Any
 from . import codec, tables as T
 from .codec import looks_like_kbtp
 from .decode.pcapfile import CaptureError
-from .vocab import AnyMessage, Feature
+from .tables import memory as M
+from .vocab import AnyMessage, AnyStruct, Feature, Opcode, RequestFlag
 from .wire.message import RdmaMessage
 from .words import count
 
 if TYPE_CHECKING:
     from scapy.packet import Packet
 
-__all__ = ["CaptureError", "Found", "KbtpSessions", "ResponseTimes", "kbtp_messages", "rdma_messages", "read_packets",
-           "session_key", "to_json", "where_it_ends"]
+__all__ = ["CaptureError", "Found", "KbtpSessions", "ResponseTimes", "asks_for_record", "completion_record",
+           "kbtp_messages", "rdma_messages", "read_packets", "session_key", "to_json", "where_it_ends"]
 
 SEND_KINDS = {"send", "send_inv"}
 #: requests of one capture (``ResponseTimes``) or connection (``kbtp analyze``) kept waiting
@@ -41,7 +42,8 @@ class Found:
     """One KBTP message: where it was, what it says, and what is wrong with it.
 
     ``conn`` is the RDMA message's connection and direction (see ``RdmaMessage``);
-    ``connection`` numbers the connections (sessions) from 0 in order of appearance.
+    ``connection`` numbers the connections (sessions) from 0 in order of appearance;
+    ``src_qp`` is the RoCE QP it came from, once the decoder has tied the connection's QPs.
     """
 
     frame: int
@@ -54,6 +56,7 @@ class Found:
     payload: bytes = b""
     addr_le: bool = False
     icrc_bad: tuple[int, ...] = ()      # RoCE frames of the message with a wrong ICRC
+    src_qp: int | None = None
 
 
 def read_packets(path: str | Path) -> list[Packet]:
@@ -85,14 +88,28 @@ def _refused(path: str | Path) -> str | None:
     return None
 
 
+def asks_for_record(fields: Mapping[str, Any]) -> bool:
+    """Whether a request asks to be answered by a completion record, Written into its
+    Completion Descriptor, instead of a COMPLETION (RECORD set; BIND's bit means else)."""
+    return bool(fields.get("flags", 0) & RequestFlag.RECORD) and fields.get("opcode") != Opcode.BIND
+
+
+def completion_record(data: bytes, addr_le: bool) -> AnyStruct | None:
+    """The completion record an RDMA Write carried, or None when its octets are no record's size."""
+    if len(data) != M.COMPLETION_RECORD.size:
+        return None
+    return codec.decode_struct(M.COMPLETION_RECORD, data, addr_le)
+
+
 @dataclass
 class ResponseTimes:
     """Request-to-answer times of a capture, per request opcode and per opcode and status
     of the answer: what tshark's ``-z kbtp,srt`` gives, without the C plugin. A request is
     answered by the next message of its answer's opcode with its Request ID on its
-    connection (a HELLO by the HELLO_ACK). At most ``MAX_PENDING`` requests wait for
-    their answer; past that the oldest is given up as unanswered, so a capture of a peer
-    that never answers is read in bounded memory."""
+    connection (a HELLO by the HELLO_ACK), or by the completion record it asked for
+    (``written``). At most ``MAX_PENDING`` requests wait for their answer; past that the
+    oldest is given up as unanswered, so a capture of a peer that never answers is read in
+    bounded memory."""
 
     pending: dict[tuple, Found] = field(default_factory=dict)
     by_opcode: dict[int, list[float]] = field(default_factory=dict)
@@ -111,11 +128,31 @@ class ResponseTimes:
                 self.given_up += 1
             return
         request = self.pending.pop((*key, msg.name), None)
-        if request is None or request.time is None:
+        if request is not None:
+            self._answered(request, found.fields.get("status", -1), found.time)
+
+    def written(self, transport: str, connection: int, stag: int, offset: int, data: bytes,
+                time: float | None) -> None:
+        """An RDMA Write on a connection: the completion record a waiting request asked for
+        at this STag and Tagged Offset answers it, as ``kbtp analyze`` reads it. Its Request
+        ID and Status are in network order in every session (ADDR_LE does not apply)."""
+        record = completion_record(data, False)
+        if record is None or time is None:
             return
-        opcode, seconds = request.fields["opcode"], found.time - request.time
+        key = (transport, connection, record["record.request_id"], "COMPLETION")
+        request = self.pending.get(key)
+        if (request is None or not asks_for_record(request.fields)
+                or (request.fields.get("cd.stag"), request.fields.get("cd.offset")) != (stag, offset)):
+            return
+        del self.pending[key]
+        self._answered(request, record["record.status"], time)
+
+    def _answered(self, request: Found, status: int, time: float) -> None:
+        if request.time is None:
+            return
+        opcode, seconds = request.fields["opcode"], time - request.time
         self.by_opcode.setdefault(opcode, []).append(seconds)
-        self.by_status.setdefault(opcode, {}).setdefault(found.fields.get("status", -1), []).append(seconds)
+        self.by_status.setdefault(opcode, {}).setdefault(status, []).append(seconds)
 
     @staticmethod
     def summary(times: list[float]) -> dict[str, float | int]:
@@ -182,11 +219,13 @@ def rdma_messages(packets: list[Packet]) -> list[RdmaMessage]:
     return sorted(found, key=lambda m: m.frames[-1] if m.frames else 0)
 
 
-def session_key(msg: RdmaMessage) -> frozenset:
-    """Both directions of a connection share ADDR_LE state. On RoCEv2 the two directions
-    name different QPs, so the pair of IP addresses stands for the session."""
+def session_key(msg: RdmaMessage) -> Hashable:
+    """Both directions of a connection share its number and ADDR_LE state. On RoCEv2 the
+    two directions name different QPs: the streaming decoder ties them
+    (``decode.connections``, ``info["connection"]``); without it (the Scapy path) the pair
+    of IP addresses stands for the connection."""
     if msg.transport == "roce":
-        return frozenset(msg.conn[:2])
+        return msg.info.get("connection") or frozenset(msg.conn[:2])
     return frozenset(msg.conn)
 
 
@@ -197,13 +236,17 @@ class KbtpSessions:
 
     def __init__(self, addr_le: bool | None = None) -> None:
         self.addr_le = addr_le
-        self._le: dict[frozenset, bool] = {}
-        self._numbers: dict[frozenset, int] = {}
+        self._le: dict[Hashable, bool] = {}
+        self._numbers: dict[Hashable, int] = {}
 
     def number(self, msg: RdmaMessage) -> int:
         """The connection number of any RDMA message of the session."""
         key = session_key(msg)
         return self._numbers.setdefault(key, len(self._numbers))
+
+    def numbered(self, msg: RdmaMessage) -> int | None:
+        """The connection number of the message's session, if a KBTP message gave it one."""
+        return self._numbers.get(session_key(msg))
 
     def decode(self, msg: RdmaMessage) -> Found | None:
         """The KBTP message a Send carries, or None for anything else."""
@@ -221,7 +264,7 @@ class KbtpSessions:
         if fields.get("opcode") == _HELLO_ACK and not fields.get("status"):
             self._le[key] = bool(fields.get("hello_ack.features", 0) & Feature.ADDR_LE)
         return Found(frame, msg.transport, msg.conn, fields, error, msg.time, number,
-                     msg.payload, le, tuple(msg.info.get("icrc_bad", ())))
+                     msg.payload, le, tuple(msg.info.get("icrc_bad", ())), msg.info.get("src_qp"))
 
 
 def kbtp_messages(messages: Iterable[RdmaMessage], addr_le: bool | None = None) -> Iterator[Found]:

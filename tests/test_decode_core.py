@@ -19,7 +19,12 @@ from hypothesis import given, settings, strategies as st
 
 from kbtp_scapy.cli import main
 from kbtp_scapy.decode import core
-from tests import test_decode as dec, test_dissector_fuzz as fuzz, test_dissector_rdma as rdma
+from tests import (
+    test_decode as dec,
+    test_decode_connections as conns,
+    test_dissector_fuzz as fuzz,
+    test_dissector_rdma as rdma,
+)
 from tests.test_dissector_c import SANITIZER
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +70,9 @@ def generated(tmp_path_factory) -> dict[str, Path]:
     Sends, several QPs), the RDMA sessions, the dissector fuzz corpus, re-encoded forms."""
     tmp = tmp_path_factory.mktemp("core")
     out = {"multi": dec.multi_connection(tmp / "multi.pcap"), "interleaved": dec.interleaved(tmp / "mixed.pcap")}
+    for name, with_cm, acks in (("two_roce_cm", True, False), ("two_roce_acks", False, True),
+                                ("two_roce_blind", False, False)):    # RoCE connections told apart three ways
+        out[name] = conns.two_connections(tmp / f"{name}.pcap", with_cm=with_cm, acks=acks, crossed=True)
     for transport, addr_le in rdma.CASES:
         path = tmp / f"rdma_{transport}{'_le' if addr_le else ''}.pcap"
         rdma.build(transport, path, addr_le)
@@ -88,7 +96,8 @@ def generated(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-GENERATED = ["multi", "interleaved", *(f"rdma_{t}{'_le' if le else ''}" for t, le in rdma.CASES),
+GENERATED = ["multi", "interleaved", "two_roce_cm", "two_roce_acks", "two_roce_blind",
+             *(f"rdma_{t}{'_le' if le else ''}" for t, le in rdma.CASES),
              "fuzz_raw_roce", "fuzz_raw_iwarp", "fuzz_reframed_roce", "fuzz_reframed_iwarp",
              "roce_session_pcapng", "roce_session_nsecpcap", "iwarp_session_pcapng", "iwarp_session_nsecpcap",
              "big_endian", "link_types", "erf"]

@@ -12,6 +12,7 @@ answers costs no memory: the oldest is given up, unanswered.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -45,7 +46,7 @@ class Operation:
 
     op: RdmaOp
     transport: str
-    session: frozenset
+    session: Hashable
     src: str
     dst: str
     frames: list[int]

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import codec, tables as T
-from ..capture import MAX_PENDING, Found, KbtpSessions, endpoints
+from ..capture import MAX_PENDING, Found, KbtpSessions, asks_for_record, completion_record, endpoints
 from ..decode import CaptureError, Reader, Stats, rdma_operations
 from ..tables import RING_COUNTER, memory as M
-from ..vocab import REQUESTS, Feature, Opcode, RequestFlag
+from ..vocab import REQUESTS, Feature, Opcode
 from .operations import Operation, Pairing, RdmaOp
 
 __all__ = ["CaptureError", "MAX_PENDING", "Row", "capture_rows", "column"]
@@ -164,7 +164,7 @@ def _operation(state: _Session, name: str, op: Operation) -> Iterator[Row]:
                 row.update(request_frame=request["frame"], request_opcode_name=request["opcode_name"])
                 break
         else:
-            if op.op == RdmaOp.WRITE and len(op.data) == M.COMPLETION_RECORD.size:
+            if op.op == RdmaOp.WRITE:
                 yield from _record(state, row, op)
     yield row
 
@@ -172,7 +172,9 @@ def _operation(state: _Session, name: str, op: Operation) -> Iterator[Row]:
 def _record(state: _Session, row: Row, op: Operation) -> Iterator[Row]:
     """A Write of a completion record into the Completion Descriptor of the request it
     names: that request's answer, as a COMPLETION would have been."""
-    record = codec.decode_struct(M.COMPLETION_RECORD, op.data, state.addr_le)
+    record = completion_record(op.data, state.addr_le)
+    if record is None:
+        return
     request = state.pending.get(record["record.request_id"])
     if request is None or not request.get("recorded") or (request.get("cd_stag"), request.get("cd_offset")) != (
             op.stag, op.offset):
@@ -240,7 +242,7 @@ def _place(state: _Session, row: Row, found: Found) -> Iterator[Row]:
     row["ticket_timeout_s"] = state.ticket_timeout_s
     if opcode in REQUESTS and "request_id" in fields:      # a malformed one is answered too
         rid = fields["request_id"]
-        row["recorded"] = bool(fields.get("flags", 0) & RequestFlag.RECORD) and opcode != Opcode.BIND
+        row["recorded"] = asks_for_record(fields)
         row["in_flight"] = len(state.pending) + 1
         old = state.pending.pop(rid, None)
         if old is not None:                   # a Request ID reused before its answer

@@ -3,21 +3,23 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
 import re
 import stat
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 import click
 
 from .. import codec, tables as T
-from ..capture import Found, ResponseTimes, endpoints, kbtp_messages, to_json
-from ..decode import CaptureError, Reader, Stats, core, rdma_messages
+from ..capture import Found, KbtpSessions, ResponseTimes, endpoints, kbtp_messages, to_json
+from ..decode import CaptureError, Reader, Stats, core, rdma_messages, rdma_operations
 from ..decode.frames import SUPPORTED, linktype_name
 from ..extras import Extra, install
 from ..summary import describe
@@ -158,34 +160,72 @@ class _Output:
             self.json_file.write(json.dumps(to_json(found)) + "\n")
 
 
-@dataclass(frozen=True)
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass
 class _Where:
     """--conn, --addr, --qp, --from and --to: which connections, endpoints and stretch of
-    the capture's time (seconds since its first frame) a message must be in."""
+    the capture's time (seconds since its first frame) a message must be in. An address
+    or a network matches either end; a QP selects the RoCEv2 connections with it at either
+    end, so a request and its answer (which goes to the peer's QP) are both in."""
 
     conns: frozenset[int] = frozenset()
-    addrs: frozenset[str] = frozenset()
+    nets: frozenset[Network] = frozenset()
     qps: frozenset[int] = frozenset()
     start: float | None = None
     end: float | None = None
+    chosen: set[int | None] = field(default_factory=set)     # connections a QP selected
 
     def __bool__(self) -> bool:
-        return bool(self.conns or self.addrs or self.qps) or self.start is not None or self.end is not None
+        return bool(self.conns or self.nets or self.qps) or self.start is not None or self.end is not None
 
     def matches(self, found: Found, origin: float) -> bool:
         ends = endpoints(found)
-        at = (found.time or origin) - origin
         return ((not self.conns or found.connection in self.conns)
-                and (not self.addrs or bool({ends.get("src"), ends.get("dst")} & self.addrs))
-                and (not self.qps or ends.get("dst_qp") in self.qps)
-                and (self.start is None or at >= self.start) and (self.end is None or at <= self.end))
+                and (not self.nets or self._near(ends.get("src")) or self._near(ends.get("dst")))
+                and (not self.qps or self._qp(found, ends.get("dst_qp")))
+                and self.within(found.time, origin))
+
+    def within(self, time: float | None, origin: float) -> bool:
+        """Whether a moment (seconds since the epoch) is in --from and --to."""
+        at = (time or origin) - origin
+        return (self.start is None or at >= self.start) and (self.end is None or at <= self.end)
+
+    def _near(self, text: str | None) -> bool:
+        return text is not None and any(_ip(text) in net for net in self.nets)
+
+    def _qp(self, found: Found, dst_qp: int | None) -> bool:
+        """Whether the message's connection has a QP asked for: its destination QP, or its
+        source QP once the decoder has tied the connection's QPs (``decode.connections``)."""
+        if found.connection in self.chosen:
+            return True
+        if dst_qp in self.qps or found.src_qp in self.qps:
+            self.chosen.add(found.connection)
+            return True
+        return False
 
 
-def _address(text: str) -> str:
+@lru_cache(maxsize=4096)
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return ipaddress.ip_address(text)
+
+
+def _network(text: str) -> Network:
+    """An --addr: an address (one host) or a network, IPv4 or IPv6."""
     try:
-        return str(ipaddress.ip_address(text.strip("[]")))
+        return ipaddress.ip_network(text.strip("[]"), strict=False)
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not an IP address", param_hint="--addr") from None
+        raise click.BadParameter(f"{text!r} is not an IP address or network (192.0.2.1, 192.0.2.0/24, "
+                                 "fd00::/64)", param_hint="--addr") from None
+
+
+def _seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """--from and --to: seconds since the capture's first frame, none before it."""
+    if value is not None and not 0 <= value < math.inf:
+        raise click.BadParameter(f"{value:g} is not a time in the capture; give seconds since its first "
+                                 "frame (0 or more)")
+    return value
 
 
 def _matches(fields: Mapping[str, Any], opcodes, statuses, handles) -> bool:
@@ -216,13 +256,17 @@ def _matches(fields: Mapping[str, Any], opcodes, statuses, handles) -> bool:
               help="Only messages naming this handle (decimal or 0x hex).")
 @click.option("--conn", "conns", multiple=True, type=click.IntRange(0), metavar="N",
               help="Only messages of connection N (the #N of each line; repeatable).")
-@click.option("--addr", "addrs", multiple=True, metavar="IP",
-              help="Only messages from or to this address (repeatable).")
+@click.option("--addr", "addrs", multiple=True, metavar="IP[/LEN]",
+              help="Only messages from or to this address or network, either end (192.0.2.1, "
+                   "192.0.2.0/24, fd00::/64; repeatable).")
 @click.option("--qp", "qps", multiple=True, metavar="QPN",
-              help="RoCE: only messages to this destination QP (decimal or 0x hex; repeatable).")
-@click.option("--from", "start", type=float, default=None, metavar="SECONDS",
+              help="RoCEv2: only the connections with this QP at either end, requests and answers "
+                   "alike (decimal or 0x hex; repeatable). The QPs of a connection are tied by the CM's "
+                   "REQ and REP, else by the first ACK: a message before either matches by its "
+                   "destination QP.")
+@click.option("--from", "start", type=float, default=None, metavar="SECONDS", callback=_seconds,
               help="Only messages at or after SECONDS since the capture's first frame.")
-@click.option("--to", "end", type=float, default=None, metavar="SECONDS",
+@click.option("--to", "end", type=float, default=None, metavar="SECONDS", callback=_seconds,
               help="Only messages at or before SECONDS since the capture's first frame.")
 @click.option("--layers", is_flag=True, help="Also show each message as the Scapy layers "
               "dissect it (slow: a Scapy packet per message).")
@@ -275,9 +319,11 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
     if stats and (opcodes or statuses or handles or count or layers or json_file or hex_):
         raise click.UsageError("--stats counts every request of a capture: it does not go with "
                                "--opcode, --status, --handle, -c, --layers, --json-file or --hex")
+    if start is not None and end is not None and start > end:
+        raise click.UsageError(f"--from {start:g} is after --to {end:g}: no message can be in between")
     filters = (_names(T.OPCODES, "opcode", opcodes), _names(T.STATUS, "status", statuses),
                frozenset(_handle(h) for h in handles))
-    where = _Where(frozenset(conns), frozenset(_address(a) for a in addrs),
+    where = _Where(frozenset(conns), frozenset(_network(a) for a in addrs),
                    frozenset(_integer(q, "--qp", "a QP number") for q in qps), start, end)
     if parquet is not None:
         _parquet(file, parquet)
@@ -364,7 +410,7 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
             _core_run(reader, stream, progress, stats, totals, as_json)
             shown = totals.messages
         else:
-            for found in kbtp_messages(rdma_messages(reader, stats), addr_le):
+            for found in _found(reader, stats, addr_le, where, times):
                 if out is None:
                     out = _Output(as_json, json_file, layers, progress, stats.first_time or 0.0)
                 totals.messages += 1
@@ -410,11 +456,36 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
                    "kbtp decode reads Ethernet, Linux cooked, loopback and raw IP frames", err=True)
     if times is not None:
         _times(times, as_json)
+    if where.qps and not stopped and all(transport != "roce" for transport, _ in conns):
+        click.echo(f"kbtp: --qp applies to RoCEv2 only, and {name} has no RoCEv2 KBTP message", err=True)
     _summary(stats, totals, shown, any(filters) or bool(where), count if stopped else None, name)
     if not stopped and (reader.cut_short or reader.problem):
         why = reader.problem or f"the capture ends in the middle of frame {reader.cut_short}"
         raise click.ClickException(f"{name}: {why}; the frames before "
                                    f"{'and after it' if reader.resumed else 'it'} were decoded")
+
+
+def _found(reader: Reader, stats: Stats, addr_le: bool | None, where: _Where,
+           times: ResponseTimes | None) -> Iterator[Found]:
+    """The KBTP messages of the capture. With --stats, the RDMA Writes beside them go to
+    ``times`` as well: a completion record answers the request that asked for it, paired
+    as ``kbtp analyze`` pairs it (its operations and ``capture.completion_record``)."""
+    if times is None:
+        yield from kbtp_messages(rdma_messages(reader, stats), addr_le)
+        return
+    from ..analyze.operations import Pairing, RdmaOp
+    sessions, pairing = KbtpSessions(addr_le), Pairing()
+    for msg in rdma_operations(reader, stats):
+        found = sessions.decode(msg)
+        if found is not None:
+            yield found
+            continue
+        number = sessions.numbered(msg)
+        if number is None:                  # no KBTP message on its connection yet
+            continue
+        for op in pairing.feed(msg):
+            if op.op == RdmaOp.WRITE and where.within(op.time, stats.first_time or 0.0):
+                times.written(op.transport, number, op.stag, op.offset, op.data, op.time)
 
 
 def _core_run(reader: Reader, stream: BinaryIO, progress: _Progress, stats: Stats, totals: core.Totals,

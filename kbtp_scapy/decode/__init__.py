@@ -1,8 +1,9 @@
 """The streaming capture decoder: pcap or pcapng octets to RDMA messages, no Scapy.
 
 ``pcapfile`` reads records as they arrive, ``frames`` finds each frame's RoCE or TCP
-payload, ``roce`` puts RoCE Sends together by PSN and ``iwarp`` reassembles TCP, MPA and
-DDP per connection, each in bounded memory. ``rdma_messages`` runs them over one capture
+payload, ``roce`` puts RoCE Sends together by PSN (``connections`` ties the QPs of each
+RoCEv2 connection's two directions) and ``iwarp`` reassembles TCP, MPA and DDP per
+connection, each in bounded memory. ``rdma_messages`` runs them over one capture
 and yields messages as their last frame is read; ``capture.kbtp_messages`` decodes the
 KBTP ones with the codec. This is what ``kbtp decode`` uses; the Scapy layers stay the
 way to inspect single packets.

@@ -24,6 +24,7 @@ static int config(Core *c, PyObject *cfg)
     INT("max_message", max_message);
     INT("max_closed", max_closed);
     INT("max_pending", max_pending);
+    INT("max_followed", max_followed);
     INT("marker_interval", marker_interval);
     INT("marker_len", marker_len);
     INT("max_out_of_order", max_out_of_order);
@@ -150,6 +151,7 @@ static PyObject *run(PyObject *self, PyObject *args, PyObject *kw)
     map_free(&c.closed, NULL);
     map_free(&c.parts, part_free);
     map_free(&c.sessions, sessions_free);
+    conns_free(&c);
     buf_free(&c.in);
     buf_free(&c.out);
     buf_free(&c.scratch);

@@ -68,6 +68,8 @@ typedef struct {
     PyObject *unsupported;
     /* state */
     Map sessions, parts, flows, closed;
+    Map peers, sent, cm_reqs, conns, lone;   /* RoCEv2 connections (_core_conns.c) */
+    unsigned long followed, max_followed;
     Buf closed_order;           /* Closed entries from closed_head on, some stale */
     size_t closed_head;
     unsigned long long order, closed_seq;
@@ -75,8 +77,12 @@ typedef struct {
     Buf out, scratch;           /* lines to write; an FPDU without its markers */
 } Core;
 
-/* Where a message was: the RoCE addresses and destination QP, or the iWARP endpoints. */
-typedef struct { int iwarp; Addr src, dst; uint32_t qp; uint16_t sport, dport; } Conn;
+/* A RoCE direction: source and destination address, destination QP. */
+typedef struct { Addr src, dst; uint32_t qp; } Dir;
+
+/* Where a message was: the RoCE addresses and destination QP with the first direction of
+ * its connection, or the iWARP endpoints. */
+typedef struct { int iwarp; Addr src, dst; uint32_t qp; uint16_t sport, dport; const Dir *first; } Conn;
 
 /* _core_kbtp.c: KBTP messages and their lines, JSON or text */
 int looks_like_kbtp(const uint8_t *p, size_t n);
@@ -90,6 +96,12 @@ int roce_packet(Core *c, unsigned long long frame, double time, const Addr *src,
                 const uint8_t *data, size_t n, size_t start, size_t end, size_t net);
 int roce_flush(Core *c);
 void part_free(void *v);
+
+/* _core_conns.c: RoCEv2 connections, the QPs of their two directions tied */
+size_t dir_key(uint8_t *k, const Addr *src, const Addr *dst, uint32_t qp);
+int conns_packet(Core *c, const Addr *src, const Addr *dst, const uint8_t *data, size_t start, size_t end);
+const Dir *conn_of(Core *c, const Addr *src, const Addr *dst, uint32_t qp);
+void conns_free(Core *c);
 
 /* _core_iwarp.c: iWARP Sends */
 int tcp_segment(Core *c, unsigned long long frame, double time, const Addr *src, const Addr *dst, int sport,

@@ -163,7 +163,7 @@ static int emit_untagged(Core *c, Flow *f, const Untagged *u)
             time = u->pieces[i].time;
         }
     }
-    Conn m = {1, f->src, f->dst, 0, f->sport, f->dport};
+    Conn m = {1, f->src, f->dst, 0, f->sport, f->dport, NULL};
     int rc = message(c, &m, frame, time, data.p ? data.p : (const uint8_t *)"", data.len, NULL, 0);
     buf_free(&data);
     return rc;
@@ -340,7 +340,7 @@ static int send_fpdu(Core *c, Flow *f, const uint8_t *w, size_t ulen, unsigned l
             return 0;
         }
         if (ctrl & 0x40 && untagged_of(f, pair) == NULL) {    /* the usual case: a Send in one FPDU */
-            Conn m = {1, f->src, f->dst, 0, f->sport, f->dport};
+            Conn m = {1, f->src, f->dst, 0, f->sport, f->dport, NULL};
             return message(c, &m, frame, time, data, dlen, NULL, 0);
         }
     } else {

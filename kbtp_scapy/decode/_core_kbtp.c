@@ -154,17 +154,21 @@ size_t endpoint_key(uint8_t *k, const Addr *a, int port, int with_port)
 
 static Session *session_of(Core *c, const Conn *m)
 {
-    uint8_t one[20], two[20], key[KEY_MAX];
-    size_t n1 = endpoint_key(one, &m->src, m->sport, m->iwarp), n2 = endpoint_key(two, &m->dst, m->dport, m->iwarp);
-    int swap = n1 > n2 || (n1 == n2 && memcmp(one, two, n1) > 0);
+    uint8_t key[KEY_MAX];
     size_t n = 0;
     key[n++] = (uint8_t)m->iwarp;
-    memcpy(key + n, swap ? two : one, swap ? n2 : n1);
-    n += swap ? n2 : n1;
-    if (n1 != n2 || memcmp(one, two, n1)) {          /* frozenset: one element when equal */
-        memcpy(key + n, swap ? one : two, swap ? n1 : n2);
-        n += swap ? n1 : n2;
-    }
+    if (m->iwarp) {                              /* frozenset of the endpoints: one when equal */
+        uint8_t one[20], two[20];
+        size_t n1 = endpoint_key(one, &m->src, m->sport, 1), n2 = endpoint_key(two, &m->dst, m->dport, 1);
+        int swap = n1 > n2 || (n1 == n2 && memcmp(one, two, n1) > 0);
+        memcpy(key + n, swap ? two : one, swap ? n2 : n1);
+        n += swap ? n2 : n1;
+        if (n1 != n2 || memcmp(one, two, n1)) {
+            memcpy(key + n, swap ? one : two, swap ? n1 : n2);
+            n += swap ? n1 : n2;
+        }
+    } else                                       /* the connection's first direction */
+        n += dir_key(key + n, &m->first->src, &m->first->dst, m->first->qp);
     Node *x = map_put(&c->sessions, key, n);
     if (x == NULL)
         return NULL;

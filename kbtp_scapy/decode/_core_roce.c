@@ -48,16 +48,6 @@ static int icrc_ok(const uint8_t *data, size_t n, size_t net, size_t bth, size_t
 
 enum { P_FIRST, P_MIDDLE, P_LAST, P_ONLY };
 
-static size_t part_key(uint8_t *k, const Addr *src, const Addr *dst, uint32_t dqpn)
-{
-    size_t n = endpoint_key(k, src, 0, 0);
-    n += endpoint_key(k + n, dst, 0, 0);
-    k[n++] = (uint8_t)(dqpn >> 16);
-    k[n++] = (uint8_t)(dqpn >> 8);
-    k[n++] = (uint8_t)dqpn;
-    return n;
-}
-
 void part_free(void *v)
 {
     Part *p = v;
@@ -72,8 +62,8 @@ static int finish(Core *c, Part *p)
 {
     int rc = 0;
     if (p->keep) {
-        Conn m = {0, p->src, p->dst, p->dqpn, 0, 0};
-        rc = message(c, &m, p->last_frame, p->time, p->data.p ? p->data.p : (const uint8_t *)"", p->data.len,
+        Conn m = {0, p->src, p->dst, p->dqpn, 0, 0, conn_of(c, &p->src, &p->dst, p->dqpn)};
+        rc = m.first == NULL ? -1 : message(c, &m, p->last_frame, p->time, p->data.p ? p->data.p : (const uint8_t *)"", p->data.len,
                      (const unsigned long long *)p->bad.p, p->bad.len / sizeof(unsigned long long));
     }
     part_free(p);
@@ -85,6 +75,8 @@ int roce_packet(Core *c, unsigned long long frame, double time, const Addr *src,
 {
     if (start + 12 > n)             /* the callers' checks keep the BTH in the frame */
         return 0;
+    if (conns_packet(c, src, dst, data, start, end) < 0)
+        return -1;
     int opcode = data[start], position = c->send_pos[opcode];
     if (position < 0)
         return 0;
@@ -97,7 +89,7 @@ int roce_packet(Core *c, unsigned long long frame, double time, const Addr *src,
     uint32_t dqpn = (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 | head[3];
     uint32_t psn = (uint32_t)head[5] << 16 | (uint32_t)head[6] << 8 | head[7];
     uint8_t key[KEY_MAX];
-    size_t kl = part_key(key, src, dst, dqpn);
+    size_t kl = dir_key(key, src, dst, dqpn);
     Part *part = c->parts.n ? map_del(&c->parts, key, kl) : NULL;
     if (part != NULL && (position == P_FIRST || position == P_ONLY || psn != ((part->psn + 1) & 0xFFFFFF))) {
         if (finish(c, part) < 0)
@@ -110,7 +102,9 @@ int roce_packet(Core *c, unsigned long long frame, double time, const Addr *src,
         if (position == P_ONLY) {
             if (!looks_like_kbtp(chunk, clen))
                 return 0;
-            Conn m = {0, *src, *dst, dqpn, 0, 0};
+            Conn m = {0, *src, *dst, dqpn, 0, 0, conn_of(c, src, dst, dqpn)};
+            if (m.first == NULL)
+                return -1;
             unsigned long long bad = frame;
             int ok = icrc_ok(data, n, net, start, end);
             return message(c, &m, frame, time, chunk, clen, &bad, ok ? 0 : 1);

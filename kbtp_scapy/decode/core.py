@@ -2,8 +2,9 @@
 
 A pure-Python message costs 25 to 60 µs; a disk at 100 MB/s brings one every 3 µs, so
 the frame loop and the JSON line are written in C: pcap and pcapng records, ``locate``,
-RoCE Sends by PSN with the ICRC check, iWARP TCP/MPA/DDP Sends, KBTP fields from the
-tables (``_core_tables.h``, generated), each session's ADDR_LE, and the exact line
+RoCE Sends by PSN with the ICRC check, RoCEv2 connections by their pair of QPs
+(``connections.py``), iWARP TCP/MPA/DDP Sends, KBTP fields from the tables
+(``_core_tables.h``, generated), each session's ADDR_LE, and the exact line
 ``json.dumps(capture.to_json(found))`` writes (or the text line ``kbtp decode`` shows).
 The Python modules beside it stay the reference, and ``KBTP_DECODE=python`` forces them.
 
@@ -32,7 +33,7 @@ from typing import Any, BinaryIO, cast
 from ..wire import iwarp as IW, iwarp_defs as D
 from ..wire.address import ROCE_PORT
 from ..wire.mpa_markers import MARKER_LEN
-from . import Stats, iwarp, pcapfile, roce
+from . import Stats, connections, iwarp, pcapfile, roce
 from .pcapfile import Reader
 
 try:
@@ -48,6 +49,7 @@ ENV = "KBTP_DECODE"
 _CONFIG = {
     "chunk": pcapfile.CHUNK, "max_record": pcapfile.MAX_RECORD, "max_message": roce.MAX_MESSAGE,
     "max_closed": iwarp.MAX_CLOSED, "max_pending": iwarp.MAX_PENDING, "roce_port": ROCE_PORT,
+    "max_followed": connections.MAX_FOLLOWED,
     "ddp_untagged_len": D.DDP_UNTAGGED_LEN, "ddp_tagged_len": D.DDP_TAGGED_LEN, "marker_interval": D.MARKER_INTERVAL,
     "marker_len": MARKER_LEN, "max_out_of_order": iwarp.MAX_OUT_OF_ORDER, "max_unframed": iwarp.MAX_UNFRAMED,
     "flag_m": IW.FLAG_M, "flag_c": IW.FLAG_C, "flag_r": IW.FLAG_R, "mpa_startup_len": D.MPA_STARTUP_LEN,

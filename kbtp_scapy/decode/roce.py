@@ -15,6 +15,7 @@ from __future__ import annotations
 from ..codec import looks_like_kbtp
 from ..wire import roce as W
 from ..wire.message import RdmaMessage
+from .connections import RoceConnections
 from .frames import address
 from .icrc import icrc_ok
 
@@ -58,10 +59,12 @@ class _Part:
 
 
 class RoceSends:
-    """KBTP-carrying Sends of every RoCE direction and destination QP of a capture."""
+    """KBTP-carrying Sends of every RoCE direction and destination QP of a capture, each
+    with its connection (``info["connection"]``, ``RoceConnections``)."""
 
     def __init__(self) -> None:
         self._open: dict[tuple, _Part] = {}
+        self.connections = RoceConnections()
 
     def packet(self, frame: int, time: float, src: bytes, dst: bytes, data: bytes,
                start: int, end: int, net: int | None = None) -> list[RdmaMessage] | None:
@@ -69,6 +72,7 @@ class RoceSends:
         at ``net`` when known); the messages it ends, if any. A message whose packets have
         a wrong ICRC lists their frames in ``info["icrc_bad"]``: the receiving NIC dropped
         them, so the message never arrived as the capture shows it."""
+        self.connections.packet(src, dst, data, start, end)
         spec = SENDS.get(data[start])
         if spec is None:
             return None
@@ -133,11 +137,11 @@ class RoceSends:
             msg.info["icrc_bad"] = part.bad_icrc
         return [msg]
 
-    @staticmethod
-    def _message(key: tuple, frames: list[int], payload: bytes, name: str, inv: bool,
+    def _message(self, key: tuple, frames: list[int], payload: bytes, name: str, inv: bool,
                  complete: bool, info: dict) -> RdmaMessage:
         src, dst, dqpn = key
-        info.update(opcode=name, dqpn=dqpn, complete=complete)
+        info.update(opcode=name, dqpn=dqpn, complete=complete, connection=self.connections.of(key),
+                    src_qp=self.connections.source_qp(key))
         return RdmaMessage("roce", "send_inv" if inv else "send", frames,
                            (address(src), address(dst), dqpn), payload, info)
 
@@ -187,6 +191,7 @@ class RoceOperations(RoceSends):
         opcode = data[start]
         if opcode in SENDS:
             return super().packet(frame, time, src, dst, data, start, end, net)
+        self.connections.packet(src, dst, data, start, end)
         if end - start < 16:
             return None
         head = data[start + 4:start + 12]
@@ -257,11 +262,11 @@ class RoceOperations(RoceSends):
         info.setdefault("opcode", "RC_RDMA_WRITE" if run.kind != "read_response" else "RC_RDMA_READ_RESPONSE")
         return self._op(key[1:], run.kind, run.frames, run.time, payload, info, complete)
 
-    @staticmethod
-    def _op(key: tuple, kind: str, frames: list[int], time: float, payload: bytes, info: dict,
+    def _op(self, key: tuple, kind: str, frames: list[int], time: float, payload: bytes, info: dict,
             complete: bool = True) -> RdmaMessage:
         src, dst, dqpn = key
-        info.update(dqpn=dqpn, complete=complete)
+        info.update(dqpn=dqpn, complete=complete, connection=self.connections.of(key),
+                    src_qp=self.connections.source_qp(key))
         return RdmaMessage("roce", kind, frames, (address(src), address(dst), dqpn), payload, info, time)
 
     def flush(self) -> list[RdmaMessage]:
