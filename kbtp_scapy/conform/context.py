@@ -98,7 +98,8 @@ class Ctx:
         self.url, self.transport, self.info, self.timeout = url, transport, info, timeout
         self.frames = frames
         self.run = run or RunState()
-        self._options = session_options(local, self.run)
+        self._rnic: dict[str, Any] = {"local": local} if local else {}     # a bare RDMA connection's
+        self._options = session_options(local, self.run)                  # a session's
         self.sessions: list[Initiator] = []
         self._qps: list[QueuePair] = []
         self._ids: dict[bytes, bool] = {}          # Initiator ID -> released
@@ -206,7 +207,7 @@ class Ctx:
     async def raw_qp(self) -> QueuePair:
         """A bare RDMA connection (no HELLO yet) with receive buffers posted."""
         qp = await self.wait(rdma_connect(self.url, MemoryTable(), recv_size=COMPLETION_BUFFER,
-                                          frame_listeners=[self.frames], **self._options),
+                                          frame_listeners=[self.frames], **self._rnic),
                              "an RDMA connection")
         self._qps.append(qp)
         qp.post_recv(4)
