@@ -74,7 +74,7 @@ def record_session(transport: str, path: str | Path, addr_le: bool = False,
         "hello_ack.table.stag": TABLE_STAG, "hello_ack.table.count": 256,
         "hello_ack.table_base_handle": HANDLE_BASE, "hello_ack.pool.stag": POOL_STAG,
         "hello_ack.pool.count": 64, "hello_ack.partition.stag": PARTITION_STAG,
-        "hello_ack.partition.offset": 40 * BLOCK, "hello_ack.partition.count": 8,
+        "hello_ack.partition.offset": 40 * BLOCK, "hello_ack.partition.count": RING_N,
         "hello_ack.ring.stag": RING_STAG, "hello_ack.ring.count": RING_N,
         "hello_ack.head.stag": HEAD_STAG, "hello_ack.head.count": 1}))
 

@@ -757,7 +757,7 @@ class HostileTarget:
         self.host, self.port, self.roce_peer = host, 0, roce_peer
         self.hello, self.ack, self.descriptors = hello, ack or {}, descriptors
         self.flood, self.answer, self.reads = flood, answer, reads
-        self._seen = {"hello": 0, "requests": 0}
+        self._seen = {"hello": 0, "requests": 0, "goodbye": 0}
         self._sessions: list[RcSession] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -814,6 +814,7 @@ class HostileTarget:
                 conn.say(hello_ack(message["request_id"], self.descriptors, **self.ack))
                 await self._flood(conn)
         elif message.get("opcode") == GOODBYE:
+            self._seen["goodbye"] += 1
             return False
         elif message.get("opcode") in REQUESTS:
             self._seen["requests"] += 1

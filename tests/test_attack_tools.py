@@ -173,6 +173,18 @@ def test_requests_never_answered_end_every_tool(tmp_path, binding):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tool", ["initiator", "bench"])
+def test_after_a_request_never_answered_no_goodbye_waits_again(tmp_path, tool):
+    """A target silent after its HELLO_ACK: the tool ends on the request's deadline and
+    closes, sending no GOODBYE, whose acknowledgement and close it would wait on again (it
+    took about twice --timeout)."""
+    with hostile(answer=False) as target:
+        ran = run_tool(tool, _commands(target, tmp_path, "", "load")[tool], tmp_path)
+    assert ran.code == 1 and f"within {TIMEOUT} s" in ran.stderr, ran.stderr
+    assert target.seen["requests"] >= 1 and target.seen["goodbye"] == 0, target.seen
+
+
+@pytest.mark.slow
 def test_blocks_as_large_as_the_limits_allow_then_silence_stay_in_little_memory(tmp_path):
     """T1 at the edge: a HELLO_ACK whose Block Size and Max Inline are the default limit
     itself, and no answer after it. Each tool holds a few blocks at once (a store's data,

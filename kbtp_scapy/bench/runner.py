@@ -171,7 +171,9 @@ async def _connect(plan: Plan, initiator_id: bytes | None = None) -> Initiator:
 
 
 async def _end(ini: Initiator) -> None:
-    if not ini.qp.closed:
+    if ini.silent:          # it let a deadline pass: not waited for a second time
+        await ini.close()
+    elif not ini.qp.closed:
         await ini.goodbye(release=True)
 
 

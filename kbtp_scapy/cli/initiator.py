@@ -243,7 +243,9 @@ async def _session(o: dict, name: str, func, kwargs: dict) -> None:
             raise _failure(f"{_what(name, kwargs)} at {url}", exc, todo=hint(exc),
                            why=reason(exc, timeout)) from None
         finally:
-            if not ini.qp.closed:
+            if ini.silent:
+                await ini.close()
+            elif not ini.qp.closed:
                 await ini.goodbye(release=bool(release))
     finally:
         if sink:

@@ -271,12 +271,15 @@ int pcapng_records(Core *c)
         PyObject *what = NULL;
         if (!memcmp(b + at, "\x0a\x0d\x0d\x0a", 4)) {
             const uint8_t *m = b + at + 8;
-            c->big = !(m[0] == 0x4d && m[1] == 0x3c && m[2] == 0x2b && m[3] == 0x1a);
-            if (u32(c, m) != 0x1A2B3C4D) {
+            int little = !memcmp(m, "\x4d\x3c\x2b\x1a", 4);
+            if (!little && memcmp(m, "\x1a\x2b\x3c\x4d", 4)) {
+                /* the previous section's byte order (Reader._pcapng) */
                 bad = 1;
                 what = Py_BuildValue("(sK)", "section", start);
-            } else
+            } else {
+                c->big = !little;
                 ifaces.len = 0;
+            }
         }
         uint32_t kind = u32(c, b + at), length = u32(c, b + at + 4);
         if (!bad && (length < 12 || length % 4 || length > c->max_record)) {

@@ -232,12 +232,14 @@ class Reader:
             buf = self._buf
             if buf[at:at + 4] == _PCAPNG_SHB:
                 magic = buf[at + 8:at + 12]
-                endian = "<" if magic == b"\x4d\x3c\x2b\x1a" else ">"
-                if struct.unpack_from(endian + "I", magic)[0] != _BYTE_ORDER_MAGIC:
+                if magic not in (b"\x4d\x3c\x2b\x1a", b"\x1a\x2b\x3c\x4d"):
+                    # the byte order of the section before (little-endian at first) is the
+                    # likelier: a resync in the other one finds no block, or a false one
                     what = DAMAGE["section"].format(self._base + at)
                     if not self._damaged(what, lambda: self._resync_pcapng(endian)):
                         return
                     continue
+                endian = "<" if magic == b"\x4d\x3c\x2b\x1a" else ">"
                 interfaces = []
             kind, length = struct.unpack_from(endian + "II", buf, at)
             if length < 12 or length % 4 or length > MAX_RECORD:

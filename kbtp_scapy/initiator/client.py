@@ -61,6 +61,10 @@ class Initiator(DirectModes):
         #: these); ``dropped`` counts the older ones let go, so a flood costs no memory
         self.unmatched: asyncio.Queue[Received] = asyncio.Queue(self.limits.max_unmatched)
         self.dropped = 0
+        #: an answer's deadline passed: a tool that ends on it closes without waiting again
+        #: (for a GOODBYE's acknowledgement and the target's close), leaving the session to the
+        #: target's retention
+        self.silent = False
         self._credits: asyncio.Semaphore | None = None
         self.usage = 0      # handles this session bound and has not freed (spec "Allocation Quotas")
 
@@ -267,6 +271,7 @@ class Initiator(DirectModes):
                 return await answer
         except TimeoutError:
             why = f"no {what} within {self.limits.wait:g} s"
+            self.silent = True
             if fatal:
                 self.qp.abort(why)
             raise NoAnswer(why) from None
