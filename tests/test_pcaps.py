@@ -17,6 +17,7 @@ import pytest
 from kbtp_scapy import tables as T
 from kbtp_scapy.capture import kbtp_messages, rdma_messages, read_packets
 from kbtp_scapy.layers.kbtp import KBTP, packet_fields
+from kbtp_scapy.vocab import Opcode
 from tests.tshark import needs_tshark, tshark_frames, tshark_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,3 +96,16 @@ def test_roce_sample_headers_equal_tshark(pcap):
     assert len(frames) == len(packets)
     for number, (pkt, tframe) in enumerate(zip(packets, frames), 1):
         assert_matches_tshark(Ether(bytes(pkt)), tframe, number)
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+def test_sample_hello_acks_describe_a_possible_ring(path):
+    """The samples' DIRECT_ALLOC descriptors obey the spec's Free-Block Ring (N a power of
+    two not smaller than the Partition's blocks), so the project's own initiator can replay
+    them: one sample granted 8 blocks on 4 slots, and replay's FetchAdd step refused it."""
+    acks = [f.fields for f in kbtp_messages(rdma_messages(read_packets(path)))
+            if f.fields.get("opcode") == Opcode.HELLO_ACK and "hello_ack.ring.count" in f.fields]
+    assert acks
+    for ack in acks:
+        slots, blocks = ack["hello_ack.ring.count"], ack["hello_ack.partition.count"]
+        assert slots & (slots - 1) == 0 and slots >= blocks > 0, ack
