@@ -20,6 +20,7 @@ from scapy.packet import Raw
 
 from kbtp_scapy import codec
 from kbtp_scapy.builders.roce import RcConnection, RoceEndpoint
+from kbtp_scapy.capture import kbtp_messages, rdma_messages, read_packets, to_json
 from kbtp_scapy.decode import core
 from kbtp_scapy.rnic import cm
 from kbtp_scapy.target import TargetConfig
@@ -105,6 +106,19 @@ def test_two_connections_between_two_hosts_are_told_apart(tmp_path, with_cm, ack
     assert [(o["dst_qp"], o["kbtp.handle"], o["kbtp.dd.stag"]) for o in loads] == \
         [(QPS[0][1], 0x4001, 0x77), (QPS[1][1], 0x4001, 0x77)]
     assert kbtp("decode", "-q", str(pcap)).stderr.decode().endswith("2 connections\n")
+
+
+@pytest.mark.parametrize("with_cm, acks, crossed", [(True, False, True), (False, True, True), (False, False, False)],
+                         ids=["cm", "acks", "neither"])
+def test_the_scapy_path_ties_connections_as_the_decoder(tmp_path, with_cm, acks, crossed):
+    """``kbtp replay`` and the demo read captures through Scapy (``capture.rdma_messages``):
+    they number connections and keep ADDR_LE per connection as ``kbtp decode`` does (they
+    merged every RoCEv2 connection between two hosts, so a -q 2 capture replayed as one)."""
+    pcap = two_connections(tmp_path / "two.pcap", with_cm=with_cm, acks=acks, crossed=crossed)
+    scapy = [to_json(f) for f in kbtp_messages(rdma_messages(read_packets(pcap)))]
+    assert [(o["conn"], o["dst_qp"], o.get("kbtp.handle")) for o in scapy] == \
+        [(o["conn"], o["dst_qp"], o.get("kbtp.handle")) for o in decoded(pcap)]
+    assert len({o["conn"] for o in scapy}) == 2
 
 
 def test_the_address_pair_is_the_last_resort(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from ipaddress import IPv6Address
+from ipaddress import IPv6Address, ip_address
 
 from scapy.compat import raw
 from scapy.contrib.roce import AETH, BTH, GRH
@@ -22,6 +22,7 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
 from scapy.utils import PcapWriter
 
+from kbtp_scapy.decode.connections import RoceConnections
 from kbtp_scapy.layers.roce import (
     DETH,
     HEADERS,
@@ -123,7 +124,7 @@ def reassemble(packets: Iterable[Packet]) -> bytes:
     """The payload of one RDMA message from its packets (BTH stacks or whole frames),
     without pad; ValueError unless they form exactly one complete message in PSN order."""
     records = [_record(0, (), _dissected(p)) for p in packets]     # one message: no connection to tell
-    messages = list(_messages(records))
+    messages = list(_messages(records, None))
     if len(messages) != 1 or not messages[0].info["complete"]:
         raise ValueError("packets are not exactly one complete RDMA message")
     return messages[0].payload
@@ -327,7 +328,7 @@ def _record(number: int, conn: tuple, pkt: Packet) -> _Record:
     return _Record(number, conn, pkt[BTH], headers, payload, icrc_ok(pkt))
 
 
-def _message(records: list[_Record], complete: bool) -> RdmaMessage:
+def _message(records: list[_Record], complete: bool, conns: RoceConnections | None) -> RdmaMessage:
     first, last = records[0], records[-1]
     kind = first.family
     assert kind is not None                  # _messages leaves out records of no family
@@ -343,6 +344,9 @@ def _message(records: list[_Record], complete: bool) -> RdmaMessage:
     for record in records:
         for cls, header in record.headers.items():
             info.update(_HEADER_INFO[cls](header))
+    if conns is not None:               # the connection as the streaming decoder ties it
+        key = _direction(first.conn)
+        info.update(connection=conns.of(key), src_qp=conns.source_qp(key))
     return RdmaMessage(transport="roce", kind=kind, frames=[r.number for r in records],
                        conn=first.conn, payload=b"".join(r.payload for r in records), info=info)
 
@@ -359,7 +363,12 @@ _HEADER_INFO = {
 }
 
 
-def _messages(records: Iterable[_Record]) -> Iterator[RdmaMessage]:
+def _direction(conn: tuple) -> tuple:
+    """``(src, dst, destination QP)`` with the addresses as octets, as ``decode.connections`` keys it."""
+    return ip_address(conn[0]).packed, ip_address(conn[1]).packed, conn[2]
+
+
+def _messages(records: Iterable[_Record], conns: RoceConnections | None) -> Iterator[RdmaMessage]:
     """Group packets into messages per connection and stream (requests, read responses)
     by opcode position and consecutive PSN; gaps yield the parts as incomplete messages."""
     open_: dict[tuple, tuple[list[_Record], bool]] = {}
@@ -367,7 +376,7 @@ def _messages(records: Iterable[_Record]) -> Iterator[RdmaMessage]:
         if rec.family is None:
             continue
         if rec.position is None:
-            yield _message([rec], True)
+            yield _message([rec], True, conns)
             continue
         key = (rec.conn, rec.family == "read_response")
         part = open_.pop(key, None)
@@ -375,22 +384,23 @@ def _messages(records: Iterable[_Record]) -> Iterator[RdmaMessage]:
             prev = part[0][-1]
             if (rec.position in ("FIRST", "ONLY") or prev.family != rec.family
                     or rec.bth.psn != (prev.bth.psn + 1) & _MASK24):
-                yield _message(part[0], False)
+                yield _message(part[0], False, conns)
                 part = None
         if part is None:
             part = ([], rec.position in ("FIRST", "ONLY"))
         part[0].append(rec)
         if rec.position in ("LAST", "ONLY"):
-            yield _message(part[0], part[1])
+            yield _message(part[0], part[1], conns)
         else:
             open_[key] = part
     for records_, _ in open_.values():
-        yield _message(records_, False)
+        yield _message(records_, False, conns)
 
 
-def _frames(packets: Iterable[Packet]) -> Iterator[_Record]:
-    """RoCE packets of a capture (RoCEv2 on UDP 4791, or RoCEv1) as records; anything
-    that does not dissect is skipped, so garbage never raises."""
+def _frames(packets: Iterable[Packet], conns: RoceConnections) -> Iterator[_Record]:
+    """RoCE packets of a capture (RoCEv2 on UDP 4791, or RoCEv1) as records, each also
+    shown to ``conns`` (the CM and the ACKs tie a connection's QPs); anything that does
+    not dissect is skipped, so garbage never raises."""
     for number, pkt in enumerate(packets, 1):
         try:
             pkt = _dissected(pkt)
@@ -404,6 +414,9 @@ def _frames(packets: Iterable[Packet]) -> Iterator[_Record]:
                 conn = (str(IPv6Address(lower.sgid)), str(IPv6Address(lower.dgid)), bth.dqpn)
             else:
                 continue
+            octets = raw(bth)
+            src, dst, _ = _direction(conn)
+            conns.packet(src, dst, octets, 0, len(octets))
             yield _record(number, conn, pkt)
         except Exception:  # noqa: BLE001 - a capture may hold anything
             continue
@@ -416,4 +429,5 @@ def iter_rdma_messages(packets: Iterable[Packet]) -> Iterator[RdmaMessage]:
     ``conn`` is (source IP, destination IP, destination QP); ``info`` holds the opcode
     name of the first packet, PSNs, extension header values, ``icrc_ok`` (all packets)
     and ``complete`` (False for the pieces of a message with packets missing)."""
-    return _messages(_frames(packets))
+    conns = RoceConnections()
+    return _messages(_frames(packets, conns), conns)
