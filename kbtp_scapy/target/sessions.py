@@ -21,7 +21,11 @@ none of the rules above ends, hold their slots for ``min_tenure_s`` only while o
 when a newcomer still finds no room, and its source holds fewer sessions than the source
 holding the most, that source's longest-held session is displaced (``displace``: its
 connection is ended, and it gives way whatever it holds), so sessions rotate among the
-sources that want them (docs/DECISIONS.md, "Busy sessions and the fair share").
+sources that want them (docs/DECISIONS.md, "Busy sessions and the fair share"). A source
+that lost a session so carries its tenure over: a session it opens or resumes while the loss
+is remembered began when the lost one did, so reconnecting at once wins it no new
+``min_tenure_s``. A session without DIRECT_ALLOC that finds the shared ring full borrows a
+free partition for its allocations, and gives it back to a DIRECT_ALLOC newcomer at once.
 """
 from __future__ import annotations
 
@@ -109,10 +113,11 @@ class Sessions:
         self.retained = self.evicted = self.expired = 0   # counters, for the metrics
         self.ended_idle = self.displaced = 0
         self.refused_per_source = 0
-        #: source -> when a session of it was displaced: for --min-tenure it counts the
-        #: session it lost, so it cannot at once displace another in turn (a cascade that
-        #: leaves every session younger than --min-tenure, and the next newcomer refused)
-        self._lost: dict[str, float] = {}
+        #: source -> (when a session of it was displaced, when that session began): for
+        #: --min-tenure it counts the session it lost, so it cannot at once displace another
+        #: in turn (a cascade that leaves every session younger than --min-tenure, and the
+        #: next newcomer refused), and a session it opens meanwhile carries on that tenure
+        self._lost: dict[str, tuple[float, float]] = {}
 
     def admit(self, initiator_id: bytes, want_partition: bool, source: str = "",
               claim: InitiatorState | None = None) -> tuple[InitiatorState, bool]:
@@ -134,39 +139,60 @@ class Sessions:
                 known.expiry.cancel()
                 known.expiry = None
             known.active, known.displaced = True, False
-            known.admitted_at = asyncio.get_running_loop().time()
+            known.admitted_at = self._tenure(known.source)
             if want_partition and known.partition is None:   # given back while it was away
                 known.partition = self._take_partition(initiator_id)
+            if known.partition is not None:
+                known.partition.lent = not want_partition
             return known, True
         self._room_for(source)
         while True:
-            partition = None
-            if want_partition:
-                partition = self.free_partition()
-            shared_sessions = sum(1 for i in self.by_id.values() if i.partition is None)
-            shared_room = (shared_sessions + 1) * self.config.quota <= self.config.shared_blocks
+            shared_room = self._shared_room()
+            partition = None if shared_room and not want_partition else self.free_partition()
             room = bool(self._free_ranges) and (partition is not None or shared_room)
             if room and (partition is not None or not want_partition):
                 break
             # no room: any idle session makes some; room but no partition: only one with
-            # a partition gives one
-            idle = (self._idle(with_partition=room) or self._stale(with_partition=room)
+            # a partition gives one, a retained one that borrowed it first
+            lent = self._on_loan(retained=True) if want_partition else None
+            idle = (self._idle(with_partition=room) or lent or self._stale(with_partition=room)
                     or self._quiet(with_partition=room))
             if idle is None:
-                if room:
+                if room and self._on_loan(retained=False) is None:
                     break          # DIRECT_ALLOC without a partition: on the shared ring
-                raise Refused("NO_SPACE", "no quota or handle range is left for another initiator")
+                raise Refused("NO_SPACE", "no quota or handle range is left for another initiator"
+                              if not room else "every partition is lent (it is given back)")
             self.evicted += 1
             self.forget(idle)
         index = self._free_ranges.pop(0)
         c = self.config
         state = InitiatorState(initiator_id, index, c.base_handle + index * c.handles_per_initiator,
                                c.handles_per_initiator, c.quota, partition, active=True, source=source)
-        state.admitted_at = asyncio.get_running_loop().time()
+        state.admitted_at = self._tenure(source)
         if partition is not None:
-            partition.owner = initiator_id
+            partition.owner, partition.lent = initiator_id, not want_partition
         self.by_id[initiator_id] = state
         return state, False
+
+    def _shared_room(self) -> bool:
+        """Whether the shared ring has room for one more session's quota."""
+        shared = sum(1 for s in self.by_id.values() if s.partition is None)
+        return (shared + 1) * self.config.quota <= self.config.shared_blocks
+
+    def _tenure(self, source: str) -> float:
+        """When a session that ``source`` opens now begins its tenure: now, or, while a
+        session it lost to a newcomer is remembered, when that one began (rule 6), so a
+        source that reconnects at once after each displacement wins no new tenure."""
+        now = asyncio.get_running_loop().time()
+        self._forget_lost(now)
+        lost = self._lost.get(source)
+        return now if lost is None else min(now, lost[1])
+
+    def _forget_lost(self, now: float) -> None:
+        """Sources whose loss is older than ``min_tenure_s`` are forgotten (in time order)."""
+        cutoff = now - self.config.min_tenure_s
+        while self._lost and next(iter(self._lost.values()))[0] <= cutoff:
+            del self._lost[next(iter(self._lost))]
 
     def free_partition(self) -> Partition | None:
         return next((p for p in self._partitions if p.owner is None), None)
@@ -208,6 +234,13 @@ class Sessions:
                 and not s.displaced and (s.partition is not None or not with_partition)]
         return min(idle, key=lambda s: s.retained_at, default=None)
 
+    def _on_loan(self, retained: bool) -> InitiatorState | None:
+        """A session that borrowed its partition (``Partition.lent``): a retained one, or
+        an active one whose connection may be ended; the one admitted first."""
+        lent = [s for s in self.by_id.values() if s.partition is not None and s.partition.lent
+                and not s.displaced and (not s.active if retained else s.active and s.qp is not None)]
+        return min(lent, key=lambda s: s.admitted_at, default=None)
+
     def _stale(self, with_partition: bool) -> InitiatorState | None:
         """The retained session, holding blocks, retained first and for at least
         ``min_retention_s`` (one with a partition when ``with_partition``), if any."""
@@ -234,44 +267,44 @@ class Sessions:
         return state if state.usage == 0 else None
 
     def displace(self, source: str, want_partition: bool) -> InitiatorState | None:
-        """Fair share for a newcomer from ``source`` that ``admit`` refused NO_SPACE: the
-        active session held longest, at least ``min_tenure_s``, of the source holding the
-        most sessions, when that is more than ``source`` holds (and, when the newcomer
-        needs room on the shared ring, one without a partition). Its connection is ended
-        (an RDMAP Terminate, or the RoCEv2 error state and DREQ). Once its connection's
-        task has retained it, it gives way to the newcomer's ``admit(claim=...)``,
-        whatever it holds, and to no one else (not even its own reconnect), so the room
-        goes to the newcomer it was made for; ``unclaim`` if the newcomer does not take it.
-        None when no session may be displaced, or ``source`` is at its own cap."""
+        """Fair share for a newcomer from ``source`` that ``admit`` refused NO_SPACE: for
+        a DIRECT_ALLOC newcomer (``want_partition``) that finds no partition free, the
+        active session that borrowed one first, whatever its tenure; else the active
+        session held longest, at least ``min_tenure_s``, of the source holding the most
+        sessions, when that is more than ``source`` holds. Its connection is ended (an
+        RDMAP Terminate, or the RoCEv2 error state and DREQ). Once its connection's task
+        has retained it, it gives way to the newcomer's ``admit(claim=...)``, whatever it
+        holds, and to no one else (not even its own reconnect), so the room goes to the
+        newcomer it was made for; ``unclaim`` if the newcomer does not take it. None when
+        no session may be displaced, or ``source`` is at its own cap."""
         c = self.config
         now = asyncio.get_running_loop().time()
-        while self._lost and next(iter(self._lost.values())) <= now - c.min_tenure_s:
-            del self._lost[next(iter(self._lost))]
+        self._forget_lost(now)
         counts = Counter(s.source for s in self.by_id.values())
         mine = counts[source]
         if source and not c.trusts(source) and mine >= c.max_sessions_per_source:
             return None
         mine += source in self._lost
-        shared = sum(1 for s in self.by_id.values() if s.partition is None)
-        need_shared = (bool(self._free_ranges) and (shared + 1) * c.quota > c.shared_blocks
-                       and not (want_partition and self.free_partition() is not None))
-        cutoff = now - c.min_tenure_s
-        held = [s for s in self.by_id.values() if s.active and s.qp is not None
-                and not s.displaced and s.admitted_at <= cutoff and counts[s.source] > mine
-                and (s.partition is None or not need_shared)]
-        state = min(held, key=lambda s: (-counts[s.source], s.admitted_at), default=None)
-        if state is None:
-            return None
+        state = self._on_loan(retained=False) if want_partition and self.free_partition() is None else None
+        if state is not None:
+            why = "its partition was lent, and a DIRECT_ALLOC newcomer wants it"
+        else:
+            cutoff = now - c.min_tenure_s
+            held = [s for s in self.by_id.values() if s.active and s.qp is not None
+                    and not s.displaced and s.admitted_at <= cutoff and counts[s.source] > mine]
+            state = min(held, key=lambda s: (-counts[s.source], s.admitted_at), default=None)
+            if state is None:
+                return None
+            why = (f"after {c.min_tenure_s:g} s: {state.source or 'its source'} holds "
+                   f"{counts[state.source]} sessions, {source or 'the newcomer'} {mine}")
         assert state.qp is not None       # chosen among those that have one
         self.displaced += 1
         state.displaced = True
-        self._lost.pop(state.source, None)      # in time order, for the pruning above
-        self._lost[state.source] = now
+        self._lost.pop(state.source, None)      # in time order, for ``_forget_lost``
+        self._lost[state.source] = (now, state.admitted_at)
         if len(self._lost) > MAX_LOST:
             del self._lost[next(iter(self._lost))]
-        state.qp.abort(f"displaced for a newcomer after {c.min_tenure_s:g} s: "
-                       f"{state.source or 'its source'} holds {counts[state.source]} "
-                       f"sessions, {source or 'the newcomer'} {mine}")
+        state.qp.abort(f"displaced for a newcomer {why}")
         return state
 
     def unclaim(self, state: InitiatorState) -> None:
@@ -287,11 +320,13 @@ class Sessions:
         if release:
             self.forget(state)
             return
-        if state.partition is not None and state.usage == 0:
+        if state.partition is not None and state.usage == 0 and not state.partition.lent:
             # Nothing of it is bound or ticketed: the partition goes back at once (its STag
             # died with the connection), the session keeps its range for a reconnect,
             # which takes a free partition again. One with bindings keeps its partition:
             # the bound blocks are in it, and the text keeps bindings for the retention.
+            # A lent one stays lent (its borrower would otherwise count on the shared ring,
+            # which had no room for it): a newcomer that wants it takes it first.
             state.partition.release()
             state.partition, state.watch = None, None
         loop = asyncio.get_running_loop()
