@@ -201,11 +201,9 @@ class Executor:
         return Outcome(0, self.table.read(req["handle"]).generation, 0, entry.block_offset)
 
     def release_block(self, block: int) -> None:
-        """Return a block to its ring, cleared when it may reach another trust domain (the
-        shared ring's, and a partition's while it is lent: it goes back to DIRECT_ALLOC)."""
+        """Return a block to its ring, cleared when it may reach another trust domain."""
         ring = self.memory.ring_of(block)
-        part = self.memory.partition_of(block)
-        if self.clear_freed and (ring is self.memory.shared_ring or (part is not None and part.lent)):
+        if self.clear_freed and ring is self.memory.shared_ring:
             self.memory.block(block)[:] = bytes(self.block_size)
         ring.free(block)
 

@@ -33,17 +33,13 @@ class Partition:
     heads: memoryview              # Head at 0, Tail at 8
     block_size: int
     owner: bytes | None = None     # Initiator ID holding it
-    # lent to a session without DIRECT_ALLOC when the shared ring had no room: its
-    # target-executed allocations come from here, and it gives the partition back to a
-    # DIRECT_ALLOC newcomer at once (docs/DECISIONS.md, "Busy sessions and the fair share")
-    lent: bool = False
 
     def release(self) -> None:
         """Back to the pool of partitions, every block free in a fresh ring: the next owner
         must not inherit tickets, deferred frees or a Head that a FetchAdd with wrong Add
         Data left behind (the RNIC executes the owner's atomics unchecked)."""
         self.ring.reset(self.offsets)
-        self.owner, self.lent = None, False
+        self.owner = None
 
     @property
     def offsets(self) -> range:
@@ -94,11 +90,9 @@ class TargetMemory:
         at = block_offset - self.pool_base
         return self.pool_view[at:at + (self.block_size if length is None else length)]
 
-    def partition_of(self, block_offset: int) -> Partition | None:
-        """The partition a block lies in; None for a block of the shared ring."""
-        return next((part for part in self.partitions if part.contains(block_offset)), None)
-
     def ring_of(self, block_offset: int) -> FreeRing:
         """The ring a block was allocated from, which is where a FREE returns it."""
-        part = self.partition_of(block_offset)
-        return self.shared_ring if part is None else part.ring
+        for part in self.partitions:
+            if part.contains(block_offset):
+                return part.ring
+        return self.shared_ring

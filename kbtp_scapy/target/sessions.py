@@ -24,8 +24,7 @@ connection is ended, and it gives way whatever it holds), so sessions rotate amo
 sources that want them (docs/DECISIONS.md, "Busy sessions and the fair share"). A source
 that lost a session so carries its tenure over: a session it opens or resumes while the loss
 is remembered began when the lost one did, so reconnecting at once wins it no new
-``min_tenure_s``. A session without DIRECT_ALLOC that finds the shared ring full borrows a
-free partition for its allocations, and gives it back to a DIRECT_ALLOC newcomer at once.
+``min_tenure_s``.
 """
 from __future__ import annotations
 
@@ -142,26 +141,25 @@ class Sessions:
             known.admitted_at = self._tenure(known.source)
             if want_partition and known.partition is None:   # given back while it was away
                 known.partition = self._take_partition(initiator_id)
-            if known.partition is not None:
-                known.partition.lent = not want_partition
             return known, True
         self._room_for(source)
         while True:
-            shared_room = self._shared_room()
-            partition = None if shared_room and not want_partition else self.free_partition()
+            partition = None
+            if want_partition:
+                partition = self.free_partition()
+            shared_sessions = sum(1 for i in self.by_id.values() if i.partition is None)
+            shared_room = (shared_sessions + 1) * self.config.quota <= self.config.shared_blocks
             room = bool(self._free_ranges) and (partition is not None or shared_room)
             if room and (partition is not None or not want_partition):
                 break
             # no room: any idle session makes some; room but no partition: only one with
-            # a partition gives one, a retained one that borrowed it first
-            lent = self._on_loan(retained=True) if want_partition else None
-            idle = (self._idle(with_partition=room) or lent or self._stale(with_partition=room)
+            # a partition gives one
+            idle = (self._idle(with_partition=room) or self._stale(with_partition=room)
                     or self._quiet(with_partition=room))
             if idle is None:
-                if room and self._on_loan(retained=False) is None:
+                if room:
                     break          # DIRECT_ALLOC without a partition: on the shared ring
-                raise Refused("NO_SPACE", "no quota or handle range is left for another initiator"
-                              if not room else "every partition is lent (it is given back)")
+                raise Refused("NO_SPACE", "no quota or handle range is left for another initiator")
             self.evicted += 1
             self.forget(idle)
         index = self._free_ranges.pop(0)
@@ -170,14 +168,9 @@ class Sessions:
                                c.handles_per_initiator, c.quota, partition, active=True, source=source)
         state.admitted_at = self._tenure(source)
         if partition is not None:
-            partition.owner, partition.lent = initiator_id, not want_partition
+            partition.owner = initiator_id
         self.by_id[initiator_id] = state
         return state, False
-
-    def _shared_room(self) -> bool:
-        """Whether the shared ring has room for one more session's quota."""
-        shared = sum(1 for s in self.by_id.values() if s.partition is None)
-        return (shared + 1) * self.config.quota <= self.config.shared_blocks
 
     def _tenure(self, source: str) -> float:
         """When a session that ``source`` opens now begins its tenure: now, or, while a
@@ -234,13 +227,6 @@ class Sessions:
                 and not s.displaced and (s.partition is not None or not with_partition)]
         return min(idle, key=lambda s: s.retained_at, default=None)
 
-    def _on_loan(self, retained: bool) -> InitiatorState | None:
-        """A session that borrowed its partition (``Partition.lent``): a retained one, or
-        an active one whose connection may be ended; the one admitted first."""
-        lent = [s for s in self.by_id.values() if s.partition is not None and s.partition.lent
-                and not s.displaced and (not s.active if retained else s.active and s.qp is not None)]
-        return min(lent, key=lambda s: s.admitted_at, default=None)
-
     def _stale(self, with_partition: bool) -> InitiatorState | None:
         """The retained session, holding blocks, retained first and for at least
         ``min_retention_s`` (one with a partition when ``with_partition``), if any."""
@@ -267,16 +253,15 @@ class Sessions:
         return state if state.usage == 0 else None
 
     def displace(self, source: str, want_partition: bool) -> InitiatorState | None:
-        """Fair share for a newcomer from ``source`` that ``admit`` refused NO_SPACE: for
-        a DIRECT_ALLOC newcomer (``want_partition``) that finds no partition free, the
-        active session that borrowed one first, whatever its tenure; else the active
-        session held longest, at least ``min_tenure_s``, of the source holding the most
-        sessions, when that is more than ``source`` holds. Its connection is ended (an
-        RDMAP Terminate, or the RoCEv2 error state and DREQ). Once its connection's task
-        has retained it, it gives way to the newcomer's ``admit(claim=...)``, whatever it
-        holds, and to no one else (not even its own reconnect), so the room goes to the
-        newcomer it was made for; ``unclaim`` if the newcomer does not take it. None when
-        no session may be displaced, or ``source`` is at its own cap."""
+        """Fair share for a newcomer from ``source`` that ``admit`` refused NO_SPACE: the
+        active session held longest, at least ``min_tenure_s``, of the source holding the
+        most sessions, when that is more than ``source`` holds (and, when the newcomer
+        needs room on the shared ring, one without a partition). Its connection is ended
+        (an RDMAP Terminate, or the RoCEv2 error state and DREQ). Once its connection's
+        task has retained it, it gives way to the newcomer's ``admit(claim=...)``,
+        whatever it holds, and to no one else (not even its own reconnect), so the room
+        goes to the newcomer it was made for; ``unclaim`` if the newcomer does not take it.
+        None when no session may be displaced, or ``source`` is at its own cap."""
         c = self.config
         now = asyncio.get_running_loop().time()
         self._forget_lost(now)
@@ -285,18 +270,16 @@ class Sessions:
         if source and not c.trusts(source) and mine >= c.max_sessions_per_source:
             return None
         mine += source in self._lost
-        state = self._on_loan(retained=False) if want_partition and self.free_partition() is None else None
-        if state is not None:
-            why = "its partition was lent, and a DIRECT_ALLOC newcomer wants it"
-        else:
-            cutoff = now - c.min_tenure_s
-            held = [s for s in self.by_id.values() if s.active and s.qp is not None
-                    and not s.displaced and s.admitted_at <= cutoff and counts[s.source] > mine]
-            state = min(held, key=lambda s: (-counts[s.source], s.admitted_at), default=None)
-            if state is None:
-                return None
-            why = (f"after {c.min_tenure_s:g} s: {state.source or 'its source'} holds "
-                   f"{counts[state.source]} sessions, {source or 'the newcomer'} {mine}")
+        shared = sum(1 for s in self.by_id.values() if s.partition is None)
+        need_shared = (bool(self._free_ranges) and (shared + 1) * c.quota > c.shared_blocks
+                       and not (want_partition and self.free_partition() is not None))
+        cutoff = now - c.min_tenure_s
+        held = [s for s in self.by_id.values() if s.active and s.qp is not None
+                and not s.displaced and s.admitted_at <= cutoff and counts[s.source] > mine
+                and (s.partition is None or not need_shared)]
+        state = min(held, key=lambda s: (-counts[s.source], s.admitted_at), default=None)
+        if state is None:
+            return None
         assert state.qp is not None       # chosen among those that have one
         self.displaced += 1
         state.displaced = True
@@ -304,7 +287,9 @@ class Sessions:
         self._lost[state.source] = (now, state.admitted_at)
         if len(self._lost) > MAX_LOST:
             del self._lost[next(iter(self._lost))]
-        state.qp.abort(f"displaced for a newcomer {why}")
+        state.qp.abort(f"displaced for a newcomer after {c.min_tenure_s:g} s: "
+                       f"{state.source or 'its source'} holds {counts[state.source]} "
+                       f"sessions, {source or 'the newcomer'} {mine}")
         return state
 
     def unclaim(self, state: InitiatorState) -> None:
@@ -320,13 +305,11 @@ class Sessions:
         if release:
             self.forget(state)
             return
-        if state.partition is not None and state.usage == 0 and not state.partition.lent:
+        if state.partition is not None and state.usage == 0:
             # Nothing of it is bound or ticketed: the partition goes back at once (its STag
             # died with the connection), the session keeps its range for a reconnect,
             # which takes a free partition again. One with bindings keeps its partition:
             # the bound blocks are in it, and the text keeps bindings for the retention.
-            # A lent one stays lent (its borrower would otherwise count on the shared ring,
-            # which had no room for it): a newcomer that wants it takes it first.
             state.partition.release()
             state.partition, state.watch = None, None
         loop = asyncio.get_running_loop()
