@@ -1030,30 +1030,34 @@ async def roce_store_answered(s: LyingRcSession, request_id: int, handle: int, l
 # -- busy sessions that hold their slots (issue 32, T6) ---------------------------------
 
 async def busy_session(url: str, local: str | None, period: float, until: float,
-                       counts: dict[str, int]) -> None:
+                       counts: dict[str, int], same_id: bool = False, retry: float = 0.2,
+                       features: int = 0) -> None:
     """One session at a time from ``local`` that sends a FREE every ``period`` seconds (so
-    it is never silent), opened again with a new Initiator ID whenever the target ends or
-    refuses it, until ``until`` (``time.monotonic()``). It counts into ``counts`` (so a
-    caller that cancels it keeps them): "admitted", sessions it got; "ended", ended by the
-    target; "refused", set-ups or HELLOs refused."""
+    it is never silent), opened again at once whenever the target ends it, and ``retry``
+    seconds after the target refuses it, until ``until`` (``time.monotonic()``): with the
+    same Initiator ID each time when ``same_id`` (a retained session resumed), else a new
+    one; HELLO with ``features``. It counts into ``counts`` (so a caller that cancels it
+    keeps them): "admitted", sessions it got; "ended", ended by the target; "refused",
+    set-ups or HELLOs refused."""
     for key in ("admitted", "ended", "refused"):
         counts.setdefault(key, 0)
+    ident = secrets.token_bytes(16) if same_id else None
     sent = 0
     while time.monotonic() < until:
         try:
             conn = await connect(url, local)
         except (OSError, TimeoutError, AssertionError, asyncio.IncompleteReadError):
             counts["refused"] += 1
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(retry)
             continue
         try:
-            ack = await conn.session()
+            ack = await conn.session(ident, features)
         except (OSError, TimeoutError, AssertionError, asyncio.IncompleteReadError):
             ack = {}
         if ack.get("status") != "OK":
             counts["refused"] += 1
             await conn.end()
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(retry)
             continue
         counts["admitted"] += 1
         while time.monotonic() < until:

@@ -116,16 +116,23 @@ async def probes(url: str, count: int, every: float, **options) -> int:
     return admitted
 
 
-async def busy_lockout(url: str, holders: list[str], prober: str | None) -> tuple[int, dict]:
-    """Busy attacker sessions from ``holders`` (one each; an address may repeat), then
-    PROBES newcomers: (admitted, the attackers' counts summed)."""
+async def busy_lockout(url: str, holders: list[str], prober: str | None, count: int = PROBES,
+                       every: float = 0.3, tenure: float = 1.0, **attacker) -> tuple[int, dict]:
+    """Busy attacker sessions from ``holders`` (one each; an address may repeat; ``attacker``:
+    ``busy_session``'s options), then ``count`` newcomers ``every`` seconds apart once the
+    attackers are in (as many as get in within 10 s) and ``tenure`` has passed:
+    (admitted, the attackers' counts summed)."""
     until = time.monotonic() + 90            # they end by themselves; cancelled sooner
     counts: dict[str, int] = {}
-    tasks = [asyncio.create_task(a.busy_session(url, local, BUSY_PERIOD, until, counts))
+    tasks = [asyncio.create_task(a.busy_session(url, local, BUSY_PERIOD, until, counts, **attacker))
              for local in holders]
-    await asyncio.sleep(3)                   # every slot taken, and held for --min-tenure
+    for _ in range(100):                     # every slot taken...
+        await asyncio.sleep(0.1)
+        if counts.get("admitted", 0) >= len(holders):
+            break
+    await asyncio.sleep(tenure + 1)          # ...and held for --min-tenure
     try:
-        admitted = await probes(url, PROBES, 0.3, **({"local": prober} if prober else {}))
+        admitted = await probes(url, count, every, **({"local": prober} if prober else {}))
     finally:
         for task in tasks:
             task.cancel()
@@ -173,6 +180,65 @@ def test_one_untrusted_source_with_busy_sessions_gives_way_to_newcomers(transpor
     assert admitted >= PROBES - 1, (admitted, attackers, log[-3000:])
     assert "Traceback" not in log, log[-3000:]
     assert metrics['kbtp_sessions_total{event="displaced"}'] >= admitted - 1, metrics
+
+
+#: shorter probes with a longer --min-tenure: more newcomers per tenure than there are
+#: slots, so sessions that win a new tenure at each reconnect are all young again before
+#: the newcomers stop (the auditor's 2 s probes against 30 s, scaled down)
+RECONNECT_PROBES = 15
+
+
+def _reconnect_lockout(t: TargetProc, holders: list[str], prober: str | None, tenure: float,
+                       **attacker) -> None:
+    """The attackers from ``holders`` reconnect 50 ms after a refusal and at once after the
+    target ends them; a newcomer is admitted in all but one of RECONNECT_PROBES probes, each
+    by a displacement."""
+    try:
+        admitted, attackers = asyncio.run(asyncio.wait_for(busy_lockout(
+            t.url, holders, prober, RECONNECT_PROBES, tenure=tenure, retry=0.05, **attacker), 120))
+        metrics = t.metrics()
+    finally:
+        log = t.stop()
+    assert "Traceback" not in log, log[-3000:]
+    assert admitted >= RECONNECT_PROBES - 1, (admitted, attackers, log[-3000:])
+    assert metrics['kbtp_sessions_total{event="displaced"}'] >= admitted - 1, metrics
+
+
+def _reconnect_options(tenure: float) -> list[str]:
+    return ["--idle-timeout", "6", "--min-tenure", f"{tenure:g}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport,execution,same_id", [
+    ("iwarp", "software", True), ("iwarp", "software", False), ("iwarp", "chains", True),
+    ("roce", "software", True)], ids=["iwarp-same-id", "iwarp-new-id", "iwarp-chains", "roce"])
+def test_busy_sessions_that_reconnect_at_once_win_no_new_tenure(transport, execution, same_id):
+    """T6 as the auditor ran it: nobody trusted, one address holds every slot open to it
+    with four busy sessions (here all four slots: no partitions), and each one the target
+    ends for a newcomer reconnects at once, with the same Initiator ID (its retained
+    session resumed) or a new one, and takes the room as the newcomer leaves. Each such
+    session used to begin a new --min-tenure: after four newcomers all four were young, and
+    the next ones were refused until they aged (8 of 15 admitted). Now a session a source
+    opens while its loss is remembered carries on the lost session's tenure, and may be
+    displaced at once: at least 14 of 15."""
+    host, attacker, prober = fresh_hosts(3)
+    t = TargetProc(transport, host, "--features", "none", "--max-initiators", "4",
+                   "--trust", "10.255.255.255/32", "--execution", execution, *_reconnect_options(3))
+    _reconnect_lockout(t, [attacker] * 4, prober if transport == "roce" else None, 3, same_id=same_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["iwarp", "roce"])
+def test_busy_sessions_without_features_give_way_with_no_partitions_kept(transport):
+    """T6, the bound of docs/DECISIONS.md: eight trusted addresses each hold a busy session
+    that requests no feature and reconnects at once. With the default partitions only four
+    slots are open to them, so four wait and take each slot as it ages (0 of 15 newcomers
+    admitted, measured); an operator whose peers do not use DIRECT_ALLOC keeps no
+    partitions (--direct-partitions 0): then all eight are in, and a newcomer displaces
+    one of them each time, at least 14 of 15 (8 before the tenure was carried on)."""
+    host, *others = fresh_hosts(10)
+    t = TargetProc(transport, host, "-F", "64", "--direct-partitions", "0", *_reconnect_options(5))
+    _reconnect_lockout(t, others[:8], others[8] if transport == "roce" else None, 5)
 
 
 # -- T8: chains under peers that stall the target's answers ---------------------------------

@@ -47,7 +47,8 @@ LIMITS = (
     ("--min-tenure", "min_tenure_s", "Seconds an active session keeps its slot however "
      "little it does; after that, when a new initiator finds no room and its source holds "
      "fewer sessions than the source holding the most, that source's longest-held session "
-     "is ended and gives way (a source that lost one so counts it for this long more)."),
+     "is ended and gives way (a source that lost one so counts it for this long more, and a "
+     "session it opens meanwhile carries on the lost one's tenure)."),
     ("--max-sessions-per-source", "max_sessions_per_source", "Sessions (active or retained) "
      "one source address outside --trust may hold; beyond, its own retained ones give way, "
      "oldest first, and when all are active its HELLO is refused NO_SPACE."),
@@ -118,7 +119,8 @@ def _metrics_at(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option("--handles", type=click.IntRange(0), default=0,
               help="Handles per initiator range [default: 2 x quota].")
 @click.option("--direct-partitions", type=click.IntRange(-1), default=-1,
-              help="Pool partitions kept for DIRECT_ALLOC [default: max-initiators / 2].")
+              help="Pool partitions kept for DIRECT_ALLOC [default: max-initiators / 2]; sessions "
+              "without DIRECT_ALLOC (every untrusted one) share the other slots.")
 @click.option("--credits", type=click.IntRange(1, 0xFFFF), default=32, show_default=True,
               help="Request Credits: receive buffers posted per connection.")
 @click.option("--max-inline", type=click.IntRange(0), default=4096, show_default=True,

@@ -21,7 +21,10 @@ none of the rules above ends, hold their slots for ``min_tenure_s`` only while o
 when a newcomer still finds no room, and its source holds fewer sessions than the source
 holding the most, that source's longest-held session is displaced (``displace``: its
 connection is ended, and it gives way whatever it holds), so sessions rotate among the
-sources that want them (docs/DECISIONS.md, "Busy sessions and the fair share").
+sources that want them (docs/DECISIONS.md, "Busy sessions and the fair share"). A source
+that lost a session so carries its tenure over: a session it opens or resumes while the loss
+is remembered began when the lost one did, so reconnecting at once wins it no new
+``min_tenure_s``.
 """
 from __future__ import annotations
 
@@ -109,10 +112,11 @@ class Sessions:
         self.retained = self.evicted = self.expired = 0   # counters, for the metrics
         self.ended_idle = self.displaced = 0
         self.refused_per_source = 0
-        #: source -> when a session of it was displaced: for --min-tenure it counts the
-        #: session it lost, so it cannot at once displace another in turn (a cascade that
-        #: leaves every session younger than --min-tenure, and the next newcomer refused)
-        self._lost: dict[str, float] = {}
+        #: source -> (when a session of it was displaced, when that session began): for
+        #: --min-tenure it counts the session it lost, so it cannot at once displace another
+        #: in turn (a cascade that leaves every session younger than --min-tenure, and the
+        #: next newcomer refused), and a session it opens meanwhile carries on that tenure
+        self._lost: dict[str, tuple[float, float]] = {}
 
     def admit(self, initiator_id: bytes, want_partition: bool, source: str = "",
               claim: InitiatorState | None = None) -> tuple[InitiatorState, bool]:
@@ -134,7 +138,7 @@ class Sessions:
                 known.expiry.cancel()
                 known.expiry = None
             known.active, known.displaced = True, False
-            known.admitted_at = asyncio.get_running_loop().time()
+            known.admitted_at = self._tenure(known.source)
             if want_partition and known.partition is None:   # given back while it was away
                 known.partition = self._take_partition(initiator_id)
             return known, True
@@ -162,11 +166,26 @@ class Sessions:
         c = self.config
         state = InitiatorState(initiator_id, index, c.base_handle + index * c.handles_per_initiator,
                                c.handles_per_initiator, c.quota, partition, active=True, source=source)
-        state.admitted_at = asyncio.get_running_loop().time()
+        state.admitted_at = self._tenure(source)
         if partition is not None:
             partition.owner = initiator_id
         self.by_id[initiator_id] = state
         return state, False
+
+    def _tenure(self, source: str) -> float:
+        """When a session that ``source`` opens now begins its tenure: now, or, while a
+        session it lost to a newcomer is remembered, when that one began (rule 6), so a
+        source that reconnects at once after each displacement wins no new tenure."""
+        now = asyncio.get_running_loop().time()
+        self._forget_lost(now)
+        lost = self._lost.get(source)
+        return now if lost is None else min(now, lost[1])
+
+    def _forget_lost(self, now: float) -> None:
+        """Sources whose loss is older than ``min_tenure_s`` are forgotten (in time order)."""
+        cutoff = now - self.config.min_tenure_s
+        while self._lost and next(iter(self._lost.values()))[0] <= cutoff:
+            del self._lost[next(iter(self._lost))]
 
     def free_partition(self) -> Partition | None:
         return next((p for p in self._partitions if p.owner is None), None)
@@ -245,8 +264,7 @@ class Sessions:
         None when no session may be displaced, or ``source`` is at its own cap."""
         c = self.config
         now = asyncio.get_running_loop().time()
-        while self._lost and next(iter(self._lost.values())) <= now - c.min_tenure_s:
-            del self._lost[next(iter(self._lost))]
+        self._forget_lost(now)
         counts = Counter(s.source for s in self.by_id.values())
         mine = counts[source]
         if source and not c.trusts(source) and mine >= c.max_sessions_per_source:
@@ -265,8 +283,8 @@ class Sessions:
         assert state.qp is not None       # chosen among those that have one
         self.displaced += 1
         state.displaced = True
-        self._lost.pop(state.source, None)      # in time order, for the pruning above
-        self._lost[state.source] = now
+        self._lost.pop(state.source, None)      # in time order, for ``_forget_lost``
+        self._lost[state.source] = (now, state.admitted_at)
         if len(self._lost) > MAX_LOST:
             del self._lost[next(iter(self._lost))]
         state.qp.abort(f"displaced for a newcomer after {c.min_tenure_s:g} s: "
