@@ -252,3 +252,29 @@ def test_ctrl_c_in_a_loop_keeps_the_steps_replayed(tmp_path):
     doc = json.loads(report.read_text())
     assert doc["result"] == "interrupted" and doc["interrupted"].startswith("interrupted (Ctrl-C)")
     assert doc["summary"]["match"] > 0 and doc["summary"]["differ"] == 0
+
+
+@pytest.mark.slow
+def test_target_gone_in_a_loop_keeps_the_loops_replayed(tmp_path):
+    """A target that stops during ``--loop 1000``: the loops replayed until then are judged
+    and written (text and --json-file), marked partial, then exit 1 (the target failed)."""
+    t = TargetThread("iwarp", TargetConfig(**CONFIG), hosts=hosts())
+    report = tmp_path / "report.json"
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kbtp_scapy", "replay",
+                                 "pcaps/rxe_kernel_session.pcap", "--target", t.url, "--loop", "1000",
+                                 "--timeout", "3", "--json-file", str(report)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sum(t.target.metrics.hellos.values()) < 3 \
+                and proc.poll() is None:
+            time.sleep(0.05)
+    finally:
+        t.stop()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert "the target went away during loop " in err.splitlines()[-1]
+    assert "note: the target went away during loop " in out and "loop 1: " in out
+    doc = json.loads(report.read_text())
+    assert doc["interrupted"].startswith("the target went away during loop ")
+    assert doc["summary"]["match"] > 0 and len(doc["loops"]) >= 2

@@ -121,7 +121,8 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     Exit status: 0 every compared step matched; 1 the target differed or failed to
     answer, or the capture is cut short (the steps before its end are replayed); 2 usage
     error or the replay could not run; 130 interrupted (Ctrl-C: the steps replayed until
-    then are reported, marked interrupted; a second Ctrl-C aborts).
+    then are reported, marked interrupted; a second Ctrl-C aborts). A target that goes
+    away during --loop exits 1 with the loops replayed until then, marked partial.
 
     The sample captures (pcaps/) come from a scripted session whose generations, tickets
     and failures (NO_SPACE, INTERNAL, TICKET_ABANDONED) no fresh target reproduces: they
@@ -172,7 +173,7 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     frozen = frozenset(ignored)
     verdicts = [compare.judge_run(run.results, frozen, relative=not strict) for run in runs]
     kept = set().union(*(run.mapping.kept for run in runs))
-    interrupted = _interrupted(runs, loops) if stop.asked else None
+    interrupted = _interrupted(runs, loops) if stop.asked else stop.gone    # what made it partial
     document = json.dumps(report.as_json(cap, url, verdicts, sorted(ignored), kept, interrupted),
                           indent=1)
     if json_file:
@@ -186,7 +187,8 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
         for line in report.text(cap, url, verdicts, verbose, interrupted):
             click.echo(line)
     if interrupted:
-        raise Exit(130, f"replay: {interrupted}; the report above holds the steps replayed until then")
+        code = 1 if stop.gone else 130           # the target failed; or the user stopped it
+        raise Exit(code, f"replay: {interrupted}; the report above holds the steps replayed until then")
     counts = report.summary(verdicts)
     if counts["differ"] or counts["error"]:
         differ = counts["differ"]

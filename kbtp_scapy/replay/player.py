@@ -67,6 +67,7 @@ class Stop:
     are awaited, so what was replayed is judged."""
 
     asked: bool = False
+    gone: str | None = None     # the target went away: no further loop starts
 
     def ask(self) -> None:
         self.asked = True
@@ -200,7 +201,9 @@ class Player:
         except (TimeoutError, OSError, ConnectionLost) as exc:
             why = str(exc) or f"no answer within {self.timeout:g} s"
             if not self.live:
-                raise HarnessError(f"cannot connect to {self.url}: {why}") from None
+                played.error = f"cannot connect to {self.url}: {why}"
+                self._record(played, event)     # kept if an earlier loop makes this one partial
+                raise HarnessError(played.error) from None
             played.error = f"connection failed: {why}"
         else:
             self.live[ses.index] = _Live(ses, ini)
@@ -413,14 +416,21 @@ def _entry_outcome(entry: AnyStruct) -> Outcome:
 async def play(capture: Capture, url: str, *, loops: int = 1, stop: Stop | None = None,
                **options) -> list[Player]:
     """Replay ``capture`` ``loops`` times in a row; one finished player per loop (fewer,
-    the last one stopped part-way, when ``stop`` is asked for)."""
+    the last one stopped part-way, when ``stop`` is asked for or the target cannot be
+    reached after the first loop: then ``stop.gone`` says in which loop)."""
     if not capture.sessions:
         raise HarnessError(f"{capture.path}: no KBTP session (no HELLO) in the capture")
     stop = stop or Stop()
     players: list[Player] = []
-    for _ in range(loops):
+    for number in range(1, loops + 1):
         if stop.asked:
             break
         players.append(Player(capture, url, stop=stop, **options))
-        await players[-1].run()
+        try:
+            await players[-1].run()
+        except HarnessError:
+            if number == 1:
+                raise            # never reached: the replay could not run
+            stop.gone = f"the target went away during loop {number} of {loops}"
+            break
     return players
