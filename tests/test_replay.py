@@ -278,3 +278,18 @@ def test_target_gone_in_a_loop_keeps_the_loops_replayed(tmp_path):
     doc = json.loads(report.read_text())
     assert doc["interrupted"].startswith("the target went away during loop ")
     assert doc["summary"]["match"] > 0 and len(doc["loops"]) >= 2
+
+
+@pytest.mark.slow
+def test_unbound_handle_on_a_used_target_matches(capsys):
+    """A LOAD of a handle never bound in the capture (NOT_VALID, Generation 0) replayed where
+    the entry was bound and freed before answers with that entry's Generation: the handle's
+    first Generation, which sets its offset as any other does (DECISIONS D10)."""
+    t = TargetThread("iwarp", TargetConfig(**CONFIG), hosts=hosts())
+    try:
+        used = main(["replay", "pcaps/iwarp_session.pcap", "--target", t.url, "--timeout", "1"])
+        rc = main(["replay", "pcaps/rxe_kernel_session.pcap", "--target", t.url, "--timeout", "3"])
+    finally:
+        t.stop()
+    out = capsys.readouterr().out
+    assert used == 1 and rc == 0, out

@@ -10,6 +10,7 @@ from .player import Played
 FIELDS = ("status", "generation", "data_length", "block_offset", "data", "ticket", "flags")
 DEFAULT_IGNORE = frozenset({"block_offset"})
 FAILING = ("differ", "error")
+CYCLE = 0xFFFF        # Generations run 1 to 65535, then 1 again
 
 
 @dataclass
@@ -54,7 +55,12 @@ class Generations:
     sees for a handle sets that handle's offset between capture and replay, and every later
     one must keep it. A capture made on a target whose entry was used before then matches
     a target where it was not (and the other way round); a step that bumps the Generation
-    once too often still differs. ``--strict`` compares them as captured."""
+    once too often still differs. ``--strict`` compares them as captured.
+
+    Every answer's Generation counts, 0 too: an answer's Generation is the entry's current
+    one (a failed request's as well), and 0 is an entry never bound, which a used target
+    shows as the Generation its entry reached. Offsets are taken modulo 65535, the cycle
+    a Generation runs (65535 steps to 1, skipping 0, as 0 does)."""
 
     def __init__(self) -> None:
         self.offsets: dict[tuple[int, int], int] = {}    # (session, captured handle): offset
@@ -62,10 +68,11 @@ class Generations:
     def as_captured(self, played: Played, captured: int | None, replayed: int | None) -> int | None:
         """The replayed Generation in the capture's numbering."""
         handle = played.step.handle if played.step else None
-        if handle is None or not captured or not replayed:
-            return replayed          # nothing to relate (0: no entry, or any Generation)
-        offset = self.offsets.setdefault((played.session.index, handle), replayed - captured)
-        return replayed - offset
+        if handle is None or captured is None or replayed is None:
+            return replayed          # nothing to relate
+        offset = self.offsets.setdefault((played.session.index, handle), (replayed - captured) % CYCLE)
+        moved = (replayed - offset) % CYCLE
+        return captured if moved == captured % CYCLE else moved
 
 
 def judge_run(results: list[Played], ignore: frozenset[str] = DEFAULT_IGNORE,
