@@ -293,3 +293,16 @@ def test_unbound_handle_on_a_used_target_matches(capsys):
         t.stop()
     out = capsys.readouterr().out
     assert used == 1 and rc == 0, out
+
+
+def test_frame_the_capture_cut_is_unchecked(capsys, tmp_path):
+    """A Read Response the capture ends inside is not compared (UNCHECKED, as an answer the
+    capture lacks), and Scapy's own warning of the cut frame is not printed."""
+    whole = Path("pcaps/rxe_kernel_session.pcap").read_bytes()
+    cut = tmp_path / "cut.pcap"
+    cut.write_bytes(whole[:len(whole) * 2 // 3])
+    rc, out, err = replay(capsys, "iwarp", str(cut))
+    assert rc == 1 and "DIFFER" not in out, out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("UNCHECKED")] == \
+        ["UNCHECKED session 0 frame 60 READ pool"]
+    assert "WARNING" not in err and err.count("\n") == 1

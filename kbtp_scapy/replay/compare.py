@@ -90,6 +90,8 @@ def judge(played: Played, ignore: frozenset[str] = DEFAULT_IGNORE,
         return Verdict(played, "skipped", detail=played.skipped)
     if played.error:
         return Verdict(played, "error", detail=played.error)
+    if played.step and played.step.cut:
+        return Verdict(played, "unchecked", detail=played.step.cut)
     captured, replayed = played.captured, played.replayed
     if captured is None:
         detail = played.step.problem if played.step and played.step.problem else "no answer in the capture"

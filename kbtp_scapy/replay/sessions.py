@@ -10,8 +10,10 @@ and the frame its answer came in, which is what the player orders the replay by.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +68,7 @@ class Step:
     captured: Outcome | None = None
     done_frame: float = float("inf")   # frame of the captured answer
     problem: str | None = None         # why it cannot be replayed faithfully
+    cut: str | None = None             # why its captured answer cannot be compared: the capture cut it
 
     @property
     def handle(self) -> int | None:
@@ -161,13 +164,45 @@ def _place(buf: bytearray, at: int, data: bytes) -> int:
     return len(chunk)
 
 
+@contextmanager
+def _scapy_quiet() -> Iterator[None]:
+    """Scapy warns of a cut frame on stderr; the replay says so in its own words (a note,
+    and the steps it cut unchecked)."""
+    log = logging.getLogger("scapy.runtime")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _cut_frames(packets: list) -> dict[int, str]:
+    """Frame number: how the capture cut it, for each frame it holds fewer octets of than
+    were on the wire (a snapshot length, or a file that ends inside the frame)."""
+    cut = {}
+    for number, pkt in enumerate(packets, 1):
+        held, wire = len(getattr(pkt, "original", None) or bytes(pkt)), getattr(pkt, "wirelen", None)
+        if wire and held < wire:
+            cut[number] = f"the capture holds {held} of the {wire} octets of frame {number}"
+    return cut
+
+
 class _Builder:
     def __init__(self, path: str) -> None:
-        self.packets = read_packets(path)
+        with _scapy_quiet():
+            self.packets = read_packets(path)
+        self.cut = _cut_frames(self.packets)
         self.times = {n: float(p.time) for n, p in enumerate(self.packets, 1)}
         self.capture = Capture(str(path), [], self.times, ends=where_it_ends(path))
         self.by_conn: dict[tuple, tuple[Session, str]] = {}
         self.awaiting_ack: list[Session] = []
+
+    def cut_short(self, msg: RdmaMessage) -> str | None:
+        """Why the capture does not hold all of ``msg``, or None when it does."""
+        if msg.info.get("complete") is False:
+            return "the capture holds only part of its answer"
+        return next((f"{self.cut[f]}, part of its answer" for f in msg.frames if f in self.cut), None)
 
     def time(self, msg: RdmaMessage) -> float:
         return self.times.get(msg.frames[0] if msg.frames else 0, 0.0)
@@ -363,6 +398,7 @@ class _Builder:
             return
         step.captured = Outcome(c.get("status"), c.get("generation"),
                                 c.get("completion.data_length"), c.get("completion.block_offset"))
+        step.cut = step.cut or self.cut_short(msg)
         self.finish(step, msg.frames[-1])
 
     def placed(self, ses: Session, msg: RdmaMessage) -> None:
@@ -375,6 +411,7 @@ class _Builder:
                 step.captured = Outcome(r["record.status"], r["record.generation"],
                                         r["record.data_length"], r["record.block_offset"],
                                         form="record")
+                step.cut = step.cut or self.cut_short(msg)
                 self.finish(step, msg.frames[-1])
                 return
         step = self.pending_with(ses, "dd.stag", stag, lambda s: s.loaded is not None)
@@ -385,6 +422,7 @@ class _Builder:
                              "which no pending LOAD names")
             return
         assert step.loaded is not None           # pending_with chose it for its buffer
+        step.cut = step.cut or self.cut_short(msg)
         _place(step.loaded, to - step.fields.get("dd.offset", 0), msg.payload)
 
     def answered(self, ses: Session, msg: RdmaMessage) -> None:
@@ -397,6 +435,7 @@ class _Builder:
         else:
             step.captured = Outcome(ticket=captured_ticket(msg.info.get("orig_data", 0)),
                                     form="fetch_add")
+        step.cut = self.cut_short(msg)
         step.done_frame = msg.frames[-1]
 
     @staticmethod
