@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -306,3 +307,28 @@ def test_frame_the_capture_cut_is_unchecked(capsys, tmp_path):
     assert [line.split(":")[0] for line in out.splitlines() if line.startswith("UNCHECKED")] == \
         ["UNCHECKED session 0 frame 60 READ pool"]
     assert "WARNING" not in err and err.count("\n") == 1
+
+
+def test_standard_input_and_quiet(capsys):
+    assert main(["replay", "-", "--target", "iwarp://127.52.250.1:5420"]) == 2
+    assert capsys.readouterr().err == "kbtp: replay reads a capture file, not standard input; " \
+                                      "save it first (tcpdump -w FILE)\n"
+    rc, out, _ = replay(capsys, "iwarp", "pcaps/rxe_kernel_session.pcap", "--loop", "2", "-q")
+    assert rc == 0 and out.splitlines() == [out.splitlines()[-1]] and out.startswith("MATCH: ")
+
+
+@pytest.mark.slow
+def test_samples_the_help_says_match_do(capsys):
+    """The samples ``kbtp replay --help`` names as replaying to MATCH do, each on a fresh
+    target; the synthetic one it says differs by design does not."""
+    assert main(["replay", "--help"]) == 0
+    words = " ".join(capsys.readouterr().out.split())
+    claim = words.split(" replay to MATCH")[0].rsplit("(pcaps/),", 1)[1]
+    paths = [p for name in re.findall(r"[\w/*]+\.pcap", claim) for p in sorted(Path("pcaps").glob(name))]
+    assert len(paths) >= 3, claim
+    for path in paths:
+        rc, out, _ = replay(capsys, "iwarp", str(path), "-q")
+        assert rc == 0 and out.startswith("MATCH: "), (path, out)
+    assert "iwarp" in words.split(" differ by design")[0].rsplit("MATCH.", 1)[1]
+    rc, out, _ = replay(capsys, "iwarp", "pcaps/iwarp_session.pcap", "-q", "--timeout", "1")
+    assert rc == 1 and out.splitlines()[-1].startswith("DIFFERENT: ")

@@ -82,7 +82,8 @@ def _harness(exc: Exception, url: str, local: str | None, timeout: float) -> _Ha
               help="Print the report as one JSON document on stdout instead of text.")
 @click.option("--json-file", metavar="FILE", type=Output(dash=True),
               help="Also write the JSON report to FILE; the text stays on stdout ('-': as --json).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress; only the results and the summary.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress; print only the steps that differ or fail, and the final line.")
 @click.option("--ignore", "ignore", multiple=True, metavar="FIELD",
               help="Do not compare FIELD (status, generation, data_length, block_offset, data, "
                    "ticket, flags); repeat or separate with commas. block_offset is always ignored "
@@ -124,9 +125,12 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     then are reported, marked interrupted; a second Ctrl-C aborts). A target that goes
     away during --loop exits 1 with the loops replayed until then, marked partial.
 
-    The sample captures (pcaps/) come from a scripted session whose generations, tickets
-    and failures (NO_SPACE, INTERNAL, TICKET_ABANDONED) no fresh target reproduces: they
-    replay to differences by design, and exit 1.
+    Of the sample captures (pcaps/), rxe_kernel_session.pcap, siw_kernel_session.pcap
+    and fleet/producer*.pcap replay to MATCH. The four synthetic *_session.pcap (iwarp,
+    roce and their addr_le_ipv6 forms) differ by design, exit 1: a script made them to
+    show failures (NO_SPACE, NOT_SEALED, INTERNAL, TICKET_ABANDONED), tickets and a
+    Generation that no live target gives. fleet/consumer*.pcap differ too: they load
+    blocks that other hosts' sessions (the producers' captures) stored.
 
     \b
     Examples (with kbtp target running on each binding):
@@ -150,6 +154,8 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
                                  f"{', '.join(compare.FIELDS)}", param_hint="--ignore")
     if not strict:
         ignored |= compare.DEFAULT_IGNORE
+    if capture == "-":
+        raise _Harness("replay reads a capture file, not standard input; save it first (tcpdump -w FILE)")
     try:
         cap = sessions.load(capture)
     except CaptureError as exc:
@@ -184,7 +190,7 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     if as_json:
         click.echo(document)
     else:
-        for line in report.text(cap, url, verdicts, verbose, interrupted):
+        for line in report.text(cap, url, verdicts, verbose, interrupted, quiet=quiet):
             click.echo(line)
     if interrupted:
         code = 1 if stop.gone else 130           # the target failed; or the user stopped it

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from ..words import count
@@ -26,9 +27,12 @@ def summary(loops: list[list[Verdict]]) -> dict[str, int]:
 
 
 def text(capture: Capture, url: str, loops: list[list[Verdict]], verbose: bool = False,
-         interrupted: str | None = None) -> list[str]:
+         interrupted: str | None = None, quiet: bool = False) -> list[str]:
     """One line per step that did not match (every step with ``verbose``), then totals;
-    a replay stopped part-way says where."""
+    a replay stopped part-way says where. ``quiet``: only the steps that differ or
+    failed, then the totals."""
+    if quiet:
+        return [*_steps(loops, lambda v: v.state in FAILING), _total(capture, loops, interrupted)]
     lines = [f"replay of {capture.path} ({count(len(capture.sessions), 'session')}) against {url}"]
     lines += [f"note: {n}" for n in capture.notes]
     lines += [f"note: session {s.index}: {n}" for s in capture.sessions for n in s.notes]
@@ -36,17 +40,25 @@ def text(capture: Capture, url: str, loops: list[list[Verdict]], verbose: bool =
         lines.append(f"note: {capture.ends}: the steps after it are not in the replay")
     if interrupted:
         lines.append(f"note: {interrupted}: the steps after it were not replayed")
+    lines += _steps(loops, lambda v: verbose or v.state != "match" or bool(v.detail))
+    return [*lines, _total(capture, loops, interrupted)]
+
+
+def _steps(loops: list[list[Verdict]], shown: Callable[[Verdict], bool]) -> list[str]:
+    """One line for each step ``shown`` picks, prefixed by its loop when there are several."""
+    lines = []
     for number, verdicts in enumerate(loops, 1):
         prefix = f"loop {number}: " if len(loops) > 1 else ""
-        for v in verdicts:
-            if v.state == "match" and not verbose and not v.detail:
-                continue
+        for v in filter(shown, verdicts):
             reasons = "; ".join(d.describe() for d in v.differences) or v.detail
             lines.append(f"{prefix}{v.state.upper():9} {_where(v)}{': ' + reasons if reasons else ''}")
+    return lines
+
+
+def _total(capture: Capture, loops: list[list[Verdict]], interrupted: str | None) -> str:
     counts = summary(loops)
     verdict = result(capture, counts, interrupted).upper()
-    lines.append(f"{verdict}: " + ", ".join(f"{counts[s]} {s}" for s in STATES))
-    return lines
+    return f"{verdict}: " + ", ".join(f"{counts[s]} {s}" for s in STATES)
 
 
 def result(capture: Capture, counts: dict[str, int], interrupted: str | None) -> str:
