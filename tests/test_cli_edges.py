@@ -226,7 +226,11 @@ def test_generations_that_move_differently_still_differ():
     assert g.as_captured(step(0x10), 4, 2) == 4          # moved as captured
     assert g.as_captured(step(0x10), 5, 4) == 6          # bumped once too often: differs
     assert g.as_captured(step(0x11), 7, 7) == 7          # another handle, its own offset
-    assert g.as_captured(step(0x10), 5, 0) == 0          # 0 is no entry: compared as is
+    assert g.as_captured(step(0x10), 5, 0) != 5          # 0 after a bind: an entry never shows it again
+    assert g.as_captured(step(0x12), 0, 372) == 0        # never bound (NOT_VALID): sets the offset
+    assert g.as_captured(step(0x12), 1, 373) == 1        # then bound
+    assert g.as_captured(step(0x13), 65535, 5) == 65535
+    assert g.as_captured(step(0x13), 1, 6) == 1          # 65535 steps to 1, skipping 0
 
 
 def test_replay_knows_a_liveness_probe():
