@@ -431,6 +431,8 @@ async def play(capture: Capture, url: str, *, loops: int = 1, stop: Stop | None 
         except HarnessError:
             if number == 1:
                 raise            # never reached: the replay could not run
-            stop.gone = f"the target went away during loop {number} of {loops}"
+            # the loop before, when it lost its connections already
+            during = number - 1 if any(p.error for p in players[-2].results) else number
+            stop.gone = f"the target went away during loop {during} of {loops}"
             break
     return players
