@@ -8,6 +8,7 @@ import itertools
 import json
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -307,6 +308,25 @@ def test_frame_the_capture_cut_is_unchecked(capsys, tmp_path):
     assert [line.split(":")[0] for line in out.splitlines() if line.startswith("UNCHECKED")] == \
         ["UNCHECKED session 0 frame 60 READ pool"]
     assert "WARNING" not in err and err.count("\n") == 1
+
+
+def test_frame_cut_by_the_snapshot_length_is_unchecked(capsys, tmp_path):
+    """One RDMA Write of a LOAD's data captured with 300 of its octets (caplen < wire
+    length): that LOAD is UNCHECKED, the rest of the capture matches."""
+    whole, out, at = Path("pcaps/rxe_kernel_session.pcap").read_bytes(), bytearray(), 24
+    out += whole[:24]
+    for number in itertools.count(1):
+        if at >= len(whole):
+            break
+        sec, usec, caplen, wire = struct.unpack("<IIII", whole[at:at + 16])
+        data = whole[at + 16:at + 16 + caplen][:300 if number == 28 else caplen]
+        out += struct.pack("<IIII", sec, usec, len(data), wire) + data
+        at += 16 + caplen
+    cut = tmp_path / "snap.pcap"
+    cut.write_bytes(out)
+    rc, text, _ = replay(capsys, "iwarp", str(cut))
+    assert rc == 0 and "DIFFER" not in text, text
+    assert "UNCHECKED session 0 frame 26 LOAD rid=4: the capture holds 300 of the 1098 octets of frame 28" in text
 
 
 def test_standard_input_and_quiet(capsys):
