@@ -11,6 +11,7 @@ network file system, as Dask's Parquet readers expect).
 """
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,19 @@ def _statistics(out: str, opcode: str, first: float, interval: float) -> tuple[l
 
 def client(scheduler: str | None, workers: int) -> Any:
     """A client of the cluster at ``scheduler`` (host:port), or of a local one."""
-    from distributed import Client, LocalCluster
+    from distributed import Client
     if scheduler:
         return Client(scheduler, timeout=30)
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                           dashboard_address=None, host="127.0.0.1")
-    return Client(cluster)
+    # Ctrl-C is the command's to answer: workers started with SIGINT ignored (a Python that
+    # starts so keeps it ignored) do not die mid-task, each with a traceback; and the client
+    # makes the cluster, so closing it closes the cluster (not an atexit hook a late Ctrl-C
+    # interrupts, with another traceback)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return Client(n_workers=workers, threads_per_worker=1, processes=True,
+                      dashboard_address=None, host="127.0.0.1")
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def analyze(files: list[Path], out: Path, dask: Any,
