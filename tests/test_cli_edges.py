@@ -333,3 +333,24 @@ def test_host_names_are_resolved_and_said(tmp_path):
     bad = run("initiator", "iwarp://no-such-host.invalid:5420", "hello", home=tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1, bad.stderr
     assert "cannot resolve 'no-such-host.invalid'" in bad.stderr
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_analyze_of_a_capture_without_kbtp_has_nothing_to_judge(tmp_path, cut):
+    """A capture of the wrong interface (HTTP, DNS) or one cut by its snap length is not
+    clean: nothing was judged, and --fail-on-hazard fails."""
+    if cut:
+        capture = tmp_path / "cut.pcap"
+        subprocess.run(["editcap", "-s", "60", "pcaps/iwarp_session.pcap", str(capture)], check=True)
+    else:
+        from scapy.all import IP, TCP, UDP, Ether, Raw, wrpcap
+        capture = tmp_path / "http.pcap"
+        wrpcap(str(capture), [Ether() / IP(dst="127.0.0.1") / TCP(dport=80) / Raw(b"GET / HTTP/1.0\r\n\r\n"),
+                              Ether() / IP(dst="127.0.0.1") / UDP(dport=53) / Raw(b"\0" * 12),
+                              Ether() / IP(dst="127.0.0.1") / TCP(sport=80) / Raw(b"HTTP/1.0 200 OK\r\n")])
+    proc = run("analyze", "--fail-on-hazard", str(capture), home=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "no hazard found" not in proc.stdout
+    assert re.search(r"no KBTP message in [\d,]+ frames", proc.stderr), proc.stderr
+    assert ("cut short by the capture's snap length" in proc.stderr) == cut, proc.stderr
+    assert "nothing to judge" in proc.stderr.splitlines()[-1], proc.stderr
