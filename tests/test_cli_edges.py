@@ -243,18 +243,23 @@ def test_replay_knows_a_liveness_probe():
     assert not [n for n in notes if "frame 94" in n], notes
 
 
-def _interrupt_after(proc: subprocess.Popen, lines: int) -> tuple[str, str]:
-    """Read ``lines`` lines of stdout, then Ctrl-C (SIGINT) as a terminal or a CI timeout
-    would; the rest of stdout and stderr."""
+#: Ctrl-C, and a CI job's timeout (``timeout 300 kbtp ...``): (signal, exit status, its name)
+STOPS = [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")]
+
+
+def _interrupt_after(proc: subprocess.Popen, lines: int, sig: int = signal.SIGINT) -> tuple[str, str]:
+    """Read ``lines`` lines of stdout, then Ctrl-C (SIGINT) as a terminal or SIGTERM as a CI
+    timeout would; the rest of stdout and stderr."""
     got = [proc.stdout.readline() for _ in range(lines)]
     assert all(got), got
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     return "".join(got) + out, err
 
 
-def test_decode_interrupted_says_so_and_exits_130(tmp_path):
-    """D11: Ctrl-C while decode waits for more of a live capture on stdin."""
+@pytest.mark.parametrize(("sig", "code", "name"), STOPS)
+def test_decode_interrupted_says_so_and_exits_130(tmp_path, sig, code, name):
+    """D11: Ctrl-C (or SIGTERM) while decode waits for more of a live capture on stdin."""
     pcap = (Path(__file__).resolve().parent.parent / "pcaps" / "roce_session.pcap").read_bytes()
     proc = subprocess.Popen([*KBTP, "decode", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=False, env={"HOME": str(tmp_path)})
@@ -262,15 +267,16 @@ def test_decode_interrupted_says_so_and_exits_130(tmp_path):
     proc.stdin.flush()
     first = proc.stdout.readline()
     assert b"HELLO" in first, first
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == code, err
     text = err.decode()
-    assert "KBTP message" in text and "interrupted (Ctrl-C)" in text and "Traceback" not in text, text
+    assert "KBTP message" in text and f"interrupted ({name})" in text and "Traceback" not in text, text
 
 
 @pytest.mark.slow
-def test_conform_interrupted_writes_the_partial_reports(tmp_path):
+@pytest.mark.parametrize(("sig", "code", "name"), STOPS)
+def test_conform_interrupted_writes_the_partial_reports(tmp_path, sig, code, name):
     """D12: Ctrl-C after the first verdicts: exit 130, said by the JSON too; JUnit and JSON
     with the cases judged, JUnit's counts those of its testcases; a result line that says
     how far the run got; --rerun-failed of the report runs the cases it did not reach."""
@@ -281,21 +287,21 @@ def test_conform_interrupted_writes_the_partial_reports(tmp_path):
                                  "--junit", str(junit), "--json-file", str(report)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={"HOME": str(tmp_path)})
-        out, err = _interrupt_after(proc, 4)          # the header and a few verdicts
+        out, err = _interrupt_after(proc, 4, sig)     # the header and a few verdicts
     finally:
         t.stop()
-    assert proc.returncode == 130, err
-    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err, err
+    assert proc.returncode == code, err
+    assert f"interrupted ({name})" in err and "Traceback" not in err, err
     doc = json.loads(report.read_text())
     judged = [c["id"] for c in doc["cases"]]
-    assert judged and doc["error"].startswith("interrupted") and doc["exit_code"] == 130
+    assert judged and doc["error"].startswith("interrupted") and doc["exit_code"] == code
     suite = ElementTree.parse(junit).getroot()
     names = [tc.get("name") for tc in suite.iter("testcase")]
     assert names[:-1] == judged and names[-1] == "harness", names
     assert int(suite.get("tests")) == len(names)
     assert int(suite.get("errors")) == len(suite.findall("testcase/error"))
     total = len(doc["selected"])
-    assert f"result: interrupted (Ctrl-C) after {len(judged)} of {total} cases: " in out, out
+    assert f"result: interrupted ({name}) after {len(judged)} of {total} cases: " in out, out
     listed = run("conform", "--list", "--rerun-failed", str(report), home=tmp_path)
     again = [line.split()[0] for line in listed.stdout.splitlines() if not line.startswith(" ")]
     stood = {c["id"] for c in doc["cases"] if c["verdict"] in ("PASS", "SKIP")}   # the target's SKIPs

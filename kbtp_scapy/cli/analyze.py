@@ -130,7 +130,7 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, repo
 
     Exit status: 0 analysed (1 with --fail-on-hazard when a hazard is found, or when there
     is no KBTP message to judge), 2 usage error or a capture that cannot be read, 130
-    interrupted (Ctrl-C) or 143 terminated (SIGTERM).
+    interrupted (Ctrl-C).
 
     \b
     Examples:

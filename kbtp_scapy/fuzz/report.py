@@ -99,7 +99,7 @@ def as_json(summary: Summary) -> str:
 def table(summary: Summary) -> str:
     """The summary printed at the end of a run."""
     rate = summary.cases / summary.seconds if summary.seconds else 0.0
-    stopped = summary.stopped or ("interrupted (Ctrl-C)" if summary.interrupted else "")
+    stopped = summary.stopped or ("interrupted" if summary.interrupted else "")
     lines = [f"kbtp fuzz {summary.url} seed {summary.seed}: {summary.cases} cases in "
              f"{summary.seconds:.1f} s ({rate:.0f}/s), {summary.reconnects} reconnects"
              + (f", seed corpus {summary.corpus.digest} ({words.count(len(summary.corpus.seeds), 'request')})"
