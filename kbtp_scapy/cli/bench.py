@@ -13,8 +13,8 @@ from ..bench import kpi, runner
 from ..bench.stats import histogram
 from ..extras import Extra, install
 from ..initiator import KbtpError, PeerLimit
-from .errors import CONNECTION_ERRORS, Exit, file_trouble, hint, line, local_trouble, reason
 from . import interrupt
+from .errors import CONNECTION_ERRORS, Exit, file_trouble, hint, line, local_trouble, reason
 from .interrupt import run_stoppable
 from .options import (
     LOCAL_IS_ROCE,

@@ -15,8 +15,8 @@ from ..conform import report
 from ..conform.initiator.runner import all_cases, run
 from ..conform.registry import Case, select
 from ..harness import HarnessError
-from .conform import Console, write_html
 from . import interrupt
+from .conform import Console, write_html
 from .errors import Exit
 
 

@@ -16,8 +16,8 @@ from ..fuzz.corpus import CorpusError, load
 from ..fuzz.restart import Restart
 from ..initiator.limits import MAX_BLOCK_SIZE, MAX_BLOCKS
 from ..wire.address import parse_url
-from .errors import Exit, file_line
 from . import interrupt
+from .errors import Exit, file_line
 from .interrupt import run_stoppable
 from .options import Output, limit_options, limits, raw_io, raw_io_options, say_resolved
 
@@ -215,6 +215,7 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
         summary = run_stoppable(lambda: campaign(run, control, seed, count, start, time_limit, out_dir,
                                                max_findings), control.interrupt)
     bar.clear()
+    summary.interrupted_status = interrupt.status()
     text = report.table(summary)
     nothing_ran = summary.exit_code == report.EXIT_HARNESS and not summary.cases
     if as_json:
@@ -228,8 +229,8 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
             raise Exit(2, file_line(json_file, exc, option="--json-file")) from None
     if summary.error and summary.saved:
         click.echo(f"kbtp: the run ended early after the findings: {summary.error}", err=True)
-    if summary.exit_code == report.EXIT_INTERRUPTED:
-        raise Exit(interrupt.status(), f"interrupted ({interrupt.how()}) after {words.count(summary.cases, 'case')}"
+    if summary.interrupted:
+        raise Exit(summary.exit_code, f"interrupted ({interrupt.how()}) after {words.count(summary.cases, 'case')}"
                     + (f", {len(summary.saved)} with findings" if summary.saved else ""))
     if summary.exit_code == report.EXIT_HARNESS:
         raise Exit(2, f"harness error: {summary.error}")
