@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -360,3 +361,32 @@ def test_analyze_of_a_capture_without_kbtp_has_nothing_to_judge(tmp_path, cut):
     assert re.search(r"no KBTP message in [\d,]+ frames", proc.stderr), proc.stderr
     assert ("cut short by the capture's snap length" in proc.stderr) == cut, proc.stderr
     assert "nothing to judge" in proc.stderr.splitlines()[-1], proc.stderr
+
+
+def test_a_tcp_listener_that_is_not_an_iwarp_target_is_named(tmp_path):
+    """An HTTP server on the port answers the MPA Request with ``HTTP/1.0 400`` and closes:
+    initiator, conform and fuzz say the peer is not an iWARP target, not "closed by the peer"."""
+    server = socket.create_server((fresh_hosts(1)[0], 0))
+    host, port = server.getsockname()[:2]
+
+    def answer() -> None:
+        for _ in range(3):
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(100)
+                conn.sendall(b"HTTP/1.0 400 Bad request\r\nContent-Length: 0\r\n\r\n")
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    url = f"iwarp://{host}:{port}"
+    try:
+        procs = [run("initiator", url, "hello", home=tmp_path),
+                 run("conform", "--target", url, "--only", "ops.load.canaries", home=tmp_path),
+                 run("fuzz", "--target", url, "--cases", "1", "--out", str(tmp_path / "f"), home=tmp_path)]
+    finally:
+        server.close()
+    for proc in procs:
+        assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr
+        assert ("the peer answered with something that is not an MPA Reply (it starts with "
+                "'HTTP/1.0 400 Bad'): not an iWARP target; give the address and port of a KBTP "
+                "target") in proc.stderr, proc.stderr
+        assert "harness error" not in proc.stderr and "--timeout" not in proc.stderr, proc.stderr

@@ -235,7 +235,7 @@ def test_bad_url_and_unreachable_target_are_exit_2(capsys):
     assert main(["fuzz", "--target", "http://x", "--cases", "1"]) == 2
     assert main(["fuzz", "--target", "iwarp://127.53.9.1:9", "--cases", "1", "-q"]) == 2
     err = capsys.readouterr().err
-    assert "harness error: iwarp://127.53.9.1:9: opening two sessions: " in err and "listening" in err
+    assert "cannot fuzz: iwarp://127.53.9.1:9: opening two sessions: " in err and "listening" in err
     assert main(["fuzz", "--target", "roce://127.53.9.3", "--local", "127.53.9.4", "--cases", "1", "-q",
                  "--timeout", "0.5"]) == 2
     err = capsys.readouterr().err

@@ -233,7 +233,7 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
         raise Exit(summary.exit_code, f"interrupted ({interrupt.how()}) after {words.count(summary.cases, 'case')}"
                     + (f", {len(summary.saved)} with findings" if summary.saved else ""))
     if summary.exit_code == report.EXIT_HARNESS:
-        raise Exit(2, f"harness error: {summary.error}")
+        raise Exit(2, f"{'cannot fuzz' if nothing_ran else 'harness error'}: {summary.error}")
     if summary.exit_code == report.EXIT_FINDING:
         raise Exit(1, f"{words.count(len(summary.saved), 'case')} with findings"
                     + (f" (saved in {out_dir})" if not replay else "")
