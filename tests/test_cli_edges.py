@@ -390,3 +390,15 @@ def test_a_tcp_listener_that_is_not_an_iwarp_target_is_named(tmp_path):
                 "'HTTP/1.0 400 Bad'): not an iWARP target; give the address and port of a KBTP "
                 "target") in proc.stderr, proc.stderr
         assert "harness error" not in proc.stderr and "--timeout" not in proc.stderr, proc.stderr
+
+
+def test_bench_q_past_the_targets_initiators_names_the_session_refused(tmp_path):
+    """-q 8 against a target admitting 4: which session was refused, and what to do."""
+    t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4), hosts=fresh_hosts(2), port=0)
+    try:
+        proc = run("bench", t.url, "-q", "8", "-n", "10", home=tmp_path)
+    finally:
+        t.stop()
+    match = one_error(proc, 1)
+    assert match["why"] == "session 5 of 8: HELLO refused NO_SPACE", proc.stderr
+    assert match["todo"] == "fewer -q, or a larger --max-initiators on the target", proc.stderr

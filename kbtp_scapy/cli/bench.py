@@ -189,6 +189,10 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
     except runner.NotStarted as exc:
         what = local_trouble(exc.cause, target, local) or f"cannot benchmark {target}"
         raise Exit(2, line(what, reason(exc.cause, timeout), hint(exc.cause))) from None
+    except runner.SessionRefused as exc:
+        todo = ("fewer -q, or a larger --max-initiators on the target" if exc.error.name == "NO_SPACE"
+                else "the target's log may say why")
+        raise click.ClickException(line(f"bench {target}", str(exc), todo)) from None
     except PeerLimit as exc:
         raise click.ClickException(line(f"bench {target}: HELLO_ACK not usable", exc.detail, RAISE_LIMITS)) from None
     except KbtpError as exc:
