@@ -186,7 +186,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
                        + " (PASS, or SKIP for a reason of the target's)", err=True)
             return
     if not cases:
-        raise click.UsageError("no case matches --only/--exclude (see --list)")
+        raise click.UsageError("no case matches --only/--exclude; --list shows the cases")
     if list_only:
         click.echo(report.listing(cases))
         return

@@ -42,7 +42,7 @@ def _names(enum: T.Enumeration, what: str, values: tuple[str, ...]) -> frozenset
         try:
             out.add(int(text, 0))
         except ValueError:
-            raise click.BadParameter(f"{text!r} is not a {what}; choose from "
+            raise click.BadParameter(f"{text!r} is not {'an' if what[0] in 'aeiou' else 'a'} {what}; choose from "
                                      f"{', '.join(by_name)} or give a number",
                                      param_hint=f"--{what}") from None
     return frozenset(out)
