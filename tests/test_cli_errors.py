@@ -95,7 +95,8 @@ def test_the_initiators_own_address_is_taken(tmp_path):
     (["initiator", "iwarp://::1:20408", "hello"], 2, "write an IPv6 address in brackets: iwarp://[::1]:PORT"),
     (["target", "--listen", "192.0.2.77", "--duration", "1"], 1, "192.0.2.77 is not an address of this host"),
     (["conform", "--only", "hello."], 2, "--exclude; --list shows the cases (see 'kbtp conform --help')"),
-    (["decode", "--opcode", "foo", str(Path(__file__).parents[1] / "pcaps" / "roce_session.pcap")], 2, "'foo' is not an opcode;"),
+    (["decode", "--opcode", "foo", str(Path(__file__).parents[1] / "pcaps" / "roce_session.pcap")], 2,
+     "'foo' is not an opcode;"),
 ])
 def test_small_messages_say_what_to_write(tmp_path, args, code, said):
     """Messages a first afternoon meets: an unbracketed IPv6 URL, an address not of this
