@@ -29,11 +29,17 @@ def how() -> str:
 
 
 def terminate_as_interrupt() -> None:
-    """From now on SIGTERM raises KeyboardInterrupt, as Ctrl-C does: for the tools that
-    keep their partial results on ``except KeyboardInterrupt``."""
+    """From now on SIGTERM does what Ctrl-C does, for the tools that keep their partial
+    results on ``except KeyboardInterrupt``: it calls SIGINT's handler of the moment, so
+    under ``asyncio.run`` the main task is cancelled first (its tasks end cleanly), then
+    KeyboardInterrupt is raised."""
     def raised(signum: int, frame: FrameType | None) -> None:
         _received.append(signal.Signals(signum))
-        raise KeyboardInterrupt
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:                               # SIGINT ignored (a background job): stop all the same
+            raise KeyboardInterrupt
     try:
         signal.signal(signal.SIGTERM, raised)
     except ValueError:                      # not the main thread
