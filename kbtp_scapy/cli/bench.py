@@ -127,8 +127,8 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
     more than --max-block-size or --max-blocks allow, or failed during the run (the results
     until then are printed, marked partial); 2 usage error, the run could not start (no
     target answered at URL), or a plan the target cannot serve (a feature not granted, more
-    in flight than its quota, a size over its Block Size); 130 interrupted by Ctrl-C, 143
-    by SIGTERM (the results so far, marked partial; a second signal aborts).
+    in flight than its quota, a size over its Block Size); 130 interrupted by Ctrl-C or, as
+    143, by SIGTERM (the results so far, marked partial).
 
     \b
     Examples (with kbtp target running):
