@@ -212,18 +212,19 @@ def _partial(proc: subprocess.Popen, code: int) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_keeps_what_was_measured(tmp_path):
-    """A SIGINT a second into a 60 s run: the requests completed until then, marked partial,
-    then exit 130 (as conform, fuzz and decode do)."""
+@pytest.mark.parametrize(("sig", "code", "name"), [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_ctrl_c_keeps_what_was_measured(tmp_path, sig, code, name):
+    """A SIGINT (or a CI timeout's SIGTERM) a second into a 60 s run: the requests completed
+    until then, marked partial, then exit 130 (143) as conform, fuzz and decode do."""
     t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4))
     table = tmp_path / "bench.csv"
     try:
         proc = _measuring(t, "--csv", str(table))
-        proc.send_signal(signal.SIGINT)
-        doc, why = _partial(proc, 130)
+        proc.send_signal(sig)
+        doc, why = _partial(proc, code)
     finally:
         t.stop()
-    assert doc["ended"] == "interrupted (Ctrl-C)" and why.startswith("kbtp: bench: interrupted (Ctrl-C)")
+    assert doc["ended"] == f"interrupted ({name})" and why.startswith(f"kbtp: bench: interrupted ({name})")
     [row] = list(csv.DictReader(table.open()))
     assert row["partial"] == "True" and int(row["iterations"]) == doc["results"][0]["iterations"]
 

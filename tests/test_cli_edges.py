@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -247,18 +248,23 @@ def test_replay_knows_a_liveness_probe():
     assert not [n for n in notes if "frame 94" in n], notes
 
 
-def _interrupt_after(proc: subprocess.Popen, lines: int) -> tuple[str, str]:
-    """Read ``lines`` lines of stdout, then Ctrl-C (SIGINT) as a terminal or a CI timeout
-    would; the rest of stdout and stderr."""
+#: Ctrl-C, and a CI job's timeout (``timeout 300 kbtp ...``): (signal, exit status, its name)
+STOPS = [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")]
+
+
+def _interrupt_after(proc: subprocess.Popen, lines: int, sig: int = signal.SIGINT) -> tuple[str, str]:
+    """Read ``lines`` lines of stdout, then Ctrl-C (SIGINT) as a terminal or SIGTERM as a CI
+    timeout would; the rest of stdout and stderr."""
     got = [proc.stdout.readline() for _ in range(lines)]
     assert all(got), got
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     return "".join(got) + out, err
 
 
-def test_decode_interrupted_says_so_and_exits_130(tmp_path):
-    """D11: Ctrl-C while decode waits for more of a live capture on stdin."""
+@pytest.mark.parametrize(("sig", "code", "name"), STOPS)
+def test_decode_interrupted_says_so_and_exits_130(tmp_path, sig, code, name):
+    """D11: Ctrl-C (or SIGTERM) while decode waits for more of a live capture on stdin."""
     pcap = (Path(__file__).resolve().parent.parent / "pcaps" / "roce_session.pcap").read_bytes()
     proc = subprocess.Popen([*KBTP, "decode", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=False, env={"HOME": str(tmp_path)})
@@ -266,15 +272,16 @@ def test_decode_interrupted_says_so_and_exits_130(tmp_path):
     proc.stdin.flush()
     first = proc.stdout.readline()
     assert b"HELLO" in first, first
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == code, err
     text = err.decode()
-    assert "KBTP message" in text and "interrupted (Ctrl-C)" in text and "Traceback" not in text, text
+    assert "KBTP message" in text and f"interrupted ({name})" in text and "Traceback" not in text, text
 
 
 @pytest.mark.slow
-def test_conform_interrupted_writes_the_partial_reports(tmp_path):
+@pytest.mark.parametrize(("sig", "code", "name"), STOPS)
+def test_conform_interrupted_writes_the_partial_reports(tmp_path, sig, code, name):
     """D12: Ctrl-C after the first verdicts: exit 130, said by the JSON too; JUnit and JSON
     with the cases judged, JUnit's counts those of its testcases; a result line that says
     how far the run got; --rerun-failed of the report runs the cases it did not reach."""
@@ -285,21 +292,21 @@ def test_conform_interrupted_writes_the_partial_reports(tmp_path):
                                  "--junit", str(junit), "--json-file", str(report)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={"HOME": str(tmp_path)})
-        out, err = _interrupt_after(proc, 4)          # the header and a few verdicts
+        out, err = _interrupt_after(proc, 4, sig)     # the header and a few verdicts
     finally:
         t.stop()
-    assert proc.returncode == 130, err
-    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err, err
+    assert proc.returncode == code, err
+    assert f"interrupted ({name})" in err and "Traceback" not in err, err
     doc = json.loads(report.read_text())
     judged = [c["id"] for c in doc["cases"]]
-    assert judged and doc["error"].startswith("interrupted") and doc["exit_code"] == 130
+    assert judged and doc["error"].startswith("interrupted") and doc["exit_code"] == code
     suite = ElementTree.parse(junit).getroot()
     names = [tc.get("name") for tc in suite.iter("testcase")]
     assert names[:-1] == judged and names[-1] == "harness", names
     assert int(suite.get("tests")) == len(names)
     assert int(suite.get("errors")) == len(suite.findall("testcase/error"))
     total = len(doc["selected"])
-    assert f"result: interrupted (Ctrl-C) after {len(judged)} of {total} cases: " in out, out
+    assert f"result: interrupted ({name}) after {len(judged)} of {total} cases: " in out, out
     listed = run("conform", "--list", "--rerun-failed", str(report), home=tmp_path)
     again = [line.split()[0] for line in listed.stdout.splitlines() if not line.startswith(" ")]
     stood = {c["id"] for c in doc["cases"] if c["verdict"] in ("PASS", "SKIP")}   # the target's SKIPs
@@ -337,3 +344,65 @@ def test_host_names_are_resolved_and_said(tmp_path):
     bad = run("initiator", "iwarp://no-such-host.invalid:5420", "hello", home=tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1, bad.stderr
     assert "cannot resolve 'no-such-host.invalid'" in bad.stderr
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_analyze_of_a_capture_without_kbtp_has_nothing_to_judge(tmp_path, cut):
+    """A capture of the wrong interface (HTTP, DNS) or one cut by its snap length is not
+    clean: nothing was judged, and --fail-on-hazard fails."""
+    if cut:
+        capture = tmp_path / "cut.pcap"
+        subprocess.run(["editcap", "-s", "60", "pcaps/iwarp_session.pcap", str(capture)], check=True)
+    else:
+        from scapy.all import IP, TCP, UDP, Ether, Raw, wrpcap
+        capture = tmp_path / "http.pcap"
+        wrpcap(str(capture), [Ether() / IP(dst="127.0.0.1") / TCP(dport=80) / Raw(b"GET / HTTP/1.0\r\n\r\n"),
+                              Ether() / IP(dst="127.0.0.1") / UDP(dport=53) / Raw(b"\0" * 12),
+                              Ether() / IP(dst="127.0.0.1") / TCP(sport=80) / Raw(b"HTTP/1.0 200 OK\r\n")])
+    proc = run("analyze", "--fail-on-hazard", str(capture), home=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "no hazard found" not in proc.stdout
+    assert re.search(r"no KBTP message in [\d,]+ frames", proc.stderr), proc.stderr
+    assert ("cut short by the capture's snap length" in proc.stderr) == cut, proc.stderr
+    assert "nothing to judge" in proc.stderr.splitlines()[-1], proc.stderr
+
+
+def test_a_tcp_listener_that_is_not_an_iwarp_target_is_named(tmp_path):
+    """An HTTP server on the port answers the MPA Request with ``HTTP/1.0 400`` and closes:
+    initiator, conform and fuzz say the peer is not an iWARP target, not "closed by the peer"."""
+    server = socket.create_server((fresh_hosts(1)[0], 0))
+    host, port = server.getsockname()[:2]
+
+    def answer() -> None:
+        for _ in range(3):
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(100)
+                conn.sendall(b"HTTP/1.0 400 Bad request\r\nContent-Length: 0\r\n\r\n")
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    url = f"iwarp://{host}:{port}"
+    try:
+        procs = [run("initiator", url, "hello", home=tmp_path),
+                 run("conform", "--target", url, "--only", "ops.load.canaries", home=tmp_path),
+                 run("fuzz", "--target", url, "--cases", "1", "--out", str(tmp_path / "f"), home=tmp_path)]
+    finally:
+        server.close()
+    for proc in procs:
+        assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr
+        assert ("the peer answered with something that is not an MPA Reply (it starts with "
+                "'HTTP/1.0 400 Bad'): not an iWARP target; give the address and port of a KBTP "
+                "target") in proc.stderr, proc.stderr
+        assert "harness error" not in proc.stderr and "--timeout" not in proc.stderr, proc.stderr
+
+
+def test_bench_q_past_the_targets_initiators_names_the_session_refused(tmp_path):
+    """-q 8 against a target admitting 4: which session was refused, and what to do."""
+    t = TargetThread("iwarp", TargetConfig(blocks=64, max_initiators=4), hosts=fresh_hosts(2), port=0)
+    try:
+        proc = run("bench", t.url, "-q", "8", "-n", "10", home=tmp_path)
+    finally:
+        t.stop()
+    match = one_error(proc, 1)
+    assert match["why"] == "session 5 of 8: HELLO refused NO_SPACE", proc.stderr
+    assert match["todo"] == "fewer -q, or a larger --max-initiators on the target", proc.stderr

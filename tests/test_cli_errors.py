@@ -89,3 +89,19 @@ def test_the_initiators_own_address_is_taken(tmp_path):
             m = one_error(run(*args, home=tmp_path), code)
             assert m["what"] == f"cannot send from {local} (UDP port 4791) to roce://{host}:4791"
             assert m["why"] == "address already in use" and "--local ADDR" in m["todo"]
+
+
+@pytest.mark.parametrize(("args", "code", "said"), [
+    (["initiator", "iwarp://::1:20408", "hello"], 2, "write an IPv6 address in brackets: iwarp://[::1]:PORT"),
+    (["target", "--listen", "192.0.2.77", "--duration", "1"], 1, "192.0.2.77 is not an address of this host"),
+    (["conform", "--only", "hello."], 2, "--exclude; --list shows the cases (see 'kbtp conform --help')"),
+    (["decode", "--opcode", "foo", str(Path(__file__).parents[1] / "pcaps" / "roce_session.pcap")], 2,
+     "'foo' is not an opcode;"),
+])
+def test_small_messages_say_what_to_write(tmp_path, args, code, said):
+    """Messages a first afternoon meets: an unbracketed IPv6 URL, an address not of this
+    host, one "see" per line, "an opcode"."""
+    proc = run(*args, home=tmp_path)
+    assert proc.returncode == code, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and said in proc.stderr, proc.stderr
+    assert proc.stderr.count("see ") <= 1, proc.stderr

@@ -280,7 +280,8 @@ def test_fuzz_catches_a_crash_minimises_and_saves_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_keeps_the_cases_judged(tmp_path):
+@pytest.mark.parametrize(("sig", "code", "name"), [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_ctrl_c_keeps_the_cases_judged(tmp_path, sig, code, name):
     """A SIGINT after two cases: the JUnit and JSON reports hold them, marked interrupted,
     and the run exits 130 (as the target's checker does, and as the JSON says), not a bare
     'aborted'; JUnit's counts are those of its testcases; the result line says how far it got."""
@@ -297,13 +298,13 @@ def test_ctrl_c_keeps_the_cases_judged(tmp_path):
         judged += [line] if line.startswith("PASS") else []
         if len(judged) == 2:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    assert err.splitlines()[-1].startswith("kbtp: conform: interrupted (Ctrl-C) after ")
+    assert proc.returncode == code, err
+    assert err.splitlines()[-1].startswith(f"kbtp: conform: interrupted ({name}) after ")
     report = json.loads(doc.read_text())
     cases = report["cases"]
-    assert len(cases) >= 2 and {c["verdict"] for c in cases} == {"PASS"} and report["exit_code"] == 130
-    assert f"result: interrupted (Ctrl-C) after {len(cases)} of {len(all_cases())} cases: " in out, out
+    assert len(cases) >= 2 and {c["verdict"] for c in cases} == {"PASS"} and report["exit_code"] == code
+    assert f"result: interrupted ({name}) after {len(cases)} of {len(all_cases())} cases: " in out, out
     suite = ET.parse(junit).getroot()
     assert int(suite.get("tests")) == len(suite.findall("testcase")) == len(cases) + 1

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..initiator import Initiator, KbtpError, Limits, Result, TargetInfo
+from ..initiator import Initiator, KbtpError, Limits, PeerLimit, Result, TargetInfo
 from ..rnic.qp import ConnectionLost, FrameListener, RemoteError
 from ..vocab import Feature
 from .stats import Samples
@@ -48,6 +48,15 @@ class NotStarted(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
+
+
+class SessionRefused(Exception):
+    """The target refused the HELLO of one of -q's sessions (one past those it admits):
+    ``number`` of ``total``, ``error`` its refusal."""
+
+    def __init__(self, number: int, total: int, error: KbtpError) -> None:
+        super().__init__(f"session {number} of {total}: {error.detail or 'refused'} {error.name}")
+        self.number, self.total, self.error = number, total, error
 
 
 class Interrupted(Exception):
@@ -136,11 +145,15 @@ async def run(plan: Plan, progress: Callable[[str], None] = lambda _: None) -> l
     sessions: list[Session] = []
     out: list[Measured] = []
     try:
-        for _ in range(plan.connections):               # each with an Initiator ID of its own
+        for number in range(1, plan.connections + 1):  # each with an Initiator ID of its own
             try:
                 sessions.append(Session(plan, await _connect(plan)))
             except LOST as exc:
                 raise NotStarted(exc) from exc
+            except KbtpError as exc:
+                if plan.connections == 1 or isinstance(exc, PeerLimit):
+                    raise
+                raise SessionRefused(number, plan.connections, exc) from exc
             _check(sessions[-1].ini, plan)
         lanes = _lanes(plan, sessions)
         block_size = _info(sessions[0].ini).block_size

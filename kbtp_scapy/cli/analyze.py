@@ -12,8 +12,9 @@ from typing import Any
 import click
 
 from ..analyze.rows import CaptureError
-from ..decode import capture_files
+from ..decode import Reader, Stats, capture_files, rdma_messages
 from ..extras import Extra, lacking
+from ..words import count
 from .errors import Exit
 from .options import Output, needs
 
@@ -75,7 +76,9 @@ def _text(result: Any) -> str:
                                for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
     lines.append("")
     total = sum(result.counts.values())
-    if not total:
+    if not result.messages:
+        lines.append("nothing to judge: no KBTP message")
+    elif not total:
         lines.append("no hazard found")
     else:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(result.counts.items()))
@@ -125,8 +128,9 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, repo
     answers its request as a COMPLETION does. A store in one host's capture and a load in
     another's are compared by their capture times. Queries run on DuckDB, embedded.
 
-    Exit status: 0 analysed (1 with --fail-on-hazard when a hazard is found), 2 usage error
-    or a capture that cannot be read.
+    Exit status: 0 analysed (1 with --fail-on-hazard when a hazard is found, or when there
+    is no KBTP message to judge), 2 usage error or a capture that cannot be read, 130
+    interrupted (Ctrl-C).
 
     \b
     Examples:
@@ -164,8 +168,31 @@ def analyze(captures: tuple[str, ...], parquet: Path | None, as_json: bool, repo
         click.echo(json.dumps(body, default=str))
     else:
         click.echo(_text(result))
+    if not result.messages:
+        click.echo(f"kbtp analyze: {_nothing(files)}", err=True)
+        if fail_on_hazard:
+            raise Exit(1, "nothing to judge: no KBTP message, so no hazard could be looked for")
     if result.counts and fail_on_hazard:
         raise Exit(1, f"{sum(result.counts.values())} hazard(s) found")
+
+
+def _nothing(files: list[Path]) -> str:
+    """Why there is no message, as ``kbtp decode`` says it: how many frames were read and
+    how many were cut by the snap length (a capture on the wrong interface, or cut short)."""
+    if not files:
+        return "no KBTP message in the dataset"
+    stats = Stats()
+    for path in files:
+        try:
+            with open(path, "rb") as stream:
+                for _ in rdma_messages(Reader(stream, str(path)), stats):
+                    pass
+        except (OSError, CaptureError):
+            continue                        # already reported while decoding
+    text = f"no KBTP message in {count(stats.frames, 'frame')}"
+    if stats.cut:
+        text += f"; {count(stats.cut, 'frame')} cut short by the capture's snap length"
+    return text
 
 
 def _here(files: list[Path], out: Path | None, quiet: bool) -> Any:

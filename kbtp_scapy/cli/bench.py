@@ -13,6 +13,7 @@ from ..bench import kpi, runner
 from ..bench.stats import histogram
 from ..extras import Extra, install
 from ..initiator import KbtpError, PeerLimit
+from . import interrupt
 from .errors import CONNECTION_ERRORS, Exit, file_trouble, hint, line, local_trouble, reason
 from .interrupt import run_stoppable
 from .options import (
@@ -126,8 +127,8 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
     more than --max-block-size or --max-blocks allow, or failed during the run (the results
     until then are printed, marked partial); 2 usage error, the run could not start (no
     target answered at URL), or a plan the target cannot serve (a feature not granted, more
-    in flight than its quota, a size over its Block Size); 130 interrupted by Ctrl-C (the
-    results so far, marked partial).
+    in flight than its quota, a size over its Block Size); 130 interrupted by Ctrl-C or, as
+    143, by SIGTERM (the results so far, marked partial).
 
     \b
     Examples (with kbtp target running):
@@ -188,6 +189,10 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
     except runner.NotStarted as exc:
         what = local_trouble(exc.cause, target, local) or f"cannot benchmark {target}"
         raise Exit(2, line(what, reason(exc.cause, timeout), hint(exc.cause))) from None
+    except runner.SessionRefused as exc:
+        todo = ("fewer -q, or a larger --max-initiators on the target" if exc.error.name == "NO_SPACE"
+                else "the target's log may say why")
+        raise click.ClickException(line(f"bench {target}", str(exc), todo)) from None
     except PeerLimit as exc:
         raise click.ClickException(line(f"bench {target}: HELLO_ACK not usable", exc.detail, RAISE_LIMITS)) from None
     except KbtpError as exc:
@@ -199,7 +204,7 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
         if sink:
             sink.close()
     if not runs and plan.interrupted:
-        raise Exit(130, "bench: interrupted (Ctrl-C) before any request was measured")
+        raise Exit(interrupt.status(), f"bench: interrupted ({interrupt.how()}) before any request was measured")
     cut = runs[-1].cut
     what = "load+store" if bidirectional else op
     report = kpi.report(runs, str(target), {"op": what, "in_flight": in_flight,
@@ -237,7 +242,7 @@ def bench(url: str, op: str, sizes: list[int], all_sizes: bool, connections: int
             click.echo(f"\nwrote {plot}")
     done = f"the results above are of the {runs[-1].seconds:.1f} s measured until then, marked partial"
     if isinstance(cut, runner.Interrupted):
-        raise Exit(130, f"bench: interrupted (Ctrl-C); {done}")
+        raise Exit(interrupt.status(), f"bench: interrupted ({interrupt.how()}); {done}")
     if cut is not None:
         raise Exit(1, line(f"bench {target}: the connection ended", reason(cut, timeout), done))
 
@@ -262,7 +267,7 @@ def _ended(cut: BaseException | None) -> str | None:
     """Why the last size ended before its plan, for the JSON report."""
     if cut is None:
         return None
-    return "interrupted (Ctrl-C)" if isinstance(cut, runner.Interrupted) else \
+    return f"interrupted ({interrupt.how()})" if isinstance(cut, runner.Interrupted) else \
         f"the connection ended: {reason(cut)}"
 
 

@@ -16,6 +16,7 @@ from ..conform.runner import Listener, Outcome, run
 from ..harness import HarnessError
 from ..initiator.results import TargetInfo
 from ..words import count
+from . import interrupt
 from .errors import Exit
 from .options import Output, limit_options, limits, raw_io, say_resolved
 
@@ -122,7 +123,8 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
 
     Exit status: 0 all good, 1 the target failed a requirement (with --strict, or a
     SHOULD), 2 usage or harness error, or a case that could not be judged, 130
-    interrupted (Ctrl-C: the reports hold the cases judged until then).
+    interrupted by Ctrl-C, 143 by SIGTERM (a CI job's timeout): the reports hold the cases
+    judged until then; a second signal aborts.
 
     With --role initiator the checker is the target instead: it listens on --listen and
     runs the initiator command given after '--' once per case, with the placeholders
@@ -184,7 +186,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
                        + " (PASS, or SKIP for a reason of the target's)", err=True)
             return
     if not cases:
-        raise click.UsageError("no case matches --only/--exclude (see --list)")
+        raise click.UsageError("no case matches --only/--exclude; --list shows the cases")
     if list_only:
         click.echo(report.listing(cases))
         return
@@ -194,6 +196,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     if json_file == "-":
         as_json, json_file = True, None
     console = Console(url, not as_json, quiet)
+    interrupt.terminate_as_interrupt()
     try:
         info, outcomes = asyncio.run(run(url, cases, timeout=timeout, local=local, quick=quick,
                                          limits=limits(max_block_size, max_blocks, timeout),
@@ -209,14 +212,14 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     except KeyboardInterrupt:        # a CI timeout kills runs so: keep what was judged
         console.clear()
         done = console.outcomes
-        why = report.interrupted(len(done), len(cases))
+        why = report.interrupted(len(done), len(cases), interrupt.how())
         if console.text:
             click.echo(report.footer(done, why))
         _emit(as_json, json_file, report.as_json(url, console.info, done, why, strict, quick, cases,
-                                                 report.EXIT_INTERRUPTED))
+                                                 interrupt.status()))
         _write(junit_file, report.junit(url, done, why))
         write_html(html_file, url, done, why)
-        raise Exit(report.EXIT_INTERRUPTED, f"conform: {why}; the reports hold the cases judged until "
+        raise Exit(interrupt.status(), f"conform: {why}; the reports hold the cases judged until "
                                             "then") from None
     console.clear()
     if console.text:

@@ -15,6 +15,7 @@ from ..conform import report
 from ..conform.initiator.runner import all_cases, run
 from ..conform.registry import Case, select
 from ..harness import HarnessError
+from . import interrupt
 from .conform import Console, write_html
 from .errors import Exit
 
@@ -41,6 +42,7 @@ def check_initiator(listen: str | None, program: tuple[str, ...], *, local: str 
     if not as_json:
         click.echo(f"kbtp conform --role initiator: checking target on {listen}, "
                    f"program: {' '.join(program)}\n")
+    interrupt.terminate_as_interrupt()
     try:
         outcomes = asyncio.run(run(listen, list(program), cases, timeout=timeout, local=local,
                                    quick=quick, pcap_dir=Path(pcap_dir) if pcap_dir else None,
@@ -54,14 +56,14 @@ def check_initiator(listen: str | None, program: tuple[str, ...], *, local: str 
     except KeyboardInterrupt:        # as the target's checker: keep what was judged
         console.clear()
         done = list(console.outcomes)
-        why = report.interrupted(len(done), len(cases))
+        why = report.interrupted(len(done), len(cases), interrupt.how())
         if not as_json:
             click.echo(report.footer(done, why))
         _emit(as_json, json_file, _doc(listen, program, done, why, strict, quick, cases,
-                                       report.EXIT_INTERRUPTED))
+                                       interrupt.status()))
         _write(junit_file, report.junit(listen, done, why))
         write_html(html_file, listen, done, why)
-        raise Exit(report.EXIT_INTERRUPTED, f"conform: {why}; the reports hold the cases judged until "
+        raise Exit(interrupt.status(), f"conform: {why}; the reports hold the cases judged until "
                                             "then") from None
     if not as_json:
         click.echo(report.footer(outcomes))

@@ -23,6 +23,7 @@ from ..decode import CaptureError, Reader, Stats, core, rdma_messages, rdma_oper
 from ..decode.frames import SUPPORTED, linktype_name
 from ..extras import Extra, install
 from ..summary import describe
+from . import interrupt
 from .options import Output, needs
 
 PROGRESS_MIN_SIZE = 4 << 20           # files smaller than this decode before progress matters
@@ -41,7 +42,7 @@ def _names(enum: T.Enumeration, what: str, values: tuple[str, ...]) -> frozenset
         try:
             out.add(int(text, 0))
         except ValueError:
-            raise click.BadParameter(f"{text!r} is not a {what}; choose from "
+            raise click.BadParameter(f"{text!r} is not {'an' if what[0] in 'aeiou' else 'a'} {what}; choose from "
                                      f"{', '.join(by_name)} or give a number",
                                      param_hint=f"--{what}") from None
     return frozenset(out)
@@ -296,6 +297,9 @@ def decode(file: str | None, hex_: str | None, as_json: bool, json_file: TextIO 
     At the end one line on stderr sums up what was found. Reading from a pipe works as
     the capture is written: tcpdump -i IF -w - udp port 4791 | kbtp decode -
 
+    Ctrl-C (exit status 130) or SIGTERM (143) stops the reading: the messages found until
+    then are kept, the summary line says how far it got; a second signal aborts.
+
     \b
     Examples:
       kbtp decode pcaps/roce_session.pcap
@@ -398,6 +402,7 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
         if reader is not None:
             progress.update(reader.position, totals.messages)
 
+    interrupt.terminate_as_interrupt()
     try:
         reader = Reader(stream, name, before_wait=waiting)
         if reader.linktype is not None and reader.linktype not in SUPPORTED:
@@ -438,9 +443,9 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
         if times is not None:
             _times(times, as_json)
         _summary(stats, totals, totals.messages if fast else shown, any(filters) or bool(where), None, name)
-        click.echo(f"kbtp: decode of {name} interrupted (Ctrl-C): the lines above are the "
+        click.echo(f"kbtp: decode of {name} interrupted ({interrupt.how()}): the lines above are the "
                    "messages found until then", err=True)
-        raise click.exceptions.Exit(130) from None
+        raise click.exceptions.Exit(interrupt.status()) from None
     finally:
         progress.clear()
         if stream is not sys.stdin.buffer:

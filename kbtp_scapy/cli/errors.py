@@ -65,6 +65,8 @@ def hint(exc: BaseException) -> str:
     if isinstance(exc, PermissionError) and exc.strerror == NEEDS_NET_RAW:
         return ("run as root, or grant it (setcap cap_net_raw+ep on the Python interpreter, or "
                 "in a container --cap-add NET_RAW)")
+    if isinstance(exc, ConnectionLost) and exc.how == "foreign":
+        return "give the address and port of a KBTP target (kbtp target --listen HOST[:PORT])"
     if isinstance(exc, ConnectionLost | RemoteError | ConnectionResetError):
         return "the target's log may say why"
     return ""

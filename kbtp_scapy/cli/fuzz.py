@@ -16,6 +16,7 @@ from ..fuzz.corpus import CorpusError, load
 from ..fuzz.restart import Restart
 from ..initiator.limits import MAX_BLOCK_SIZE, MAX_BLOCKS
 from ..wire.address import parse_url
+from . import interrupt
 from .errors import Exit, file_line
 from .interrupt import run_stoppable
 from .options import Output, limit_options, limits, raw_io, raw_io_options, say_resolved
@@ -120,7 +121,7 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
     Invalidate, HELLO_ACK; what it cannot predict is counted in the summary, with why.
     After each case: a fresh HELLO, the guard blocks loaded back, and with DIRECT_LOAD
     the table and ring read back. Findings are minimized and saved as pcap + JSON.
-    Ctrl-C stops the run and prints the summary (exit status 130).
+    Ctrl-C or SIGTERM stops the run and prints the summary (exit status 130 or 143).
 
     With --role initiator it is a hostile target instead, on --listen, running the
     initiator command given after '--' once per case (the driver interface of kbtp
@@ -144,7 +145,7 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
 
     Exit status: 0 no finding, 1 the target misbehaved (or went away), 2 usage or harness
     error (including a target that refuses the fuzzer's sessions from the start), 130
-    interrupted.
+    interrupted by Ctrl-C, 143 by SIGTERM (the summary of the cases run; a second signal aborts).
 
     \b
     Examples:
@@ -214,6 +215,7 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
         summary = run_stoppable(lambda: campaign(run, control, seed, count, start, time_limit, out_dir,
                                                max_findings), control.interrupt)
     bar.clear()
+    summary.interrupted_status = interrupt.status()
     text = report.table(summary)
     nothing_ran = summary.exit_code == report.EXIT_HARNESS and not summary.cases
     if as_json:
@@ -227,11 +229,11 @@ def fuzz(role: str, listen: str | None, program: tuple[str, ...], url: str | Non
             raise Exit(2, file_line(json_file, exc, option="--json-file")) from None
     if summary.error and summary.saved:
         click.echo(f"kbtp: the run ended early after the findings: {summary.error}", err=True)
-    if summary.exit_code == report.EXIT_INTERRUPTED:
-        raise Exit(130, f"interrupted after {words.count(summary.cases, 'case')}"
+    if summary.interrupted:
+        raise Exit(summary.exit_code, f"interrupted ({interrupt.how()}) after {words.count(summary.cases, 'case')}"
                     + (f", {len(summary.saved)} with findings" if summary.saved else ""))
     if summary.exit_code == report.EXIT_HARNESS:
-        raise Exit(2, f"harness error: {summary.error}")
+        raise Exit(2, f"{'cannot fuzz' if nothing_ran else 'harness error'}: {summary.error}")
     if summary.exit_code == report.EXIT_FINDING:
         raise Exit(1, f"{words.count(len(summary.saved), 'case')} with findings"
                     + (f" (saved in {out_dir})" if not replay else "")

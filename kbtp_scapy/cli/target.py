@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import ipaddress
 import logging
 import signal
@@ -217,6 +218,9 @@ async def _run(config: TargetConfig, addr, pcap, metrics_at, duration, options) 
     except OSError as exc:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         todo = hint(exc) if isinstance(exc, PermissionError) else ""
+        if exc.errno == errno.EADDRNOTAVAIL:
+            why = f"{addr.host} is not an address of this host"
+            todo = "give one of its addresses ('ip address' lists them), or 0.0.0.0 for all"
         raise click.ClickException(line(f"cannot listen on {addr}", why, todo)) from None
     metrics_url = None
     if metrics_at:

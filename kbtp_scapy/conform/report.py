@@ -105,9 +105,9 @@ def not_run(outcomes: list[Outcome]) -> str:
     return went_away(len(left), left[0].gone_at) if left else ""
 
 
-def interrupted(judged: int, total: int) -> str:
-    """What a run stopped by Ctrl-C says of itself (its reports' error, its result line)."""
-    return f"interrupted (Ctrl-C) after {judged} of {count(total, 'case')}"
+def interrupted(judged: int, total: int, by: str = "Ctrl-C") -> str:
+    """What a run stopped by Ctrl-C (or SIGTERM) says of itself (its reports' error, its result line)."""
+    return f"interrupted ({by}) after {judged} of {count(total, 'case')}"
 
 
 def footer(outcomes: list[Outcome], stopped: str = "") -> str:

@@ -95,6 +95,8 @@ async def probe(url: str, local: str | None, timeout: float,
         raise HarnessError(f"{url}: the target refused the probe HELLO ({exc.name}); if it admits "
                            "few initiators, end other sessions first") from None
     except (TimeoutError, ConnectionLost, RemoteError) as exc:
+        if isinstance(exc, ConnectionLost) and exc.how == "foreign":     # no waiting helps
+            raise HarnessError(f"{url}: {exc}; give the address and port of a KBTP target") from None
         raise HarnessError(f"{url}: cannot reach a KBTP target ({describe(exc, timeout)}); check "
                            "the address and that the target runs, or raise --timeout") from None
     except OSError as exc:

@@ -43,6 +43,7 @@ class Summary:
     error: str | None = None
     stopped: str = ""
     interrupted: bool = False
+    interrupted_status: int = EXIT_INTERRUPTED    # 143 when SIGTERM, not Ctrl-C, stopped it
     gone_at: str = ""             # the case during which the target went away (the last time)
     restarts: int = 0             # times --restart-cmd brought the target back
     corpus: Corpus | None = None  # --seed-corpus
@@ -50,7 +51,7 @@ class Summary:
     @property
     def exit_code(self) -> int:
         if self.interrupted:
-            return EXIT_INTERRUPTED
+            return self.interrupted_status
         if self.saved:                # the target misbehaved, even if the run could not go on
             return EXIT_FINDING
         return EXIT_HARNESS if self.error else EXIT_OK
@@ -99,7 +100,7 @@ def as_json(summary: Summary) -> str:
 def table(summary: Summary) -> str:
     """The summary printed at the end of a run."""
     rate = summary.cases / summary.seconds if summary.seconds else 0.0
-    stopped = summary.stopped or ("interrupted (Ctrl-C)" if summary.interrupted else "")
+    stopped = summary.stopped or ("interrupted" if summary.interrupted else "")
     lines = [f"kbtp fuzz {summary.url} seed {summary.seed}: {summary.cases} cases in "
              f"{summary.seconds:.1f} s ({rate:.0f}/s), {summary.reconnects} reconnects"
              + (f", seed corpus {summary.corpus.digest} ({words.count(len(summary.corpus.seeds), 'request')})"

@@ -22,7 +22,7 @@ from .findings import Finding
 from .model import UNKNOWN, Entry, Knowledge
 from .oracles import check_hello_ack
 from .tally import Tally
-from .trouble import TRANSPORT_ERRORS, describe
+from .trouble import TRANSPORT_ERRORS, describe, foreign
 
 GUARDS = 2
 class SetupFault(Exception):
@@ -138,6 +138,7 @@ class World:
             raise HarnessError(f"{self.url}: {doing}: {self.refusal(exc)}") from None
         except (*TRANSPORT_ERRORS, ValueError) as exc:
             hint = ("; the target's log may say why it never answered the HELLO" if isinstance(exc, Unanswered)
+                    else "; give the address and port of a KBTP target" if foreign(exc)
                     else "; is a KBTP target listening there" + (" (and is --local an address of this host)?"
                                                                  if self.transport == "roce" else "?"))
             raise HarnessError(f"{self.url}: {doing}: {describe(exc, self.timeout)}{hint}") from None

@@ -10,6 +10,11 @@ from ..rnic.qp import ConnectionLost, RemoteError
 TRANSPORT_ERRORS = (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError)
 
 
+def foreign(exc: BaseException) -> bool:
+    """The peer speaks another protocol (an HTTP server on the port): no KBTP target."""
+    return isinstance(exc, ConnectionLost) and exc.how == "foreign"
+
+
 def describe(exc: BaseException, timeout: float | None = None) -> str:
     """What went wrong, never empty: a bare timeout says how long was waited."""
     if isinstance(exc, asyncio.TimeoutError) and not str(exc):
@@ -17,6 +22,8 @@ def describe(exc: BaseException, timeout: float | None = None) -> str:
     if isinstance(exc, KbtpError):
         return f"refused with {exc.name}"
     text = str(exc)
+    if foreign(exc):
+        return text                         # it says what the peer is not
     if isinstance(exc, ConnectionLost):
         return f"the connection ended ({text})" if text else "the connection ended"
     return text or type(exc).__name__

@@ -248,6 +248,9 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         self._gone.set()
         reason = ConnectionLost(f"TCP connection lost: {exc}" if exc else
                                 "TCP connection closed by the peer", how="reset" if exc else "fin")
+        foreign = w.foreign_start(self._rx) if self._phase == "startup" else None
+        if foreign is not None:             # a short answer, then the close
+            reason = ConnectionLost(self._not_mpa(foreign), how="foreign")
         self._not_ready(reason)
         self.lost(reason)
 
@@ -294,6 +297,12 @@ class IwarpQP(QueuePair, asyncio.Protocol):
         return (w.FLAG_C if self._want_crc else 0) | (w.FLAG_M if self._want_markers else 0)
 
     def _startup(self) -> None:
+        foreign = w.foreign_start(self._rx)
+        if foreign is not None:             # not worth waiting for: say what came instead
+            error = ConnectionLost(self._not_mpa(foreign), how="foreign")
+            self._not_ready(error)
+            self._close_transport(error)
+            return
         size = w.startup_length(self._rx)
         if size is None or len(self._rx) < size:
             return
@@ -390,6 +399,14 @@ class IwarpQP(QueuePair, asyncio.Protocol):
     def _reject(self, rev: int, reason: str) -> None:
         self._write_now(w.build_startup(False, self._flags() | w.FLAG_R, rev))
         self._abort_setup(reason)
+
+    def _not_mpa(self, start: str) -> str:
+        """Why a peer that speaks another protocol (an HTTP server on the port) is no peer."""
+        if self._active:
+            return (f"the peer answered with something that is not an MPA Reply (it starts "
+                    f"with {start!r}): not an iWARP target")
+        return (f"the peer sent something that is not an MPA Request (it starts with "
+                f"{start!r}): not an iWARP initiator")
 
     def _abort_setup(self, reason: str) -> None:
         error = ConnectionLost(f"MPA set-up failed: {reason}")

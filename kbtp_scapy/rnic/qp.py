@@ -111,6 +111,7 @@ ENDINGS = {
     "qp_error": "the queue pair went to the error state",
     "local": "closed locally",
     "lost": "the connection ended",
+    "foreign": "the peer speaks another protocol",
 }
 
 

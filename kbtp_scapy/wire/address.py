@@ -39,6 +39,9 @@ def parse_url(url: str, default_host: str = "127.0.0.1") -> Address:
     try:
         port = parts.port
     except ValueError as exc:
+        if parts.netloc.count(":") > 1 and not parts.netloc.startswith("["):     # iwarp://::1:20408
+            raise ValueError(f"{url!r}: write an IPv6 address in brackets: "
+                             f"{transport}://[{_ipv6_of(parts.netloc)}]:PORT") from None
         raise ValueError(f"{url!r}: {exc}") from None
     host = parts.hostname or default_host
     name = None
@@ -49,6 +52,15 @@ def parse_url(url: str, default_host: str = "127.0.0.1") -> Address:
     if port is None:
         port = IWARP_PORT if transport == "iwarp" else ROCE_PORT
     return Address(transport, host, port, name)
+
+
+def _ipv6_of(netloc: str) -> str:
+    """The IPv6 address in a netloc written without brackets: all of it, or all but a
+    trailing ``:PORT``."""
+    try:
+        return str(ipaddress.IPv6Address(netloc))
+    except ValueError:
+        return netloc.rsplit(":", 1)[0]
 
 
 def resolve(name: str, url: str) -> str:

@@ -75,6 +75,15 @@ def startup_length(data: bytes | bytearray) -> int | None:
     return MPA_STARTUP_LEN + int.from_bytes(data[18:20], "big")
 
 
+def foreign_start(data: bytes | bytearray) -> str | None:
+    """How ``data`` starts (its first line, at most a key's length) when it cannot be the
+    start of an MPA Request or Reply: an HTTP server's answer, say; None while it can."""
+    head = bytes(data[:len(MPA_REQ_KEY)])
+    if not head or MPA_REQ_KEY.startswith(head) or MPA_REP_KEY.startswith(head):
+        return None
+    return head.split(b"\r")[0].split(b"\n")[0].decode("ascii", "backslashreplace")
+
+
 def parse_startup(frame: bytes) -> Startup | None:
     """The startup frame (exactly ``startup_length`` octets), or None if the key is wrong."""
     key, flags, rev, _ = _STARTUP.unpack_from(frame)
