@@ -230,9 +230,11 @@ def test_truncated_capture_says_where_it_ends(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_a_loop_keeps_the_steps_replayed(tmp_path):
-    """A SIGINT during ``--loop 1000``: the loops replayed until then are judged and written
-    (text and --json-file), marked interrupted, then exit 130."""
+@pytest.mark.parametrize("sig, said, code", [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143)])
+def test_ctrl_c_in_a_loop_keeps_the_steps_replayed(tmp_path, sig, said, code):
+    """A SIGINT (or a CI timeout's SIGTERM) during ``--loop 1000``: the loops replayed until
+    then are judged and written (text and --json-file), marked interrupted, then exit 130
+    (143)."""
     t = TargetThread("iwarp", TargetConfig(**CONFIG), hosts=hosts())
     report = tmp_path / "report.json"
     try:
@@ -244,15 +246,15 @@ def test_ctrl_c_in_a_loop_keeps_the_steps_replayed(tmp_path):
         while time.monotonic() < deadline and sum(t.target.metrics.hellos.values()) < 3 \
                 and proc.poll() is None:
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         t.stop()
-    assert proc.returncode == 130, err
-    assert err.splitlines()[-1].startswith("kbtp: replay: interrupted (Ctrl-C) after ")
+    assert proc.returncode == code, err
+    assert err.splitlines()[-1].startswith(f"kbtp: replay: interrupted ({said}) after ")
     assert out.splitlines()[-1].startswith("INTERRUPTED: ")
     doc = json.loads(report.read_text())
-    assert doc["result"] == "interrupted" and doc["interrupted"].startswith("interrupted (Ctrl-C)")
+    assert doc["result"] == "interrupted" and doc["interrupted"].startswith(f"interrupted ({said})")
     assert doc["summary"]["match"] > 0 and doc["summary"]["differ"] == 0
 
 

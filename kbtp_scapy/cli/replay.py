@@ -12,6 +12,7 @@ from ..capture import CaptureError
 from ..harness import HarnessError
 from ..wire.address import parse_url
 from ..words import count
+from . import interrupt
 from .errors import CONNECTION_ERRORS, Exit, describe, file_trouble, hint, local_trouble, reason
 from .interrupt import run_stoppable
 from .options import Output, limit_options, limits, say_resolved
@@ -56,7 +57,7 @@ def _interrupted(runs: list, loops: int) -> str:
         where = f"after {done} of {total} steps" + (f" of loop {len(runs)} of {loops}" if loops > 1 else "")
     else:
         where = f"after {count(len(runs), 'loop')} of {loops}"
-    return f"interrupted (Ctrl-C) {where}"
+    return f"interrupted ({interrupt.how()}) {where}"
 
 
 def _harness(exc: Exception, url: str, local: str | None, timeout: float) -> _Harness:
@@ -122,7 +123,8 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
     Exit status: 0 every compared step matched; 1 the target differed or failed to
     answer, or the capture is cut short (the steps before its end are replayed); 2 usage
     error or the replay could not run; 130 interrupted (Ctrl-C: the steps replayed until
-    then are reported, marked interrupted; a second Ctrl-C aborts). A target that goes
+    then are reported, marked interrupted; a second Ctrl-C aborts), 143 the same for
+    SIGTERM. A target that goes
     away during --loop exits 1 with the loops replayed until then, marked partial.
 
     Of the sample captures (pcaps/), rxe_kernel_session.pcap, siw_kernel_session.pcap
@@ -193,7 +195,7 @@ def replay(capture, url, as_json, json_file, quiet, ignore, strict, pace, loops,
         for line in report.text(cap, url, verdicts, verbose, interrupted, quiet=quiet):
             click.echo(line)
     if interrupted:
-        code = 1 if stop.gone else 130           # the target failed; or the user stopped it
+        code = 1 if stop.gone else interrupt.status()   # the target failed; or the user stopped it
         raise Exit(code, f"replay: {interrupted}; the report above holds the steps replayed until then")
     counts = report.summary(verdicts)
     if counts["differ"] or counts["error"]:
