@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -248,22 +249,33 @@ def test_replay_knows_a_liveness_probe():
     assert not [n for n in notes if "frame 94" in n], notes
 
 
-#: Ctrl-C, and a CI job's timeout (``timeout 300 kbtp ...``): (signal, exit status, its name)
-STOPS = [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")]
+#: Ctrl-C, and a CI job's timeout (``timeout 300 kbtp ...``, which sends SIGTERM to the
+#: command and then to its process group: twice): (signals, exit status, their name)
+STOPS = pytest.mark.parametrize(("sigs", "code", "name"), [
+    ((signal.SIGINT,), 130, "Ctrl-C"), ((signal.SIGTERM,), 143, "SIGTERM"),
+    ((signal.SIGTERM, signal.SIGTERM), 143, "SIGTERM")], ids=["ctrl-c", "sigterm", "timeout"])
 
 
-def _interrupt_after(proc: subprocess.Popen, lines: int, sig: int = signal.SIGINT) -> tuple[str, str]:
+def _stop(proc: subprocess.Popen, sigs: tuple[int, ...]) -> None:
+    """Send ``sigs`` a moment apart, as timeout(1) signals the command and then its group."""
+    for i, sig in enumerate(sigs):
+        if i:
+            time.sleep(0.05)
+        proc.send_signal(sig)
+
+
+def _interrupt_after(proc: subprocess.Popen, lines: int, sigs: tuple[int, ...] = (signal.SIGINT,)) -> tuple[str, str]:
     """Read ``lines`` lines of stdout, then Ctrl-C (SIGINT) as a terminal or SIGTERM as a CI
     timeout would; the rest of stdout and stderr."""
     got = [proc.stdout.readline() for _ in range(lines)]
     assert all(got), got
-    proc.send_signal(sig)
+    _stop(proc, sigs)
     out, err = proc.communicate(timeout=60)
     return "".join(got) + out, err
 
 
-@pytest.mark.parametrize(("sig", "code", "name"), STOPS)
-def test_decode_interrupted_says_so_and_exits_130(tmp_path, sig, code, name):
+@STOPS
+def test_decode_interrupted_says_so_and_exits_130(tmp_path, sigs, code, name):
     """D11: Ctrl-C (or SIGTERM) while decode waits for more of a live capture on stdin."""
     pcap = (Path(__file__).resolve().parent.parent / "pcaps" / "roce_session.pcap").read_bytes()
     proc = subprocess.Popen([*KBTP, "decode", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -272,7 +284,7 @@ def test_decode_interrupted_says_so_and_exits_130(tmp_path, sig, code, name):
     proc.stdin.flush()
     first = proc.stdout.readline()
     assert b"HELLO" in first, first
-    proc.send_signal(sig)
+    _stop(proc, sigs)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
     text = err.decode()
@@ -280,8 +292,8 @@ def test_decode_interrupted_says_so_and_exits_130(tmp_path, sig, code, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sig", "code", "name"), STOPS)
-def test_conform_interrupted_writes_the_partial_reports(tmp_path, sig, code, name):
+@STOPS
+def test_conform_interrupted_writes_the_partial_reports(tmp_path, sigs, code, name):
     """D12: Ctrl-C after the first verdicts: exit 130, said by the JSON too; JUnit and JSON
     with the cases judged, JUnit's counts those of its testcases; a result line that says
     how far the run got; --rerun-failed of the report runs the cases it did not reach."""
@@ -292,7 +304,7 @@ def test_conform_interrupted_writes_the_partial_reports(tmp_path, sig, code, nam
                                  "--junit", str(junit), "--json-file", str(report)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={"HOME": str(tmp_path)})
-        out, err = _interrupt_after(proc, 4, sig)     # the header and a few verdicts
+        out, err = _interrupt_after(proc, 4, sigs)    # the header and a few verdicts
     finally:
         t.stop()
     assert proc.returncode == code, err

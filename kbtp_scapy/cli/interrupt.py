@@ -34,6 +34,8 @@ def terminate_as_interrupt() -> None:
     under ``asyncio.run`` the main task is cancelled first (its tasks end cleanly), then
     KeyboardInterrupt is raised."""
     def raised(signum: int, frame: FrameType | None) -> None:
+        if _received:   # stopping already: timeout(1) sends SIGTERM to the command and then
+            return      # to its process group, one stop twice, not a second Ctrl-C
         _received.append(signal.Signals(signum))
         handler = signal.getsignal(signal.SIGINT)
         if callable(handler):
@@ -54,8 +56,9 @@ def run_stoppable(coro_factory: Callable[[], Awaitable[T]], interrupt: Callable[
         def interrupted(sig: signal.Signals) -> None:
             _received.append(sig)
             interrupt()
-            for each in (signal.SIGINT, signal.SIGTERM):  # a second one: KeyboardInterrupt, death
-                loop.remove_signal_handler(each)
+            loop.remove_signal_handler(signal.SIGINT)      # a second Ctrl-C: KeyboardInterrupt
+            loop.remove_signal_handler(signal.SIGTERM)     # a second SIGTERM is the same stop
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # sent twice (timeout(1) does so)
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, interrupted, sig)
