@@ -221,9 +221,9 @@ def rdma_messages(packets: list[Packet]) -> list[RdmaMessage]:
 
 def session_key(msg: RdmaMessage) -> Hashable:
     """Both directions of a connection share its number and ADDR_LE state. On RoCEv2 the
-    two directions name different QPs: the streaming decoder ties them
-    (``decode.connections``, ``info["connection"]``); without it (the Scapy path) the pair
-    of IP addresses stands for the connection."""
+    two directions name different QPs: ``decode.connections`` ties them for the streaming
+    decoder and the Scapy path alike (``info["connection"]``); a message without it (one
+    built by hand) falls back to the pair of IP addresses."""
     if msg.transport == "roce":
         return msg.info.get("connection") or frozenset(msg.conn[:2])
     return frozenset(msg.conn)

@@ -174,20 +174,13 @@ async def run(plan: Plan, progress: Callable[[str], None] = lambda _: None) -> l
     finally:
         if not (out and isinstance(out[-1].cut, LOST)):
             for session in sessions:
-                await _end(session.ini)
+                await session.ini.end(release=True)
 
 
 async def _connect(plan: Plan, initiator_id: bytes | None = None) -> Initiator:
     return await Initiator.connect(plan.url, initiator_id=initiator_id or os.urandom(16),
                                    frame_listeners=plan.frame_listeners, limits=plan.limits,
                                    **plan.options)
-
-
-async def _end(ini: Initiator) -> None:
-    if ini.silent:          # it let a deadline pass: not waited for a second time
-        await ini.close()
-    elif not ini.qp.closed:
-        await ini.goodbye(release=True)
 
 
 class Session:
@@ -211,7 +204,7 @@ class Session:
                 try:
                     if old.qp.closed:
                         old = await _connect(self.plan, failed.initiator_id)
-                    await _end(old)
+                    await old.end(release=True)
                     break
                 except (ConnectionLost, RemoteError):
                     continue                           # ended meanwhile: once more

@@ -189,10 +189,7 @@ def _nothing(files: list[Path]) -> str:
                     pass
         except (OSError, CaptureError):
             continue                        # already reported while decoding
-    text = f"no KBTP message in {count(stats.frames, 'frame')}"
-    if stats.cut:
-        text += f"; {count(stats.cut, 'frame')} cut short by the capture's snap length"
-    return text
+    return f"no KBTP message in {count(stats.frames, 'frame')}{stats.cut_note()}"
 
 
 def _here(files: list[Path], out: Path | None, quiet: bool) -> Any:

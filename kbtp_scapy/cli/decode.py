@@ -555,8 +555,7 @@ def _summary(stats: Stats, totals: core.Totals, shown: int, filtered: bool, stop
             text += f", {totals.malformed:,} malformed"
         if filtered:
             text += f", {shown:,} shown"
-    if stats.cut:
-        text += f"; {_plural(stats.cut, 'frame')} cut short by the capture's snap length"
+    text += stats.cut_note()
     if stopped:
         text += f" (stopped after -c {stopped})"
     click.echo(text, err=True)

@@ -243,10 +243,7 @@ async def _session(o: dict, name: str, func, kwargs: dict) -> None:
             raise _failure(f"{_what(name, kwargs)} at {url}", exc, todo=hint(exc),
                            why=reason(exc, timeout)) from None
         finally:
-            if ini.silent:
-                await ini.close()
-            elif not ini.qp.closed:
-                await ini.goodbye(release=bool(release))
+            await ini.end(release=bool(release))
     finally:
         if sink:
             sink.close()

@@ -33,6 +33,13 @@ class Stats:
     unsupported: Counter = field(default_factory=Counter)
     cut: int = 0
 
+    def cut_note(self) -> str:
+        """``; N frames cut short by the capture's snap length``, or "" when none was: what
+        every summary of a run adds (``kbtp decode``, ``kbtp analyze``)."""
+        if not self.cut:
+            return ""
+        return f"; {self.cut:,} frame{'' if self.cut == 1 else 's'} cut short by the capture's snap length"
+
 
 def rdma_messages(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMessage]:
     """RoCE Sends that carry KBTP and every iWARP Send, as their last frame is read

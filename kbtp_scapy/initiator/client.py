@@ -276,6 +276,14 @@ class Initiator(DirectModes):
                 self.qp.abort(why)
             raise NoAnswer(why) from None
 
+    async def end(self, release: bool = False) -> None:
+        """How a tool ends its session: GOODBYE, or just the close when the target already let
+        an answer's deadline pass (``silent``: it is not waited on a second time)."""
+        if self.silent:
+            await self.close()
+        elif not self.qp.closed:
+            await self.goodbye(release=release)
+
     async def goodbye(self, release: bool = False) -> None:
         """End the session; the target closes the connection once it has acted on it.
 
