@@ -99,7 +99,7 @@ class Sandbox:
                     "PATH": f"{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin"}
         self.runs = 0
 
-    def run(self, lines: list[str], *, keep_servers: bool = True, timeout: float = 120,
+    def run(self, lines: list[str], *, keep_servers: bool = True, timeout: float = 300,
             interrupt: dict[str, float] | None = None, names: str = "") -> list[Step]:
         """Run ``lines`` in one fresh namespace; one Step per line (serving lines last,
         when they are stopped), then the targets started for them.
@@ -107,7 +107,9 @@ class Sandbox:
         ``keep_servers``: serving lines stay up for the lines after them (a README block);
         otherwise each is stopped once it listens (a list of --help examples). ``interrupt``:
         lines that run long, and after how many seconds they get Ctrl-C. ``names``: more
-        text whose target URLs count (a script the lines run)."""
+        text whose target URLs count (a script the lines run). ``timeout``: each line's bound,
+        for a hang, not for speed: ``kbtp demo`` takes about 30 s alone and passed 120 s on a
+        loaded 2-core CI machine, its steps running 4-12 times slower there."""
         self.runs += 1
         brought = [] if any(serves(line) for line in lines) else named_targets([*lines, names])
         addresses = sorted({host for _, host, _ in brought if not ipaddress.ip_address(host).is_loopback})

@@ -159,7 +159,7 @@ def test_quick_start_runs_in_order(tmp_path):
     (in the other order the check found nothing listening)."""
     lines = [line for m in FENCED.finditer(QUICK_START) if m[1] == "sh" for line in commands(m[2])]
     assert lines[0] == "kbtp demo" and any(line == "kbtp target" for line in lines)
-    steps = Sandbox(tmp_path).run(lines, timeout=300)
+    steps = Sandbox(tmp_path).run(lines)
     failed = [s for s in steps if not s.ok]
     assert not failed, "\n\n".join(s.why() for s in failed)
     assert not [s for s in steps if s.target and not s.line.startswith("kbtp target")], \
