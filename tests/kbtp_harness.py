@@ -7,10 +7,12 @@ own loopback addresses, so RoCEv2's fixed UDP port never collides between tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
+import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from kbtp_scapy.target import Target, TargetConfig
@@ -30,6 +32,16 @@ def fresh_hosts(count: int = 2) -> list[str]:
         n = next(_hosts)
         out.append(f"127.{_NET}.{n // 250}.{n % 250 + 1}")
     return out
+
+
+@contextlib.contextmanager
+def deaf_roce(host: str) -> Iterator[str]:
+    """``host``'s UDP 4791 owned by a socket that reads nothing: a RoCEv2 target that never
+    answers. Where nothing owns the port, the kernel's ICMP port unreachable ends a connect
+    at once instead."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as deaf:
+        deaf.bind((host, 4791))
+        yield f"roce://{host}"
 
 
 class TargetThread:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .kbtp_harness import fresh_hosts
+from .kbtp_harness import deaf_roce, fresh_hosts
 from .live_capture import free_port
 
 pytestmark = pytest.mark.slow     # every test here runs for seconds
@@ -77,6 +77,34 @@ def test_nobody_there(tmp_path, transport):
     m = one_error(run("replay", str(SAMPLE), "--target", url, *local_args, "--timeout", "1",
                       home=tmp_path), 2)
     assert m["what"] == f"cannot connect to {url}"
+
+
+@pytest.fixture
+def silent_roce():
+    with deaf_roce(fresh_hosts(1)[0]) as url:
+        yield f"{url}:4791"
+
+
+def test_nobody_at_a_roce_address_is_said_at_once(tmp_path):
+    """Nothing owns UDP 4791 there: the kernel's ICMP port unreachable says so, and each tool
+    ends with that reason at once, as a refused TCP connect does on iWARP. They waited out
+    --timeout (here 300 s, past run's 60-s limit) and then said "no CM REP"."""
+    host, local = fresh_hosts(2)
+    url = f"roce://{host}:4791"
+    for args, code in ((["initiator", url, "--local", local, "--timeout", "300", "hello"], 1),
+                       (["replay", str(SAMPLE), "--target", url, "--local", local, "--timeout", "300"], 2),
+                       (["bench", url, "--local", local, "--timeout", "300", "-n", "1"], 2)):
+        m = one_error(run(*args, home=tmp_path), code)
+        assert m["why"] == (f"nothing owns UDP port 4791 at {host} (ICMP port unreachable), so no "
+                            "RoCEv2 target is there"), m["why"]
+        assert "listening" in m["todo"]
+
+
+def test_a_roce_target_that_never_answers(tmp_path, silent_roce):
+    """Someone owns UDP 4791 and answers nothing: that still takes the whole --timeout."""
+    m = one_error(run("initiator", silent_roce, "--timeout", "1", "hello", home=tmp_path), 1)
+    assert m["what"] == f"cannot connect to {silent_roce}" and "no CM REP" in m["why"] \
+        and "1 s" in m["why"] and "--timeout" in m["todo"]
 
 
 def test_the_initiators_own_address_is_taken(tmp_path):

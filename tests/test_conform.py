@@ -32,6 +32,7 @@ from kbtp_scapy.conform.registry import SHOULD
 from kbtp_scapy.conform.runner import Outcome, probe, run, run_case
 from kbtp_scapy.initiator import Initiator, KbtpError
 
+from .kbtp_harness import deaf_roce
 from .planted_bugs import BY_NAME, CORPUS, Bug, start
 
 #: Runs of each planted bug's case: the suite checks the bug is caught every time it looks;
@@ -300,7 +301,8 @@ def test_exit_codes_for_usage_and_harness_errors(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_timeout_is_said_in_words(capsys):
     """Nothing answers on RoCEv2: the reason says how long it waited, never "(TimeoutError: )"."""
-    code = main(["conform", "--target", "roce://127.51.251.1", "--local", "127.51.251.2", "--timeout", "1"])
+    with deaf_roce("127.51.251.1") as url:
+        code = main(["conform", "--target", url, "--local", "127.51.251.2", "--timeout", "1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "no CM REP" in err and "within 1 s" in err and "TimeoutError" not in err \
         and "raise --timeout" in err
@@ -310,9 +312,10 @@ def test_a_timeout_is_said_in_words(capsys):
 def test_the_wait_it_names_is_the_wait_it_made(capsys):
     """Nothing answers on RoCEv2 with --timeout 9: the probe waits the 9 s it says, not the
     RNIC's own 5 s set-up wait (it said "no answer within 10 s" after 7.2 s)."""
-    began = time.monotonic()
-    code = main(["conform", "--target", "roce://127.51.251.3", "--local", "127.51.251.4", "--timeout", "9"])
-    waited = time.monotonic() - began
+    with deaf_roce("127.51.251.3") as url:
+        began = time.monotonic()
+        code = main(["conform", "--target", url, "--local", "127.51.251.4", "--timeout", "9"])
+        waited = time.monotonic() - began
     err = capsys.readouterr().err.strip()
     assert code == 2 and "within 9 s" in err, err
     assert waited >= 8.9, waited

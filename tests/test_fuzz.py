@@ -28,7 +28,7 @@ from kbtp_scapy.target import TargetConfig
 from kbtp_scapy.target.operations import Executor
 
 from .hostile import TargetProc
-from .kbtp_harness import TargetThread
+from .kbtp_harness import TargetThread, deaf_roce
 
 _pairs = iter(range(1, 120))
 
@@ -236,8 +236,9 @@ def test_bad_url_and_unreachable_target_are_exit_2(capsys):
     assert main(["fuzz", "--target", "iwarp://127.53.9.1:9", "--cases", "1", "-q"]) == 2
     err = capsys.readouterr().err
     assert "cannot fuzz: iwarp://127.53.9.1:9: opening two sessions: " in err and "listening" in err
-    assert main(["fuzz", "--target", "roce://127.53.9.3", "--local", "127.53.9.4", "--cases", "1", "-q",
-                 "--timeout", "0.5"]) == 2
+    with deaf_roce("127.53.9.3") as url:
+        assert main(["fuzz", "--target", url, "--local", "127.53.9.4", "--cases", "1", "-q",
+                     "--timeout", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "no answer within 0.5 s" in err and "TimeoutError" not in err and "--local" in err
     assert main(["fuzz", "--target", "iwarp://127.53.9.1:9", "--replay", "nonsense"]) == 2

@@ -24,6 +24,7 @@ from kbtp_scapy.rnic import Access, ConnectionLost, MemoryTable, RemoteError
 from kbtp_scapy.rnic.pcap import PcapSink
 from kbtp_scapy.wire import roce as w
 
+from .kbtp_harness import deaf_roce
 from .relay import Relay
 from .tshark import TSHARK, needs_tshark, tshark_frames, tshark_text
 
@@ -223,12 +224,23 @@ def test_connect_to_a_port_without_listener_is_rejected():
     run(body())
 
 
-def test_connect_to_nothing_times_out():
+def test_connect_to_a_deaf_host_times_out():
     async def body():
         with pytest.raises(TimeoutError):
-            await rnic.connect("roce://127.3.23.1", MemoryTable(), local="127.3.23.2",
-                               connect_timeout=0.5)
-    run(body())
+            await rnic.connect(url, MemoryTable(), local="127.3.23.2", connect_timeout=0.5)
+    with deaf_roce("127.3.23.1") as url:
+        run(body())
+
+
+def test_connect_to_nothing_is_refused_at_once():
+    """Nothing owns UDP 4791 at the host: the ICMP port unreachable the REQ draws ends the
+    connect long before its 300 s (the test's own bound is 60 s). IPv4 only: see
+    ``UdpIO.report_refusals``."""
+    async def body():
+        with pytest.raises(ConnectionRefusedError, match="ICMP port unreachable"):
+            await rnic.connect("roce://127.3.23.3", MemoryTable(), local="127.3.23.4",
+                               connect_timeout=300)
+    run(body(), timeout=60)
 
 
 # --- loss, reordering, duplicates ------------------------------------------------------------

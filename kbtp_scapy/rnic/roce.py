@@ -79,7 +79,7 @@ class Device:
         self.qps: dict[int, RoceQP] = {}
         self.conns: dict[int, RoceQP] = {}          # by our local communication ID
         self.accepting: dict[tuple, tuple[RoceQP, bytes]] = {}   # by (peer, its comm ID)
-        self.connecting: dict[int, asyncio.Future] = {}
+        self.connecting: dict[int, tuple[asyncio.Future, tuple[str, int]]] = {}  # and whereto
         self.services: dict[int, RoceListener] = {}
         self._paths: dict[tuple, tuple[w.Path, w.Path]] = {}
         self._ud_psn = secrets.randbits(24)
@@ -178,6 +178,17 @@ class Device:
             touched.add(qp)
         for qp in touched:
             qp.flush()
+        for addr in self.io.refused():
+            self._refused(addr)
+
+    def _refused(self, addr: tuple[str, int]) -> None:
+        """Nothing owns UDP port ``addr[1]`` at ``addr[0]``: connects to it fail now (a REQ
+        resent there would draw the same answer until the timeout)."""
+        for future, target in self.connecting.values():
+            if target == addr and not future.done():
+                future.set_exception(ConnectionRefusedError(
+                    f"nothing owns UDP port {addr[1]} at {addr[0]} (ICMP port unreachable), "
+                    "so no RoCEv2 target is there"))
 
     # -- connection management on QP1 (IB 12.6, 12.9; MADs as UD SEND ONLY) ------------
 
@@ -225,7 +236,7 @@ class Device:
         if qp is not None and qp.frame_listeners:
             qp.frame("rx", self._frame(rx, data, wire))
         if attr in (cm.CmAttr.REP, cm.CmAttr.REJ):
-            future = self.connecting.get(msg.remote_comm_id)
+            future, _ = self.connecting.get(msg.remote_comm_id, (None, None))
             if future is not None and not future.done():
                 future.set_result((msg, addr))
             elif qp is not None and attr == cm.CmAttr.REP and qp.established:
@@ -544,6 +555,7 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
             raise ValueError(f"local {local} is not the raw endpoint's address {own}")
         local = own
     dev = await _source(host, local, udp_port, io, peer_port)
+    dev.io.report_refusals()
     local = dev.address[0]
     target = (host, peer_port)
     try:
@@ -564,7 +576,7 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
         flow_label=cm.rdma_cm_flow_label(cm_port, port),
         private_data=cm.rdma_cm_private_data(local, host, cm_port))
     future = loop.create_future()
-    dev.connecting[qp.comm_id] = future
+    dev.connecting[qp.comm_id] = future, target
     deadline = loop.time() + timeout
     try:
         while not future.done():
@@ -574,12 +586,12 @@ async def connect(host: str, port: int, memory: MemoryTable, *, local: str | Non
                 raise TimeoutError(f"no CM REP from roce://{host}:{port} within {timeout:g} s "
                                    f"(no RoCEv2 target there, or UDP {peer_port} blocked?)")
             await asyncio.wait([future], timeout=wait)
+        rep, addr = future.result()
     except BaseException:
         qp.lost(ConnectionLost("connection set-up failed"))
         raise
     finally:
         dev.connecting.pop(qp.comm_id, None)
-    rep, addr = future.result()
     if rep.attr == cm.CmAttr.REJ:
         qp.lost(ConnectionLost("rejected"))
         reason = "no listener on that rdma_cm port" if rep.reject_reason == 8 else \

@@ -356,6 +356,13 @@ class RawIO:
         """``ib_mtu`` of the interface's MTU: every peer is on the link."""
         return ib_mtu(self.mtu, self.v6)
 
+    def report_refusals(self) -> None:
+        """Nothing: this endpoint reads RoCEv2 frames only, not the ICMP errors they draw,
+        so a connect to where nothing listens waits for its timeout."""
+
+    def refused(self) -> list[tuple[str, int]]:
+        return []
+
     # -- sending ------------------------------------------------------------------------
 
     def tx_path(self, addr: tuple[str, int]) -> RawPath:
