@@ -326,8 +326,9 @@ def test_rerun_only_what_failed_last_time(reference, tmp_path):
     """--rerun-failed REPORT runs every case of that run's selection that it did not judge
     for good: FAIL, WARN, ERROR, a SKIP the run could not reach (the target went away) and a
     case missing from the report (the run stopped); a PASS and a SKIP of the target's own
-    stand. A report where nothing is left runs nothing (exit 0, said on stderr); a file that
-    is not such a report, or a report that does not list its run's cases, is one line, exit 2."""
+    stand. A report of another target's run is noted on stderr. A report where nothing is left
+    runs nothing (exit 0, said on stderr); a file that is not such a report, or a report that
+    does not list its run's cases, is one line, exit 2."""
     ids = [c.id for c in all_cases()[:7]]
     verdicts = ["FAIL", "PASS", "ERROR", "WARN", "SKIP", "SKIP"]        # the 7th: not reached
     earlier = tmp_path / "earlier.json"
@@ -336,6 +337,14 @@ def test_rerun_only_what_failed_last_time(reference, tmp_path):
     proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier), "--json")
     assert proc.returncode == 0, proc.stderr
     assert [c["id"] for c in json.loads(proc.stdout)["cases"]] == [ids[0], ids[2], ids[3], ids[5], ids[6]]
+    assert "note" not in proc.stderr, proc.stderr
+    for checked, noted in (("iwarp://127.51.249.1:9", True), (reference.url, False)):
+        doc = json.loads(earlier.read_text()) | {"target": checked}
+        earlier.write_text(json.dumps(doc))
+        proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier), "--only", ids[0])
+        assert proc.returncode == 0, proc.stderr
+        assert (f"note: {earlier} judged {checked}; its cases not judged for good run against "
+                f"{reference.url}" in proc.stderr) is noted, proc.stderr
     earlier.write_text(json.dumps({"selected": ids[:2], "cases": [{"id": ids[0], "verdict": "PASS"},
                                                                   {"id": ids[1], "verdict": "SKIP"}]}))
     proc = _kbtp("conform", "--target", reference.url, "--rerun-failed", str(earlier))

@@ -15,6 +15,7 @@ from ..conform.rerun import ReportError, again
 from ..conform.runner import Listener, Outcome, run
 from ..harness import HarnessError
 from ..initiator.results import TargetInfo
+from ..wire.address import parse_url
 from ..words import count
 from . import interrupt
 from .errors import Exit
@@ -59,6 +60,14 @@ class Console(Listener):
         if self._shown:
             click.echo("\r\x1b[K", err=True, nl=False)
             self._shown = False
+
+
+def _same_target(a: str, b: str) -> bool:
+    """Two URLs of one target (``roce://127.0.0.1`` is ``roce://127.0.0.1:4791``)."""
+    try:
+        return parse_url(a) == parse_url(b)
+    except ValueError:
+        return a == b
 
 
 @click.command(context_settings={"max_content_width": 100})
@@ -179,7 +188,7 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
             left = again(Path(rerun))
         except ReportError as exc:
             raise click.BadParameter(str(exc), param_hint="--rerun-failed") from None
-        cases = [c for c in cases if c.id in left]
+        cases = [c for c in cases if c.id in left.cases]
         if not cases:
             click.echo(f"kbtp conform: no case to run again: {rerun} judged every case"
                        + (" of --only/--exclude" if only or exclude else "")
@@ -193,6 +202,9 @@ def conform(role: str, url: str | None, listen: str | None, keep: str | None, lo
     if not url:
         raise click.UsageError("--target URL is required (or --list)")
     say_resolved(url)
+    if rerun is not None and left.target is not None and not _same_target(left.target, url):
+        click.echo(f"kbtp conform: note: {rerun} judged {left.target}; its cases not judged for "
+                   f"good run against {url}", err=True)
     if json_file == "-":
         as_json, json_file = True, None
     console = Console(url, not as_json, quiet)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 from .registry import PASS, SKIP
 
@@ -18,10 +19,16 @@ class ReportError(ValueError):
     """REPORT cannot say what to run again; the message says why and what to do."""
 
 
-def again(path: Path) -> set[str]:
-    """The ids of the cases the report at ``path`` leaves to run again."""
+class Again(NamedTuple):
+    cases: set[str]          # the ids of the cases to run again
+    target: str | None       # the URL that run checked, as it was given
+
+
+def again(path: Path) -> Again:
+    """What the report at ``path`` leaves to run again."""
     try:
         doc = json.loads(path.read_text())
+        target = doc.get("target")
         done = {c["id"] for c in doc["cases"]
                 if c["verdict"] == PASS or c["verdict"] == SKIP and not c.get("not_run")}
         role = doc.get("role", "target")
@@ -36,4 +43,4 @@ def again(path: Path) -> set[str]:
     if left is None:
         raise ReportError(f"{path} does not list the cases its run was to judge (an older kbtp conform "
                           "wrote it); run them once without --rerun-failed")
-    return left
+    return Again(left, target if isinstance(target, str) else None)
