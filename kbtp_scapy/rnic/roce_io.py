@@ -181,7 +181,10 @@ class UdpIO:
         IPv6 datagrams carry a zero UDP checksum (RFC 6935), which a port nobody owns drops
         as a checksum error, drawing no ICMP, so an IPv6 connect waits for its timeout."""
         if ":" not in self.address[0]:
-            self.sock.setsockopt(socket.IPPROTO_IP, _IP_RECVERR, 1)
+            try:
+                self.sock.setsockopt(socket.IPPROTO_IP, _IP_RECVERR, 1)
+            except OSError:     # a stack without it (a sandbox's): connects wait their timeout
+                return
             self._recverr = True
 
     def refused(self) -> list[tuple[str, int]]:
