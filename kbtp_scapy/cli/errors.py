@@ -12,7 +12,7 @@ import os
 import click
 
 from ..initiator.limits import NoAnswer
-from ..rnic.qp import ConnectionLost, RemoteError
+from ..rnic.qp import ConnectionLost, RemoteError, foreign
 from ..rnic.roce_raw import NEEDS_NET_RAW
 from ..wire.address import ROCE_PORT, Address
 
@@ -65,7 +65,7 @@ def hint(exc: BaseException) -> str:
     if isinstance(exc, PermissionError) and exc.strerror == NEEDS_NET_RAW:
         return ("run as root, or grant it (setcap cap_net_raw+ep on the Python interpreter, or "
                 "in a container --cap-add NET_RAW)")
-    if isinstance(exc, ConnectionLost) and exc.how == "foreign":
+    if foreign(exc):
         return "give the address and port of a KBTP target (kbtp target --listen HOST[:PORT])"
     if isinstance(exc, ConnectionLost | RemoteError | ConnectionResetError):
         return "the target's log may say why"

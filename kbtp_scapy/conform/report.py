@@ -15,7 +15,7 @@ from ..words import count
 from .registry import ERROR, FAIL, PASS, SKIP, UNTESTABLE, VERDICTS, WARN, Case, checked_by
 from .runner import Outcome
 
-EXIT_OK, EXIT_DIFFERS, EXIT_HARNESS, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_DIFFERS, EXIT_HARNESS = 0, 1, 2
 
 
 def exit_code(outcomes: Iterable[Outcome], strict: bool = False) -> int:

@@ -24,7 +24,7 @@ from ..initiator.client import ALL_FEATURES
 from ..initiator.limits import Limits, connect_deadline
 from ..initiator.presence import absent
 from ..initiator.results import TargetInfo
-from ..rnic.qp import ConnectionLost, RemoteError
+from ..rnic.qp import ConnectionLost, RemoteError, foreign
 from ..vocab import Feature
 from ..wire.address import parse_url
 from .context import Ctx, FrameBuffer, RunState, describe, session_options
@@ -95,7 +95,7 @@ async def probe(url: str, local: str | None, timeout: float,
         raise HarnessError(f"{url}: the target refused the probe HELLO ({exc.name}); if it admits "
                            "few initiators, end other sessions first") from None
     except (TimeoutError, ConnectionLost, RemoteError) as exc:
-        if isinstance(exc, ConnectionLost) and exc.how == "foreign":     # no waiting helps
+        if foreign(exc):
             raise HarnessError(f"{url}: {exc}; give the address and port of a KBTP target") from None
         raise HarnessError(f"{url}: cannot reach a KBTP target ({describe(exc, timeout)}); check "
                            "the address and that the target runs, or raise --timeout") from None

@@ -17,12 +17,13 @@ from ..initiator import Initiator, KbtpError, PeerLimit
 from ..initiator.client import ALL_FEATURES
 from ..initiator.limits import NoAnswer as Unanswered, connect_deadline
 from ..initiator.results import TargetInfo
+from ..rnic.qp import foreign
 from .cases import SCRATCH
 from .findings import Finding
 from .model import UNKNOWN, Entry, Knowledge
 from .oracles import check_hello_ack
 from .tally import Tally
-from .trouble import TRANSPORT_ERRORS, describe, foreign
+from .trouble import TRANSPORT_ERRORS, describe
 
 GUARDS = 2
 class SetupFault(Exception):

@@ -5,14 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from ..initiator import KbtpError
-from ..rnic.qp import ConnectionLost, RemoteError
+from ..rnic.qp import ConnectionLost, RemoteError, foreign
 
 TRANSPORT_ERRORS = (OSError, ConnectionLost, RemoteError, asyncio.TimeoutError)
-
-
-def foreign(exc: BaseException) -> bool:
-    """The peer speaks another protocol (an HTTP server on the port): no KBTP target."""
-    return isinstance(exc, ConnectionLost) and exc.how == "foreign"
 
 
 def describe(exc: BaseException, timeout: float | None = None) -> str:

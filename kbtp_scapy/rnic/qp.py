@@ -102,6 +102,12 @@ class ConnectionLost(Exception):
         self.how = how
 
 
+def foreign(exc: BaseException) -> bool:
+    """The peer speaks another protocol (an HTTP server on the port): no KBTP peer there,
+    and no waiting helps."""
+    return isinstance(exc, ConnectionLost) and exc.how == "foreign"
+
+
 #: how a connection can end, as ``ConnectionLost.how`` names it
 ENDINGS = {
     "terminate": "the peer sent an RDMAP Terminate",
