@@ -17,7 +17,7 @@ from typing import Any, BinaryIO, TextIO
 
 import click
 
-from .. import codec, tables as T
+from .. import codec, tables as T, words
 from ..capture import Found, KbtpSessions, ResponseTimes, endpoints, kbtp_messages, to_json
 from ..decode import CaptureError, Reader, Stats, core, rdma_messages, rdma_operations
 from ..decode.frames import SUPPORTED, linktype_name
@@ -132,10 +132,6 @@ def _layers(found: Found) -> str:
     logging.getLogger("scapy").setLevel(logging.ERROR)
     from ..layers.kbtp import KBTP
     return KBTP(found.payload, addr_le=found.addr_le).show(dump=True) or ""   # Scapy types it Optional
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 class _Output:
@@ -457,7 +453,7 @@ def _decode_capture(file: str, addr_le: bool | None, as_json: bool, json_file: T
             raise click.ClickException(
                 f"{name}: every frame is of {linktype_name(linktype)}, which kbtp decode cannot "
                 "read (it reads Ethernet, Linux cooked, loopback and raw IP frames)")
-        click.echo(f"kbtp: {name}: {_plural(n, 'frame')} of {linktype_name(linktype)} skipped: "
+        click.echo(f"kbtp: {name}: {words.count(n, 'frame')} of {linktype_name(linktype)} skipped: "
                    "kbtp decode reads Ethernet, Linux cooked, loopback and raw IP frames", err=True)
     if times is not None:
         _times(times, as_json)
@@ -545,12 +541,12 @@ def _times(times: ResponseTimes, as_json: bool) -> None:
 def _summary(stats: Stats, totals: core.Totals, shown: int, filtered: bool, stopped: int | None,
              name: str) -> None:
     """The one line on stderr: what was found in how many frames."""
-    frames = _plural(stats.frames, "frame")
+    frames = words.count(stats.frames, "frame")
     where = f"the first {frames}" if stopped else frames
     if not totals.messages:
         text = f"no KBTP message in {where}"
     else:
-        text = f"{_plural(totals.messages, 'KBTP message')} in {where}, {_plural(totals.conns, 'connection')}"
+        text = f"{words.count(totals.messages, 'KBTP message')} in {where}, {words.count(totals.conns, 'connection')}"
         if totals.malformed:
             text += f", {totals.malformed:,} malformed"
         if filtered:

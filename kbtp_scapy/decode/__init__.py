@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..wire.message import RdmaMessage
+from ..words import count
 from .frames import ROCE, SUPPORTED, TCP, locate
 from .iwarp import IwarpStreams
 from .pcapfile import CaptureError, Reader, capture_files
@@ -36,9 +37,7 @@ class Stats:
     def cut_note(self) -> str:
         """``; N frames cut short by the capture's snap length``, or "" when none was: what
         every summary of a run adds (``kbtp decode``, ``kbtp analyze``)."""
-        if not self.cut:
-            return ""
-        return f"; {self.cut:,} frame{'' if self.cut == 1 else 's'} cut short by the capture's snap length"
+        return f"; {count(self.cut, 'frame')} cut short by the capture's snap length" if self.cut else ""
 
 
 def rdma_messages(reader: Reader, stats: Stats | None = None) -> Iterator[RdmaMessage]:
