@@ -25,6 +25,7 @@ from kbtp_scapy.target.operations import Executor
 from kbtp_scapy.vocab import Opcode
 
 from .kbtp_harness import TargetThread
+from .stops import STOPS, stop
 from .tshark import TSHARK, needs_tshark
 
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
@@ -212,9 +213,7 @@ def _partial(proc: subprocess.Popen, code: int) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sigs", "code", "name"), [
-    ((signal.SIGINT,), 130, "Ctrl-C"), ((signal.SIGTERM,), 143, "SIGTERM"),
-    ((signal.SIGTERM, signal.SIGTERM), 143, "SIGTERM")], ids=["ctrl-c", "sigterm", "timeout"])
+@STOPS
 def test_ctrl_c_keeps_what_was_measured(tmp_path, sigs, code, name):
     """A SIGINT (or a CI timeout's SIGTERM, which timeout(1) sends to the command and then
     to its group) a second into a 60 s run: the requests completed until then, marked
@@ -223,9 +222,7 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path, sigs, code, name):
     table = tmp_path / "bench.csv"
     try:
         proc = _measuring(t, "--csv", str(table))
-        for i, sig in enumerate(sigs):      # a moment apart, as timeout(1) sends them
-            time.sleep(0.05 if i else 0)
-            proc.send_signal(sig)
+        stop(proc, sigs)
         doc, why = _partial(proc, code)
     finally:
         t.stop()

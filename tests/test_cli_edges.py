@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -22,6 +21,7 @@ import pytest
 from kbtp_scapy.target import TargetConfig
 
 from .kbtp_harness import TargetThread, fresh_hosts
+from .stops import STOPS, stop
 
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
 #: ``kbtp: <what failed>: <why>; <what to do>`` with a non-empty why
@@ -249,27 +249,12 @@ def test_replay_knows_a_liveness_probe():
     assert not [n for n in notes if "frame 94" in n], notes
 
 
-#: Ctrl-C, and a CI job's timeout (``timeout 300 kbtp ...``, which sends SIGTERM to the
-#: command and then to its process group: twice): (signals, exit status, their name)
-STOPS = pytest.mark.parametrize(("sigs", "code", "name"), [
-    ((signal.SIGINT,), 130, "Ctrl-C"), ((signal.SIGTERM,), 143, "SIGTERM"),
-    ((signal.SIGTERM, signal.SIGTERM), 143, "SIGTERM")], ids=["ctrl-c", "sigterm", "timeout"])
-
-
-def _stop(proc: subprocess.Popen, sigs: tuple[int, ...]) -> None:
-    """Send ``sigs`` a moment apart, as timeout(1) signals the command and then its group."""
-    for i, sig in enumerate(sigs):
-        if i:
-            time.sleep(0.05)
-        proc.send_signal(sig)
-
-
 def _interrupt_after(proc: subprocess.Popen, lines: int, sigs: tuple[int, ...] = (signal.SIGINT,)) -> tuple[str, str]:
     """Read ``lines`` lines of stdout, then Ctrl-C (SIGINT) as a terminal or SIGTERM as a CI
     timeout would; the rest of stdout and stderr."""
     got = [proc.stdout.readline() for _ in range(lines)]
     assert all(got), got
-    _stop(proc, sigs)
+    stop(proc, sigs)
     out, err = proc.communicate(timeout=60)
     return "".join(got) + out, err
 
@@ -284,7 +269,7 @@ def test_decode_interrupted_says_so_and_exits_130(tmp_path, sigs, code, name):
     proc.stdin.flush()
     first = proc.stdout.readline()
     assert b"HELLO" in first, first
-    _stop(proc, sigs)
+    stop(proc, sigs)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
     text = err.decode()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -20,6 +19,7 @@ from kbtp_scapy.initiator.script import ScriptError, parse, parse_results
 
 from .initiator_bugs import BY_NAME, CORPUS, program
 from .kbtp_harness import fresh_hosts
+from .stops import STOPS, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 KBTP = [sys.executable, "-m", "kbtp_scapy"]
@@ -280,8 +280,8 @@ def test_fuzz_catches_a_crash_minimises_and_saves_it(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sig", "code", "name"), [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
-def test_ctrl_c_keeps_the_cases_judged(tmp_path, sig, code, name):
+@STOPS
+def test_ctrl_c_keeps_the_cases_judged(tmp_path, sigs, code, name):
     """A SIGINT after two cases: the JUnit and JSON reports hold them, marked interrupted,
     and the run exits 130 (as the target's checker does, and as the JSON says), not a bare
     'aborted'; JUnit's counts are those of its testcases; the result line says how far it got."""
@@ -298,7 +298,7 @@ def test_ctrl_c_keeps_the_cases_judged(tmp_path, sig, code, name):
         judged += [line] if line.startswith("PASS") else []
         if len(judged) == 2:
             break
-    proc.send_signal(sig)
+    stop(proc, sigs)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
     assert err.splitlines()[-1].startswith(f"kbtp: conform: interrupted ({name}) after ")

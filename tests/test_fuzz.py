@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import pty
-import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from kbtp_scapy.target.operations import Executor
 
 from .hostile import TargetProc
 from .kbtp_harness import TargetThread, deaf_roce
+from .stops import STOPS, stop
 
 _pairs = iter(range(1, 120))
 
@@ -164,8 +164,8 @@ def test_json_alone_on_stdout(tmp_path, capfd):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sig", "code", "name"), [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
-def test_ctrl_c_prints_the_summary_then_exits_130(tmp_path, sig, code, name):
+@STOPS
+def test_ctrl_c_prints_the_summary_then_exits_130(tmp_path, sigs, code, name):
     """Ctrl-C, or a CI timeout's SIGTERM: the summary of the cases run, exit 130 (143)."""
     t = TargetThread("iwarp", config(), hosts=hosts())
     try:
@@ -176,7 +176,7 @@ def test_ctrl_c_prints_the_summary_then_exits_130(tmp_path, sig, code, name):
         while time.monotonic() < deadline and len(t.target.sessions.by_id) < 2:
             time.sleep(0.05)
         time.sleep(1.0)                                    # some cases run
-        p.send_signal(sig)
+        stop(p, sigs)
         out, err = p.communicate(timeout=60)
     finally:
         t.stop()
