@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import json
 import re
-import signal
 import struct
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from kbtp_scapy.rnic.pcap import PcapSink
 from kbtp_scapy.target import TargetConfig
 
 from .kbtp_harness import TargetThread
+from .stops import STOPS, stop
 
 CONFIG = {"blocks": 64, "max_initiators": 4}
 _hosts = itertools.count(1)
@@ -230,8 +230,8 @@ def test_truncated_capture_says_where_it_ends(capsys, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, said, code", [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143)])
-def test_ctrl_c_in_a_loop_keeps_the_steps_replayed(tmp_path, sig, said, code):
+@STOPS
+def test_ctrl_c_in_a_loop_keeps_the_steps_replayed(tmp_path, sigs, code, name):
     """A SIGINT (or a CI timeout's SIGTERM) during ``--loop 1000``: the loops replayed until
     then are judged and written (text and --json-file), marked interrupted, then exit 130
     (143)."""
@@ -246,15 +246,15 @@ def test_ctrl_c_in_a_loop_keeps_the_steps_replayed(tmp_path, sig, said, code):
         while time.monotonic() < deadline and sum(t.target.metrics.hellos.values()) < 3 \
                 and proc.poll() is None:
             time.sleep(0.05)
-        proc.send_signal(sig)
+        stop(proc, sigs)
         out, err = proc.communicate(timeout=60)
     finally:
         t.stop()
     assert proc.returncode == code, err
-    assert err.splitlines()[-1].startswith(f"kbtp: replay: interrupted ({said}) after ")
+    assert err.splitlines()[-1].startswith(f"kbtp: replay: interrupted ({name}) after ")
     assert out.splitlines()[-1].startswith("INTERRUPTED: ")
     doc = json.loads(report.read_text())
-    assert doc["result"] == "interrupted" and doc["interrupted"].startswith(f"interrupted ({said})")
+    assert doc["result"] == "interrupted" and doc["interrupted"].startswith(f"interrupted ({name})")
     assert doc["summary"]["match"] > 0 and doc["summary"]["differ"] == 0
 
 
